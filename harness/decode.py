@@ -1,0 +1,110 @@
+"""Greedy decoding primitives: counted forward calls, prefill/step/teacher-forced loops, margins.
+
+`Runner` is the one place that calls the model: it handles transformers' API differences (the
+cache keyword is `cache` in recent 5.x, `past_key_values` before), asks only for the last
+position's logits, and counts and times every forward call so the protocol can report its own
+overhead. Nothing here knows which attention backend or precision runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+def cache_keyword(module: torch.nn.Module) -> str:
+    """The name `forward` takes the KV cache under in this transformers version."""
+    params = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def new_cache(module: torch.nn.Module):
+    """An empty dynamic KV cache for this model (sliding-window layers included)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=module.config)
+
+
+@dataclass
+class Runner:
+    """Calls one module, counting forward calls and their wall time."""
+
+    module: torch.nn.Module
+    calls: int = 0
+    seconds: float = 0.0
+    _keyword: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        self._keyword = cache_keyword(self.module)
+        self._device = next(self.module.parameters()).device
+
+    def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """Feed `ids` [B, T] after what `cache` holds; return last-position logits [B, V]."""
+        ids = ids.to(self._device)
+        start = time.perf_counter()
+        out = self.module(input_ids=ids, use_cache=True, logits_to_keep=1,
+                          **{self._keyword: cache})
+        logits = out.logits[:, -1, :]
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return logits
+
+    def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """No-cache forward over all of `ids` [B, T]; logits at every position [B, T, V]."""
+        out = self.module(input_ids=ids.to(self._device), use_cache=False)
+        return out.logits
+
+
+def top2(logits: torch.Tensor) -> tuple[int, float]:
+    """Greedy token and its margin (top-1 minus top-2 logit, in fp32) for logits [V]."""
+    values, indices = torch.topk(logits.float(), 2)
+    return int(indices[0]), float(values[0] - values[1])
+
+
+def as_batch(ids, rows: int = 1) -> torch.Tensor:
+    """Token ids -> LongTensor [rows, T] of identical rows."""
+    return torch.tensor([list(ids)] * rows, dtype=torch.long)
+
+
+def feed_chunks(runner: Runner, cache, ids, sizes, rows: int = 1) -> torch.Tensor:
+    """Teacher-force `ids` in consecutive chunks of the given sizes; last logits [rows, V]."""
+    logits, start = None, 0
+    for size in sizes:
+        logits = runner.forward(as_batch(ids[start:start + size], rows), cache)
+        start += size
+    assert start == len(ids), "chunk sizes must cover the ids exactly"
+    return logits
+
+
+@dataclass
+class Greedy:
+    """Tokens produced greedily, with the margin at each step and whether EOS stopped it."""
+
+    tokens: list[int] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    eos: bool = False
+
+
+def greedy(runner: Runner, cache, logits: torch.Tensor, steps: int, eos_ids,
+           feed_last: bool) -> tuple[Greedy, torch.Tensor]:
+    """Decode up to `steps` greedy tokens from `logits` [V], stopping after an EOS token.
+
+    Every token but the last is fed back; the last is fed too when `feed_last` (the live run must
+    cover it in the cache). Returns the tokens and the logits after the last fed token.
+    """
+    out = Greedy()
+    for step in range(steps):
+        token, margin = top2(logits)
+        out.tokens.append(token)
+        out.margins.append(margin)
+        if token in eos_ids:
+            out.eos = True
+            break
+        if step < steps - 1 or feed_last:
+            logits = runner.forward(as_batch([token]), cache)[0]
+    return out, logits

