@@ -110,7 +110,8 @@ class Arm:
                "suffix_sha": kv.sha_ids(self.suffix.tokens),
                "cache_sha": kv.sha_cache(self.state) if self.state else None,
                "logits_sha": kv.sha_tensor(self.state.logits) if self.state else None,
-               "answer_text": text, "correct": matcher(text, answer) if text else None,
+               "answer_text": text,
+               "correct": matcher(text, answer) if text is not None else None,
                "wall_s": self.wall_s, "forward_calls": self.forward_calls,
                "forward_s": self.forward_s}
         if self.generated is not None:

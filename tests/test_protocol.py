@@ -1,0 +1,205 @@
+"""The protocol on tiny random models: arms, replicas, the bridge, transplants, the crossing."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import cache as kv
+from harness.backends import Stack
+from harness.decode import Runner
+from harness.models import ByteCodec
+from harness.protocol import (ItemPlan, ProtocolError, parse_construction, parse_transplant,
+                              run_construction, run_crossing, run_item, run_live)
+from protocol_fixtures import PROMPT, tiny
+
+ALL_ARMS = ("live", "prefill", "incremental", "incremental-1", "chunked:5", "batched:2",
+            "batched:3")
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+def test_every_arm_covers_p_and_matches_a_no_cache_forward_in_fp32(name):
+    model = tiny(name)
+    prompt = model.codec.prompt_ids(PROMPT.prompt)
+    with Stack("sdpa", "fp32").activate(model) as module:
+        live = run_live(module, prompt, 8, 4, model.codec.eos_ids)
+        prefix = list(live.state.prefix)
+        full = Runner(module).full_logits(torch.tensor([prefix]))[0, -1]   # [V]
+        arms = [live] + [run_construction(module, parse_construction(c), len(prompt), prefix, 4,
+                                          model.codec.eos_ids) for c in ALL_ARMS[1:]]
+    for arm in arms:
+        assert arm.state.length == len(prefix), arm.label
+        assert all(k.shape[-2] == len(prefix) for k in arm.state.keys + arm.state.values)
+        # Positions and masks are right iff the boundary logits equal a full causal forward.
+        torch.testing.assert_close(arm.state.logits.float(), full, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_calls_are_at_the_protocol_floor():
+    model = tiny()
+    plan = ItemPlan(6, 5, arms=("live", "prefill", "incremental", "incremental-1", "chunked:4"))
+    record = run_item(model, Stack("sdpa", "fp32"), PROMPT, plan)
+    prompt, B, S = record["prompt_length"], 6, 5
+    arms = record["arms"]
+    assert all(len(a["suffix"]) == S for a in arms.values())   # no EOS in these S tokens
+    assert arms["live"]["forward_calls"] == 1 + B + (S - 1)
+    assert arms["prefill"]["forward_calls"] == 1 + (S - 1)
+    assert arms["incremental"]["forward_calls"] == 1 + B + (S - 1)
+    assert arms["incremental-1"]["forward_calls"] == prompt + B + (S - 1)
+    assert arms["chunked:4"]["forward_calls"] == -(-(prompt + B) // 4) + (S - 1)
+    assert record["timing"]["forward_calls"] == sum(a["forward_calls"] for a in arms.values())
+
+
+@pytest.mark.parametrize("stack", [Stack("sdpa", "bf16"), Stack("eager", "fp32")],
+                         ids=lambda s: s.label)
+def test_replicas_are_bit_exact(stack):
+    plan = ItemPlan(8, 8, arms=("live", "prefill", "chunked:3", "batched:2"),
+                    replicas=("live", "prefill", "chunked:3", "batched:2"))
+    record = run_item(tiny("tiny-qwen2"), stack, PROMPT, plan)
+    replicas = [c for c in record["comparisons"] if c["kind"] == "replica"]
+    assert len(replicas) == 4
+    for c in replicas:
+        assert c["prefix_identical"] and c["cache"]["bit_exact"], c["b"]
+        assert c["logits"]["equal"] and c["suffix"]["identical"], c["b"]
+
+
+def test_bridge_live_vs_incremental_is_bit_exact_on_cpu():
+    # The live run and teacher-forcing make the same calls with the same shapes.
+    for dtype in ("bf16", "fp32"):
+        record = run_item(tiny(), Stack("sdpa", dtype), PROMPT, ItemPlan(8, 8))
+        bridge = next(c for c in record["comparisons"] if c["kind"] == "bridge")
+        assert bridge["cache"]["bit_exact"] and bridge["suffix"]["identical"], dtype
+
+
+def test_transplant_of_identical_caches_gives_the_recipient_suffix():
+    plan = ItemPlan(8, 8, arms=("live", "incremental"),
+                    transplants=(parse_transplant("live<-incremental"),
+                                 parse_transplant("incremental<-live:keys")))
+    record = run_item(tiny(), Stack("sdpa", "fp32"), PROMPT, plan)
+    assert [t["outcome"] for t in record["transplants"]] == ["recipient", "recipient"]
+    assert record["transplants"][0]["suffix"] == record["arms"]["live"]["suffix"]
+
+
+def test_transplant_outcome_donor_when_the_donor_cache_decides():
+    """Donor = a state built over the same P by a perturbed model: its suffix differs."""
+    model = tiny()
+    prompt = model.codec.prompt_ids(PROMPT.prompt)
+    eos = model.codec.eos_ids
+    with Stack("sdpa", "fp32").activate(model) as module:
+        live = run_live(module, prompt, 8, 8, eos)
+        prefix = list(live.state.prefix)
+        noisy = kv.BoundaryState(live.state.prefix,
+                                 tuple(k * 0 for k in live.state.keys),
+                                 tuple(v * 0 for v in live.state.values), live.state.logits)
+        from harness.protocol import Arm, decode_suffix, run_transplant
+        runner = Runner(module)
+        donor = Arm("prefill", noisy, decode_suffix(runner, noisy, 8, eos), 0, 0, 0)
+        arms = {"live": live, "prefill": donor}
+        assert donor.suffix.tokens != live.suffix.tokens
+        out = run_transplant(module, parse_transplant("live<-prefill"), arms, len(prompt), 8,
+                             eos)
+        back = run_transplant(module, parse_transplant("prefill<-live"), arms, len(prompt), 8,
+                              eos)
+    assert out["outcome"] == "donor" and back["outcome"] == "donor"
+    assert prefix == list(donor.state.prefix)
+
+
+def test_crossing_uses_one_prefix_for_every_cell():
+    model = tiny()
+    out = run_crossing(model, PROMPT, Stack("sdpa", "bf16"),
+                       [Stack("sdpa", "bf16"), Stack("sdpa", "fp16"), Stack("sdpa", "fp32")],
+                       B=8, S=6)
+    assert out["status"] == "ok" and len(out["cells"]) == 6
+    assert {c["prefix_sha"] for c in out["cells"].values()} == {out["prefix_sha"]}
+    assert [c["stack"] for c in out["comparisons"]] == ["sdpa/bf16", "sdpa/fp16", "sdpa/fp32"]
+
+
+def test_eos_before_b_live_tokens_marks_the_item_short():
+    model = tiny()
+    prompt = model.codec.prompt_ids(PROMPT.prompt)
+    with Stack("sdpa", "fp32").activate(model) as module:
+        tokens = run_live(module, prompt, 16, 1, model.codec.eos_ids).generated.tokens
+    # Declare the first token that is not a repeat to be EOS: the live run must stop there.
+    index = next(i for i in range(1, 16) if tokens[i] not in tokens[:i])
+    codec = ByteCodec()
+    codec.eos_ids = frozenset({tokens[index]})
+    short_model = dataclasses.replace(model, codec=codec)
+    record = run_item(short_model, Stack("sdpa", "fp32"), PROMPT, ItemPlan(16, 4))
+    assert record["status"] == "short"
+    assert f"EOS after {index + 1} of B=16" in record["note"]
+    assert record["comparisons"] == [] and "prefix" not in record
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda: ItemPlan(0, 4), "positive"),
+    (lambda: ItemPlan(4, -1), "positive"),
+    (lambda: ItemPlan(4, 4, arms=("live", "prefil")), "valid: live, prefill"),
+    (lambda: ItemPlan(4, 4, arms=("chunked:0",)), "unknown arm"),
+    (lambda: parse_transplant("live->prefill"), "RECIPIENT<-DONOR"),
+    (lambda: parse_transplant("live<-prefill:layers=3-1"), "valid"),
+    (lambda: Stack("flash", "bf16"), "valid: sdpa, eager, triton"),
+    (lambda: Stack("sdpa", "int8"), "valid: bf16, fp16, fp32"),
+])
+def test_bad_input_is_refused_with_the_valid_names(bad, message):
+    with pytest.raises(ValueError, match=message):
+        bad()
+
+
+def test_context_overflow_is_refused_before_any_compute():
+    model = tiny()
+    with pytest.raises(ProtocolError, match="exceeds the model's context of 1024"):
+        run_item(model, Stack("sdpa", "fp32"), PROMPT, ItemPlan(1000, 100))
+
+
+def test_stack_restores_threads_and_attention_on_exit():
+    model = tiny()
+    module = model.cast(torch.float32)
+    threads, impl = torch.get_num_threads(), module.config._attn_implementation
+    with pytest.raises(RuntimeError, match="boom"):
+        with Stack("eager", "fp32", threads=1).activate(model) as inside:
+            assert torch.get_num_threads() == 1
+            assert inside.config._attn_implementation == "eager"
+            raise RuntimeError("boom")
+    assert torch.get_num_threads() == threads
+    assert module.config._attn_implementation == impl
+
+
+def test_casts_come_from_the_fp32_master():
+    model = tiny()
+    bf16 = model.cast(torch.bfloat16)
+    assert model.cast(torch.bfloat16) is bf16
+    for (name, p32), (_, p16) in zip(model.master.named_parameters(), bf16.named_parameters()):
+        assert torch.equal(p32.to(torch.bfloat16), p16), name
+
+
+FINGERPRINT_SCRIPT = """
+import json, sys
+sys.path.insert(0, 'tests')
+from harness.backends import Stack
+from harness.protocol import ItemPlan, run_item
+from protocol_fixtures import PROMPT, tiny
+r = run_item(tiny(), Stack('sdpa', 'bf16'), PROMPT, ItemPlan(6, 6, arms=('live', 'prefill')))
+print(json.dumps({k: [a['cache_sha'], a['logits_sha'], a['suffix_sha']]
+                  for k, a in r['arms'].items()} | {'P': r['prefix_sha']}))
+"""
+
+
+def test_fingerprints_are_stable_across_processes():
+    runs = [subprocess.run([sys.executable, "-c", FINGERPRINT_SCRIPT], capture_output=True,
+                           text=True, check=True).stdout for _ in range(2)]
+    assert json.loads(runs[0]) == json.loads(runs[1])
+    here = run_item(tiny(), Stack("sdpa", "bf16"), PROMPT,
+                    ItemPlan(6, 6, arms=("live", "prefill")))
+    assert json.loads(runs[0])["P"] == here["prefix_sha"]
+
+
+def test_our_calls_raise_no_warnings_on_this_transformers():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_item(tiny(), Stack("sdpa", "bf16"), PROMPT,
+                 ItemPlan(4, 4, arms=("live", "prefill", "batched:2", "chunked:2")))
+    assert [str(w.message) for w in caught] == []
