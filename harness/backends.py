@@ -9,6 +9,7 @@ backends live in a registry so a new one (our Triton kernel) joins without the p
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
@@ -76,13 +77,24 @@ class Stack:
         return DTYPES[self.dtype]
 
     @property
+    def batch_invariant_impl(self) -> str | None:
+        """Which batch-invariant ops run: Triton kernels on CUDA; on CPU, where the Triton
+        interpreter is far too slow for a whole model, the row-at-a-time PyTorch mode (same
+        invariance tests). `KVFID_BI_IMPL=triton|rowwise` overrides."""
+        if not self.batch_invariant:
+            return None
+        default = "triton" if self.device.startswith("cuda") else "rowwise"
+        return os.environ.get("KVFID_BI_IMPL", default)
+
+    @property
     def label(self) -> str:
         """Short name, e.g. `sdpa/bf16` or `triton/fp32+bi`."""
         return f"{self.backend}/{self.dtype}" + ("+bi" if self.batch_invariant else "")
 
     def describe(self) -> dict:
         """The stack as the ledger stores it."""
-        return {**asdict(self), "label": self.label}
+        return {**asdict(self), "label": self.label,
+                "batch_invariant_impl": self.batch_invariant_impl}
 
     def with_dtype(self, dtype: str) -> "Stack":
         return Stack(self.backend, dtype, self.batch_invariant, self.device, self.threads)
@@ -104,7 +116,8 @@ class Stack:
             if self.batch_invariant:
                 from kernels.mode import set_batch_invariant_mode
 
-                restore.enter_context(set_batch_invariant_mode(True))
+                restore.enter_context(set_batch_invariant_mode(True,
+                                                               impl=self.batch_invariant_impl))
             restore.enter_context(torch.inference_mode())
             yield module
 

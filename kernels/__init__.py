@@ -1,0 +1,30 @@
+"""kvfid's Triton kernels, each beside its plain-PyTorch reference.
+
+Without CUDA the kernels run in the Triton interpreter; the switch must be set before anything
+imports triton, hence here. This package deliberately has no `__version__`: transformers probes a
+module named `kernels` (Hugging Face hub-kernels) and must not mistake this one for it.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in the interpreter (NumPy on the CPU) in this process."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the Triton kernels can take tensors on `device` (CPU tensors need the interpreter)."""
+    return device.type == "cuda" or interpreting()
+
+
+def uses_tl_dot(device: torch.device) -> bool:
+    """Products by `tl.dot` on a real GPU; by broadcast multiply and `tl.sum` in the interpreter,
+    whose `tl.dot` is a NumPy BLAS call that can give a row bits depending on its place in the
+    tile (DESIGN.md, "Known hazards")."""
+    return device.type == "cuda" and not interpreting()

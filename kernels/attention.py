@@ -1,0 +1,207 @@
+"""Batch-invariant, prefill-decode-invariant causal attention (Triton) and its PyTorch reference.
+
+One kernel serves prefill, chunked prefill and single-token decode. The output for absolute
+position t has the same bits however t is reached, because every construction runs the same
+arithmetic for t:
+
+* query tiles are aligned to absolute positions: position t is always row `t % BLOCK_M` of query
+  tile `t // BLOCK_M` (a decode query is padded up to that tile), so a row never changes its place
+  in a tile whatever the chunking;
+* key/value tiles have a fixed size (per execution path), start at key 0 and are visited in order
+  with an online softmax; `BLOCK_N` is a multiple of `BLOCK_M`, so a query tile never reaches a key
+  tile that a decode step of any of its rows would not also reach;
+* accumulation is fp32; no split over the key axis, nothing is chosen by looking at the shape.
+
+Rows are independent programs (batch rows and heads are grid axes), so batch size cannot change a
+row. The query heads that share one key/value head are stacked into one tile (GQA), so each key
+tile is loaded once per group.
+
+Products: on CUDA `tl.dot` (fp32 operands, IEEE precision). In the Triton interpreter `tl.dot` is a
+NumPy BLAS product whose bits for a row can depend on the row's place in the tile (DESIGN.md,
+"Known hazards"), so there the products are broadcast multiplies reduced with `tl.sum`, whose
+order is the same for every row. Operands are upcast to fp32 first either way (the interpreter's
+bf16 `tl.dot` is wrong without it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_runs_on, uses_tl_dot
+
+# Tile sizes are constants per execution path (device), never functions of batch or length.
+BLOCK_M = 16  # query positions per tile (per query head of the group)
+BLOCK_N_GPU = 64  # keys per tile with tl.dot; a multiple of BLOCK_M (see the module docstring)
+BLOCK_N_INTERPRETER = 128  # the interpreter is faster with fewer, larger tiles
+MAX_TILE_ROWS = 64  # query rows per program: group heads are split into chunks of this many rows
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    sqb, sqh, sqt, sqd,
+    skb, skh, skt, skd,
+    svb, svh, svt, svd,
+    sob, soh, sot, sod,
+    n_kv_heads, n_group_chunks, q_len, kv_len, first_tile, scale,
+    GROUP: tl.constexpr,  # query heads per key/value head
+    GROUP_TILE: tl.constexpr,  # query heads stacked in one program (power of two)
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
+    # Index arithmetic in int64: no overflow on large caches, and the interpreter skips its
+    # per-operation int32 overflow checks (a large share of its time otherwise).
+    tile = first_tile + tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1).to(tl.int64)  # over batch x kv head x group chunk
+    chunk = pid % n_group_chunks
+    kv_head = (pid // n_group_chunks) % n_kv_heads
+    b = pid // (n_group_chunks * n_kv_heads)
+
+    ROWS: tl.constexpr = GROUP_TILE * BLOCK_M
+    rows = tl.arange(0, ROWS).to(tl.int64)
+    g = chunk * GROUP_TILE + rows // BLOCK_M  # head within the group
+    pos = tile * BLOCK_M + rows % BLOCK_M  # absolute position of each query row
+    q_first = kv_len - q_len  # absolute position of query 0
+    row_ok = (g < GROUP) & (pos >= q_first) & (pos < kv_len)
+    d = tl.arange(0, HEAD_DIM_PAD).to(tl.int64)
+    if HEAD_DIM_PAD == HEAD_DIM:
+        row_mask = row_ok[:, None]
+    else:
+        row_mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+
+    # [ROWS, D]
+    q_rows = b * sqb + (kv_head * GROUP + g) * sqh + (pos - q_first) * sqt
+    q = tl.load(q_ptr + (q_rows[:, None] + d[None, :] * sqd), mask=row_mask, other=0.0).to(tl.float32)
+    o_rows = b * sob + (kv_head * GROUP + g) * soh + (pos - q_first) * sot
+    k_base = k_ptr + (b * skb + kv_head * skh + d[None, :] * skd)  # [1, D]
+    v_base = v_ptr + (b * svb + kv_head * svh + d[None, :] * svd)
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
+
+    # Keys this tile can see end at its last row (or the last key); with BLOCK_N % BLOCK_M == 0
+    # this is the same key-tile count a decode step of any row of the tile computes.
+    hi = tl.minimum(kv_len, (tile + 1) * BLOCK_M)
+    for start in range(0, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N).to(tl.int64)
+        if HEAD_DIM_PAD == HEAD_DIM:
+            kv_mask = (cols < kv_len)[:, None]
+        else:
+            kv_mask = (cols < kv_len)[:, None] & (d < HEAD_DIM)[None, :]
+        # [BLOCK_N, D]
+        k = tl.load(k_base + cols[:, None] * skt, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_base + cols[:, None] * svt, mask=kv_mask, other=0.0).to(tl.float32)
+        # [ROWS, BLOCK_N]
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        # Keys past a row's position are masked; for real rows that also covers keys >= kv_len.
+        s = tl.where(cols[None, :] <= pos[:, None], s * scale, float("-inf"))
+        # Every row sees key 0 in the first tile, so m_new is finite from there on.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + (o_rows[:, None] + d[None, :] * sod), out.to(o_ptr.dtype.element_ty), mask=row_mask)
+
+
+
+def block_n_for(device: torch.device) -> int:
+    """Keys per tile on `device`: a function of the execution path only."""
+    return BLOCK_N_GPU if uses_tl_dot(device) else BLOCK_N_INTERPRETER
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"attention expects 4-D q, k, v [B, H, T, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    (bq, hq, tq, dq), (bk, hkv, tk, dk) = q.shape, k.shape
+    if bq != bk or dq != dk:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if tq > tk:
+        raise ValueError(f"queries ({tq}) must be the last positions of the keys ({tk}): Tq <= Tk")
+    if not triton_runs_on(q.device):
+        raise ValueError(f"attention: tensors on {q.device} need CUDA or the Triton interpreter "
+                         "(TRITON_INTERPRET=1 set before triton is imported)")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"attention supports {_DTYPES} with one dtype for q, k, v; got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   scale: float | None = None) -> torch.Tensor:
+    """`attention` written into `out` ([B, Hq, Tq, D], any strides); returns `out`."""
+    _check(q, k, v)
+    batch, n_q_heads, q_len, head_dim = q.shape
+    n_kv_heads, kv_len = k.shape[1], k.shape[2]
+    if out.shape != q.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    if q_len == 0 or batch == 0 or n_q_heads == 0:
+        return out
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    group = n_q_heads // n_kv_heads
+    group_tile = min(triton.next_power_of_2(group), max(1, MAX_TILE_ROWS // BLOCK_M))
+    n_group_chunks = triton.cdiv(group, group_tile)
+    first_tile = (kv_len - q_len) // BLOCK_M
+    last_tile = (kv_len - 1) // BLOCK_M
+    grid = (last_tile - first_tile + 1, batch * n_kv_heads * n_group_chunks)
+    use_dot = uses_tl_dot(q.device)
+    _attention_kernel[grid](
+        q, k, v, out,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        n_kv_heads, n_group_chunks, q_len, kv_len, first_tile, scale,
+        GROUP=group, GROUP_TILE=group_tile,
+        # tl.dot needs a reduction dim of at least 16: pad tiny head dims with masked zeros.
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n_for(q.device), USE_DOT=use_dot, num_warps=8 if use_dot else 4,
+    )
+    return out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              scale: float | None = None) -> torch.Tensor:
+    """Causal attention; q [B, Hq, Tq, D] are the last Tq positions of k, v [B, Hkv, Tk, D].
+
+    Returns [B, Hq, Tq, D] in q's dtype. Bits per position are independent of batch size and of
+    how the positions were split into prefill, chunks or decode steps.
+    """
+    return attention_into(torch.empty_like(q, memory_format=torch.contiguous_format), q, k, v, scale)
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                  scale: float | None = None) -> torch.Tensor:
+    """Plain PyTorch causal attention with the same contract as `attention` (any float dtype)."""
+    _, n_q_heads, q_len, head_dim = q.shape
+    n_kv_heads, kv_len = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    group = n_q_heads // n_kv_heads
+    k = k.repeat_interleave(group, dim=1)  # [B, Hq, Tk, D]
+    v = v.repeat_interleave(group, dim=1)
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale  # [B, Hq, Tq, Tk]
+    q_pos = torch.arange(q_len, device=q.device) + (kv_len - q_len)
+    k_pos = torch.arange(kv_len, device=q.device)
+    s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, dim=-1), v)

@@ -1,0 +1,223 @@
+"""Batch-invariant mode: swap batch-invariant kernels in for the aten ops a transformers model calls.
+
+`set_batch_invariant_mode()` registers replacements for the ops that a Llama/Qwen2 forward reaches
+(found with a TorchDispatchMode trace: `mm` for the projections and the LM head, `addmm` for
+Qwen2's q/k/v biases, `bmm` for eager attention, `mean.dim` for RMSNorm, `_softmax` for eager
+attention, `_log_softmax` for log-probabilities) under the CPU and CUDA dispatch keys with
+`torch.library.Library("aten", "IMPL")`, and removes them again on exit, also when the body
+raises. Anything the replacements do not cover (other dtypes, reductions over other dims,
+addmm with alpha/beta) goes to the kernel that was registered before.
+
+Two implementations:
+
+* `"triton"` (the product): the Triton kernels of this package (`matmul`, `norm`, `softmax`);
+  CPU tensors on a machine that runs Triton natively (no interpreter) take the rowwise path.
+* `"rowwise"`: each row is computed alone by the previously registered stock kernel, on a freshly
+  allocated copy of the row, so the call a row sees is identical whatever the batch: invariant by
+  construction, and much faster than the Triton interpreter on a CPU (see tests/bench).
+
+The overrides are process-wide (all threads), like any dispatcher registration. Nested use is safe:
+the innermost request wins and each exit restores what its entry found.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from . import matmul as _matmul
+from . import norm as _norm
+from . import softmax as _softmax
+from . import triton_runs_on
+
+IMPLS = ("triton", "rowwise")
+DISPATCH_KEYS = ("CPU", "CUDA")
+# aten overloads replaced while the mode is on (op name as torch.library spells it).
+OVERRIDDEN_OPS = ("mm", "addmm", "bmm", "mean.dim", "_softmax", "_log_softmax")
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_lock = threading.RLock()
+_requests: list[tuple[object, str | None]] = []  # (token, impl or None), innermost last
+_installed: tuple[str, torch.library.Library] | None = None
+
+
+def _dense_float(*tensors: torch.Tensor) -> bool:
+    first = tensors[0].dtype
+    return all(t.layout == torch.strided and t.dtype == first for t in tensors) and first in _FLOAT_DTYPES
+
+
+def _last_dim_only(x: torch.Tensor, dim) -> bool:
+    return x.dim() >= 1 and dim is not None and len(dim) == 1 and dim[0] in (-1, x.dim() - 1)
+
+
+def _triton(impl: str, x: torch.Tensor) -> bool:
+    """Use the Triton kernel? Not for CPU tensors on a CUDA machine (no interpreter): those take
+    the rowwise path, which is batch-invariant too."""
+    return impl == "triton" and triton_runs_on(x.device)
+
+
+def _fresh(row: torch.Tensor) -> torch.Tensor:
+    """A new, contiguous, allocator-aligned copy: every row reaches the stock kernel alike."""
+    return row.clone(memory_format=torch.contiguous_format)
+
+
+def _rows_alone(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Apply `fn` to each row of x [..., n] as a [1, n] tensor; stack back to [..., m]."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.cat([fn(_fresh(rows[i:i + 1])) for i in range(rows.shape[0])])
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+# Each factory takes the implementation name and the previously registered kernel, and returns the
+# replacement (called with the dispatch keyset first, as `with_keyset=True` asks).
+
+def _mm(impl: str, original) -> Callable:
+    def mm(keys, a, b):
+        if not _dense_float(a, b) or a.shape[0] == 0:
+            return original.call_boxed(keys, a, b)
+        if _triton(impl, a):
+            return _matmul.matmul(a, b)
+        return torch.cat([original.call_boxed(keys, _fresh(a[i:i + 1]), b) for i in range(a.shape[0])])
+    return mm
+
+
+def _addmm(impl: str, original) -> Callable:
+    def addmm(keys, bias, a, b, *, beta=1, alpha=1):
+        n = b.shape[1] if b.dim() == 2 else -1
+        plain = beta == 1 and alpha == 1 and bias.shape in ((n,), (1, n))
+        if not plain or not _dense_float(bias, a, b) or a.shape[0] == 0:
+            return original.call_boxed(keys, bias, a, b, beta=beta, alpha=alpha)
+        if _triton(impl, a):
+            return _matmul.matmul(a, b, bias)
+        return torch.cat([original.call_boxed(keys, bias, _fresh(a[i:i + 1]), b)
+                          for i in range(a.shape[0])])
+    return addmm
+
+
+def _bmm(impl: str, original) -> Callable:
+    def bmm(keys, a, b):
+        if not _dense_float(a, b) or a.shape[0] == 0 or a.shape[1] == 0:
+            return original.call_boxed(keys, a, b)
+        if _triton(impl, a):
+            return _matmul.bmm(a, b)
+        items = []
+        for i in range(a.shape[0]):
+            b_item = _fresh(b[i:i + 1])  # [1, K, N]
+            items.append(torch.cat([original.call_boxed(keys, _fresh(a[i:i + 1, r:r + 1]), b_item)[0]
+                                    for r in range(a.shape[1])]))
+        return torch.stack(items)
+    return bmm
+
+
+def _mean_dim(impl: str, original) -> Callable:
+    def mean_dim(keys, x, dim, keepdim=False, *, dtype=None):
+        covered = _dense_float(x) and _last_dim_only(x, dim) and x.numel() > 0
+        if not covered or (dtype is not None and dtype not in _FLOAT_DTYPES):
+            return original.call_boxed(keys, x, dim, keepdim, dtype=dtype)
+        if _triton(impl, x):
+            return _norm.mean_last_dim(x, keepdim=keepdim, dtype=dtype)
+        out = _rows_alone(x, lambda row: original.call_boxed(keys, row, [-1], True, dtype=dtype))
+        return out if keepdim else out.squeeze(-1)
+    return mean_dim
+
+
+def _softmax_like(log: bool) -> Callable:
+    def factory(impl: str, original) -> Callable:
+        def softmax(keys, x, dim, half_to_float):
+            if not _dense_float(x) or x.numel() == 0 or x.dim() == 0:
+                return original.call_boxed(keys, x, dim, half_to_float)
+            if _triton(impl, x):
+                fn = _softmax.log_softmax if log else _softmax.softmax
+                return fn(x, dim, dtype=torch.float32 if half_to_float else x.dtype)
+            moved = x.movedim(dim, -1)
+            out = _rows_alone(moved, lambda row: original.call_boxed(keys, row, -1, half_to_float))
+            return out.movedim(-1, dim)
+        return softmax
+    return factory
+
+
+_FACTORIES = {
+    "mm": _mm,
+    "addmm": _addmm,
+    "bmm": _bmm,
+    "mean.dim": _mean_dim,
+    "_softmax": _softmax_like(log=False),
+    "_log_softmax": _softmax_like(log=True),
+}
+
+
+def _install(impl: str) -> torch.library.Library:
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            # Replacing aten kernels is the point; torch warns about it once per process.
+            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+            for key, op in itertools.product(DISPATCH_KEYS, OVERRIDDEN_OPS):
+                # The kernel registered now (before ours) is the fallback and the "rowwise" worker.
+                original = torch.library.get_kernel(f"aten::{op}", key)
+                lib.impl(op, _FACTORIES[op](impl, original), key, with_keyset=True)
+    except BaseException:
+        _remove(lib)
+        raise
+    return lib
+
+
+def _remove(lib: torch.library.Library) -> None:
+    # Destroying the library deregisters its kernels, which brings back the previous ones.
+    lib._destroy()
+
+
+def _apply(impl: str | None) -> None:
+    """Make the installed overrides match `impl` (None: none installed)."""
+    global _installed
+    if (_installed[0] if _installed else None) == impl:
+        return
+    if _installed is not None:
+        _remove(_installed[1])
+        _installed = None
+    if impl is not None:
+        _installed = (impl, _install(impl))
+
+
+class set_batch_invariant_mode:  # noqa: N801  (named like the context managers it sits beside)
+    """Within the block, the overridden aten ops run batch-invariant kernels; `enabled=False`
+    turns them off inside an enclosing mode. Each exit restores what its entry found, also when the
+    body raises. Nested and re-entrant use (the same object entered again) are both safe."""
+
+    def __init__(self, enabled: bool = True, *, impl: str = "triton"):
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+        self._impl = impl if enabled else None
+        self._tokens: list[object] = []
+
+    def __enter__(self) -> "set_batch_invariant_mode":
+        token = object()
+        with _lock:
+            _requests.append((token, self._impl))
+            try:
+                _apply(self._impl)
+            except BaseException:
+                _requests.pop()
+                _apply(_requests[-1][1] if _requests else None)
+                raise
+        self._tokens.append(token)
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        token = self._tokens.pop()
+        with _lock:
+            index = next(i for i, (t, _) in enumerate(_requests) if t is token)
+            del _requests[index]
+            _apply(_requests[-1][1] if _requests else None)
+        return False
+
+
+def batch_invariant_mode() -> str | None:
+    """The implementation whose overrides are installed now ("triton" or "rowwise"), or None."""
+    with _lock:
+        return _installed[0] if _installed else None

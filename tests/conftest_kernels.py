@@ -1,0 +1,85 @@
+"""Shared pieces of the kernel tests (imported explicitly; not a pytest conftest).
+
+Two kinds of check, never mixed: `assert_close_to_ref` (tolerance, keyed by dtype, stated once
+here) and `assert_bitwise_equal` (fidelity: `torch.equal`, reporting the exact difference).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+import kernels  # noqa: F401  (sets TRITON_INTERPRET before triton is imported, when no CUDA)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPE_IDS = ("fp32", "bf16", "fp16")
+
+# Correctness against an fp64 reference: (atol, rtol) per dtype, for every kernel.
+TOLERANCES = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (5e-2, 2e-2),
+}
+
+# Batch sizes a row is placed among for the bitwise batch-invariance checks.
+BATCH_SIZES = (2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 64, 128)
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def assert_close_to_ref(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """Correctness: `out` (in `dtype`) against an fp64 reference, with the dtype's tolerance."""
+    atol, rtol = TOLERANCES[dtype]
+    assert out.dtype == dtype, f"output dtype {out.dtype}, expected {dtype}"
+    torch.testing.assert_close(out.double(), ref.double(), atol=atol, rtol=rtol)
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Identical bits (unlike `torch.equal`, tells -0.0 from +0.0 and compares NaN payloads)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    as_int = _SAME_WIDTH_INT[a.element_size()]
+    return torch.equal(a.view(as_int), b.view(as_int))
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Fidelity: identical bits. On failure, say where and by exactly how much."""
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    if bits_equal(a, b):
+        return
+    as_int = _SAME_WIDTH_INT[a.element_size()]
+    differ = a.view(as_int) != b.view(as_int)
+    raise AssertionError(f"{what}: not bitwise equal: {int(differ.sum())} of {a.numel()} elements "
+                         f"differ, max |diff| = {max_abs_diff(a, b)!r}, first at {differ.nonzero()[0].tolist()}")
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """transformers 5.2x calls the cache argument `cache`; 5.17 `past_key_values`."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def tiny_model(kind: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A random-weight 2-layer Llama or Qwen2 (hidden 128, 4 heads, 2 KV heads), fp32, eval mode,
+    on `device()`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
+    config = config_cls(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        **overrides)
+    torch.manual_seed(seed)
+    return model_cls(config).eval().to(device())

@@ -1,0 +1,130 @@
+"""kernels.attention: correctness against fp64, bitwise invariance (constructions, batch), controls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest_kernels import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref,
+                              bits_equal, device)
+
+from kernels.attention import BLOCK_M, attention, attention_ref, block_n_for
+
+
+def make_qkv(batch, n_q_heads, n_kv_heads, length, head_dim, dtype, seed=0):
+    """q [B, Hq, T, D], k and v [B, Hkv, T, D] (q for every position; slice for fewer queries)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, h, length, head_dim, generator=gen).to(dtype).to(device())
+               for h in (n_q_heads, n_kv_heads, n_kv_heads))
+    return q, k, v
+
+
+def by_chunks(q, k, v, bounds):
+    """The outputs for all positions, computed chunk by chunk over a cache: chunk i covers
+    positions bounds[i]:bounds[i+1] and sees keys 0:bounds[i+1]."""
+    outs = [attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e]) for s, e in zip(bounds, bounds[1:])]
+    return torch.cat(outs, dim=2)
+
+
+def differing_positions(a: torch.Tensor, b: torch.Tensor) -> list[int]:
+    """Positions t (dim 2) whose [B, H, D] slices are not bitwise equal."""
+    return [t for t in range(a.shape[2]) if not bits_equal(a[:, :, t], b[:, :, t])]
+
+
+# ---- correctness -------------------------------------------------------------------------------
+
+SHAPES = [  # (B, Hq, Hkv, Tq, Tk, D)
+    (2, 4, 2, 37, 37, 32),  # GQA prefill, odd length
+    (1, 9, 3, 1, 130, 64),  # SmolLM2-like decode over two key tiles
+    (1, 2, 1, 21, 150, 128),  # chunk crossing a key-tile boundary, head dim 128
+    (2, 2, 2, 5, 5, 16),  # MHA, tiny head dim
+    (1, 3, 1, 9, 9, 48),  # head dim not a power of two
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Tq{}-Tk{}-D{}".format(*s))
+def test_attention_matches_fp64_reference(shape, dtype):
+    batch, n_q, n_kv, q_len, kv_len, head_dim = shape
+    q, k, v = make_qkv(batch, n_q, n_kv, kv_len, head_dim, dtype)
+    q = q[:, :, kv_len - q_len:]
+    ref = attention_ref(q.double(), k.double(), v.double())  # reference
+    out = attention(q, k, v)  # kernel
+    assert_close_to_ref(out, ref, dtype)  # compare
+
+
+def test_attention_scale_argument():
+    q, k, v = make_qkv(1, 2, 1, 10, 32, torch.float32)
+    ref = attention_ref(q.double(), k.double(), v.double(), scale=0.3)
+    assert_close_to_ref(attention(q, k, v, scale=0.3), ref, torch.float32)
+
+
+# ---- fidelity: every position, every construction ---------------------------------------------
+
+LENGTH = 140  # crosses a key tile and does not fill the last query or key tile
+BLOCK_N = block_n_for(device())
+assert LENGTH > BLOCK_N and LENGTH % BLOCK_M and LENGTH % BLOCK_N
+
+
+def constructions(length: int) -> dict[str, list[int]]:
+    """Chunk boundaries of each construction of positions 0..length-1 (decode: one per step)."""
+    chunks = {f"chunks-{n}": list(range(0, length, n)) + [length] for n in (5, 16, 37)}
+    prompt_then_chunks = [0] + list(range(13, length, 9)) + [length]  # a 13-token prompt, then 9s
+    return {"decode": list(range(length + 1)), **chunks, "prompt-13-then-chunks-9": prompt_then_chunks}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("heads", [(3, 1, 64, LENGTH), (2, 1, 128, 40)],
+                         ids=["Hq3-Hkv1-D64-T140", "Hq2-Hkv1-D128-T40"])
+def test_every_position_same_bits_in_prefill_chunks_and_decode(heads, dtype):
+    n_q, n_kv, head_dim, length = heads
+    q, k, v = make_qkv(1, n_q, n_kv, length, head_dim, dtype)
+    prefill = attention(q, k, v)  # reference construction: one prefill
+    for name, bounds in constructions(length).items():
+        out = by_chunks(q, k, v, bounds)  # the same positions, built another way
+        bad = differing_positions(out, prefill)  # compare, position by position
+        assert not bad, (f"{name}: positions {bad} differ from prefill; max |diff| = "
+                         f"{(out.double() - prefill.double()).abs().max().item()!r}")
+
+
+# ---- fidelity: batch ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_row_alone_equals_row_in_any_batch(dtype):
+    # A 3-query chunk over 21 keys (one program per sequence, so 12 batch sizes stay cheap). The
+    # probe sequence is placed last among different sequences.
+    q, k, v = make_qkv(max(BATCH_SIZES), 2, 1, 21, 16, dtype, seed=1)
+    q = q[:, :, -3:]
+    probe = [t[-1:] for t in (q, k, v)]
+    alone = attention(*probe)
+    for n in BATCH_SIZES:
+        batch = [torch.cat([t[:n - 1], p]) for t, p in zip((q, k, v), probe)]
+        assert_bitwise_equal(attention(*batch)[-1:], alone, f"probe as row {n - 1} of a batch of {n}")
+
+
+# ---- negative control --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_control_stock_sdpa_prefill_and_decode_differ(dtype):
+    """Twin of the construction test: torch's SDPA gives some positions other bits in a decode
+    step than in the prefill (measured on CPU for fp32, bf16 and fp16). Stock SDPA showed no batch
+    dependence on CPU, so the batch test has no CPU twin."""
+    length = 64
+    q, k, v = (t.cpu() for t in make_qkv(1, 4, 2, length, 64, dtype))
+    prefill = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    decode = torch.cat([F.scaled_dot_product_attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1],
+                                                       enable_gqa=True) for t in range(length)], dim=2)
+    assert differing_positions(decode, prefill), "stock SDPA unexpectedly prefill/decode invariant"
+
+
+# ---- contract ----------------------------------------------------------------------------------
+
+def test_attention_rejects_bad_inputs():
+    q, k, v = make_qkv(1, 3, 2, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="multiple"):
+        attention(q, k, v)  # 3 query heads over 2 kv heads
+    q, k, v = make_qkv(1, 2, 1, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="Tq <= Tk"):
+        attention(torch.cat([q, q], dim=2), k, v)
+    with pytest.raises(TypeError):
+        attention(q.double(), k.double(), v.double())

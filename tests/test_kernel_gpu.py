@@ -1,0 +1,56 @@
+"""The kernels on a real GPU (tl.dot path) at model-sized shapes, and the stock cuBLAS twin.
+
+The other kernel tests also run on CUDA when it is present (their tensors go to `device()`); these
+add shapes too large for the interpreter. Written without a GPU at hand: the cuBLAS control is the
+widely reported behaviour, not a measurement of this project's GPUs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest_kernels import BATCH_SIZES, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal
+
+from kernels.attention import attention, attention_ref
+from kernels.matmul import matmul
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def randn(*shape, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype).to("cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128)], ids=["smollm2", "llama-8b"])
+def test_gpu_attention_every_position_same_bits(heads, dtype):
+    n_q, n_kv, head_dim = heads
+    length = 301
+    q, k, v = randn(1, n_q, length, head_dim, dtype=dtype), *(randn(1, n_kv, length, head_dim, dtype=dtype,
+                                                                   seed=s) for s in (1, 2))
+    prefill = attention(q, k, v)
+    assert_close_to_ref(prefill, attention_ref(q.double(), k.double(), v.double()), dtype)
+    for chunk in (1, 7, 64):
+        out = torch.cat([attention(q[:, :, s:s + chunk], k[:, :, :s + chunk], v[:, :, :s + chunk])
+                         for s in range(0, length, chunk)], dim=2)
+        bad = [t for t in range(length) if not bits_equal(out[:, :, t], prefill[:, :, t])]
+        assert not bad, f"chunks of {chunk}: positions {bad} differ from prefill"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gpu_matmul_every_row_alone_equals_row_in_any_batch(dtype):
+    pool, w = randn(max(BATCH_SIZES), 2048, dtype=dtype), randn(4096, 2048, dtype=dtype, seed=1)
+    alone = [matmul(pool[i:i + 1], w.t()) for i in range(max(BATCH_SIZES))]
+    for n in BATCH_SIZES:
+        out = matmul(pool[:n], w.t())
+        bad = [i for i in range(n) if not bits_equal(out[i:i + 1], alone[i])]
+        assert not bad, f"batch of {n}: rows {bad} differ from alone"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_control_stock_mm_row_depends_on_batch(dtype):
+    """Twin: cuBLAS picks kernels by shape, so some batch size gives a row other bits."""
+    pool, w = randn(max(BATCH_SIZES), 2048, dtype=dtype), randn(4096, 2048, dtype=dtype, seed=1)
+    alone = pool[:1] @ w.t()
+    assert any(not torch.equal((pool[:n] @ w.t())[:1], alone) for n in BATCH_SIZES)

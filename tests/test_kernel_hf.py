@@ -1,0 +1,121 @@
+"""kernels.hf: the "kvfid_triton" attention implementation inside transformers models.
+
+Logits against stock SDPA (tolerance), caches bitwise equal across constructions (prefill, one token
+at a time, chunks) under the batch-invariant mode, the stock twin that differs, and refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest_kernels import assert_bitwise_equal, cache_keyword, device, tiny_model
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface
+
+from kernels import hf, triton_runs_on
+from kernels.mode import set_batch_invariant_mode
+
+LENGTH = 17  # more than one query tile (16), not a multiple of it
+
+
+def token_ids(batch=1, length=LENGTH, seed=0):
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed)).to(device())
+
+
+def build_cache(model, ids, chunk: int):
+    """Feed `ids` in chunks of `chunk` tokens into a fresh DynamicCache; return (cache, logits)."""
+    cache = DynamicCache(config=model.config)
+    logits = [model(ids[:, s:s + chunk], **{cache_keyword(model): cache}).logits
+              for s in range(0, ids.shape[1], chunk)]
+    return cache, torch.cat(logits, dim=1)
+
+
+def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    entry = cache.layers[layer] if hasattr(cache, "layers") else None
+    return (entry.keys, entry.values) if entry is not None else (cache.key_cache[layer], cache.value_cache[layer])
+
+
+# ---- registration ------------------------------------------------------------------------------
+
+def test_register_is_idempotent_and_fills_both_interfaces():
+    assert hf.register() == hf.register() == "kvfid_triton"
+    assert AttentionInterface()["kvfid_triton"] is hf.kvfid_triton_attention
+    assert AttentionMaskInterface()["kvfid_triton"] is hf.kvfid_triton_mask
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_logits_match_sdpa(kind):
+    model, ids = tiny_model(kind), token_ids(batch=2)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(ids).logits  # reference: stock SDPA
+        model.set_attn_implementation(hf.register())
+        out = model(ids).logits  # the Triton kernel
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)  # compare (fp32)
+
+
+# ---- fidelity: the cache of a prefill is the cache of any other construction -------------------
+
+@pytest.mark.parametrize("kind,impl", [("llama", "triton"), ("qwen2", "triton"), ("qwen2", "rowwise")])
+def test_cache_bitwise_equal_across_constructions_under_the_mode(kind, impl):
+    model, ids = tiny_model(kind), token_ids()
+    model.set_attn_implementation(hf.register())
+    with torch.no_grad(), set_batch_invariant_mode(impl=impl):
+        built = {chunk: build_cache(model, ids, chunk) for chunk in (LENGTH, 1, 7)}  # prefill, incremental-1, chunked:7
+    prefill_cache, prefill_logits = built[LENGTH]
+    for chunk in (1, 7):
+        cache, logits = built[chunk]
+        for layer in range(model.config.num_hidden_layers):
+            for name, a, b in zip("KV", layer_kv(cache, layer), layer_kv(prefill_cache, layer)):
+                assert_bitwise_equal(a, b, f"{kind}/{impl} chunk {chunk}: layer {layer} {name}")
+        assert_bitwise_equal(logits, prefill_logits, f"{kind}/{impl} chunk {chunk}: logits")
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "kvfid_triton"])
+def test_control_without_the_mode_the_caches_differ(attn):
+    """Twin of the cache test: with stock matmuls (and with stock SDPA) the one-token-at-a-time
+    cache is not the prefill cache, even in fp32 on this tiny model (measured on the CPU)."""
+    if attn == "kvfid_triton" and not triton_runs_on(torch.device("cpu")):
+        pytest.skip("the CPU twin needs the Triton interpreter")
+    model, ids = tiny_model("llama").cpu(), token_ids().cpu()
+    model.set_attn_implementation(hf.register() if attn == "kvfid_triton" else attn)
+    with torch.no_grad():
+        prefill, _ = build_cache(model, ids, LENGTH)
+        incremental, _ = build_cache(model, ids, 1)
+    layers = range(model.config.num_hidden_layers)
+    assert any(not torch.equal(a, b) for layer in layers
+               for a, b in zip(layer_kv(prefill, layer), layer_kv(incremental, layer)))
+
+
+# ---- masks and refusals ------------------------------------------------------------------------
+
+def test_mask_function_returns_none_exactly_for_the_plain_causal_pattern():
+    common = dict(batch_size=2, kv_offset=0, device=device())
+    for q_length, kv_length in ((5, 5), (3, 12), (1, 9)):  # prefill, chunk, decode
+        assert hf.kvfid_triton_mask(q_length=q_length, kv_length=kv_length, q_offset=kv_length - q_length,
+                                    **common) is None
+    padding = torch.ones(2, 9, dtype=torch.bool, device=device())
+    padding[0, :2] = False
+    mask = hf.kvfid_triton_mask(q_length=9, kv_length=9, q_offset=0, attention_mask=padding, **common)
+    assert mask is not None and mask.shape == (2, 1, 9, 9)
+
+
+def test_padding_mask_is_refused():
+    model = tiny_model("llama")
+    model.set_attn_implementation(hf.register())
+    ids = token_ids(batch=2, length=8)
+    padding = torch.ones_like(ids)
+    padding[0, :3] = 0
+    with torch.no_grad():
+        model(ids, attention_mask=torch.ones_like(ids))  # an all-ones mask is fine
+        with pytest.raises(ValueError, match="not the plain causal pattern"):
+            model(ids, attention_mask=padding)
+
+
+def test_sliding_window_shorter_than_the_keys_is_refused():
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=12, max_window_layers=0)
+    model.set_attn_implementation(hf.register())
+    with torch.no_grad():
+        model(token_ids(length=12))  # window covers every key: plain causal attention
+        with pytest.raises(ValueError, match="sliding-window"):
+            model(token_ids(length=13))
