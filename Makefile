@@ -20,3 +20,10 @@ $(STAMP): setup.py
 
 test: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
+
+# Runs the default case (the GPU shape case with CUDA, else SmolLM2 on CPU) into the ledger,
+# with its environment record, writes the report under reports/<environment key>/<run id>/ and
+# prints the headline.
+.PHONY: bench
+bench: install
+	$(BIN)/kvfid run default --db reports/ledger.sqlite --report

@@ -124,5 +124,185 @@ def _pick_item(item_sets, prompt, item_set, item_index):
     return chosen[item_index]
 
 
+# --------------------------------------------------------------------------- matrix runs
+
+def _db_option(command):
+    option = click.option("--db", type=click.Path(dir_okay=False), default=None,
+                          help="Ledger file (default: $KVFID_DB, else reports/ledger.sqlite).")
+    return option(command)
+
+
+def _db_path(db):
+    from pathlib import Path
+
+    from harness.ledger import default_db_path
+
+    return Path(db) if db else default_db_path()
+
+
+def _ledger(db):
+    from harness.ledger import Ledger
+
+    path = _db_path(db)
+    if not path.is_file():
+        _usage(f"no ledger at {path} (run `kvfid run CASE` first, or give --db)")
+    return Ledger(path)
+
+
+def _run_of(ledger, run_id: str):
+    from harness.ledger import LedgerError
+
+    try:
+        return ledger.run(run_id)
+    except LedgerError as err:
+        _usage(str(err))
+
+
+@main.command()
+@click.argument("case_path", metavar="CASE")
+@click.option("--items", "item_count", type=int, help="Only the first N items of the case.")
+@_db_option
+@click.option("--resume", "resume", metavar="RUN_ID", help="Continue a stored run of this case: "
+              "units already stored are skipped.")
+@click.option("--run-id", metavar="RUN_ID", help="Name the run; processes given the same id "
+              "(with different --shard) fill one run.")
+@click.option("--shard", default="0/1", show_default=True, metavar="I/N",
+              help="Run every N-th item, starting at item I.")
+@click.option("--report", "write_report", is_flag=True, help="Also write the run report.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def run(case_path, item_count, db, resume, run_id, shard, write_report, quiet) -> None:
+    """Run a case (a TOML file, or `default`: the GPU case with CUDA, else the CPU one) into the
+    ledger; prints the run id and the headline table."""
+    from harness import matrix, report
+    from harness.case import CaseError, load_case
+    from harness.ledger import LedgerError
+
+    try:
+        case = load_case(matrix.default_case_path() if case_path == "default" else case_path)
+        if item_count is not None:
+            case.with_item_count(item_count)        # refuse a bad count before anything runs
+        shard_spec = matrix.parse_shard(shard)
+    except (CaseError, ValueError) as err:
+        _usage(str(err))
+    path = _db_path(db)
+    try:
+        result = matrix.run_case(case, path, items=item_count, run_id=run_id, resume=resume,
+                                 shard=shard_spec, progress=not quiet)
+    except (CaseError, LedgerError, ProtocolError) as err:
+        _usage(str(err))
+    except matrix.EnvironmentUnavailable as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(EXIT_ENVIRONMENT)
+    except matrix.RunInterrupted as stop:
+        click.echo(f"interrupted: what was measured is stored; `kvfid run {case_path} --resume "
+                   f"{stop.run_id}` continues run {stop.run_id}", err=True)
+        sys.exit(130)
+    with _ledger(path) as ledger:
+        stored = ledger.run(result.run_id)
+        summary = report.aggregate(ledger.units(stored.id), stored.design)
+        click.echo(f"run {result.run_id} {result.status}: {result.measured} units measured, "
+                   f"{result.skipped} already stored")
+        click.echo(report.headline(summary))
+        if write_report:
+            for name, file in report.write_report(ledger, stored.id).items():
+                click.echo(f"{name}: {file}", err=True)
+
+
+@main.command()
+@_db_option
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
+def runs(db, fmt) -> None:
+    """List the runs in the ledger."""
+    with _ledger(db) as ledger:
+        rows = [{"id": r.id, "case": r.case_name, "status": r.status, "units": n,
+                 "planned": r.design["units"], "environment": r.environment_key,
+                 "git": r.git_revision, "started": r.started, "finished": r.finished}
+                for r, n in ledger.runs()]
+    if fmt == "json":
+        click.echo(json.dumps(rows, indent=1))
+        return
+    from harness.report import text_table
+
+    click.echo(text_table(["run", "case", "status", "units", "started", "environment"],
+                          [[r["id"], r["case"], r["status"], f"{r['units']}/{r['planned']}",
+                            r["started"], r["environment"]] for r in rows]))
+
+
+@main.command()
+@click.argument("run_id", metavar="RUN")
+@_db_option
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
+def show(run_id, db, fmt) -> None:
+    """Print a run's aggregates (RUN: an id, a unique prefix, or `latest`)."""
+    from harness import report
+    from harness.case import stored_case
+
+    with _ledger(db) as ledger:
+        stored = _run_of(ledger, run_id)
+        units = ledger.units(stored.id)
+        summary = report.aggregate(units, stored.design)
+        if fmt == "json":
+            click.echo(json.dumps(summary, indent=1))
+            return
+        doc = report.document(stored, stored_case(stored), summary, units, raw_environment=False)
+        click.echo(report.markdown(doc))
+
+
+@main.command()
+@click.argument("run_id", metavar="RUN")
+@_db_option
+@click.option("--items", "item_count", type=int, help="Audit only the first N items.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def audit(run_id, db, item_count, quiet) -> None:
+    """Re-run a stored run and check every fingerprint; exit 1 when any changed."""
+    from harness import matrix
+
+    with _ledger(db) as ledger:
+        stored = _run_of(ledger, run_id)
+    try:
+        result = matrix.audit_run(ledger.path, stored.id, items=item_count, progress=not quiet)
+    except matrix.EnvironmentUnavailable as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(EXIT_ENVIRONMENT)
+    click.echo(result.text())
+    sys.exit(0 if result.passed else EXIT_VERDICT)
+
+
+@main.command(name="report")
+@click.argument("run_id", metavar="RUN")
+@_db_option
+@click.option("--out", default="reports", show_default=True, type=click.Path(file_okay=False),
+              help="Reports folder; files go to OUT/<environment key>/<run id>/.")
+def report_command(run_id, db, out) -> None:
+    """Write a run's report: report.md, report.html (self-contained) and summary.json."""
+    from harness import report
+
+    with _ledger(db) as ledger:
+        stored = _run_of(ledger, run_id)
+        for name, path in report.write_report(ledger, stored.id, out).items():
+            click.echo(f"{name}: {path}")
+
+
+@main.command()
+@click.argument("run_ids", metavar="RUN RUN...", nargs=-1, required=True)
+@_db_option
+@click.option("--into", metavar="RUN_ID", help="Id of the merged run (default: a new id).")
+def merge(run_ids, db, into) -> None:
+    """Merge runs of one case (e.g. shards) into a new run; exit 1 if a unit stored twice has
+    different fingerprints."""
+    from harness.ledger import LedgerError
+
+    with _ledger(db) as ledger:
+        try:
+            merged, copied, conflicts = ledger.merge(list(run_ids), into)
+        except LedgerError as err:
+            _usage(str(err))
+    click.echo(f"run {merged.id} {merged.status}: {copied} units from {len(run_ids)} runs")
+    for source, index, stack in conflicts:
+        click.echo(f"conflict: item #{index} stack {stack} differs in run {source} "
+                   f"(kept the first run's)", err=True)
+    sys.exit(EXIT_VERDICT if conflicts else 0)
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,344 @@
+"""Case files: one matrix run's design as data (TOML -> frozen dataclasses), validated on load.
+
+A case names the model, the item set, B and S, the stacks, the constructions, replicas, the
+precision crossing and the transplants. `load_case(path)` refuses a bad file before any compute
+with a `CaseError` naming the file, the key, the bad value and the allowed ones; `parse_case`
+does the same for case text stored in the ledger. `Case.plan(index)` gives the `ItemPlan` for
+one item, so the run loop never reads TOML.
+
+Transplants are measured on every item (the protocol runs them with the arms); which rows count
+is fixed before any result: all divergent rows, plus as controls the exact rows among a seeded
+sample of item indices (`Transplants.control_indices`), which the run records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+import tomllib
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from harness.backends import DTYPES, Stack, backend_names, parse_stack
+from harness.models import PRESETS, model_names
+from harness.protocol import (CONSTRUCTION_HELP, ItemPlan, ProtocolError, TransplantSpec,
+                              parse_construction, parse_transplant)
+
+
+class CaseError(ValueError):
+    """A case file that cannot be run: bad TOML, unknown key, bad value."""
+
+
+@dataclass(frozen=True)
+class ItemSpec:
+    """Which items: an item-set spec (`arith`, `jsonl:<path>`), how many, and the seed."""
+
+    set: str
+    n: int
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """Arms run twice, on the first `items` items (None: all)."""
+
+    arms: tuple[str, ...] = ()
+    items: int | None = None
+
+    def applies(self, index: int) -> bool:
+        return bool(self.arms) and (self.items is None or index < self.items)
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """Fixed-prefix precision crossing: P frozen from `reference`'s live run, then each
+    construction built over it in the reference stack at each dtype."""
+
+    reference: Stack
+    dtypes: tuple[str, ...]
+    constructions: tuple[str, ...] = ("incremental", "prefill")
+    items: int | None = None
+
+    @property
+    def stacks(self) -> tuple[Stack, ...]:
+        return tuple(self.reference.with_dtype(d) for d in self.dtypes)
+
+    def applies(self, index: int) -> bool:
+        return self.items is None or index < self.items
+
+
+@dataclass(frozen=True)
+class Transplants:
+    """Transplant specs (pairs x selections) and the rule that picks exact control rows."""
+
+    specs: tuple[TransplantSpec, ...]
+    controls: int = 0
+    seed: int = 0
+
+    def control_indices(self, n_items: int) -> tuple[int, ...]:
+        """A seeded sample of item indices, fixed before any result; the exact rows among
+        them are the controls (divergent ones count as divergent)."""
+        k = min(self.controls, n_items)
+        return tuple(sorted(random.Random(self.seed).sample(range(n_items), k)))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One matrix run's design. `text` and `sha` are the file as written (stored with the run)."""
+
+    name: str
+    description: str
+    model: str
+    items: ItemSpec
+    B: int
+    S: int
+    constructions: tuple[str, ...]
+    stacks: tuple[Stack, ...]
+    replicas: Replicas = Replicas()
+    crossing: Crossing | None = None
+    transplants: Transplants | None = None
+    source: str = ""
+    text: str = ""
+    sha: str = ""
+
+    def plan(self, index: int) -> ItemPlan:
+        """The protocol plan for item `index`."""
+        return ItemPlan(self.B, self.S, self.constructions,
+                        self.replicas.arms if self.replicas.applies(index) else (),
+                        self.transplants.specs if self.transplants else ())
+
+    def with_item_count(self, n: int) -> "Case":
+        """The same case on its first `n` items (`kvfid run --items N`)."""
+        if n < 1:
+            raise CaseError(f"{self.source}: --items must be >= 1, got {n}")
+        return replace(self, items=replace(self.items, n=n))
+
+    @property
+    def unit_labels(self) -> tuple[str, ...]:
+        """The stack labels of the matrix, plus `crossing` when the case has one."""
+        return tuple(s.label for s in self.stacks) + (("crossing",) if self.crossing else ())
+
+    def design(self) -> dict:
+        """What the run fixes before any result: counts and the transplant control sample."""
+        n = self.items.n
+        crossing_items = 0
+        if self.crossing:
+            crossing_items = n if self.crossing.items is None else min(n, self.crossing.items)
+        out = {"items": n, "stacks": [s.label for s in self.stacks],
+               "crossing_items": crossing_items,
+               "units": n * len(self.stacks) + crossing_items, "control_indices": []}
+        if self.transplants:
+            out["control_indices"] = list(self.transplants.control_indices(self.items.n))
+        return out
+
+
+# --------------------------------------------------------------------------- loading
+
+_TOP = {"name", "description", "model", "B", "S", "constructions", "items", "stacks",
+        "replicas", "crossing", "transplants"}
+_TABLES = {
+    "items": {"set", "n", "seed"},
+    "stacks": {"backends", "dtypes", "batch_invariant", "device", "threads"},
+    "replicas": {"arms", "items"},
+    "crossing": {"reference", "dtypes", "constructions", "items"},
+    "transplants": {"pairs", "selections", "controls", "seed"},
+}
+
+
+def load_case(path: str | Path) -> Case:
+    """Read and validate a case file; CaseError names the file, key, value and what is allowed."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise CaseError(f"{path}: cannot read the case file ({err.strerror})") from None
+    return parse_case(text, str(path))
+
+
+def parse_case(text: str, source: str = "<case>") -> Case:
+    """Validate case TOML text (a file's, or one stored in the ledger)."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise CaseError(f"{source}: not valid TOML ({err})") from None
+    v = _Validator(source)
+    v.keys(data, _TOP, "")
+    for table, allowed in _TABLES.items():
+        if table in data:
+            v.keys(v.table(data, table), allowed, table)
+
+    model = v.required(data, "", "model", str)
+    if model not in PRESETS and not (model.startswith("hf:") and len(model) > 3):
+        v.fail("", "model", model, ", ".join(model_names()))
+    B, S = v.positive(data, "", "B"), v.positive(data, "", "S")
+    constructions = v.constructions(data, "", "constructions", ["live", "prefill", "incremental"])
+
+    items_table = v.table(data, "items")
+    item_set = v.required(items_table, "items", "set", str)
+    if item_set != "arith" and not (item_set.startswith("jsonl:") and len(item_set) > 6):
+        v.fail("items", "set", item_set, "arith, jsonl:<path>")
+    items = ItemSpec(item_set, v.positive(items_table, "items", "n"),
+                     v.integer(items_table, "items", "seed", 0))
+
+    stacks = _stacks(v, v.table(data, "stacks"))
+    replicas = Replicas()
+    if "replicas" in data:
+        t = data["replicas"]
+        replicas = Replicas(v.constructions(t, "replicas", "arms", None),
+                            v.item_count(t, "replicas", "items"))
+    crossing = _crossing(v, data["crossing"], stacks[0]) if "crossing" in data else None
+    transplants = _transplants(v, data["transplants"]) if "transplants" in data else None
+
+    name = v.optional(data, "", "name", str, Path(source).stem)
+    return Case(name, v.optional(data, "", "description", str, ""), model, items, B, S,
+                constructions, stacks, replicas, crossing, transplants, source, text,
+                hashlib.sha256(text.encode()).hexdigest())
+
+
+def _stacks(v: "_Validator", t: dict) -> tuple[Stack, ...]:
+    """backends x dtypes x batch-invariant modes, on one device and thread count."""
+    backends = v.choices(t, "stacks", "backends", backend_names(), None)
+    dtypes = v.choices(t, "stacks", "dtypes", list(DTYPES), None)
+    modes = t.get("batch_invariant", [False])
+    if not isinstance(modes, list) or not modes or not all(isinstance(m, bool) for m in modes):
+        v.fail("stacks", "batch_invariant", modes, "a non-empty list of true/false")
+    device = v.optional(t, "stacks", "device", str, "cpu")
+    if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
+        v.fail("stacks", "device", device, "cpu, cuda, cuda:<index>")
+    threads = t.get("threads")
+    if threads is not None and (not _is_int(threads) or threads < 1):
+        v.fail("stacks", "threads", threads, "a positive integer (or leave it out)")
+    return tuple(Stack(b, d, bi, device, threads)
+                 for b, d, bi in itertools.product(backends, dtypes, dict.fromkeys(modes)))
+
+
+def _crossing(v: "_Validator", t: dict, like: Stack) -> Crossing:
+    """The crossing's reference stack runs on the matrix's device and thread count."""
+    text = v.required(t, "crossing", "reference", str)
+    try:
+        reference = parse_stack(text, like.device, like.threads)
+    except ValueError as err:
+        v.fail("crossing", "reference", text, f"BACKEND/DTYPE[+bi] with BACKEND in "
+               f"{', '.join(backend_names())} and DTYPE in {', '.join(DTYPES)} ({err})")
+    constructions = v.constructions(t, "crossing", "constructions", ["incremental", "prefill"])
+    if len(constructions) != 2 or "live" in constructions:
+        v.fail("crossing", "constructions", list(constructions),
+               'exactly two constructions other than live, e.g. ["incremental", "prefill"]')
+    return Crossing(reference, v.choices(t, "crossing", "dtypes", list(DTYPES), None),
+                    constructions, v.item_count(t, "crossing", "items"))
+
+
+def _transplants(v: "_Validator", t: dict) -> Transplants:
+    """Every pair with every selection; each pair and selection checked on its own."""
+    pairs = v.strings(t, "transplants", "pairs", None)
+    selections = v.strings(t, "transplants", "selections", ["all"])
+    for pair in pairs:
+        try:
+            parse_transplant(f"{pair}:all")
+        except ProtocolError as err:
+            v.fail("transplants", "pairs", pair, f"RECIPIENT<-DONOR, each one of "
+                   f"{CONSTRUCTION_HELP} (selections go in `selections`) ({err})")
+    for selection in selections:
+        try:
+            parse_transplant(f"live<-prefill:{selection}")
+        except ProtocolError as err:
+            v.fail("transplants", "selections", selection, str(err))
+    specs = [parse_transplant(f"{pair}:{selection}")
+             for pair, selection in itertools.product(pairs, selections)]
+    return Transplants(tuple(dict.fromkeys(specs)),
+                       v.integer(t, "transplants", "controls", 0, minimum=0),
+                       v.integer(t, "transplants", "seed", 0))
+
+
+def stored_case(run) -> Case:
+    """The case a ledger run ran: its stored text, on its stored item count."""
+    case = parse_case(run.case_text, f"{run.case_source} (as stored with run {run.id})")
+    return case.with_item_count(run.item_count)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _Validator:
+    """Typed reads from the parsed TOML; every failure names file, key, value, allowed."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, table: str, key: str, value, allowed: str):
+        where = f"[{table}] {key}" if table else key
+        raise CaseError(f"{self.source}: {where} = {value!r} is not allowed; allowed: {allowed}")
+
+    def keys(self, data: dict, allowed: set[str], table: str) -> None:
+        for key in data:
+            if key not in allowed:
+                where = f"[{table}] " if table else ""
+                raise CaseError(f"{self.source}: unknown key {where}{key!r}; allowed: "
+                                f"{', '.join(sorted(allowed))}")
+
+    def table(self, data: dict, name: str) -> dict:
+        if name not in data:
+            raise CaseError(f"{self.source}: missing table [{name}]; it takes "
+                            f"{', '.join(sorted(_TABLES[name]))}")
+        if not isinstance(data[name], dict):
+            self.fail("", name, data[name], f"a table [{name}]")
+        return data[name]
+
+    def required(self, data: dict, table: str, key: str, kind: type):
+        if key not in data:
+            where = f"[{table}] {key}" if table else key
+            raise CaseError(f"{self.source}: missing key {where}")
+        return self.optional(data, table, key, kind, None)
+
+    def optional(self, data: dict, table: str, key: str, kind: type, default):
+        value = data.get(key, default)
+        if value is not default and not isinstance(value, kind):
+            self.fail(table, key, value, f"a {kind.__name__}")
+        return value
+
+    def integer(self, data: dict, table: str, key: str, default: int, minimum=None) -> int:
+        value = data.get(key, default)
+        if not _is_int(value) or (minimum is not None and value < minimum):
+            self.fail(table, key, value, "an integer" + (f" >= {minimum}" if minimum is not None
+                                                        else ""))
+        return value
+
+    def positive(self, data: dict, table: str, key: str) -> int:
+        if key not in data:
+            where = f"[{table}] {key}" if table else key
+            raise CaseError(f"{self.source}: missing key {where}")
+        return self.integer(data, table, key, 0, minimum=1)
+
+    def item_count(self, data: dict, table: str, key: str) -> int | None:
+        value = data.get(key, "all")
+        if value == "all":
+            return None
+        if not _is_int(value) or value < 0:
+            self.fail(table, key, value, '"all" or a non-negative integer (the first N items)')
+        return value
+
+    def strings(self, data: dict, table: str, key: str, default) -> tuple[str, ...]:
+        value = data.get(key, default)
+        if value is None:
+            raise CaseError(f"{self.source}: missing key [{table}] {key}")
+        if not isinstance(value, list) or not value or not all(isinstance(x, str) for x in value):
+            self.fail(table, key, value, "a non-empty list of strings")
+        return tuple(value)
+
+    def choices(self, data: dict, table: str, key: str, allowed: list[str], default):
+        values = self.strings(data, table, key, default)
+        for value in values:
+            if value not in allowed:
+                self.fail(table, key, value, ", ".join(allowed))
+        return tuple(dict.fromkeys(values))
+
+    def constructions(self, data: dict, table: str, key: str, default) -> tuple[str, ...]:
+        labels = []
+        for value in self.strings(data, table, key, default):
+            try:
+                labels.append(parse_construction(value).label)
+            except ProtocolError:
+                self.fail(table, key, value, CONSTRUCTION_HELP)
+        return tuple(dict.fromkeys(labels))

@@ -1,0 +1,131 @@
+"""Case files: the shipped cases load; each bad key is refused naming file, key, value, allowed."""
+
+from pathlib import Path
+
+import pytest
+
+from harness.backends import backend_names
+from harness.case import CaseError, load_case, parse_case
+
+CASES = Path(__file__).resolve().parent.parent / "cases"
+
+GOOD = """
+model = "tiny-llama"
+B = 4
+S = 4
+constructions = ["live", "prefill"]
+
+[items]
+set = "arith"
+n = 5
+
+[stacks]
+backends = ["sdpa"]
+dtypes = ["fp32"]
+threads = 1
+"""
+
+
+def edited(old: str, new: str) -> str:
+    assert old in GOOD, old
+    return GOOD.replace(old, new)
+
+
+@pytest.mark.parametrize("name", ["smoke", "smollm2-cpu", "paper", "gpu-qwen2.5-shape"])
+def test_shipped_cases_load(name):
+    case = load_case(CASES / f"{name}.toml")
+    assert case.name == name and case.stacks and case.items.n >= 1
+    assert case.design()["units"] == len(case.stacks) * case.items.n + \
+        case.design()["crossing_items"]
+
+
+def test_gpu_case_names_the_triton_backend_through_the_registry():
+    case = load_case(CASES / "gpu-qwen2.5-shape.toml")
+    assert "triton" in backend_names()
+    assert {s.backend for s in case.stacks} == {"sdpa", "eager", "triton"}
+    assert {s.device for s in case.stacks} == {"cuda"}
+
+
+# (text, the key as named in the message, the bad value, a piece of the allowed list)
+BAD = [
+    (edited('model = "tiny-llama"', 'model = "gpt-9"'), "model", "'gpt-9'", "tiny-llama"),
+    (edited("B = 4", "B = 0"), "B", "0", "an integer >= 1"),
+    (edited("S = 4", 'S = "four"'), "S", "'four'", "an integer >= 1"),
+    (edited('["live", "prefill"]', '["live", "chunked:0"]'), "constructions", "'chunked:0'",
+     "chunked:N"),
+    (edited('set = "arith"', 'set = "csv:x"'), "[items] set", "'csv:x'", "jsonl:<path>"),
+    (edited("n = 5", "n = -2"), "[items] n", "-2", ">= 1"),
+    (edited('backends = ["sdpa"]', 'backends = ["flash"]'), "[stacks] backends", "'flash'",
+     ", ".join(backend_names())),
+    (edited('dtypes = ["fp32"]', 'dtypes = ["fp8"]'), "[stacks] dtypes", "'fp8'",
+     "bf16, fp16, fp32"),
+    (edited("threads = 1", 'threads = 1\ndevice = "tpu"'), "[stacks] device", "'tpu'",
+     "cpu, cuda"),
+    (edited("threads = 1", "threads = 0"), "[stacks] threads", "0", "positive integer"),
+    (GOOD + '[replicas]\narms = ["prefil"]\n', "[replicas] arms", "'prefil'", "incremental-1"),
+    (GOOD + '[replicas]\narms = ["prefill"]\nitems = -1\n', "[replicas] items", "-1", '"all"'),
+    (GOOD + '[crossing]\nreference = "sdpa/fp8"\ndtypes = ["fp32"]\n', "[crossing] reference",
+     "'sdpa/fp8'", "BACKEND/DTYPE"),
+    (GOOD + '[crossing]\nreference = "sdpa/bf16"\ndtypes = ["fp64"]\n', "[crossing] dtypes",
+     "'fp64'", "bf16, fp16, fp32"),
+    (GOOD + '[transplants]\npairs = ["live->prefill"]\n', "[transplants] pairs",
+     "'live->prefill'", "RECIPIENT<-DONOR"),
+    (GOOD + '[transplants]\npairs = ["live<-prefill"]\nselections = ["layers=4-2"]\n',
+     "[transplants] selections", "'layers=4-2'", "positions=prompt"),
+    (GOOD + '[transplants]\npairs = ["live<-prefill"]\ncontrols = -3\n',
+     "[transplants] controls", "-3", ">= 0"),
+]
+
+
+@pytest.mark.parametrize("text,key,value,allowed", BAD, ids=[b[1] for b in BAD])
+def test_bad_value_names_file_key_value_and_allowed(text, key, value, allowed):
+    with pytest.raises(CaseError) as err:
+        parse_case(text, "cases/broken.toml")
+    message = str(err.value)
+    assert message.startswith("cases/broken.toml: ")
+    assert f"{key} = {value}" in message and "allowed: " in message
+    assert allowed in message.split("allowed: ", 1)[1]
+
+
+def test_unknown_key_lists_the_allowed_keys():
+    with pytest.raises(CaseError, match=r"cases/x.toml: unknown key \[stacks\] 'dtype'; "
+                                        r"allowed: .*dtypes"):
+        parse_case(edited('dtypes = ["fp32"]', 'dtype = ["fp32"]'), "cases/x.toml")
+    with pytest.raises(CaseError, match=r"unknown key 'modle'; allowed: .*model"):
+        parse_case("modle = 1\n" + GOOD, "cases/x.toml")
+
+
+def test_missing_table_key_and_bad_toml():
+    with pytest.raises(CaseError, match=r"cases/x.toml: missing table \[items\]"):
+        parse_case(GOOD.replace('[items]\nset = "arith"\nn = 5\n', ""), "cases/x.toml")
+    with pytest.raises(CaseError, match=r"cases/x.toml: missing key B"):
+        parse_case(GOOD.replace("B = 4\n", ""), "cases/x.toml")
+    with pytest.raises(CaseError, match=r"cases/x.toml: not valid TOML"):
+        parse_case("B = [", "cases/x.toml")
+    with pytest.raises(CaseError, match=r"nowhere.toml: cannot read"):
+        load_case("nowhere.toml")
+
+
+def test_an_empty_list_is_refused():
+    with pytest.raises(CaseError, match=r"\[replicas\] arms = \[\] is not allowed; allowed: a "
+                                        r"non-empty list of strings"):
+        parse_case(GOOD + "[replicas]\narms = []\n", "cases/x.toml")
+
+
+def test_plans_replicas_stacks_and_controls():
+    case = parse_case(GOOD.replace('dtypes = ["fp32"]', 'dtypes = ["fp32", "bf16"]')
+                      .replace('backends = ["sdpa"]', 'backends = ["sdpa", "eager"]')
+                      + '[replicas]\narms = ["prefill"]\nitems = 2\n'
+                      + '[transplants]\npairs = ["live<-prefill", "prefill<-live"]\n'
+                        'selections = ["all", "keys"]\ncontrols = 2\nseed = 7\n', "c.toml")
+    assert [s.label for s in case.stacks] == ["sdpa/fp32", "sdpa/bf16", "eager/fp32",
+                                              "eager/bf16"]
+    assert all(s.threads == 1 for s in case.stacks)
+    assert case.plan(1).replicas == ("prefill",) and case.plan(2).replicas == ()
+    assert [t.label for t in case.plan(0).transplants] == [
+        "live<-prefill:all", "live<-prefill:keys", "prefill<-live:all", "prefill<-live:keys"]
+    controls = case.transplants.control_indices(5)
+    assert controls == case.transplants.control_indices(5) and len(controls) == 2
+    assert case.design()["control_indices"] == list(controls)
+    assert case.with_item_count(3).design()["units"] == 12
+    assert case.sha == parse_case(case.text, "elsewhere.toml").sha

@@ -1,0 +1,123 @@
+"""`kvfid run/runs/show/audit/report/merge` through click's runner: output and exit codes."""
+
+import json
+import re
+import shlex
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from harness.case import load_case
+from harness.cli import main
+from harness.ledger import Ledger
+from harness.report import repro_command
+
+SMOKE = str(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
+
+
+def kvfid(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def ledger_with_run(tmp_path_factory):
+    """A ledger holding one finished smoke run made through the CLI: (db, run id)."""
+    db = tmp_path_factory.mktemp("cli") / "ledger.sqlite"
+    result = kvfid("run", SMOKE, "--db", db, "--quiet")
+    assert result.exit_code == 0, result.output
+    run_id = re.match(r"run (\S+) finished: 9 units measured", result.stdout)[1]
+    assert "suffix ≠ live" in result.stdout and "sdpa/bf16" in result.stdout
+    return db, run_id
+
+
+def test_runs_and_show(ledger_with_run):
+    db, run_id = ledger_with_run
+    listed = kvfid("runs", "--db", db, "--format", "json")
+    assert listed.exit_code == 0
+    (row,) = json.loads(listed.stdout)
+    assert (row["id"], row["status"], row["units"], row["planned"]) == (run_id, "finished", 9, 9)
+    shown = kvfid("show", "latest", "--db", db)
+    assert shown.exit_code == 0 and f"# kvfid run {run_id}: smoke" in shown.stdout
+    assert "## Stack eager/bf16" in shown.stdout
+    as_json = json.loads(kvfid("show", run_id, "--db", db, "--format", "json").stdout)
+    assert set(as_json["stacks"]) == {"sdpa/bf16", "eager/bf16"}
+
+
+def test_audit_exit_codes(ledger_with_run, tmp_path):
+    db, run_id = ledger_with_run
+    passed = kvfid("audit", run_id, "--db", db, "--quiet", "--items", "2")
+    assert passed.exit_code == 0 and "PASS" in passed.stdout
+    tampered = tmp_path / "tampered.sqlite"
+    with sqlite3.connect(db) as source, sqlite3.connect(tampered) as target:
+        source.backup(target)
+    with sqlite3.connect(tampered) as conn:
+        conn.execute("UPDATE rows SET fingerprints = json_set(fingerprints, '$.suffix_sha', 'x')"
+                     " WHERE item_index = 2 AND stack = 'crossing' AND kind = 'crossing-cell' "
+                     "AND label = 'sdpa/fp32|prefill'")
+    failed = kvfid("audit", run_id, "--db", tampered, "--quiet")
+    assert failed.exit_code == 1
+    assert "item arith-0002 (#2) stack crossing crossing-cell sdpa/fp32|prefill suffix_sha: " \
+           "stored 'x'" in failed.stdout
+
+
+def test_report_writes_the_three_files(ledger_with_run, tmp_path):
+    db, run_id = ledger_with_run
+    result = kvfid("report", run_id, "--db", db, "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    files = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    assert set(files) == {"markdown", "html", "summary"}
+    assert all(Path(path).is_file() for path in files.values())
+    assert f"/{run_id}/" in files["html"]
+
+
+def test_a_row_reproduces_with_its_repro_command(ledger_with_run):
+    db, run_id = ledger_with_run
+    with Ledger(db) as ledger:
+        unit = next(u for u in ledger.units(run_id) if u.stack == "eager/bf16"
+                    and u.status == "ok")
+    command = repro_command(load_case(SMOKE), "eager/bf16", unit.item_index, "")
+    result = kvfid(*shlex.split(command)[1:], "--format", "json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["prefix_sha"] == unit.record["prefix_sha"]
+    assert {a: r["cache_sha"] for a, r in record["arms"].items()} == \
+        {a: r["cache_sha"] for a, r in unit.record["arms"].items()}
+
+
+def test_shards_then_merge(tmp_path):
+    db = tmp_path / "ledger.sqlite"
+    ids = []
+    for shard in ("0/2", "1/2"):
+        result = kvfid("run", SMOKE, "--db", db, "--quiet", "--shard", shard, "--items", "2")
+        assert result.exit_code == 0, result.output
+        ids.append(re.match(r"run (\S+) partial", result.stdout)[1])
+    merged = kvfid("merge", *ids, "--db", db, "--into", "both")
+    assert merged.exit_code == 0 and merged.stdout.startswith("run both finished: 6 units")
+    assert kvfid("merge", ids[0], "--db", db).exit_code == 2
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "cases/nowhere.toml"], "cannot read the case file"),
+    (["run", SMOKE, "--shard", "2/2"], "bad shard"),
+    (["run", SMOKE, "--items", "0"], "--items must be >= 1"),
+    (["show", "latest"], "no ledger at"),
+])
+def test_usage_errors_exit_2(args, message, tmp_path):
+    result = kvfid(*args, "--db", tmp_path / "none.sqlite")
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_unknown_run_exits_2(ledger_with_run):
+    db, _ = ledger_with_run
+    result = kvfid("show", "no-such-run", "--db", db)
+    assert result.exit_code == 2 and "no run 'no-such-run'" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_a_gpu_case_without_a_gpu_exits_3(tmp_path):
+    case = Path(SMOKE).with_name("gpu-qwen2.5-shape.toml")
+    result = kvfid("run", case, "--db", tmp_path / "l.sqlite")
+    assert result.exit_code == 3 and "no CUDA device" in result.output

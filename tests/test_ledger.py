@@ -1,0 +1,125 @@
+"""The ledger: one transaction per unit, no duplicates, run lookup, merge, rows of a record."""
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from harness import ledger as ledger_module
+from harness.case import load_case
+from harness.ledger import Ledger, LedgerError, fingerprints, record_rows
+
+CASE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
+ENV = {"git": {"revision": "abc", "dirty": True}, "gpus": []}
+
+
+def item_record(suffix=(1, 2, 3), cache="c0") -> dict:
+    """A minimal `run_item` record with one arm pair, a replica and a transplant."""
+    arm = lambda label, c: {"construction": label, "suffix": list(suffix),
+                            "suffix_margins": [1.0] * len(suffix), "suffix_eos": False,
+                            "suffix_sha": f"s-{suffix}", "cache_sha": c, "logits_sha": "l",
+                            "correct": None, "wall_s": 0.1, "forward_calls": 3}
+    same = {"identical": True, "first_divergence": None, "margin_a_at_divergence": None}
+    return {"status": "ok", "item": {"id": "i0", "prompt": "p", "answer": None}, "B": 2,
+            "S": 3, "prefix": [5, 6, 7], "prefix_sha": "p-sha", "prompt_length": 1,
+            "arms": {"live": arm("live", cache), "prefill": arm("prefill", "c1")},
+            "comparisons": [{"a": "live", "b": "prefill", "kind": "arm",
+                             "prefix_identical": True, "suffix": same},
+                            {"a": "prefill", "b": "prefill'", "kind": "replica",
+                             "prefix_identical": True, "suffix": same}],
+            "transplants": [{"label": "live<-prefill:all", "control": True,
+                             "outcome": "recipient", "suffix_sha": "t"}]}
+
+
+@pytest.fixture
+def db(tmp_path):
+    with Ledger(tmp_path / "l.sqlite") as ledger:
+        yield ledger
+
+
+def test_rows_of_a_record_carry_every_fingerprint():
+    prints = fingerprints(item_record())
+    assert prints[("prefix", "P")] == {"prefix_sha": "p-sha"}
+    assert prints[("boundary", "live")] == {"cache_sha": "c0", "logits_sha": "l",
+                                            "suffix_sha": "s-(1, 2, 3)"}
+    assert prints[("replica", "prefill~prefill'")]["verdict"].startswith("cache n/a")
+    assert prints[("transplant", "live<-prefill:all")] == {"suffix_sha": "t",
+                                                           "outcome": "recipient"}
+    short = {"status": "short", "arms": {"live": {"generated": [1, 2]}}, "note": "EOS"}
+    assert [r[:2] for r in record_rows(short)] == [("short", "live")]
+
+
+def test_a_unit_is_written_once_with_its_rows(db):
+    run = db.create_run("r1", CASE, ENV, "cpu/key")
+    assert run.status == "running" and run.git_revision == "abc+dirty"
+    assert run.design["units"] == 9
+    assert db.write_unit("r1", 0, "i0", "sdpa/bf16", item_record(), "cpu/key")
+    assert not db.write_unit("r1", 0, "i0", "sdpa/bf16", item_record(cache="other"), "cpu/key")
+    (rows,) = db.db.execute("SELECT COUNT(*) FROM rows").fetchone()
+    assert rows == len(record_rows(item_record()))
+    assert db.stored_units("r1") == {(0, "sdpa/bf16")}
+    assert db.units("r1")[0].record["arms"]["live"]["cache_sha"] == "c0"
+
+
+def test_a_failing_row_insert_leaves_no_half_unit(db, monkeypatch):
+    db.create_run("r1", CASE, ENV, "cpu/key")
+    twice = lambda record: [("prefix", "P", {}, {})] * 2   # duplicate primary key
+    monkeypatch.setattr(ledger_module, "record_rows", twice)
+    with pytest.raises(sqlite3.IntegrityError):
+        db.write_unit("r1", 0, "i0", "sdpa/bf16", item_record(), "cpu/key")
+    assert db.stored_units("r1") == set()
+    assert db.db.execute("SELECT COUNT(*) FROM rows").fetchone() == (0,)
+
+
+def test_run_lookup_by_id_prefix_and_latest(db):
+    db.create_run("20250101-000000-aaaa", CASE, ENV, "k")
+    db.create_run("20250101-000000-aabb", CASE, ENV, "k")
+    assert db.run("20250101-000000-aabb").id.endswith("aabb")
+    assert db.run("20250101-000000-aab").id.endswith("aabb")
+    with pytest.raises(LedgerError, match="matches 2 runs"):
+        db.run("20250101")
+    with pytest.raises(LedgerError, match="no run 'zzz'"):
+        db.run("zzz")
+    assert db.run("latest").id.endswith("aabb")
+
+
+def test_status_finished_only_when_complete(db):
+    db.create_run("r1", CASE, ENV, "k")
+    db.write_unit("r1", 0, "i0", "sdpa/bf16", item_record(), "k")
+    assert db.finish("r1") == "partial"
+    db.set_status("r1", "interrupted")
+    assert db.run("r1").status == "interrupted" and db.run("r1").finished
+
+
+def test_merge_takes_the_union_and_reports_conflicts(db):
+    for run_id in ("a", "b", "c"):
+        db.create_run(run_id, CASE, ENV, "k")
+    db.write_unit("a", 0, "i0", "sdpa/bf16", item_record(), "k")
+    db.write_unit("b", 1, "i1", "sdpa/bf16", item_record(), "k")
+    db.write_unit("b", 0, "i0", "sdpa/bf16", item_record(), "k")          # identical: skipped
+    merged, copied, conflicts = db.merge(["a", "b"], into="ab")
+    assert (merged.id, copied, conflicts) == ("ab", 2, [])
+    assert db.stored_units("ab") == {(0, "sdpa/bf16"), (1, "sdpa/bf16")}
+    db.write_unit("c", 0, "i0", "sdpa/bf16", item_record(cache="changed"), "k")
+    _, copied, conflicts = db.merge(["a", "c"])
+    assert copied == 1 and conflicts == [("c", 0, "sdpa/bf16")]
+
+
+def test_merge_refuses_other_cases_and_environments(db):
+    db.create_run("a", CASE, ENV, "k")
+    db.create_run("b", CASE.with_item_count(2), ENV, "k")
+    db.create_run("c", CASE, ENV, "other-gpu/k")
+    with pytest.raises(LedgerError, match="different cases"):
+        db.merge(["a", "b"])
+    with pytest.raises(LedgerError, match="different environments"):
+        db.merge(["a", "c"])
+
+
+def test_the_ledger_file_is_in_wal_mode(tmp_path):
+    with Ledger(tmp_path / "x" / "l.sqlite") as ledger:
+        assert ledger.db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        ledger.create_run("r", CASE, ENV, "k")
+    stored = sqlite3.connect(tmp_path / "x" / "l.sqlite").execute(
+        "SELECT case_text, environment FROM runs").fetchone()
+    assert stored[0] == CASE.text and json.loads(stored[1]) == ENV

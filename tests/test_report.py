@@ -1,0 +1,176 @@
+"""Aggregates from hand-made records give known numbers; the report files are self-contained."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from harness import stats
+from harness.case import load_case
+from harness.ledger import Ledger, StoredUnit
+from harness.report import aggregate, headline, markdown, repro_command, svg_bars, svg_lines, \
+    write_report
+
+CASE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
+STACK = "sdpa/bf16"
+MARGINS = [1.0, 1.0, 0.5, 2.0, 2.0, 0.25, 3.0, 3.0]   # the live suffix's margin at each step
+
+
+def comparison(a, b, kind, first=None, bad_layer=None, d_k=(0.0, 0.0), d_v=(0.0, 0.0)):
+    layers = [{"layer": i, "k": {"d_rel": d_k[i]}, "v": {"d_rel": d_v[i]}} for i in range(2)]
+    return {"a": a, "b": b, "kind": kind, "prefix_identical": True,
+            "cache": {"bit_exact": bad_layer is None, "first_bad_layer": bad_layer,
+                      "d_rel": max(d_k + d_v), "layers": layers},
+            "logits": {"equal": bad_layer is None, "argmax_agree": True},
+            "suffix": {"identical": first is None, "first_divergence": first,
+                       "margin_a_at_divergence": None if first is None else MARGINS[first]}}
+
+
+def record(index, live_right, prefill_right, first, bad_layer, d_k, d_v, replica_first,
+           transplant):
+    arm = lambda right: {"suffix": [0] * 8, "suffix_margins": MARGINS, "correct": right,
+                         "suffix_eos": False, "suffix_sha": "s", "cache_sha": "c",
+                         "logits_sha": "l", "wall_s": 0.0, "forward_calls": 1}
+    out = {"status": "ok", "item": {"id": f"i{index}", "prompt": f"p{index}", "answer": "1"},
+           "B": 4, "S": 8, "prefix": [1, 2], "prefix_sha": "p", "prompt_length": 1,
+           "arms": {"live": arm(live_right), "prefill": arm(prefill_right)},
+           "comparisons": [comparison("live", "prefill", "arm", first, bad_layer, d_k, d_v),
+                           comparison("prefill", "prefill'", "replica", replica_first)],
+           "transplants": []}
+    if transplant:
+        out["transplants"].append({"label": "live<-prefill:all", "control": first is None,
+                                   "outcome": transplant})
+    return StoredUnit(index, f"i{index}", STACK, "ok", out, "k")
+
+
+def crossing(index, same: dict, within_fp32_identical: bool):
+    cells = {f"sdpa/{d}|{c}": {"same_as_reference_live": same[(d, c)], "prefix_sha": "p",
+                               "suffix_sha": "s"}
+             for d in ("bf16", "fp32") for c in ("incremental", "prefill")}
+    identical = lambda ok: {"identical": ok, "first_divergence": None if ok else 1,
+                            "margin_a_at_divergence": None if ok else 0.5}
+    comparisons = [{"stack": "sdpa/bf16", "a": "incremental", "b": "prefill",
+                    "prefix_identical": True, "cache": {"bit_exact": True},
+                    "suffix": identical(True)},
+                   {"stack": "sdpa/fp32", "a": "incremental", "b": "prefill",
+                    "prefix_identical": True, "cache": {"bit_exact": False},
+                    "suffix": identical(within_fp32_identical)}]
+    return StoredUnit(index, f"i{index}", "crossing", "ok",
+                      {"status": "ok", "item": f"i{index}", "reference": {"label": "sdpa/bf16"},
+                       "cells": cells, "comparisons": comparisons, "prefix_sha": "p",
+                       "reference_suffix": [0]}, "k")
+
+
+UNITS = [
+    record(0, True, True, None, None, (0, 0), (0, 0), None, "recipient"),
+    record(1, True, False, None, 1, (0, 0.02), (0, 0.04), None, "recipient"),
+    record(2, False, True, 2, 0, (0.01, 0.03), (0.02, 0.05), 4, "donor"),
+    record(3, False, False, 5, 1, (0, 0.01), (0, 0.02), None, "third"),
+    StoredUnit(4, "i4", STACK, "short", {"status": "short", "item": {"id": "i4", "prompt": "p4"},
+                                          "B": 4, "S": 8, "arms": {"live": {"generated": [1]}}},
+               "k"),
+    crossing(0, {("bf16", "incremental"): True, ("bf16", "prefill"): True,
+                 ("fp32", "incremental"): False, ("fp32", "prefill"): False}, True),
+    crossing(1, {("bf16", "incremental"): True, ("bf16", "prefill"): True,
+                 ("fp32", "incremental"): True, ("fp32", "prefill"): False}, False),
+]
+DESIGN = {"control_indices": [1, 4], "units": len(UNITS)}
+
+
+@pytest.fixture(scope="module")
+def summary():
+    return aggregate(UNITS, DESIGN)
+
+
+def test_disagreement_replica_floor_and_cache(summary):
+    s = summary["stacks"][STACK]
+    assert (s["items"], s["ok"], s["short"]) == (5, 4, ["i4"])
+    prefill = s["constructions"]["prefill"]
+    assert prefill["suffix_disagree"] == {"k": 2, "n": 4, "rate": 0.5,
+                                          "ci": list(stats.wilson_interval(2, 4))}
+    assert (prefill["replica_floor"]["k"], prefill["replica_floor"]["n"]) == (1, 4)
+    assert (prefill["cache_bit_exact"]["k"], prefill["cache_bit_exact"]["n"]) == (1, 4)
+    assert prefill["first_bad_layer"] == {"exact": 1, "0": 1, "1": 2}
+    assert prefill["d_rel_per_layer"] == {"k": [0.0, pytest.approx(0.015)],
+                                          "v": [0.0, pytest.approx(0.03)]}
+
+
+def test_first_divergence_and_margins(summary):
+    prefill = summary["stacks"][STACK]["constructions"]["prefill"]
+    fd = prefill["first_divergence"]
+    assert (fd["n"], fd["median"], fd["q1"], fd["q3"]) == (2, 3.5, 2.75, 4.25)
+    assert [count for _, _, count in fd["histogram"]] == [0, 0, 1, 0, 0, 1, 0, 0]
+    assert prefill["margin_at_divergence"]["median"] == pytest.approx(0.375)
+    assert prefill["margin_elsewhere"]["n"] == 2 + 5 + 8 + 8
+
+
+def test_correctness_flips_and_mcnemar(summary):
+    s = summary["stacks"][STACK]
+    assert (s["correctness"]["live"]["k"], s["correctness"]["live"]["n"]) == (2, 4)
+    paired = s["constructions"]["prefill"]["correctness"]
+    assert (paired["a_right_b_wrong"], paired["a_wrong_b_right"]) == (1, 1)
+    assert paired["difference"] == 0.0 and paired["mcnemar_p"] == 1.0
+
+
+def test_transplant_rows_by_role(summary):
+    t = summary["stacks"][STACK]["transplants"]["live<-prefill:all"]
+    assert t["divergent"]["n"] == 2
+    assert t["divergent"]["outcomes"]["donor"]["k"] == 1
+    assert t["divergent"]["outcomes"]["third"]["k"] == 1
+    assert (t["control"]["n"], t["control"]["outcomes"]["recipient"]["k"]) == (1, 1)
+    assert (t["unsampled"]["n"], t["unsampled"]["outcomes"]["recipient"]["k"]) == (1, 1)
+    assert t["control"]["outcomes"]["recipient"]["ci"] == list(stats.wilson_interval(1, 1))
+
+
+def test_the_crossing_two_by_two(summary):
+    x = summary["crossing"]
+    assert x["reference"] == "sdpa/bf16" and x["ok"] == 2
+    cell = lambda d, c: (x["cells"][f"sdpa/{d}"][c]["k"], x["cells"][f"sdpa/{d}"][c]["n"])
+    assert [cell("bf16", "incremental"), cell("bf16", "prefill"), cell("fp32", "incremental"),
+            cell("fp32", "prefill")] == [(2, 2), (2, 2), (1, 2), (0, 2)]
+    assert x["within"]["sdpa/fp32"]["suffix_disagree"]["k"] == 1
+    assert x["within"]["sdpa/bf16"]["cache_bit_exact"] == 2
+
+
+def test_headline_has_one_row_per_construction_then_the_crossing(summary):
+    table, crossing = headline(summary).split("\n\n")
+    lines = table.splitlines()
+    assert lines[0].startswith("stack") and len(lines) == 3
+    assert "2/4 (50.0%)" in lines[2] and "1/4" in lines[2]
+    assert crossing.startswith("precision crossing, P frozen from sdpa/bf16 live (2 items")
+    assert crossing.splitlines()[-1].startswith("sdpa/fp32  1/2 (50.0%)")
+
+
+def test_report_files_are_written_and_self_contained(tmp_path):
+    with Ledger(tmp_path / "l.sqlite") as ledger:
+        ledger.create_run("r1", CASE, {"gpus": [], "versions": {"torch": "x"}}, "cpu/none/x")
+        for unit in UNITS:
+            ledger.write_unit("r1", unit.item_index, unit.item_id, unit.stack, unit.record, "k")
+        paths = write_report(ledger, "r1", tmp_path / "reports")
+    assert paths["html"].parent == tmp_path / "reports" / "cpu" / "none" / "x" / "r1"
+    page = paths["html"].read_text()
+    assert page.count("<svg") == 2      # d_rel per layer, first-divergence histogram
+    assert not re.search(r"\b(src|href)\s*=|url\(|@import|<link|<script", page, re.I)
+    text = paths["markdown"].read_text()
+    assert "## Stack sdpa/bf16" in text and "## Precision crossing" in text
+    assert "kvfid repro --model tiny-llama --item-set arith --item 2" in text
+    summary = json.loads(paths["summary"].read_text())
+    assert summary["run"] == "r1" and summary["environment"]["versions"]["torch"] == "x"
+    assert "--item <INDEX>" in summary["repro"]["crossing"]
+    assert summary["stacks"][STACK]["constructions"]["prefill"]["suffix_disagree"]["k"] == 2
+
+
+def test_repro_command_names_the_stack_plan_and_item():
+    command = repro_command(CASE, "eager/bf16", 1, "What?")
+    assert command.startswith("kvfid repro --model tiny-llama --item-set arith --item 1 "
+                              "--backend eager --dtype bf16 --device cpu --threads 1 -B 6 -S 6 ")
+    assert "--replicas prefill" in command and "--transplant 'live<-prefill:all'" in command
+    assert "--cross bf16,fp32" in repro_command(CASE, "crossing", 2, "What?")
+    assert "--replicas" not in repro_command(CASE, "sdpa/bf16", 2, "What?")
+
+
+def test_figures_draw_zeros_and_empty_series():
+    assert svg_lines([("prefill K", [0.0, 0.0])], "layer", "d_rel").startswith("<svg")
+    assert "<rect" in svg_bars({"prefill": [(0, 1, 3), (1, 2, 0)]}, "index")
+    assert markdown([("table", ["a|b"], [["x"]])]) == "| a\\|b |\n|---|\n| x |\n"
