@@ -104,9 +104,12 @@ class Case:
 
     def plan(self, index: int) -> ItemPlan:
         """The protocol plan for item `index`."""
+        control = bool(self.transplants) and index in self.transplants.control_indices(
+            self.items.n)
         return ItemPlan(self.B, self.S, self.constructions,
                         self.replicas.arms if self.replicas.applies(index) else (),
-                        self.transplants.specs if self.transplants else ())
+                        self.transplants.specs if self.transplants else (),
+                        transplant_rows="all" if control else "divergent")
 
     def with_item_count(self, n: int) -> "Case":
         """The same case on its first `n` items (`kvfid run --items N`)."""

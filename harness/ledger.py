@@ -112,12 +112,14 @@ def record_rows(record: dict) -> list[tuple[str, str, dict, dict]]:
         rows.append(("boundary", label, metrics, {k: arm[k] for k in
                                                   ("cache_sha", "logits_sha", "suffix_sha")}))
     for c in record["comparisons"]:
-        # A replica is in no arm's fingerprints, so its verdict is its fingerprint.
-        prints = {"verdict": _verdict(c)} if c["kind"] == "replica" else {}
+        prints = {}
+        if c["kind"] == "replica":   # the replica's own state, and its verdict vs the first run
+            prints = {"verdict": _verdict(c), **c.get("replica_fingerprints", {})}
         rows.append((c["kind"], f"{c['a']}~{c['b']}", _comparison_metrics(c), prints))
     for t in record["transplants"]:
         rows.append(("transplant", t["label"],
-                     {"outcome": t["outcome"], "recipient_equals_donor": t["control"]},
+                     {"outcome": t["outcome"],
+                      "recipient_equals_donor": t["recipient_equals_donor"]},
                      {"suffix_sha": t.get("suffix_sha"), "outcome": t["outcome"]}))
     return rows
 
@@ -130,7 +132,8 @@ def _crossing_rows(record: dict) -> list[tuple[str, str, dict, dict]]:
     for key, cell in record["cells"].items():
         rows.append(("crossing-cell", key, {"same_as_reference_live":
                                             cell["same_as_reference_live"]},
-                     {"prefix_sha": cell["prefix_sha"], "suffix_sha": cell["suffix_sha"]}))
+                     {k: cell[k] for k in ("prefix_sha", "cache_sha", "logits_sha",
+                                           "suffix_sha") if k in cell}))
     for c in record["comparisons"]:
         rows.append(("crossing", f"{c['stack']}|{c['a']}~{c['b']}", _comparison_metrics(c), {}))
     return rows

@@ -74,14 +74,15 @@ class TransplantSpec:
 
 
 def parse_transplant(text: str) -> TransplantSpec:
-    """`live<-prefill`, `prefill<-live:keys`, `live<-prefill:layers=0-4+values`."""
-    match = re.fullmatch(r"\s*([\w:-]+?)\s*<-\s*([\w:-]+?)(?::([\w=+-]+))?\s*", text)
-    if not match:
+    """`live<-prefill`, `prefill<-live:keys`, `live<-chunked:16:layers=0-4+values`."""
+    recipient, arrow, rest = text.strip().partition("<-")
+    match = re.fullmatch(r"((?:chunked|batched):\d+|[\w-]+)(?::([\w=+-]+))?", rest.strip())
+    if not arrow or not match or not recipient.strip():
         raise ProtocolError(f"bad transplant {text!r}; expected RECIPIENT<-DONOR[:SELECTION], "
                             f"selection: {kv.SELECTION_HELP}")
-    recipient, donor = (parse_construction(match[i]).label for i in (1, 2))
+    recipient, donor = parse_construction(recipient).label, parse_construction(match[1]).label
     try:
-        selection = kv.parse_selection(match[3] or "all")
+        selection = kv.parse_selection(match[2] or "all")
     except ValueError as err:
         raise ProtocolError(str(err)) from None
     return TransplantSpec(recipient, donor, selection)
@@ -191,7 +192,7 @@ def run_transplant(module, spec: TransplantSpec, arms: dict[str, Arm], prompt_le
     recipient, donor = arms[spec.recipient], arms[spec.donor]
     out = {"label": spec.label, "recipient": spec.recipient, "donor": spec.donor,
            "selection": spec.selection.label,
-           "control": recipient.suffix.tokens == donor.suffix.tokens}
+           "recipient_equals_donor": recipient.suffix.tokens == donor.suffix.tokens}
     if kv.compare_logits(recipient.state.logits, donor.state.logits)["argmax_agree"] is False:
         return {**out, "outcome": "boundary", "suffix": None, "forward_calls": 0}
     state = kv.transplant(recipient.state, donor.state, spec.selection, prompt_length)
@@ -219,10 +220,13 @@ class ItemPlan:
     arms: tuple[str, ...] = ("live", "prefill", "incremental")
     replicas: tuple[str, ...] = ()
     transplants: tuple[TransplantSpec, ...] = ()
+    transplant_rows: str = "all"   # "divergent": only where recipient and donor suffixes differ
 
     def __post_init__(self) -> None:
         if self.B < 1 or self.S < 1:
             raise ProtocolError(f"B and S must be positive (got B={self.B}, S={self.S})")
+        if self.transplant_rows not in ("all", "divergent"):
+            raise ProtocolError(f"transplant_rows {self.transplant_rows!r}; valid: all, divergent")
         arms = [parse_construction(a).label for a in self.arms]
         for spec in self.transplants:
             arms += [spec.recipient, spec.donor]
@@ -269,9 +273,14 @@ def run_item(model, stack, item, plan: ItemPlan, matcher=None) -> dict:
         for label in plan.replicas:
             replica = build_arm(module, parse_construction(label), prompt, prefix, plan.S, eos)
             replica.label = label + "'"
-            record["comparisons"].append(compare_arms(arms[label], replica, "replica"))
+            comparison = compare_arms(arms[label], replica, "replica")
+            comparison["replica_fingerprints"] = _fingerprints(replica)
+            record["comparisons"].append(comparison)
             spent.append(replica)
         for spec in plan.transplants:
+            same = arms[spec.recipient].suffix.tokens == arms[spec.donor].suffix.tokens
+            if plan.transplant_rows == "divergent" and same:
+                continue   # an exact row outside the control sample: no forward calls spent
             record["transplants"].append(run_transplant(module, spec, arms, len(prompt),
                                                         plan.S, eos))
     record["status"] = "ok"
@@ -280,6 +289,12 @@ def run_item(model, stack, item, plan: ItemPlan, matcher=None) -> dict:
     record["arms"] = {label: arm.record(codec, len(prompt), item.answer, matcher)
                       for label, arm in arms.items()}
     return _finish(record, spent, start)
+
+
+def _fingerprints(arm: Arm) -> dict:
+    return {"cache_sha": kv.sha_cache(arm.state), "logits_sha": kv.sha_tensor(arm.state.logits),
+            "suffix_sha": kv.sha_ids(arm.suffix.tokens),
+            "prefix_sha": kv.sha_ids(arm.state.prefix)}
 
 
 def _finish(record: dict, arms: list[Arm], start: float) -> dict:
@@ -304,7 +319,8 @@ def run_crossing(model, item, reference, stacks, B: int, S: int,
     ItemPlan(B, S).check_fits(len(prompt), model.context_length)
     with reference.activate(model) as module:
         live = run_live(module, prompt, B, S, eos)
-    out = {"item": item.id, "reference": reference.describe(), "B": B, "S": S, "cells": {},
+    out = {"item": {"id": item.id, "prompt": item.prompt, "answer": item.answer},
+           "reference": reference.describe(), "B": B, "S": S, "cells": {},
            "comparisons": []}
     if live.state is None:
         return {**out, "status": "short"}
@@ -322,8 +338,7 @@ def run_crossing(model, item, reference, stacks, B: int, S: int,
         comparison["stack"] = stack.label
         out["comparisons"].append(comparison)
     for key, arm in cells.items():
-        out["cells"][key] = {"prefix_sha": kv.sha_ids(arm.state.prefix),
-                             "suffix": arm.suffix.tokens, "suffix_sha": kv.sha_ids(arm.suffix.tokens),
+        out["cells"][key] = {**_fingerprints(arm), "suffix": arm.suffix.tokens,
                              "same_as_reference_live": arm.suffix.tokens == live.suffix.tokens,
                              "forward_calls": arm.forward_calls, "wall_s": arm.wall_s}
     return out

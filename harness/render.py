@@ -77,7 +77,8 @@ def item_text(record: dict, codec) -> str:
     if record["transplants"]:
         lines += ["", "transplants (recipient <- donor)"]
         for t in record["transplants"]:
-            note = "  (control: recipient and donor suffixes agree)" if t["control"] else ""
+            note = ("  (recipient and donor suffixes agree)" if t["recipient_equals_donor"]
+                    else "")
             lines.append(f"  {t['label']:<32} {t['outcome']}{note}")
     if "crossing" in record:
         lines += ["", "precision crossing (P frozen from this stack's live run)"]

@@ -137,7 +137,7 @@ def _transplants(ok: list, controls: set[int]) -> dict:
     out: dict[str, dict] = {}
     for u in ok:
         for t in u.record["transplants"]:
-            role = ("divergent" if not t["control"] else
+            role = ("divergent" if not t["recipient_equals_donor"] else
                     "control" if u.item_index in controls else "unsampled")
             entry = out.setdefault(t["label"], {r: Counter() for r in ROLES})
             entry[role][t["outcome"]] += 1
@@ -150,7 +150,7 @@ def _transplants(ok: list, controls: set[int]) -> dict:
 def _crossing(units: list) -> dict:
     ok = [u.record for u in units if u.record["status"] == "ok"]
     out = {"reference": units[0].record["reference"]["label"], "items": len(units),
-           "ok": len(ok), "short": [u.record["item"] for u in units
+           "ok": len(ok), "short": [u.record["item"]["id"] for u in units
                                     if u.record["status"] == "short"],
            "cells": {}, "within": {}}
     keys = list(ok[0]["cells"]) if ok else []

@@ -28,7 +28,7 @@ def item_record(suffix=(1, 2, 3), cache="c0") -> dict:
                              "prefix_identical": True, "suffix": same},
                             {"a": "prefill", "b": "prefill'", "kind": "replica",
                              "prefix_identical": True, "suffix": same}],
-            "transplants": [{"label": "live<-prefill:all", "control": True,
+            "transplants": [{"label": "live<-prefill:all", "recipient_equals_donor": True,
                              "outcome": "recipient", "suffix_sha": "t"}]}
 
 

@@ -203,3 +203,20 @@ def test_our_calls_raise_no_warnings_on_this_transformers():
         run_item(tiny(), Stack("sdpa", "bf16"), PROMPT,
                  ItemPlan(4, 4, arms=("live", "prefill", "batched:2", "chunked:2")))
     assert [str(w.message) for w in caught] == []
+
+
+def test_transplant_parsing_takes_chunked_and_batched_donors():
+    spec = parse_transplant("live<-chunked:16")
+    assert (spec.recipient, spec.donor, spec.selection.label) == ("live", "chunked:16", "all")
+    spec = parse_transplant("batched:2<-chunked:4:layers=0-2+values")
+    assert (spec.recipient, spec.donor) == ("batched:2", "chunked:4")
+    assert spec.selection.label == "layers=0-2+values"
+
+
+def test_divergent_only_transplants_skip_exact_rows():
+    plan = ItemPlan(6, 6, arms=("live", "incremental"),
+                    transplants=(parse_transplant("live<-incremental"),),
+                    transplant_rows="divergent")
+    record = run_item(tiny(), Stack("sdpa", "fp32"), PROMPT, plan)
+    assert record["arms"]["live"]["suffix"] == record["arms"]["incremental"]["suffix"]
+    assert record["transplants"] == []

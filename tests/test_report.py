@@ -39,7 +39,7 @@ def record(index, live_right, prefill_right, first, bad_layer, d_k, d_v, replica
                            comparison("prefill", "prefill'", "replica", replica_first)],
            "transplants": []}
     if transplant:
-        out["transplants"].append({"label": "live<-prefill:all", "control": first is None,
+        out["transplants"].append({"label": "live<-prefill:all", "recipient_equals_donor": first is None,
                                    "outcome": transplant})
     return StoredUnit(index, f"i{index}", STACK, "ok", out, "k")
 
