@@ -27,3 +27,13 @@ test: install
 .PHONY: bench
 bench: install
 	$(BIN)/kvfid run default --db reports/ledger.sqlite --report
+
+# The one prepared GPU script: GPU tests, kernel comparison, speed benches, a 32-item fidelity run
+# of cases/gpu-qwen2.5-shape.toml. Uses the machine's own packages (no install, no network);
+# results land flat in $OUT (or ./gpu-check-out). `gpu-check-dry-run` rehearses it on CPU.
+.PHONY: gpu-check gpu-check-dry-run
+gpu-check:
+	PYTHONPATH=. $(PY) -m harness.gpu_check
+
+gpu-check-dry-run: install
+	$(BIN)/python -m harness.gpu_check --dry-run --out gpu-check-out

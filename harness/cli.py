@@ -46,6 +46,19 @@ def models(fmt: str) -> None:
 
 
 @main.command()
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
+def env(fmt: str) -> None:
+    """Print the environment record (GPUs through NVML, versions, CPU, git) and its key."""
+    from harness import envinfo
+
+    record = envinfo.collect()
+    if fmt == "json":
+        click.echo(json.dumps({**record, "key": envinfo.environment_key(record)}, indent=1))
+    else:
+        click.echo(envinfo.describe(record))
+
+
+@main.command()
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
               help=f"A preset ({', '.join(model_names())}).")
 @click.option("--prompt", help="The prompt text (a one-turn chat).")
@@ -172,8 +185,11 @@ def _run_of(ledger, run_id: str):
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def run(case_path, item_count, db, resume, run_id, shard, write_report, quiet) -> None:
     """Run a case (a TOML file, or `default`: the GPU case with CUDA, else the CPU one) into the
-    ledger; prints the run id and the headline table."""
-    from harness import matrix, report
+    ledger; prints the run id and the headline table.
+
+    Under `torchrun --nproc-per-node N -m harness.cli run CASE`, each rank runs its shard of
+    the items into one run and rank 0 closes it and prints the headline."""
+    from harness import distributed, matrix, report
     from harness.case import CaseError, load_case
     from harness.ledger import LedgerError
 
@@ -185,9 +201,18 @@ def run(case_path, item_count, db, resume, run_id, shard, write_report, quiet) -
     except (CaseError, ValueError) as err:
         _usage(str(err))
     path = _db_path(db)
+    ranked = distributed.torchrun_rank()
+    if ranked and (resume or shard != "0/1"):
+        _usage("under torchrun each rank takes its shard itself; drop --shard/--resume")
     try:
-        result = matrix.run_case(case, path, items=item_count, run_id=run_id, resume=resume,
-                                 shard=shard_spec, progress=not quiet)
+        if ranked:
+            result = distributed.run_ranked(case, path, ranked, items=item_count, run_id=run_id,
+                                            progress=not quiet)
+            if ranked.rank != 0:
+                return
+        else:
+            result = matrix.run_case(case, path, items=item_count, run_id=run_id,
+                                     resume=resume, shard=shard_spec, progress=not quiet)
     except (CaseError, LedgerError, ProtocolError) as err:
         _usage(str(err))
     except matrix.EnvironmentUnavailable as err:

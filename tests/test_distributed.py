@@ -1,0 +1,33 @@
+"""torchrun: two CPU ranks share the smoke case and land in one run equal to a single process."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from harness.ledger import Ledger
+from harness.case import load_case
+from harness.matrix import run_case
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_two_torchrun_ranks_equal_a_single_process(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "-m", "harness.cli", "run", "cases/smoke.toml",
+                "--db", str(tmp_path / "ranks.sqlite"), "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(torchrun, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    single = run_case(load_case(ROOT / "cases/smoke.toml"), tmp_path / "one.sqlite",
+                      progress=False)
+    with Ledger(tmp_path / "ranks.sqlite") as ledger:
+        (run, count), = ledger.runs()
+        assert run.status == "finished" and count == single.planned
+        ranked = ledger.stored_fingerprints(run.id)
+    with Ledger(tmp_path / "one.sqlite") as ledger:
+        alone = ledger.stored_fingerprints(single.run_id)
+    assert set(ranked) == set(alone)
+    for unit, prints in alone.items():
+        assert ranked[unit] == prints, unit
