@@ -253,6 +253,8 @@ def run_item(model, stack, item, plan: ItemPlan, matcher=None) -> dict:
               "model": model.name, "stack": stack.describe(), "B": plan.B, "S": plan.S,
               "prompt_length": len(prompt), "arms": {}, "comparisons": [], "transplants": []}
     with stack.activate(model) as module:
+        # Casting the model to this stack's dtype (once per process) is set-up, not protocol.
+        record["setup_s"], start = time.perf_counter() - start, time.perf_counter()
         live = run_live(module, prompt, plan.B, plan.S, eos)
         if live.state is None:
             record.update(status="short", arms={"live": {

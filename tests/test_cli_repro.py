@@ -11,7 +11,7 @@ from harness.protocol import ItemPlan, parse_transplant, run_item
 from protocol_fixtures import tiny
 from harness.items import Item, match_answer
 
-TIMING_KEYS = {"wall_s", "forward_s", "overhead"}
+TIMING_KEYS = {"wall_s", "forward_s", "overhead", "setup_s"}
 
 
 def strip_timing(value):
