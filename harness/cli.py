@@ -59,6 +59,64 @@ def env(fmt: str) -> None:
 
 
 @main.command()
+@click.option("--dtypes", default="bf16,fp32", show_default=True,
+              help=f"Comma-separated: {', '.join(DTYPES)}.")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--quick", is_flag=True, help="Small shapes and a few batch sizes (seconds).")
+@click.option("--threads", type=int, default=1, show_default=True,
+              help="torch threads (stock CPU results depend on it).")
+@click.option("--out", type=click.Path(file_okay=False),
+              help="Also write kernels.json and kernels.md into OUT/<environment key>/.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
+def kernels(dtypes, device, quick, threads, out, fmt) -> None:
+    """Bitwise batch-invariance and prefill-vs-decode verdicts for every op and implementation;
+    exit 1 if an implementation that claims invariance is not invariant."""
+    import torch
+
+    from harness import invariance
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        result = invariance.compare_kernels(tuple(d for d in dtypes.split(",") if d), device,
+                                            quick, threads=threads,
+                                            progress=lambda m: click.echo(m, err=True))
+    except ValueError as err:
+        _usage(str(err))
+    except EnvironmentError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(EXIT_ENVIRONMENT)
+    table = invariance.render_table(result)
+    if out:
+        from pathlib import Path
+
+        folder = Path(out) / result["environment_key"]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "kernels.json").write_text(json.dumps(result, indent=1))
+        (folder / "kernels.md").write_text(table + "\n")
+        click.echo(f"kernels: {folder / 'kernels.md'}", err=True)
+    click.echo(json.dumps(result, indent=1) if fmt == "json" else table)
+    sys.exit(0 if result["ok"] else EXIT_VERDICT)
+
+
+@main.command(name="bench-report")
+@click.argument("bench_json", type=click.Path(exists=True, dir_okay=False))
+@click.option("--reports", default="reports", show_default=True, type=click.Path(file_okay=False))
+@click.option("--threshold", type=float, default=0.10, show_default=True,
+              help="A median slower by more than this fraction is a regression.")
+def bench_report(bench_json, reports, threshold) -> None:
+    """File a pytest-benchmark JSON under reports/<environment key>/bench/ and compare its
+    medians with the previous result of the same key; exit 1 on a regression."""
+    from harness import benchreport
+
+    saved = benchreport.save_bench(bench_json, reports)
+    previous = benchreport.latest_previous(saved.parent, exclude=saved)
+    comparison = benchreport.compare_bench(saved, previous, threshold)
+    click.echo(f"bench: {saved}", err=True)
+    click.echo(benchreport.render_bench(comparison))
+    sys.exit(0 if comparison["ok"] else EXIT_VERDICT)
+
+
+@main.command()
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
               help=f"A preset ({', '.join(model_names())}).")
 @click.option("--prompt", help="The prompt text (a one-turn chat).")

@@ -1,114 +1,192 @@
-"""Kernel benchmarks (pytest-benchmark): `pytest tests/bench --benchmark-only`, not `make test`.
+"""Kernel speed benchmarks: `pytest tests/bench --benchmark-only --benchmark-json=PATH`.
 
-Cases are data (the tables below); the timer is pytest-benchmark's. On a machine without CUDA the
-Triton kernels run in the interpreter, so these numbers say what a CPU harness run costs, not what
-the kernels cost on a GPU. Each result records its environment in `extra_info`. Outside a
-`--benchmark-only` run (e.g. `pytest tests`) the module skips itself, to keep the test budget.
+Cases are data (CPU_CASES, GPU_CASES below; the GPU table is chosen when CUDA is available); each
+case runs every implementation harness.invariance registers for its op (stock torch, SDPA and
+eager as transformers calls them, the Triton kernels, the batch-invariant modes), so the speed
+table and the invariance table describe the same functions. The timer is pytest-benchmark's with
+a device-aware clock: `time.perf_counter` on CPU; on CUDA the clock synchronizes the device first,
+so a round of `iterations` launches is timed from an idle GPU to an idle GPU. On CUDA,
+`triton.testing.do_bench`'s median (L2 flushed between launches) goes into `extra_info` beside it.
+On a machine without CUDA the Triton kernels run in the interpreter: those numbers say what a CPU
+harness run costs, not what the kernels cost on a GPU. Each result carries its bytes, FLOPs and
+achieved GB/s or GFLOP/s (from the median) in `extra_info`; the environment is in machine_info.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-import platform
+import time
+from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kernels  # noqa: F401  (selects the Triton interpreter without CUDA)
-import triton
-from kernels.attention import attention
-from kernels.matmul import matmul
+from harness.invariance import DTYPES, IMPLEMENTATIONS
 from kernels.mode import set_batch_invariant_mode
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-# SmolLM2-135M attention: 9 query heads, 3 KV heads, head dim 64; a decode step over ~128 keys.
-DECODE = dict(n_q_heads=9, n_kv_heads=3, head_dim=64, context=128)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MATMUL_SHAPES = [(1, 576, 576), (1, 576, 1536), (16, 576, 576)]  # (M, K, N): decode and a small chunk
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 
-@pytest.fixture(autouse=True)
-def _only_when_benchmarking(request):
-    if not request.config.getoption("benchmark_only", default=False):
-        pytest.skip("benchmarks run with --benchmark-only")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
-def environment() -> dict:
-    return {"device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else cpu_model(),
-            "torch": torch.__version__, "triton": triton.__version__,
-            "threads": torch.get_num_threads(), "interpreter": DEVICE.type != "cuda"}
-
-
-def sync():
-    if DEVICE.type == "cuda":
+def device_clock() -> float:
+    """Seconds; on CUDA after the queued work is done, so a round's time is the GPU's."""
+    if CUDA:
         torch.cuda.synchronize()
+    return time.perf_counter()
 
 
-def run(benchmark, fn, rounds: int):
-    benchmark.extra_info.update(environment())
-    benchmark.pedantic(lambda: (fn(), sync()), rounds=rounds, iterations=1, warmup_rounds=1)
+pytestmark = pytest.mark.benchmark(timer=device_clock)
 
 
-# ---- attention: one decode step ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """One op at one shape and dtype. Attention: batch, n_q_heads, n_kv_heads, head_dim, q_len,
+    kv_len. Row ops: rows x width (matmul: [rows, width] @ [width, out])."""
 
-def decode_inputs(dtype):
+    op: str
+    phase: str  # "decode" or "prefill"
+    dtype: str
+    batch: int = 1
+    n_q_heads: int = 0
+    n_kv_heads: int = 0
+    head_dim: int = 0
+    q_len: int = 0
+    kv_len: int = 0
+    rows: int = 0
+    width: int = 0
+    out: int = 0
+    skip_impls: tuple[str, ...] = ()  # too slow at this shape to be worth timing
+
+    @property
+    def id(self) -> str:
+        if self.op.startswith("attention"):  # the op names the phase
+            return (f"{self.op}-B{self.batch}-Hq{self.n_q_heads}-Hkv{self.n_kv_heads}-D{self.head_dim}"
+                    f"-q{self.q_len}-kv{self.kv_len}-{self.dtype}")
+        shape = f"M{self.rows}-K{self.width}" + (f"-N{self.out}" if self.out else "")
+        return f"{self.op}-{self.phase}-{shape}-{self.dtype}"
+
+
+def _attention(phase, dtype, batch, heads, context, **extra):
+    n_q, n_kv, dim = heads
+    q_len = 1 if phase == "decode" else context
+    return Case(f"attention-{phase}", phase, dtype, batch=batch, n_q_heads=n_q, n_kv_heads=n_kv,
+                head_dim=dim, q_len=q_len, kv_len=context, **extra)
+
+
+def _row_ops(dtype, rows_by_phase, hidden, matmul_out, softmax_width, log_softmax_width, **extra):
+    cases = []
+    for phase, rows in rows_by_phase.items():
+        cases += [Case("matmul", phase, dtype, rows=rows, width=hidden, out=matmul_out, **extra),
+                  Case("rms-norm", phase, dtype, rows=rows, width=hidden, **extra),
+                  Case("softmax", phase, dtype, rows=rows, width=softmax_width, **extra),
+                  Case("log-softmax", phase, dtype, rows=rows, width=log_softmax_width, **extra)]
+    return cases
+
+
+SMOLLM2 = (9, 3, 64)
+# CPU: SmolLM2-135M shapes, small enough for the Triton interpreter (the suite takes 1-2 minutes).
+CPU_CASES = [
+    case
+    for dtype in ("fp32", "bf16")
+    for case in [_attention("decode", dtype, 1, SMOLLM2, 256), _attention("prefill", dtype, 1, SMOLLM2, 64),
+                 *_row_ops(dtype, {"decode": 1, "prefill": 64}, 576, 576, 2048, 4096)]
+]
+# GPU: decode at batch 1 and 32 over 1k and 8k keys, Qwen2.5-like (14/2 heads, dim 64) and
+# Llama-like (32/8, dim 128); prefill of 2k tokens; matmul M = 1 .. 2048 at 4096 x 4096.
+_ROWWISE_SLOW = ("eager+rowwise-mode", "rowwise-mode")  # a kernel launch per row at 2k rows x heads
+GPU_CASES = [
+    *(_attention("decode", "bf16", batch, heads, context)
+      for heads in ((14, 2, 64), (32, 8, 128)) for batch in (1, 32) for context in (1024, 8192)),
+    *(_attention("prefill", "bf16", 1, heads, 2048, skip_impls=_ROWWISE_SLOW)
+      for heads in ((14, 2, 64), (32, 8, 128))),
+    *(Case("matmul", "decode" if m <= 32 else "prefill", "bf16", rows=m, width=4096, out=4096)
+      for m in (1, 16, 256, 2048)),
+    *(case for case in _row_ops("bf16", {"decode": 32}, 4096, 4096, 8192, 32768)
+      if case.op != "matmul"),
+    *(case for case in _row_ops("bf16", {"prefill": 2048}, 4096, 4096, 8192, 32768,
+                                skip_impls=("rowwise-mode",))
+      if case.op != "matmul"),
+]
+CASES = GPU_CASES if CUDA else CPU_CASES
+
+PARAMS = [pytest.param(case, impl, id=f"{case.id}-{impl.name}")
+          for case in CASES for impl in IMPLEMENTATIONS.values()
+          if impl.op == case.op and impl.name not in case.skip_impls and (CUDA or not impl.cpu_skip)]
+
+
+# ---- inputs and work per case ------------------------------------------------------------------
+
+def inputs(case: Case) -> tuple:
+    """The op's arguments, on DEVICE in the case's dtype."""
     gen = torch.Generator().manual_seed(0)
-    shape = DECODE
-    q = torch.randn(1, shape["n_q_heads"], 1, shape["head_dim"], generator=gen)
-    k, v = (torch.randn(1, shape["n_kv_heads"], shape["context"], shape["head_dim"], generator=gen)
-            for _ in range(2))
-    return [t.to(dtype).to(DEVICE) for t in (q, k, v)]
+    dtype = DTYPES[case.dtype]
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
+
+    if case.op.startswith("attention"):
+        return (randn(case.batch, case.n_q_heads, case.q_len, case.head_dim),
+                randn(case.batch, case.n_kv_heads, case.kv_len, case.head_dim),
+                randn(case.batch, case.n_kv_heads, case.kv_len, case.head_dim))
+    if case.op == "matmul":
+        return randn(case.rows, case.width), randn(case.out, case.width, scale=case.width ** -0.5)
+    if case.op == "rms-norm":
+        return randn(case.rows, case.width), 1 + 0.1 * randn(case.width), 1e-5
+    return (randn(case.rows, case.width, scale=3.0),)
 
 
-def eager_decode(q, k, v):
-    """transformers' eager attention for one query: repeat KV heads, matmul, softmax, matmul."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(q.shape[-1])
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+def work(case: Case) -> tuple[int, int]:
+    """(bytes an ideal kernel moves, floating-point operations) for one call."""
+    size = DTYPES[case.dtype].itemsize
+    if case.op.startswith("attention"):
+        q_bytes = case.batch * case.n_q_heads * case.q_len * case.head_dim * size
+        kv_bytes = 2 * case.batch * case.n_kv_heads * case.kv_len * case.head_dim * size
+        # (query, key) pairs a causal mask lets through when the queries are the last q_len keys
+        pairs = case.q_len * (case.kv_len - case.q_len) + case.q_len * (case.q_len + 1) // 2
+        return 2 * q_bytes + kv_bytes, 4 * case.batch * case.n_q_heads * pairs * case.head_dim
+    if case.op == "matmul":
+        m, k, n = case.rows, case.width, case.out
+        return (m * k + k * n + m * n) * size, 2 * m * n * k
+    if case.op == "rms-norm":
+        return (2 * case.rows * case.width + case.width) * size, 4 * case.rows * case.width
+    return 2 * case.rows * case.width * size, 4 * case.rows * case.width
 
 
-ATTENTION = {
-    "triton": lambda q, k, v: attention(q, k, v),
-    "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-    "eager": eager_decode,
-}
+def schedule(fn, budget_s: float) -> tuple[int, int]:
+    """(rounds, iterations): a round lasts at least 1 ms; about `budget_s` in all, 5 rounds at least."""
+    fn()  # warm-up: Triton compiles (GPU) or builds its interpreter state, caches fill
+    start = device_clock()
+    fn()
+    once = max(device_clock() - start, 1e-7)
+    iterations = max(1, math.ceil(1e-3 / once))
+    rounds = max(5, min(50, int(budget_s / (once * iterations))))
+    return rounds, iterations
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("impl", ATTENTION)
-def test_bench_attention_decode_step(benchmark, impl, dtype):
-    benchmark.group = f"attention decode step, SmolLM2 shape, context {DECODE['context']}, {dtype}"
-    q, k, v = decode_inputs(DTYPES[dtype])
-    run(benchmark, lambda: ATTENTION[impl](q, k, v), rounds=10 if impl == "triton" else 50)
+@pytest.mark.parametrize("case,impl", PARAMS)
+def test_bench(benchmark, case, impl):
+    benchmark.group = case.id
+    args = inputs(case)
+    mode = contextlib.nullcontext() if impl.mode is None else set_batch_invariant_mode(impl=impl.mode)
+    with mode, torch.inference_mode():  # the mode is entered once, outside the timer
+        rounds, iterations = schedule(lambda: impl.run(*args), budget_s=0.3 if CUDA else 1.0)
+        benchmark.pedantic(impl.run, args=args, rounds=rounds, iterations=iterations)
+        do_bench_ms = None
+        if CUDA:
+            import triton.testing
 
-
-# ---- matmul ------------------------------------------------------------------------------------
-
-MATMUL = {  # name -> (function, batch-invariant mode it runs under, or None)
-    "triton": (lambda a, w: matmul(a, w.t()), None),
-    "torch.mm": (lambda a, w: torch.mm(a, w.t()), None),
-    "rowwise-mode": (lambda a, w: F.linear(a, w), "rowwise"),  # mode entered once, outside the timer
-}
-
-
-@pytest.mark.parametrize("shape", MATMUL_SHAPES, ids=lambda s: "M{}-K{}-N{}".format(*s))
-@pytest.mark.parametrize("impl", MATMUL)
-def test_bench_matmul(benchmark, impl, shape):
-    m, k, n = shape
-    benchmark.group = f"matmul fp32 M={m} K={k} N={n}"
-    gen = torch.Generator().manual_seed(0)
-    a, w = torch.randn(m, k, generator=gen).to(DEVICE), torch.randn(n, k, generator=gen).to(DEVICE)
-    fn, mode = MATMUL[impl]
-    with set_batch_invariant_mode(enabled=mode is not None, impl=mode or "triton"):
-        run(benchmark, lambda: fn(a, w), rounds=10 if impl == "triton" else 50)
+            do_bench_ms = triton.testing.do_bench(lambda: impl.run(*args), warmup=10, rep=50,
+                                                  return_mode="median")
+    median = benchmark.stats.stats.median
+    moved, flops = work(case)
+    benchmark.extra_info.update({
+        "op": case.op, "phase": case.phase, "impl": impl.name, "dtype": case.dtype,
+        "mode": impl.mode, "device": str(DEVICE), "interpreter": kernels.interpreting(),
+        "threads": torch.get_num_threads(),
+        "timer": "perf_counter after cuda.synchronize" if CUDA else "perf_counter",
+        "bytes": moved, "flops": flops,
+        "gbps": moved / median / 1e9, "gflops": flops / median / 1e9,
+        "do_bench_median_ms": do_bench_ms,
+    })

@@ -1,0 +1,116 @@
+"""harness.benchreport: filing pytest-benchmark results per environment, comparing medians."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.benchreport import (MACHINE_INFO_KEY, compare_bench, latest_previous, render_bench,
+                                 save_bench)
+
+KEY = "cpu-Test-CPU/none/none/2.13.0+cpu/3.9.0"
+
+
+def bench_json(medians: dict[str, float], when="2026-01-02T03:04:05.000006+00:00", key=KEY) -> dict:
+    """A minimal pytest-benchmark result: one benchmark per name with the given median (s)."""
+    return {
+        "machine_info": {"node": "test", MACHINE_INFO_KEY: {"environment": {}, "environment_key": key}},
+        "commit_info": {},
+        "datetime": when,
+        "version": "5.3.1",
+        "benchmarks": [
+            {"group": "g", "name": f"test_bench[{name}]",
+             "fullname": f"tests/bench/test_bench_kernels.py::test_bench[{name}]",
+             "params": {}, "param": name, "extra_info": {"gbps": 2.0},
+             "options": {}, "stats": {"min": median * 0.9, "max": median * 1.5, "mean": median * 1.1,
+                                      "median": median, "rounds": 5, "iterations": 1}}
+            for name, median in medians.items()],
+    }
+
+
+def write(path, data):
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+def by_name(comparison):
+    return {row["name"]: row for row in comparison["rows"]}
+
+
+def test_regression_is_a_median_slower_by_more_than_the_threshold():
+    previous = bench_json({"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0, "gone": 1.0})
+    new = bench_json({"a": 1.10, "b": 1.11, "c": 0.5, "d": 0.95, "added": 3.0})
+    comparison = compare_bench(new, previous)
+    rows = by_name(comparison)
+    assert rows["test_bench[a]"]["status"] == "unchanged"  # exactly +10% is not over 10%
+    assert rows["test_bench[b]"]["status"] == "regression"
+    assert rows["test_bench[b]"]["ratio"] == pytest.approx(1.11)
+    assert rows["test_bench[c]"]["status"] == "improvement"
+    assert rows["test_bench[d]"]["status"] == "unchanged"
+    assert rows["test_bench[added]"]["status"] == "new" and rows["test_bench[added]"]["ratio"] is None
+    assert comparison["removed"] == ["test_bench[gone]"]
+    assert comparison["regressions"] == ["test_bench[b]"]
+    assert comparison["ok"] is False
+    assert comparison["same_environment"] is True
+
+
+def test_only_the_median_counts():
+    """A slower mean or max with the same median is not a regression."""
+    previous = bench_json({"a": 1.0})
+    new = bench_json({"a": 1.0})
+    new["benchmarks"][0]["stats"].update(mean=5.0, max=50.0)
+    assert compare_bench(new, previous)["ok"] is True
+
+
+def test_threshold_is_a_parameter():
+    previous, new = bench_json({"a": 1.0}), bench_json({"a": 1.04})
+    assert compare_bench(new, previous)["ok"] is True
+    assert compare_bench(new, previous, threshold=0.03)["regressions"] == ["test_bench[a]"]
+    with pytest.raises(ValueError):
+        compare_bench(new, previous, threshold=-0.1)
+
+
+def test_first_run_has_no_baseline_and_is_ok():
+    comparison = compare_bench(bench_json({"a": 1.0}), None)
+    assert comparison["ok"] is True and comparison["previous"] is None
+    assert by_name(comparison)["test_bench[a]"]["status"] == "new"
+    assert "first run" in render_bench(comparison)
+
+
+def test_another_environment_is_said_in_the_report():
+    comparison = compare_bench(bench_json({"a": 1.0}), bench_json({"a": 1.0}, key="NVIDIA-H100/x/y/z/w"))
+    assert comparison["same_environment"] is False
+    assert "ANOTHER environment" in render_bench(comparison)
+
+
+def test_save_files_by_environment_key_and_timestamp_and_finds_the_previous(tmp_path):
+    reports = tmp_path / "reports"
+    first = save_bench(write(tmp_path / "one.json", bench_json({"a": 1.0})), reports_dir=reports)
+    later = "2026-01-02T04:00:00+00:00"
+    second = save_bench(write(tmp_path / "two.json", bench_json({"a": 1.2}, when=later)), reports_dir=reports)
+    same_second = save_bench(write(tmp_path / "three.json", bench_json({"a": 1.3}, when=later)),
+                             reports_dir=reports)
+    assert first == reports / KEY / "bench" / "20260102T030405Z.json"
+    assert second.name == "20260102T040000Z.json" and same_second.name == "20260102T040000Z-2.json"
+    assert json.loads(first.read_text())["benchmarks"][0]["stats"]["median"] == 1.0  # a copy
+    key_dir = reports / KEY
+    assert latest_previous(key_dir, exclude=same_second) == second
+    assert latest_previous(key_dir / "bench", exclude=second) == same_second
+    assert latest_previous(key_dir) == same_second
+    assert latest_previous(tmp_path / "nowhere") is None
+    comparison = compare_bench(same_second, latest_previous(key_dir, exclude=same_second))
+    row = by_name(comparison)["test_bench[a]"]
+    assert row["ratio"] == pytest.approx(1.3 / 1.2) and row["status"] == "unchanged"  # +8% < 10%
+    assert comparison["previous"]["path"] == str(second)
+
+
+def test_render_marks_regressions_and_rates():
+    text = render_bench(compare_bench(bench_json({"a": 2e-3}), bench_json({"a": 1e-3})))
+    assert "| test_bench[a] | g | 2 ms | 1 ms | 2.00 | 2 GB/s | **REGRESSION** |" in text
+    assert "1 regression(s): test_bench[a]" in text
+
+
+def test_not_a_benchmark_file_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="pytest-benchmark"):
+        save_bench(write(tmp_path / "x.json", {"rows": []}), reports_dir=tmp_path)

@@ -1,0 +1,133 @@
+"""harness.invariance: the kernel comparison's table, verdicts, negative controls, and that it can fail."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from harness import invariance
+from harness.invariance import IMPLEMENTATIONS, OPS, bits_equal, compare_kernels, render_table
+
+# The comparison runs on CPU tensors; Triton takes them only through its interpreter (always set
+# without CUDA, and by `make test`).
+needs_interpreter = pytest.mark.skipif(not kernels.interpreting(), reason="needs TRITON_INTERPRET=1")
+
+
+@pytest.fixture(scope="module")
+def quick():
+    """One quick CPU comparison (small shapes, every op and implementation, bf16 and fp32), shared."""
+    return compare_kernels(dtypes=("bf16", "fp32"), device="cpu", quick=True, threads=1)
+
+
+def rows_of(result, op=None, impl=None, dtype=None):
+    return [r for r in result["rows"] if (op is None or r["op"] == op)
+            and (impl is None or r["impl"] == impl) and (dtype is None or r["dtype"] == dtype)]
+
+
+def test_every_op_and_implementation_has_a_row_per_dtype(quick):
+    seen = {(r["op"], r["impl"]) for r in quick["rows"]}
+    skipped = {(s["op"], s["impl"]) for s in quick["skipped"]}
+    assert seen | skipped == set(IMPLEMENTATIONS) and not seen & skipped  # nothing left out silently
+    if kernels.interpreting():  # as in `make test`: only the CUDA-only rows are not run on CPU
+        assert skipped == {key for key, impl in IMPLEMENTATIONS.items() if impl.cpu_skip}
+    assert {r["op"] for r in quick["rows"]} == set(OPS)
+    for op, impl in seen:
+        assert sorted(r["dtype"] for r in rows_of(quick, op, impl)) == ["bf16", "fp32"]
+    table = render_table(quick)
+    for r in quick["rows"]:
+        assert f"| {r['op']} | {r['impl']} | {r['dtype']} |" in table
+
+
+@needs_interpreter
+def test_triton_rows_are_invariant_and_the_result_is_ok(quick):
+    triton_rows = [r for r in quick["rows"] if r["impl"] == "triton"]
+    assert len(triton_rows) == 2 * len(OPS)
+    for row in triton_rows:
+        assert row["claims"] == {"batch": True, "sequence": True}
+        assert row["batch"]["invariant"], row
+        assert row["sequence"]["invariant"], row
+    assert all(r["ok"] for r in quick["rows"])
+    assert quick["ok"] is True
+
+
+def test_negative_controls_stock_rows_are_not_all_invariant(quick):
+    """The checks can see a difference: stock fp32 mm differs by batch on this CPU (measured from 2
+    to 7 rows), and SDPA's decode steps differ from its prefill in every dtype."""
+    mm = rows_of(quick, "matmul", "stock", "fp32")[0]
+    assert not mm["batch"]["invariant"]
+    assert mm["batch"]["first_failing_batch"] <= 7
+    assert mm["batch"]["max_abs_diff"] > 0
+    for dtype in ("bf16", "fp32"):
+        sdpa = rows_of(quick, "attention-decode", "sdpa", dtype)[0]
+        assert not sdpa["sequence"]["invariant"]
+        assert sdpa["sequence"]["first_differing_position"] is not None
+    # No claim, no failure: a stock row that is not invariant leaves `ok` alone.
+    assert not mm["claims"]["batch"] and mm["ok"]
+
+
+def test_result_carries_its_environment_and_is_json(quick):
+    assert quick["environment"]["versions"]["torch"] == torch.__version__
+    assert quick["environment_key"].startswith(("cpu", ))
+    assert quick["threads"] == 1
+    assert json.loads(json.dumps(quick))["rows"]
+
+
+@needs_interpreter
+def test_ok_flips_when_a_claiming_implementation_is_not_invariant(monkeypatch):
+    """Swap the Triton matmul for stock F.linear (still claiming invariance): the verdict fails."""
+    key = ("matmul", "triton")
+    monkeypatch.setitem(IMPLEMENTATIONS, key, replace(IMPLEMENTATIONS[key], run=lambda x, w: F.linear(x, w)))
+    result = compare_kernels(dtypes=("fp32",), quick=True, ops=("matmul",), impls=("triton",))
+    (row,) = result["rows"]
+    assert not row["batch"]["invariant"] and not row["ok"]
+    assert result["ok"] is False
+    assert "FAIL" in render_table(result)
+
+
+@needs_interpreter
+def test_sequence_check_fails_for_a_claiming_attention_that_depends_on_length(monkeypatch):
+    """Swap the Triton attention for SDPA (claims kept): decode steps differ from the prefill."""
+    key = ("attention-decode", "triton")
+    monkeypatch.setitem(IMPLEMENTATIONS, key, replace(IMPLEMENTATIONS[key], run=invariance.attention_sdpa))
+    result = compare_kernels(dtypes=("fp32",), quick=True, ops=("attention-decode",), impls=("triton",))
+    (row,) = result["rows"]
+    assert not row["sequence"]["invariant"] and not row["ok"] and result["ok"] is False
+
+
+def test_bits_equal_tells_signed_zeros_apart():
+    a = torch.tensor([0.0, 1.0])
+    assert torch.equal(a, torch.tensor([-0.0, 1.0]))  # why bits, not torch.equal
+    assert not bits_equal(a, torch.tensor([-0.0, 1.0]))
+    assert bits_equal(a.bfloat16(), a.clone().bfloat16())
+    assert not bits_equal(a, a.double())
+
+
+def test_batch_check_reports_first_failing_batch_and_difference():
+    """A fake op whose row 0 changes once the batch reaches 8 rows."""
+    def fake(x):
+        out = x.clone()
+        if x.shape[0] >= 8:
+            out[0] += 0.5
+        return out
+
+    pool = torch.arange(32.0).reshape(16, 2)
+    verdict, alone = invariance.batch_check(fake, [pool], (2, 7, 8, 16), rows=[0, 1, 15])
+    assert not verdict["invariant"]
+    assert verdict["first_failing_batch"] == 8
+    assert verdict["max_abs_diff"] == 0.5
+    assert [f["batch"] for f in verdict["failing"]] == [8, 16]
+    assert set(alone) == {0, 1, 15}
+
+
+def test_unknown_dtype_or_op_is_refused():
+    with pytest.raises(ValueError, match="dtypes"):
+        compare_kernels(dtypes=("fp8",), quick=True)
+    with pytest.raises(ValueError, match="ops"):
+        compare_kernels(quick=True, ops=("conv",))
+    with pytest.raises(ValueError, match="implementations"):
+        compare_kernels(quick=True, impls=("cudnn",))
