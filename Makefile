@@ -21,12 +21,12 @@ $(STAMP): setup.py
 test: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
 
-# Runs the default case (the GPU shape case with CUDA, else SmolLM2 on CPU) into the ledger,
-# with its environment record, writes the report under reports/<environment key>/<run id>/ and
-# prints the headline.
+# Environment record, kernel invariance table, speed benches, the default fidelity case (the GPU
+# shape case with CUDA, else SmolLM2 on CPU) into reports/ledger.sqlite, its report under
+# reports/<environment key>/<run id>/, reports/index.md, and a headline.
 .PHONY: bench
 bench: install
-	$(BIN)/kvfid run default --db reports/ledger.sqlite --report
+	$(BIN)/kvfid bench --reports reports
 
 # The one prepared GPU script: GPU tests, kernel comparison, speed benches, a 32-item fidelity run
 # of cases/gpu-qwen2.5-shape.toml. Uses the machine's own packages (no install, no network);

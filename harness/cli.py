@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import click
 
@@ -96,6 +97,29 @@ def kernels(dtypes, device, quick, threads, out, fmt) -> None:
         click.echo(f"kernels: {folder / 'kernels.md'}", err=True)
     click.echo(json.dumps(result, indent=1) if fmt == "json" else table)
     sys.exit(0 if result["ok"] else EXIT_VERDICT)
+
+
+@main.command()
+@click.option("--reports", default="reports", show_default=True, type=click.Path(file_okay=False))
+@click.option("--db", help="Ledger path (default: REPORTS/ledger.sqlite).")
+@click.option("--case", "case_path", default="default", show_default=True,
+              help="The fidelity case (default: the GPU case with CUDA, else smollm2-cpu).")
+@click.option("--items", type=int, help="Only the first N items of the case.")
+@click.option("--quick", is_flag=True, help="Quick kernel comparison and no speed benches.")
+def bench(reports, db, case_path, items, quick) -> None:
+    """Everything `make bench` does: environment, kernel table, speed benches, the default
+    fidelity case, its report and reports/index.md; exit 1 if a claimed invariance fails."""
+    from harness.bench import run_bench
+
+    start = time.perf_counter()
+    outcome = run_bench(reports, db, case_path, kernels_quick=quick, speed=not quick,
+                        items=items)
+    for name, path in outcome.files.items():
+        click.echo(f"{name}: {path}", err=True)
+    click.echo("\n".join(outcome.lines))
+    steps = ", ".join(f"{k} {v:.0f} s" for k, v in outcome.seconds.items())
+    click.echo(f"bench took {time.perf_counter() - start:.0f} s ({steps})")
+    sys.exit(0 if outcome.invariance_ok else EXIT_VERDICT)
 
 
 @main.command(name="bench-report")
