@@ -313,6 +313,9 @@ def run(case_path, item_count, db, resume, run_id, shard, write_report, quiet) -
         if write_report:
             for name, file in report.write_report(ledger, stored.id).items():
                 click.echo(f"{name}: {file}", err=True)
+            from harness.index import update_index
+
+            click.echo(f"index: {update_index()}", err=True)
 
 
 @main.command()
@@ -388,6 +391,9 @@ def report_command(run_id, db, out) -> None:
         stored = _run_of(ledger, run_id)
         for name, path in report.write_report(ledger, stored.id, out).items():
             click.echo(f"{name}: {path}")
+        from harness.index import update_index
+
+        click.echo(f"index: {update_index(out)}")
 
 
 @main.command()
@@ -409,6 +415,50 @@ def merge(run_ids, db, into) -> None:
         click.echo(f"conflict: item #{index} stack {stack} differs in run {source} "
                    f"(kept the first run's)", err=True)
     sys.exit(EXIT_VERDICT if conflicts else 0)
+
+
+@main.command(name="compare")
+@click.argument("a", metavar="A")
+@click.argument("b", metavar="B")
+@_db_option
+@click.option("--db-a", type=click.Path(dir_okay=False), help="A's ledger (default: --db).")
+@click.option("--db-b", type=click.Path(dir_okay=False), help="B's ledger (default: --db).")
+@click.option("--kernels-a", type=click.Path(exists=True, dir_okay=False),
+              help="A's kernel invariance result (JSON of `kvfid kernels --format json`).")
+@click.option("--kernels-b", type=click.Path(exists=True, dir_okay=False),
+              help="B's kernel invariance result.")
+@click.option("--bench-a", type=click.Path(exists=True, dir_okay=False),
+              help="A's kernel benchmarks (pytest-benchmark JSON).")
+@click.option("--bench-b", type=click.Path(exists=True, dir_okay=False),
+              help="B's kernel benchmarks.")
+@click.option("--reports", default="reports", show_default=True, type=click.Path(file_okay=False),
+              help="Where `kvfid bench` filed kernels.json and bench/*.json per environment key "
+                   "(used for a side whose --kernels/--bench is not given).")
+@click.option("--threshold", type=click.FloatRange(min=0), default=0.10, show_default=True,
+              help="A kernel whose median is slower than A's by more than this fraction regresses.")
+@click.option("--out", type=click.Path(file_okay=False),
+              help="Also write comparison.md, comparison.html and comparison.json here.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
+def compare_command(a, b, db, db_a, db_b, kernels_a, kernels_b, bench_a, bench_b, reports,
+                    threshold, out, fmt) -> None:
+    """What changed from A to B. A and B: run ids (unique prefixes, `latest`) or environment keys
+    (the latest finished run there, of the other side's case when it has one). Exit 1 when B
+    regressed against A."""
+    from harness import compare as comparison
+    from harness.ledger import LedgerError
+
+    try:
+        result = comparison.compare((_db_path(db_a or db), _db_path(db_b or db)), a, b,
+                                    kernels_a=kernels_a, kernels_b=kernels_b, bench_a=bench_a,
+                                    bench_b=bench_b, threshold=threshold, reports=reports)
+    except (LedgerError, ValueError) as err:
+        _usage(str(err))
+    if out:
+        for name, path in comparison.write_comparison(result, out).items():
+            click.echo(f"{name}: {path}", err=True)
+    click.echo(json.dumps(result, indent=1) if fmt == "json"
+               else comparison.render_markdown(result))
+    sys.exit(EXIT_VERDICT if result["regressed"] else 0)
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ def _transplants(ok: list, controls: set[int]) -> dict:
     out: dict[str, dict] = {}
     for u in ok:
         for t in u.record["transplants"]:
-            role = ("divergent" if not t["recipient_equals_donor"] else
+            role = ("divergent" if not t.get("recipient_equals_donor", t.get("control")) else
                     "control" if u.item_index in controls else "unsampled")
             entry = out.setdefault(t["label"], {r: Counter() for r in ROLES})
             entry[role][t["outcome"]] += 1
@@ -583,7 +583,8 @@ def write_report(ledger, run_id: str, root: str | Path = "reports") -> dict[str,
     paths["markdown"].write_text(markdown(doc), encoding="utf-8")
     paths["html"].write_text(to_html(doc), encoding="utf-8")
     meta = {"run": run.id, "case": run.case_name, "case_sha": run.case_sha,
-            "status": run.status, "environment_key": run.environment_key,
+            "status": run.status, "started": run.started, "finished": run.finished,
+            "environment_key": run.environment_key,
             "environment": run.environment, "git_revision": run.git_revision,
             "units": len(units), "planned_units": run.design["units"],
             "repro": {label: repro_template(case, label) for label in case.unit_labels}}

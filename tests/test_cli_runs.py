@@ -68,7 +68,7 @@ def test_report_writes_the_three_files(ledger_with_run, tmp_path):
     result = kvfid("report", run_id, "--db", db, "--out", tmp_path)
     assert result.exit_code == 0, result.output
     files = dict(line.split(": ", 1) for line in result.stdout.splitlines())
-    assert set(files) == {"markdown", "html", "summary"}
+    assert set(files) == {"markdown", "html", "summary", "index"}
     assert all(Path(path).is_file() for path in files.values())
     assert f"/{run_id}/" in files["html"]
 

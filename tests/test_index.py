@@ -1,0 +1,121 @@
+"""`reports/index.md`: one row per environment key per case, the newest run of each winning, GPU,
+driver, CUDA, torch and triton as columns, built from summary.json alone; ledgers add runs that
+have no report yet; the HTML is self-contained."""
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+
+from fake_nvml import H200, FakeNVML  # tests/ is on sys.path (pytest's rootdir-less import mode)
+from harness import envinfo
+from harness.case import load_case
+from harness.index import update_index
+from harness.ledger import Ledger
+from harness.matrix import run_case
+from harness.models import load_model
+from harness.report import write_report
+
+SMOKE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
+COLUMNS = ["GPU", "driver", "CUDA", "torch", "triton"]
+
+
+def copy_run(db, source: str, new_id: str, environment: dict, tamper=None) -> str:
+    """Run `source` stored again as `new_id`, measured (says its record) in `environment`."""
+    key = envinfo.environment_key(environment)
+    with Ledger(db) as ledger:
+        ledger.create_run(new_id, SMOKE, environment, key)
+        for unit in ledger.units(source):
+            record = copy.deepcopy(unit.record)
+            if tamper:
+                tamper(unit, record)
+            ledger.write_unit(new_id, unit.item_index, unit.item_id, unit.stack, record, key)
+        ledger.finish(new_id)
+    return new_id
+
+
+def break_prefill(unit, record):
+    """sdpa/bf16's prefill state differs from live on every item."""
+    if unit.stack == "sdpa/bf16" and record["status"] == "ok":
+        for c in record["comparisons"]:
+            if c["b"] == "prefill" and c["kind"] == "arm":
+                c["cache"]["bit_exact"] = False
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """A reports folder with four run reports on three environment keys (CPU; H200 on driver
+    570, twice; H200 on 575), and a ledger with a fourth key's run that has no report."""
+    folder = tmp_path_factory.mktemp("index")
+    db, root = folder / "ledger.sqlite", folder / "reports"
+    cpu = run_case(SMOKE, db, model=load_model(SMOKE.model), progress=False).run_id
+    gpu = lambda driver: envinfo.collect(FakeNVML([H200], driver_version=driver))
+    ids = {"cpu": cpu,
+           "570-old": copy_run(db, cpu, "20260101-000000-0001", gpu("570.86.15")),
+           "570": copy_run(db, cpu, "20260102-000000-0002", gpu("570.86.15"), break_prefill),
+           "575": copy_run(db, cpu, "20260103-000000-0003", gpu("575.51.03"))}
+    with Ledger(db) as ledger:
+        for run_id in ids.values():
+            write_report(ledger, run_id, root)
+    ids["580"] = copy_run(db, cpu, "20260104-000000-0004", gpu("580.65.06"))
+    return root, db, ids
+
+
+def table(text: str, heading: str) -> tuple[list[str], list[list[str]]]:
+    """(head, rows) of the first Markdown table under `heading`."""
+    section = text.split(heading + "\n", 1)[1].split("\n## ", 1)[0]
+    cells = lambda line: [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+    head, *rows = [cells(l) for l in section.splitlines()
+                   if l.startswith("|") and not l.startswith("|---")]
+    return head, rows
+
+
+def test_one_row_per_environment_key_from_the_summaries_alone(reports):
+    root, _, ids = reports
+    path = update_index(root)
+    assert path == root / "index.md" and (root / "index.html").is_file()
+    head, rows = table(path.read_text(), "## Case smoke")
+    assert head[:5] == COLUMNS
+    assert {"sdpa/bf16: prefill bit-exact", "sdpa/bf16: suffix ≠ live [95% CI]",
+            "sdpa/bf16: replica floor", "sdpa/bf16: bridge bit-exact",
+            "eager/bf16: prefill bit-exact"} <= set(head)
+    assert head[-4:] == ["run", "started (UTC)", "git", "status"]
+    assert len(rows) == 3                       # CPU, 570, 575: the 580 run has no report
+    by_driver = {row[1]: dict(zip(head, row)) for row in rows}
+    assert set(by_driver) == {"-", "570.86.15", "575.51.03"}
+    assert by_driver["570.86.15"]["GPU"] == "NVIDIA H200"
+    assert by_driver["-"]["GPU"].startswith("none (CPU")
+    assert by_driver["570.86.15"]["run"] == ids["570"]       # the newer of the two 570 runs
+    # The newest 570 run's prefill broke: the row says so, the others do not.
+    assert by_driver["570.86.15"]["sdpa/bf16: prefill bit-exact"].startswith("0/")
+    assert by_driver["575.51.03"]["eager/bf16: prefill bit-exact"] == \
+        by_driver["-"]["eager/bf16: prefill bit-exact"]
+    assert re.fullmatch(r"\d+/\d+ \(.*%\) \[.*%, .*%\]",
+                        by_driver["-"]["sdpa/bf16: suffix ≠ live [95% CI]"])
+
+
+def test_ledgers_add_runs_without_a_report(reports):
+    root, db, ids = reports
+    text = update_index(root, ledgers=[db]).read_text()
+    head, rows = table(text, "## Case smoke")
+    drivers = [row[1] for row in rows]
+    assert sorted(drivers) == ["-", "570.86.15", "575.51.03", "580.65.06"]
+    assert ids["580"] in text and "not written" in text
+    # A run with a report is taken from it, not recomputed from the ledger.
+    _, shown = table(text, "## Runs shown")
+    assert [r for r in shown if r[2] == ids["575"]][0][3].endswith(f"{ids['575']}/report.md")
+
+
+def test_index_html_is_self_contained(reports):
+    root, _, ids = reports
+    update_index(root)
+    page = (root / "index.html").read_text()
+    assert ids["575"] in page and "<table>" in page
+    assert not re.search(r"\b(src|href)\s*=", page) and "<script" not in page \
+        and "<link" not in page and "url(" not in page
+
+
+def test_an_empty_reports_folder_gives_an_index_that_says_so(tmp_path):
+    text = update_index(tmp_path / "reports").read_text()
+    assert "No run reports yet" in text
