@@ -1,181 +1,22 @@
-"""Run aggregates and run reports: Markdown, one self-contained HTML page, summary.json.
+"""Run reports: Markdown, one self-contained HTML page, summary.json.
 
-`aggregate(units, design)` turns a run's stored unit records into the per-stack numbers DESIGN.md
-lists (disagreement vs live with Wilson intervals and the replica floor beside it, cache
-bit-exactness, first bad layer, median d_rel per layer, first-divergence quartiles and histogram,
-correctness and flips with a paired interval and exact McNemar p, transplant outcomes per
-selection and row role, margins at divergence, the crossing 2x2). `show` and `report` both read
-it. The report is one document (headings, tables, figures) rendered twice: Markdown without the
-figures, HTML with them as inline SVG drawn here.
+The report is one document (headings, tables, figures) built from a run's aggregates
+(harness.aggregate) and rendered twice: Markdown without the figures, HTML with them as inline SVG
+(harness.figures). This module owns that document, its two renderers, the headline table that
+`show` prints, the `kvfid repro` command of a unit, and `write_report`. `aggregate`, `svg_lines`
+and `svg_bars` are re-exported here for callers that reach them as `report.X`.
 """
 
 from __future__ import annotations
 
 import html
 import json
-import math
 import shlex
-from collections import Counter, defaultdict
 from pathlib import Path
 
-from harness import stats
+from harness.aggregate import OUTCOMES, ROLES, aggregate  # noqa: F401 (re-exported)
 from harness.envinfo import describe as describe_environment
-
-OUTCOMES = ("donor", "recipient", "third", "boundary")
-ROLES = ("divergent", "control", "unsampled")
-
-
-# --------------------------------------------------------------------------- aggregates
-
-def _rate(k: int, n: int) -> dict:
-    lo, hi = stats.wilson_interval(k, n)
-    return {"k": k, "n": n, "rate": k / n if n else None, "ci": [lo, hi]}
-
-
-def _spread(xs: list[float]) -> dict:
-    q1, q2, q3 = stats.quantiles(xs, (0.25, 0.5, 0.75))
-    return {"n": len(xs), "median": q2, "q1": q1, "q3": q3}
-
-
-def aggregate(units, design: dict | None = None) -> dict:
-    """Per-stack aggregates (and the crossing) of stored units (`.item_index`, `.stack`,
-    `.record`); `design` is the run's design (its transplant control sample)."""
-    design = design or {}
-    controls = set(design.get("control_indices", []))
-    by_stack: dict[str, list] = defaultdict(list)
-    for unit in units:
-        by_stack[unit.stack].append(unit)
-    out = {"stacks": {}, "crossing": None, "control_indices": sorted(controls)}
-    for stack, group in by_stack.items():
-        group.sort(key=lambda u: u.item_index)
-        if stack == "crossing":
-            out["crossing"] = _crossing(group)
-        else:
-            out["stacks"][stack] = _stack(group, controls)
-    return _clean(out)
-
-
-def _stack(units: list, controls: set[int]) -> dict:
-    ok = [u for u in units if u.record["status"] == "ok"]
-    first = units[0].record
-    out = {"items": len(units), "ok": len(ok), "B": first["B"], "S": first["S"],
-           "short": [u.record["item"]["id"] for u in units if u.record["status"] == "short"],
-           "constructions": {}, "replicas": {}, "correctness": {}, "transplants": {},
-           "batched_rows_identical": {}}
-    comparisons: dict[tuple[str, str], list] = defaultdict(list)
-    for u in ok:
-        for c in u.record["comparisons"]:
-            comparisons[(c["kind"], c["b"])].append((u, c))
-    for (kind, label), rows in comparisons.items():
-        if kind == "replica":
-            cs = [c for _, c in rows]
-            out["replicas"][label.rstrip("'")] = {
-                **_rate(sum(not c["suffix"]["identical"] for c in cs), len(cs)),
-                "cache_bit_exact": sum(bool((c.get("cache") or {}).get("bit_exact")) for c in cs)}
-    for (kind, label), rows in comparisons.items():
-        if kind != "replica":
-            out["constructions"][label] = _construction(rows, kind, out["replicas"], out["S"])
-    for label in (ok[0].record["arms"] if ok else {}):
-        marks = [u.record["arms"][label]["correct"] for u in ok]
-        scored = [m for m in marks if m is not None]
-        out["correctness"][label] = _rate(sum(scored), len(scored))
-        rows_identical = [u.record["arms"][label].get("rows_identical") for u in ok]
-        if any(r is not None for r in rows_identical):
-            out["batched_rows_identical"][label] = _rate(sum(bool(r) for r in rows_identical),
-                                                         len(rows_identical))
-    out["transplants"] = _transplants(ok, controls)
-    return out
-
-
-def _construction(rows: list, kind: str, replicas: dict, S: int) -> dict:
-    cs = [c for _, c in rows]
-    caches = [c["cache"] for c in cs if c.get("cache")]
-    layers = max((len(c["layers"]) for c in caches), default=0)
-    divergence = [c["suffix"]["first_divergence"] for c in cs if not c["suffix"]["identical"]]
-    at_divergence, elsewhere = [], []
-    for u, c in rows:   # margins of the reference (live) suffix
-        margins, first = u.record["arms"][c["a"]]["suffix_margins"], c["suffix"]["first_divergence"]
-        elsewhere += margins if first is None else margins[:first]
-        if first is not None and first < len(margins):
-            at_divergence.append(margins[first])
-    width = max(1, math.ceil(S / 16))
-    edges = list(range(0, S, width)) + [max(S, max(divergence, default=0) + 1)]
-    pairs = [(u.record["arms"][c["a"]]["correct"], u.record["arms"][c["b"]]["correct"])
-             for u, c in rows]
-    pairs = [p for p in pairs if None not in p]
-    return {
-        "kind": kind, "vs": cs[0]["a"],
-        "suffix_disagree": _rate(len(divergence), len(cs)),
-        "replica_floor": replicas.get(cs[0]["b"]), "live_replica_floor": replicas.get(cs[0]["a"]),
-        "cache_comparable": len(caches),
-        "cache_bit_exact": _rate(sum(c["bit_exact"] for c in caches), len(caches)),
-        "logits_bit_exact": sum(bool(c["logits"]["equal"]) for c in cs if c.get("logits")),
-        "boundary_argmax_differs": sum(c["logits"]["argmax_agree"] is False for c in cs
-                                       if c.get("logits")),
-        "first_bad_layer": dict(sorted(Counter(
-            "exact" if c["first_bad_layer"] is None else str(c["first_bad_layer"])
-            for c in caches).items(), key=lambda kv: (kv[0] != "exact", _int(kv[0])))),
-        "d_rel_median": stats.median([c["d_rel"] for c in caches]),
-        "d_rel_per_layer": {kv: [stats.median([c["layers"][i][kv]["d_rel"] for c in caches
-                                               if i < len(c["layers"])]) for i in range(layers)]
-                            for kv in ("k", "v")},
-        "d_rel_aggregation": "median over items of each layer's ||a-b||_F/||a||_F (K and V apart)",
-        "first_divergence": {**_spread(divergence),
-                             "histogram": stats.histogram(divergence, edges) if divergence else []},
-        "margin_at_divergence": _spread(at_divergence),
-        "margin_elsewhere": _spread(elsewhere),
-        "correctness": stats.paired_difference([a for a, _ in pairs], [b for _, b in pairs])
-        if pairs else None,
-    }
-
-
-def _int(text: str) -> int:
-    return int(text) if text.isdigit() else -1
-
-
-def _transplants(ok: list, controls: set[int]) -> dict:
-    out: dict[str, dict] = {}
-    for u in ok:
-        for t in u.record["transplants"]:
-            role = ("divergent" if not t.get("recipient_equals_donor", t.get("control")) else
-                    "control" if u.item_index in controls else "unsampled")
-            entry = out.setdefault(t["label"], {r: Counter() for r in ROLES})
-            entry[role][t["outcome"]] += 1
-    summary = lambda counts: {"n": sum(counts.values()), "outcomes": {
-        o: _rate(counts[o], sum(counts.values())) for o in OUTCOMES}}
-    return {label: {role: summary(counts) for role, counts in roles.items()}
-            for label, roles in out.items()}
-
-
-def _crossing(units: list) -> dict:
-    ok = [u.record for u in units if u.record["status"] == "ok"]
-    out = {"reference": units[0].record["reference"]["label"], "items": len(units),
-           "ok": len(ok), "short": [u.record["item"]["id"] for u in units
-                                    if u.record["status"] == "short"],
-           "cells": {}, "within": {}}
-    keys = list(ok[0]["cells"]) if ok else []
-    for key in keys:
-        stack, construction = key.split("|")
-        same = [r["cells"][key]["same_as_reference_live"] for r in ok]
-        out["cells"].setdefault(stack, {})[construction] = _rate(sum(same), len(same))
-    for stack in out["cells"]:
-        cs = [c for r in ok for c in r["comparisons"] if c["stack"] == stack]
-        out["within"][stack] = {
-            "pair": f"{cs[0]['a']}~{cs[0]['b']}" if cs else None,
-            "suffix_disagree": _rate(sum(not c["suffix"]["identical"] for c in cs), len(cs)),
-            "cache_bit_exact": sum(bool((c.get("cache") or {}).get("bit_exact")) for c in cs)}
-    return out
-
-
-def _clean(value):
-    """NaN -> None and tuples -> lists, so the summary is strict JSON."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
+from harness.figures import PALETTE, svg_bars, svg_lines  # noqa: F401 (re-exported)
 
 
 # --------------------------------------------------------------------------- formatting
@@ -419,90 +260,6 @@ def _crossing_blocks(x: dict, case) -> list[tuple]:
             _table(["precision"] + constructions + [f"{pair} suffix differs", f"{pair} cache "
                                                     "bit-exact"], rows),
             ("pre", repro_template(case, "crossing"))]
-
-
-# --------------------------------------------------------------------------- figures (SVG)
-
-PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
-           "#17becf")
-_W, _H, _L, _R, _T, _B = 720, 300, 64, 190, 16, 44
-
-
-def _frame(xlabel: str, ylabel: str, body: list[str], legend: list[tuple[str, str, str]]) -> str:
-    parts = [f'<svg viewBox="0 0 {_W} {_H}" width="{_W}" height="{_H}" role="img" '
-             f'font-family="sans-serif" font-size="11">',
-             f'<rect x="{_L}" y="{_T}" width="{_W - _L - _R}" height="{_H - _T - _B}" '
-             f'fill="none" stroke="#999"/>', *body,
-             f'<text x="{(_L + _W - _R) / 2}" y="{_H - 8}" text-anchor="middle">'
-             f'{html.escape(xlabel)}</text>',
-             f'<text transform="translate(14 {(_T + _H - _B) / 2}) rotate(-90)" '
-             f'text-anchor="middle">{html.escape(ylabel)}</text>']
-    for i, (name, color, dash) in enumerate(legend):
-        y = _T + 10 + 16 * i
-        parts.append(f'<line x1="{_W - _R + 12}" x2="{_W - _R + 36}" y1="{y}" y2="{y}" '
-                     f'stroke="{color}" stroke-width="2" stroke-dasharray="{dash}"/>'
-                     f'<text x="{_W - _R + 42}" y="{y + 4}">{html.escape(name)}</text>')
-    return "".join(parts) + "</svg>"
-
-
-def svg_lines(series: list[tuple[str, list]], xlabel: str, ylabel: str) -> str:
-    """Lines on a log y axis; zero (bit-exact) values sit on a band below it, marked `0`."""
-    values = [y for _, ys in series for y in ys if y]
-    n = max((len(ys) for _, ys in series), default=1)
-    lo = math.floor(math.log10(min(values))) if values else -8
-    hi = max(lo + 1, math.ceil(math.log10(max(values)))) if values else -7
-    span, zero = _H - _T - _B - 24, _H - _B - 6          # 24 px below the lowest decade: 0
-    x = lambda i: _L + 10 + (_W - _L - _R - 20) * (i / max(1, n - 1))
-    y = lambda v: _T + span * (1 - (math.log10(v) - lo) / (hi - lo)) if v else zero
-    body = [f'<line x1="{_L}" x2="{_W - _R}" y1="{zero}" y2="{zero}" stroke="#eee"/>'
-            f'<text x="{_L - 4}" y="{zero + 4}" text-anchor="end">0</text>']
-    for e in range(lo, hi + 1):
-        body.append(f'<line x1="{_L}" x2="{_W - _R}" y1="{y(10.0 ** e):.1f}" '
-                    f'y2="{y(10.0 ** e):.1f}" stroke="#eee"/><text x="{_L - 4}" '
-                    f'y="{y(10.0 ** e) + 4:.1f}" text-anchor="end">1e{e}</text>')
-    step = max(1, math.ceil(n / 16))
-    for i in range(0, n, step):
-        body.append(f'<text x="{x(i):.1f}" y="{_H - _B + 14}" text-anchor="middle">{i}</text>')
-    legend = []
-    for k, (name, ys) in enumerate(series):
-        color, dash = PALETTE[(k // 2) % len(PALETTE)], "" if k % 2 == 0 else "5 3"
-        points = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(ys) if v is not None)
-        body.append(f'<polyline points="{points}" fill="none" stroke="{color}" '
-                    f'stroke-width="1.6" stroke-dasharray="{dash}"/>')
-        for i, v in enumerate(ys):
-            if v is not None:
-                fill = "white" if not v else color
-                body.append(f'<circle cx="{x(i):.1f}" cy="{y(v):.1f}" r="2.5" fill="{fill}" '
-                            f'stroke="{color}"/>')
-        legend.append((name, color, dash))
-    return _frame(xlabel, ylabel, body, legend)
-
-
-def svg_bars(histograms: dict[str, list], xlabel: str) -> str:
-    """Grouped bars: one colour per series, bins [lo, hi) shared by all series."""
-    edges = next((h for h in histograms.values() if h), [])
-    top = max((count for h in histograms.values() for _, _, count in h), default=1) or 1
-    width = (_W - _L - _R) / max(1, len(edges))
-    bar = width * 0.8 / max(1, len(histograms))
-    body = []
-    for t in range(0, top + 1, max(1, math.ceil(top / 5))):
-        yy = _H - _B - (_H - _T - _B) * t / top
-        body.append(f'<line x1="{_L}" x2="{_W - _R}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#eee"/>'
-                    f'<text x="{_L - 4}" y="{yy + 4:.1f}" text-anchor="end">{t}</text>')
-    for b, (lo, hi, _) in enumerate(edges):
-        label = str(lo) if hi == lo + 1 else f"{lo}-{hi - 1}"
-        body.append(f'<text x="{_L + width * (b + 0.5):.1f}" y="{_H - _B + 14}" '
-                    f'text-anchor="middle">{label}</text>')
-    legend = []
-    for k, (name, h) in enumerate(histograms.items()):
-        color = PALETTE[k % len(PALETTE)]
-        legend.append((name, color, ""))
-        for b, (_, _, count) in enumerate(h):
-            height = (_H - _T - _B) * count / top
-            body.append(f'<rect x="{_L + width * b + width * 0.1 + bar * k:.1f}" '
-                        f'y="{_H - _B - height:.1f}" width="{bar:.1f}" height="{height:.1f}" '
-                        f'fill="{color}"><title>{html.escape(name)}: {count}</title></rect>')
-    return _frame(xlabel, "suffixes", body, legend)
 
 
 # --------------------------------------------------------------------------- renderers
