@@ -3,7 +3,8 @@
 `document(result)` turns harness.compare's result into the report blocks harness.report renders
 (headings, tables, the interval figure `svg_intervals` draws as inline SVG); `render_markdown`,
 `render_html` and `write_comparison` (comparison.md, comparison.html, comparison.json) present it.
-The small formatters here (`count_text`, `number_text`, `seconds_text`) are shared with the comparison's reasons.
+The small formatters here (`number_text`, `seconds_text`) are shared with the comparison's
+reasons; rates print with the run report's `interval_text`.
 """
 
 from __future__ import annotations
@@ -12,19 +13,9 @@ import html
 import json
 from pathlib import Path
 
-from harness.report import markdown, to_html
+from harness.report import interval_text, markdown, percent, to_html
 
 SHOWN = 40          # rows of a long list shown in the Markdown (the JSON has them all)
-
-
-def _pct(x) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%"
-
-
-def count_text(r: dict | None) -> str:
-    if not r:
-        return "-"
-    return f"{r['k']}/{r['n']} ({_pct(r['rate'])}) [{_pct(r['ci'][0])}, {_pct(r['ci'][1])}]"
 
 
 def number_text(x) -> str:
@@ -104,7 +95,7 @@ def _stack_blocks(label: str, entry: dict) -> list[tuple]:
     if entry["rates"]:
         out += [("h3", "Rates with 95% Wilson intervals"), _table(
             ["measure", "construction", "A", "B", "change"],
-            [[r["measure"], r["construction"], count_text(r["a"]), count_text(r["b"]),
+            [[r["measure"], r["construction"], interval_text(r["a"]), interval_text(r["b"]),
               r["status"].upper() if r["status"] == "worse" else r["status"]]
              for r in entry["rates"]]),
             ("figure", svg_intervals(entry["rates"]),
@@ -192,7 +183,7 @@ def svg_intervals(rates: list[dict]) -> str:
             yy = y + offset + 1
             parts.append(f'<line x1="{x(lo):.1f}" x2="{x(hi):.1f}" y1="{yy}" y2="{yy}" '
                          f'stroke="{stroke}" stroke-width="2"><title>{side.upper()}: '
-                         f'{html.escape(count_text(rate))}</title></line>')
+                         f'{html.escape(interval_text(rate))}</title></line>')
             if rate["rate"] is not None:
                 parts.append(f'<circle cx="{x(rate["rate"]):.1f}" cy="{yy}" r="3" '
                              f'fill="{stroke}"/>')

@@ -10,7 +10,8 @@ about where tokens part and each run's first bad layer against live (FINGERPRINT
 from __future__ import annotations
 
 from harness import stats
-from harness.compare_render import count_text, number_text
+from harness.compare_render import number_text
+from harness.report import interval_text
 
 # --------------------------------------------------------------------------- one stack
 
@@ -48,7 +49,7 @@ def compare_stack(label: str, side_a: dict, side_b: dict, must_reproduce: bool):
     for r in entry["rates"]:
         if r["status"] == "worse":
             reasons.append(f"{label}: {r['measure']} of {r['construction']} worse beyond the 95% "
-                           f"intervals: {count_text(r['a'])} in A, {count_text(r['b'])} in B")
+                           f"intervals: {interval_text(r['a'])} in A, {interval_text(r['b'])} in B")
     models = side_a["model"], side_b["model"]
     compare_prints = not (all(models) and models[0] != models[1])
     entry["fingerprints"] = [] if not compare_prints else _fingerprint_changes(

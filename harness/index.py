@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 from harness.ledger import Ledger, LedgerError
-from harness.report import aggregate, markdown, to_html
+from harness.report import aggregate, interval_text, markdown, percent, to_html
 
 HEADLINE = "prefill"    # the construction whose figures a row shows (else the case's first one)
 
@@ -141,7 +141,7 @@ def stack_cells(s: dict | None) -> list[str]:
     c = cons[label]
     named = "" if label == HEADLINE else f" ({label})"
     floor = c.get("replica_floor") or next(iter((s.get("replicas") or {}).values()), None)
-    return [_fraction(c["cache_bit_exact"], rate=True) + named, _interval(c["suffix_disagree"]),
+    return [_fraction(c["cache_bit_exact"], rate=True) + named, interval_text(c["suffix_disagree"]),
             _fraction(floor), _fraction(bridge and bridge["cache_bit_exact"])]
 
 
@@ -149,17 +149,7 @@ def _fraction(r: dict | None, rate: bool = False) -> str:
     if not r:
         return "-"
     text = f"{r['k']}/{r['n']}"
-    return text + (f" ({_pct(r['rate'])})" if rate and r.get("rate") is not None else "")
-
-
-def _interval(r: dict | None) -> str:
-    if not r:
-        return "-"
-    return f"{r['k']}/{r['n']} ({_pct(r['rate'])}) [{_pct(r['ci'][0])}, {_pct(r['ci'][1])}]"
-
-
-def _pct(x) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%"
+    return text + (f" ({percent(r['rate'])})" if rate and r.get("rate") is not None else "")
 
 
 def _natural(text: str) -> list:

@@ -72,7 +72,7 @@ SHAPES = {
 
 # ---- bitwise comparison ------------------------------------------------------------------------
 
-_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -81,7 +81,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if not a.is_floating_point():
         return torch.equal(a, b)
-    as_int = _SAME_WIDTH_INT[a.element_size()]
+    as_int = SAME_WIDTH_INT[a.element_size()]
     return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
 
 

@@ -21,15 +21,15 @@ from harness.figures import PALETTE, svg_bars, svg_lines  # noqa: F401 (re-expor
 
 # --------------------------------------------------------------------------- formatting
 
-def _pct(x) -> str:
+def percent(x) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def _count(r: dict | None) -> str:
+def interval_text(r: dict | None) -> str:
     """`k/n (rate) [lo, hi]`."""
     if not r:
         return "-"
-    return f"{r['k']}/{r['n']} ({_pct(r['rate'])}) [{_pct(r['ci'][0])}, {_pct(r['ci'][1])}]"
+    return f"{r['k']}/{r['n']} ({percent(r['rate'])}) [{percent(r['ci'][0])}, {percent(r['ci'][1])}]"
 
 
 def _num(x, spec: str = ".3g") -> str:
@@ -44,11 +44,11 @@ def headline_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     for stack, s in summary["stacks"].items():
         for label, c in s["constructions"].items():
             paired = c["correctness"]
-            accuracy = "-" if not paired else (f"{_pct(paired['accuracy_a'])} → "
-                                               f"{_pct(paired['accuracy_b'])}")
+            accuracy = "-" if not paired else (f"{percent(paired['accuracy_a'])} → "
+                                               f"{percent(paired['accuracy_b'])}")
             floor = c["replica_floor"]
             rows.append([stack, label + (" (bridge)" if c["kind"] == "bridge" else ""),
-                         f"{s['ok']}/{len(s['short'])}", _count(c["suffix_disagree"]),
+                         f"{s['ok']}/{len(s['short'])}", interval_text(c["suffix_disagree"]),
                          "-" if not floor else f"{floor['k']}/{floor['n']}",
                          f"{c['cache_bit_exact']['k']}/{c['cache_bit_exact']['n']}", accuracy,
                          "-" if not paired else _num(paired["mcnemar_p"])])
@@ -67,7 +67,7 @@ def headline(summary: dict) -> str:
     x = summary["crossing"]
     if x and x["cells"]:
         constructions = list(next(iter(x["cells"].values())))
-        rows = [[stack] + [_count(cells.get(c)) for c in constructions]
+        rows = [[stack] + [interval_text(cells.get(c)) for c in constructions]
                 for stack, cells in x["cells"].items()]
         text += (f"\n\nprecision crossing, P frozen from {x['reference']} live "
                  f"({x['ok']} items; cells: suffix equals the reference live suffix)\n"
@@ -151,8 +151,8 @@ def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple
     out += [("h3", "Suffix and cache against live"), _table(
         ["construction", "suffix ≠ live [95% CI]", "replica floor (arm)", "replica floor (live)",
          "cache bit-exact", "logits bit-exact", "boundary argmax differs", "median d_rel"],
-        [[c, _count(x["suffix_disagree"]), _count(x["replica_floor"]),
-          _count(x["live_replica_floor"]), _count(x["cache_bit_exact"]),
+        [[c, interval_text(x["suffix_disagree"]), interval_text(x["replica_floor"]),
+          interval_text(x["live_replica_floor"]), interval_text(x["cache_bit_exact"]),
           f"{x['logits_bit_exact']}/{x['cache_comparable']}", x["boundary_argmax_differs"],
           _num(x["d_rel_median"])] for c, x in cons.items()])]
     out += [("h3", "First bad layer"), _table(
@@ -187,19 +187,19 @@ def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple
                                         for c, x in cons.items()}, "first divergence index"),
                     f"First-divergence index of suffixes that differ from live, {label}."))
     out += [("h3", "Correctness"), _table(
-        ["arm", "correct [95% CI]"], [[a, _count(r)] for a, r in s["correctness"].items()])]
+        ["arm", "correct [95% CI]"], [[a, interval_text(r)] for a, r in s["correctness"].items()])]
     paired = [(c, x["correctness"]) for c, x in cons.items() if x["correctness"]]
     if paired:
         out.append(_table(
             ["live vs", "n", "live", "arm", "difference [95% CI]", "live right, arm wrong",
              "live wrong, arm right", "McNemar p"],
-            [[c, p["n"], _pct(p["accuracy_a"]), _pct(p["accuracy_b"]),
-              f"{_pct(p['difference'])} [{_pct(p['ci_low'])}, {_pct(p['ci_high'])}]",
+            [[c, p["n"], percent(p["accuracy_a"]), percent(p["accuracy_b"]),
+              f"{percent(p['difference'])} [{percent(p['ci_low'])}, {percent(p['ci_high'])}]",
               p["a_right_b_wrong"], p["a_wrong_b_right"], _num(p["mcnemar_p"])]
              for c, p in paired]))
     if s["batched_rows_identical"]:
         out.append(_table(["batched arm", "every row's state equals row 0's"],
-                          [[a, _count(r)] for a, r in s["batched_rows_identical"].items()]))
+                          [[a, interval_text(r)] for a, r in s["batched_rows_identical"].items()]))
     if s["transplants"]:
         out += [("h3", "Transplants"),
                 ("p", "Rows: divergent (recipient and donor suffixes differ), control (exact rows "
@@ -207,7 +207,7 @@ def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple
                       f"{_controls(case)}), unsampled (other exact rows, measured but outside "
                       "the design)."),
                 _table(["recipient <- donor : selection", "rows", "n"] + list(OUTCOMES),
-                       [[t, role, r["n"]] + [_count(r["outcomes"][o]) if r["n"] else "-"
+                       [[t, role, r["n"]] + [interval_text(r["outcomes"][o]) if r["n"] else "-"
                                              for o in OUTCOMES]
                         for t, roles in s["transplants"].items() for role, r in roles.items()])]
     rows = []
@@ -248,8 +248,8 @@ def _crossing_blocks(x: dict, case) -> list[tuple]:
     rows = []
     for stack, cells in x["cells"].items():
         within = x["within"][stack]
-        rows.append([stack] + [_count(cells.get(c)) for c in constructions]
-                    + [_count(within["suffix_disagree"]),
+        rows.append([stack] + [interval_text(cells.get(c)) for c in constructions]
+                    + [interval_text(within["suffix_disagree"]),
                        f"{within['cache_bit_exact']}/{within['suffix_disagree']['n']}"])
     pair = "~".join(constructions)
     return [("h2", "Precision crossing (fixed prefix)"),

@@ -28,3 +28,15 @@ def uses_tl_dot(device: torch.device) -> bool:
     whose `tl.dot` is a NumPy BLAS call that can give a row bits depending on its place in the
     tile (DESIGN.md, "Known hazards")."""
     return device.type == "cuda" and not interpreting()
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_row_input(name: str, x: torch.Tensor) -> None:
+    """Refuse a tensor the row kernels (norm, softmax) cannot take, with a clear message."""
+    if not triton_runs_on(x.device):
+        raise ValueError(f"{name}: tensors on {x.device} need CUDA or the Triton interpreter "
+                         "(TRITON_INTERPRET=1 set before triton is imported)")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} supports {FLOAT_DTYPES}; got {x.dtype}")

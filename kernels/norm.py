@@ -12,20 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_runs_on
+from . import check_row_input
 
 BLOCK_ROWS = 16  # rows per program; fixed, never a function of the row count
 BLOCK_COLS = 256  # columns per step of the in-order reduction
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _check_input(name: str, x: torch.Tensor) -> None:
-    if not triton_runs_on(x.device):
-        raise ValueError(f"{name}: tensors on {x.device} need CUDA or the Triton interpreter "
-                         "(TRITON_INTERPRET=1 set before triton is imported)")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"{name} supports {_DTYPES}; got {x.dtype}")
 
 
 @triton.jit
@@ -82,7 +73,7 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 def mean_last_dim(x: torch.Tensor, *, keepdim: bool = False,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """Mean over the last dimension with fp32 accumulation; a row's bits depend only on the row."""
-    _check_input("mean_last_dim", x)
+    check_row_input("mean_last_dim", x)
     if x.dim() == 0:
         raise ValueError("mean_last_dim needs at least one dimension")
     out_dtype = dtype or x.dtype
@@ -107,7 +98,7 @@ def mean_last_dim_ref(x: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """`x * rsqrt(mean(x**2, -1) + eps) * weight`, computed in fp32, returned in x's dtype."""
-    _check_input("rms_norm", x)
+    check_row_input("rms_norm", x)
     if weight is not None and weight.shape != x.shape[-1:]:
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match x's last dim {x.shape[-1]}")
     rows = _as_rows(x)

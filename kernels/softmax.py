@@ -11,20 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_runs_on
+from . import check_row_input
 
 BLOCK_ROWS = 16  # rows per program; fixed, never a function of the row count
 BLOCK_COLS = 512  # columns per step of the in-order reduction
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _check_input(name: str, x: torch.Tensor) -> None:
-    if not triton_runs_on(x.device):
-        raise ValueError(f"{name}: tensors on {x.device} need CUDA or the Triton interpreter "
-                         "(TRITON_INTERPRET=1 set before triton is imported)")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"{name} supports {_DTYPES}; got {x.dtype}")
 
 
 @triton.jit
@@ -67,7 +58,7 @@ def _softmax_kernel(x_ptr, out_ptr, n_rows, n_cols, sx_row, sx_col, so_row,
 
 
 def _launch(x: torch.Tensor, log: bool, dtype: torch.dtype | None) -> torch.Tensor:
-    _check_input("log_softmax" if log else "softmax", x)
+    check_row_input("log_softmax" if log else "softmax", x)
     if x.dim() == 0:
         x = x.reshape(1)
     rows = x.reshape(-1, x.shape[-1])

@@ -6,11 +6,11 @@ here) and `assert_bitwise_equal` (fidelity: `torch.equal`, reporting the exact d
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 import kernels  # noqa: F401  (sets TRITON_INTERPRET before triton is imported, when no CUDA)
+from harness.decode import cache_keyword  # noqa: F401  (the one compatibility point)
+from harness.invariance import SAME_WIDTH_INT, bits_equal
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_IDS = ("fp32", "bf16", "fp16")
@@ -41,17 +41,6 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
-_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Identical bits (unlike `torch.equal`, tells -0.0 from +0.0 and compares NaN payloads)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    as_int = _SAME_WIDTH_INT[a.element_size()]
-    return torch.equal(a.view(as_int), b.view(as_int))
 
 
 def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -59,16 +48,11 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
     if bits_equal(a, b):
         return
-    as_int = _SAME_WIDTH_INT[a.element_size()]
+    as_int = SAME_WIDTH_INT[a.element_size()]
     differ = a.view(as_int) != b.view(as_int)
     raise AssertionError(f"{what}: not bitwise equal: {int(differ.sum())} of {a.numel()} elements "
                          f"differ, max |diff| = {max_abs_diff(a, b)!r}, first at {differ.nonzero()[0].tolist()}")
 
-
-def cache_keyword(model: torch.nn.Module) -> str:
-    """transformers 5.2x calls the cache argument `cache`; 5.17 `past_key_values`."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def tiny_model(kind: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
