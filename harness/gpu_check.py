@@ -45,13 +45,13 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
                   "--benchmark-warmup=off", "-k", "decode and fp32"]
     return [
         Step("gpu-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                           "tests"], 150),
+                           "tests"], 120),
         Step("kernels", cli + ["kernels", "--format", "json"] + (["--quick"] if dry_run else []),
-             90, "kernels.json"),
-        Step("bench", bench, 120),
+             60, "kernels.json"),
+        Step("bench", bench, 90),
         Step("fidelity", cli + ["run", case, "--db", db, "--quiet"]
-             + ([] if dry_run else ["--items", "32"]), 180),
-        Step("report", cli + ["report", "latest", "--db", db, "--out", str(out / "reports")], 30),
+             + ([] if dry_run else ["--items", "32"]), 240),
+        Step("report", cli + ["report", "latest", "--db", db, "--out", str(out / "reports")], 20),
     ]
 
 
