@@ -131,7 +131,7 @@ def _transplants(ok: list, controls: set[int]) -> dict:
     out: dict[str, dict] = {}
     for u in ok:
         for t in u.record["transplants"]:
-            role = ("divergent" if not t.get("recipient_equals_donor", t.get("control")) else
+            role = ("divergent" if not t["recipient_equals_donor"] else
                     "control" if u.item_index in controls else "unsampled")
             entry = out.setdefault(t["label"], {r: Counter() for r in ROLES})
             entry[role][t["outcome"]] += 1

@@ -9,7 +9,6 @@ the headline, since one run on a shared CPU is too noisy to fail a build on.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -54,9 +53,7 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
     kernels = invariance.compare_kernels(quick=kernels_quick, threads=1,
                                          device="cuda" if environment["cuda_available"]
                                          else "cpu", progress=_log)
-    (folder / "kernels.json").write_text(json.dumps(kernels, indent=1))
-    (folder / "kernels.md").write_text(invariance.render_table(kernels) + "\n")
-    out.files["kernels"] = str(folder / "kernels.md")
+    out.files["kernels"] = str(invariance.write_result(kernels, reports))
     out.seconds["kernels"] = time.perf_counter() - start
     out.invariance_ok = kernels["ok"]
     claimed = [r for r in kernels["rows"] if r["claims"]["batch"] or r["claims"]["sequence"]]
@@ -83,14 +80,24 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
     return out
 
 
+def bench_command(json_path: Path, quick: bool = False) -> list[str]:
+    """The pytest-benchmark run of tests/bench writing `json_path`; `quick`: fp32 decode cases,
+    one round each (a rehearsal, not a measurement)."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/bench",
+               "--benchmark-only", f"--benchmark-json={json_path}"]
+    if quick:
+        command += ["--benchmark-min-rounds=1", "--benchmark-max-time=0.001",
+                    "--benchmark-warmup=off", "-k", "decode and fp32"]
+    return command
+
+
 def _speed(reports: Path, out: BenchOutcome) -> str:
     """Run the pytest-benchmark suite, file it, compare with the previous result of this key."""
     from harness import benchreport
 
     raw = ROOT / ".benchmarks" / "latest.json"
     raw.parent.mkdir(exist_ok=True)
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/bench",
-               "--benchmark-only", f"--benchmark-json={raw}"]
+    command = bench_command(raw)
     _log("speed benches: " + " ".join(command[2:]))
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0 or not raw.is_file():

@@ -18,7 +18,7 @@ from harness.backends import DTYPES, Stack, backend_names
 from harness.models import PRESETS, ModelUnavailable, load_model, model_names
 from harness.protocol import CONSTRUCTION_HELP, ItemPlan, ProtocolError, parse_transplant
 
-EXIT_VERDICT, EXIT_USAGE, EXIT_ENVIRONMENT = 1, 2, 3
+EXIT_VERDICT, EXIT_ENVIRONMENT = 1, 3   # usage errors exit 2 through click
 
 
 def _usage(message: str):
@@ -86,16 +86,9 @@ def kernels(dtypes, device, quick, threads, out, fmt) -> None:
     except EnvironmentError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(EXIT_ENVIRONMENT)
-    table = invariance.render_table(result)
     if out:
-        from pathlib import Path
-
-        folder = Path(out) / result["environment_key"]
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "kernels.json").write_text(json.dumps(result, indent=1))
-        (folder / "kernels.md").write_text(table + "\n")
-        click.echo(f"kernels: {folder / 'kernels.md'}", err=True)
-    click.echo(json.dumps(result, indent=1) if fmt == "json" else table)
+        click.echo(f"kernels: {invariance.write_result(result, out)}", err=True)
+    click.echo(json.dumps(result, indent=1) if fmt == "json" else invariance.render_table(result))
     sys.exit(0 if result["ok"] else EXIT_VERDICT)
 
 

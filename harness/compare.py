@@ -177,13 +177,9 @@ def _load(ledger: Ledger, run) -> dict:
     for (index, stack), rows in ledger.stored_fingerprints(run.id).items():
         prints[(names.get((index, stack), f"#{index}"), stack)] = rows
     stacks = list(dict.fromkeys(u.stack for u in units))
-    try:
-        summary, error = aggregate(units, run.design), None
-    except (KeyError, TypeError, ValueError) as err:   # records of an older format
-        summary, error = None, f"{type(err).__name__}: {err}"
     return {"run": run, "path": str(ledger.path), "model": _case_model(run),
             "units": {(u.item_id, u.stack): u for u in units}, "prints": prints,
-            "stacks": stacks, "summary": summary, "aggregate_error": error}
+            "stacks": stacks, "summary": aggregate(units, run.design)}
 
 
 def _case_model(run) -> str | None:
@@ -232,11 +228,6 @@ def _notes(side_a: dict, side_b: dict) -> list[str]:
     if side_a["model"] and side_b["model"] and side_a["model"] != side_b["model"]:
         notes.append(f"the models differ ({side_a['model']} vs {side_b['model']}): fingerprints "
                      f"are not compared.")
-    for name, side in (("A", side_a), ("B", side_b)):
-        if side["aggregate_error"]:
-            notes.append(f"run {name}'s records could not be aggregated "
-                         f"({side['aggregate_error']}; an older record format?): rates are not "
-                         f"compared, verdicts and fingerprints are.")
     if run_a.id == run_b.id and side_a["path"] == side_b["path"]:
         notes.append("A and B are the same stored run.")
     for name, run in (("A", run_a), ("B", run_b)):

@@ -13,7 +13,7 @@ import html
 import json
 from pathlib import Path
 
-from harness.report import interval_text, markdown, percent, to_html
+from harness.report import interval_text, markdown, to_html
 
 SHOWN = 40          # rows of a long list shown in the Markdown (the JSON has them all)
 

@@ -40,9 +40,7 @@ def compare_stack(label: str, side_a: dict, side_b: dict, must_reproduce: bool):
             reasons.append(f"{label}: {v['check']} of {v['construction']} held on all "
                            f"{v['a']['n']} items in A and fails in B on {items}{more}")
     summary_a, summary_b = side_a["summary"], side_b["summary"]
-    if summary_a is None or summary_b is None:
-        entry["rates"] = []
-    elif label == "crossing":
+    if label == "crossing":
         entry["rates"] = _crossing_rates(summary_a["crossing"], summary_b["crossing"])
     else:
         entry["rates"] = _rate_changes(summary_a["stacks"][label], summary_b["stacks"][label])

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.bench import bench_command
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,11 +40,7 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
     cli = [py, "-m", "harness.cli"]
     db = str(out / "ledger.sqlite")
     case = "cases/smoke.toml" if dry_run else "cases/gpu-qwen2.5-shape.toml"
-    bench = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/bench",
-             "--benchmark-only", f"--benchmark-json={out / 'bench.json'}"]
-    if dry_run:
-        bench += ["--benchmark-min-rounds=1", "--benchmark-max-time=0.001",
-                  "--benchmark-warmup=off", "-k", "decode and fp32"]
+    bench = bench_command(out / "bench.json", quick=dry_run)
     return [
         Step("gpu-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
                            "tests"], 120),

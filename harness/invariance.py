@@ -21,10 +21,12 @@ implementation that claims an invariance and fails it makes the result's `ok` Fa
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -362,3 +364,12 @@ def render_table(result: dict) -> str:
                                if result["ok"] else f"FAILED (claimed invariance broken): {failed}"))
     lines.append(f"Duration: {result['duration_s']:.1f} s.")
     return "\n".join(lines) + "\n"
+
+
+def write_result(result: dict, reports) -> Path:
+    """File a comparison as <reports>/<environment key>/kernels.json and kernels.md; the .md path."""
+    folder = Path(reports) / result["environment_key"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "kernels.json").write_text(json.dumps(result, indent=1))
+    (folder / "kernels.md").write_text(render_table(result) + "\n")
+    return folder / "kernels.md"

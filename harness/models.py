@@ -104,9 +104,6 @@ class Model:
             self._copies[key] = module
         return self._copies[key]
 
-    def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.master.parameters())
-
 
 def _clone_module(module: torch.nn.Module) -> torch.nn.Module:
     import copy

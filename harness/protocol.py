@@ -12,7 +12,6 @@ import re
 import time
 from dataclasses import dataclass
 
-import torch
 
 from harness import cache as kv
 from harness.decode import Greedy, Runner, feed_chunks, greedy, new_cache, as_batch
@@ -155,11 +154,7 @@ def run_construction(module, construction: Construction, prompt_length: int,
     sizes = construction.chunk_sizes(prompt_length, len(prefix))
     logits = feed_chunks(runner, cache, prefix, sizes, rows)          # [rows, V]
     state = kv.snapshot(cache, prefix, logits)
-    rows_identical = None
-    if rows > 1:
-        rows_identical = all(
-            kv.compare_states(state, kv.snapshot(cache, prefix, logits, row))["bit_exact"]
-            and torch.equal(logits[0], logits[row]) for row in range(1, rows))
+    rows_identical = kv.rows_identical(cache, logits) if rows > 1 else None
     del cache
     suffix = decode_suffix(runner, state, S, eos_ids)
     return Arm(construction.label, state, suffix, time.perf_counter() - start, runner.calls,

@@ -107,3 +107,16 @@ def test_suffix_comparison_reports_divergence_and_margins():
     assert out["margin_a_at_divergence"] == 0.5 and out["margin_b_at_divergence"] == 0.4
     prefix = kv.compare_suffixes([1, 2], [1, 2, 3], [1, 1], [1, 1, 1])
     assert prefix["first_divergence"] == 2 and prefix["margin_a_at_divergence"] is None
+
+
+def test_rows_identical_sees_one_differing_bit_in_any_row():
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    keys = torch.randn(3, 2, 5, 4).to(torch.bfloat16)
+    keys[1:] = keys[:1]                                  # three duplicate rows  [B, H, T, D]
+    cache.update(keys, keys.clone(), 0)
+    logits = torch.randn(1, 50).expand(3, 50).clone()
+    assert kv.rows_identical(cache, logits)
+    cache.layers[0].values[2] = flip_low_bit(cache.layers[0].values[2], (1, 3, 0))
+    assert not kv.rows_identical(cache, logits)

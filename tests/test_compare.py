@@ -253,26 +253,6 @@ def test_written_comparison_is_self_contained(ledgers, tmp_path):
     assert json.loads(paths["json"].read_text())["b"]["run"] == runs["575"]
 
 
-def test_records_of_an_older_format_still_compare_verdicts_and_fingerprints(ledgers, tmp_path):
-    _, gpu_db, runs = ledgers
-    db = tmp_path / "gpu.sqlite"
-    db.write_bytes(Path(gpu_db).read_bytes())
-    old = clone(db, runs["575"], "20990101-000000-0ld0")
-    with Ledger(db) as ledger:       # a record field the aggregates read, renamed since
-        for unit in ledger.units(old):
-            for t in unit.record.get("transplants", []):
-                t["control"] = t.pop("recipient_equals_donor")
-            ledger.db.execute("UPDATE units SET record = ? WHERE run_id = ? AND item_index = ? "
-                              "AND stack = ?", (json.dumps(unit.record), old, unit.item_index,
-                                                unit.stack))
-    result = compare(db, old, runs["575"])
-    # The aggregates read the old name too, so rates compare as well as verdicts.
-    assert not any("could not be aggregated" in n for n in result["notes"])
-    entry = result["stacks"]["sdpa/bf16"]
-    assert entry["rates"] and entry["verdicts"] and entry["fingerprints"] == []
-    assert not result["regressed"]
-
-
 def test_kernel_results_filed_by_bench_are_found_per_environment_key(ledgers, tmp_path):
     _, gpu_db, runs = ledgers
     for driver, invariant in (("570.86.15", True), ("575.51.03", False)):

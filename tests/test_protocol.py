@@ -220,3 +220,15 @@ def test_divergent_only_transplants_skip_exact_rows():
     record = run_item(tiny(), Stack("sdpa", "fp32"), PROMPT, plan)
     assert record["arms"]["live"]["suffix"] == record["arms"]["incremental"]["suffix"]
     assert record["transplants"] == []
+
+
+def test_decoding_a_suffix_leaves_the_boundary_state_untouched():
+    from harness.protocol import decode_suffix
+
+    model = tiny()
+    prompt = model.codec.prompt_ids(PROMPT.prompt)
+    with Stack("sdpa", "bf16").activate(model) as module:
+        live = run_live(module, prompt, 6, 2, model.codec.eos_ids)
+        before = (kv.sha_cache(live.state), kv.sha_tensor(live.state.logits))
+        decode_suffix(Runner(module), live.state, 8, model.codec.eos_ids)
+    assert (kv.sha_cache(live.state), kv.sha_tensor(live.state.logits)) == before

@@ -25,6 +25,7 @@ import torch
 import kernels  # noqa: F401  (selects the Triton interpreter without CUDA)
 from harness.invariance import DTYPES, IMPLEMENTATIONS
 from kernels.mode import set_batch_invariant_mode
+from conftest_kernels import TOLERANCES
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -179,6 +180,14 @@ def test_bench(benchmark, case, impl):
 
             do_bench_ms = triton.testing.do_bench(lambda: impl.run(*args), warmup=10, rep=50,
                                                   return_mode="median")
+    # A fast wrong kernel is not a result: the timed output must match the stock op's.
+    stock = next(i for (op, _), i in IMPLEMENTATIONS.items() if op == case.op and not i.claims_batch)
+    with mode, torch.inference_mode():
+        out = impl.run(*args)
+    with torch.inference_mode():
+        expected = stock.run(*args)
+    atol, rtol = TOLERANCES[DTYPES[case.dtype]]
+    torch.testing.assert_close(out.double(), expected.double(), atol=atol, rtol=rtol)
     median = benchmark.stats.stats.median
     moved, flops = work(case)
     benchmark.extra_info.update({
