@@ -232,3 +232,16 @@ def test_decoding_a_suffix_leaves_the_boundary_state_untouched():
         before = (kv.sha_cache(live.state), kv.sha_tensor(live.state.logits))
         decode_suffix(Runner(module), live.state, 8, model.codec.eos_ids)
     assert (kv.sha_cache(live.state), kv.sha_tensor(live.state.logits)) == before
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_triton_stack_makes_every_construction_bit_exact_and_sdpa_does_not(dtype):
+    """The product's claim, end to end through the protocol, with its negative control."""
+    plan = ItemPlan(16, 3, arms=("live", "prefill", "chunked:4", "batched:2"))
+    model = tiny("tiny-qwen2")
+    exact = run_item(model, Stack("triton", dtype, True, threads=1), PROMPT, plan)
+    for c in exact["comparisons"]:
+        assert c["cache"]["bit_exact"] and c["logits"]["equal"], (c["b"], c["cache"]["layers"])
+    stock = run_item(model, Stack("sdpa", dtype, threads=1), PROMPT, plan)
+    prefill = next(c for c in stock["comparisons"] if c["b"] == "prefill")
+    assert not prefill["cache"]["bit_exact"]
