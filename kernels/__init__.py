@@ -32,6 +32,12 @@ def uses_tl_dot(device: torch.device) -> bool:
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+# Code-generation options that change result bits, fixed at every launch rather than left to
+# Triton's defaults: FMA contraction (`enable_fp_fusion`) defaults to on up to triton 3.9 and to off
+# from 3.10, so an unpinned kernel would change its bits with a Triton upgrade. Off matches the
+# interpreter (NumPy never contracts) and the 3.10 default. The environment record stores these.
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
+
 
 def check_row_input(name: str, x: torch.Tensor) -> None:
     """Refuse a tensor the row kernels (norm, softmax) cannot take, with a clear message."""

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_runs_on, uses_tl_dot
+from . import LAUNCH_OPTIONS, triton_runs_on, uses_tl_dot
 
 # Tile sizes are constants per execution path (device), never functions of batch or length.
 BLOCK_M = 16  # query positions per tile (per query head of the group)
@@ -177,6 +177,7 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         # tl.dot needs a reduction dim of at least 16: pad tiny head dims with masked zeros.
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n_for(q.device), USE_DOT=use_dot, num_warps=8 if use_dot else 4,
+        **LAUNCH_OPTIONS,
     )
     return out
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_runs_on, uses_tl_dot
+from . import LAUNCH_OPTIONS, triton_runs_on, uses_tl_dot
 
 # Fixed tiles, per execution path. They may depend on the device, never on M.
 TILES_GPU = (64, 64, 32)  # (BLOCK_M, BLOCK_N, BLOCK_K)
@@ -86,6 +86,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tenso
         *a.stride(), *b.stride(), *c.stride(), bias_arg.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         USE_DOT=uses_tl_dot(a.device),
+        **LAUNCH_OPTIONS,
     )
     return c
 

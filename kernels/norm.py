@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import check_row_input
+from . import LAUNCH_OPTIONS, check_row_input
 
 BLOCK_ROWS = 16  # rows per program; fixed, never a function of the row count
 BLOCK_COLS = 256  # columns per step of the in-order reduction
@@ -86,7 +86,7 @@ def mean_last_dim(x: torch.Tensor, *, keepdim: bool = False,
         else:
             _mean_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](
                 rows, out, n_rows, n_cols, rows.stride(0), rows.stride(1),
-                BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
+                BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, **LAUNCH_OPTIONS)
     out = out.reshape(x.shape[:-1])
     return out.unsqueeze(-1) if keepdim else out
 
@@ -108,7 +108,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         w = weight.contiguous() if weight is not None else out
         _rms_norm_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](
             rows, w, out, n_rows, n_cols, rows.stride(0), rows.stride(1), out.stride(0), float(eps),
-            HAS_WEIGHT=weight is not None, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
+            HAS_WEIGHT=weight is not None, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, **LAUNCH_OPTIONS)
     return out.reshape(x.shape)
 
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import check_row_input
+from . import LAUNCH_OPTIONS, check_row_input
 
 BLOCK_ROWS = 16  # rows per program; fixed, never a function of the row count
 BLOCK_COLS = 512  # columns per step of the in-order reduction
@@ -67,7 +67,7 @@ def _launch(x: torch.Tensor, log: bool, dtype: torch.dtype | None) -> torch.Tens
     if n_rows and n_cols:
         _softmax_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](
             rows, out, n_rows, n_cols, rows.stride(0), rows.stride(1), out.stride(0),
-            LOG=log, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
+            LOG=log, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, **LAUNCH_OPTIONS)
     return out.reshape(x.shape)
 
 
