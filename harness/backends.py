@@ -52,6 +52,18 @@ register_backend(AttentionBackend("triton", "kvfid Triton batch-invariant attent
                                   _triton_implementation))
 
 
+def _twin_implementation() -> str:
+    from harness import twins
+
+    return twins.register_hf()
+
+
+# The negative control: correct attention whose split-KV count follows the call's shape, so live,
+# prefill and batched constructions differ on every machine (harness.twins).
+register_backend(AttentionBackend("twin", "deliberately shape-variant attention (negative control)",
+                                  _twin_implementation))
+
+
 @dataclass(frozen=True)
 class Stack:
     """(attention backend, precision, batch-invariant mode, device, threads): one measurement's
@@ -88,8 +100,10 @@ class Stack:
 
     @property
     def label(self) -> str:
-        """Short name, e.g. `sdpa/bf16` or `triton/fp32+bi`."""
-        return f"{self.backend}/{self.dtype}" + ("+bi" if self.batch_invariant else "")
+        """Short name, e.g. `sdpa/bf16`, `triton/fp32+bi`, or `sdpa/bf16@t1` when the stack sets
+        the thread count (on CPU the thread count changes numerics, so it names the stack)."""
+        return (f"{self.backend}/{self.dtype}" + ("+bi" if self.batch_invariant else "")
+                + (f"@t{self.threads}" if self.threads is not None else ""))
 
     def describe(self) -> dict:
         """The stack as the ledger stores it."""
@@ -123,10 +137,15 @@ class Stack:
 
 
 def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> Stack:
-    """`sdpa/bf16`, `triton/fp32+bi` -> Stack."""
-    batch_invariant = text.endswith("+bi")
-    body = text[:-3] if batch_invariant else text
+    """`sdpa/bf16`, `triton/fp32+bi`, `sdpa/bf16@t1` -> Stack (a label's `@tN` wins over `threads`)."""
+    body, _, thread_text = text.partition("@t")
+    if thread_text:
+        if not thread_text.isdigit():
+            raise ValueError(f"stack {text!r}: expected @tN with N a thread count, e.g. sdpa/bf16@t1")
+        threads = int(thread_text)
+    batch_invariant = body.endswith("+bi")
+    body = body[:-3] if batch_invariant else body
     if body.count("/") != 1:
-        raise ValueError(f"stack {text!r}: expected BACKEND/DTYPE[+bi], e.g. sdpa/bf16")
+        raise ValueError(f"stack {text!r}: expected BACKEND/DTYPE[+bi][@tN], e.g. sdpa/bf16")
     backend, dtype = body.split("/")
     return Stack(backend, dtype, batch_invariant, device, threads)

@@ -1,8 +1,11 @@
 """Boundary states: KV snapshots, fingerprints, bitwise/ULP/relative comparisons, transplants.
 
 A `BoundaryState` owns its tensors (cloned out of a live cache), so later decoding never changes
-it. Comparisons are bitwise first; ULP distance is measured in the storage dtype; `d_rel` is
-||a - b||_F / ||a||_F in fp64. Transplant surgery builds a new state from a recipient (prefix and
+it. Comparisons are bitwise first: `equal` / `n_diff` compare raw bit patterns (-0.0 is not +0.0,
+NaN payloads count), so they always agree with the SHA-256 fingerprints. ULP distance is measured
+in the storage dtype and counts through zero (a tiny value that changes sign is many ULPs away),
+so beside it stands `max_abs_rel`, max |a - b| over max |a|, which does not explode there. `d_rel`
+is ||a - b||_F / ||a||_F in fp64. Transplant surgery builds a new state from a recipient (prefix and
 boundary logits kept) and a selection of a donor's cache.
 """
 
@@ -40,14 +43,24 @@ class BoundaryState:
         return cache
 
 
+_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns of t, as integers of the same width (contiguous)."""
+    t = t.contiguous()
+    return t.view(_INT_VIEW[t.element_size()]) if t.is_floating_point() else t
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Identical shape, dtype and bits (-0.0 is not +0.0; NaN payloads count)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
 def rows_identical(cache, logits: torch.Tensor) -> bool:
     """Whether every batch row of a dynamic cache and of logits [rows, V] has row 0's bits."""
     tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)] + [logits]
-    return all(bool((_bits(t) == _bits(t[:1])).all()) for t in tensors)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(_INT_VIEW[t.dtype])
+    return all(bool((bits(t) == bits(t[:1])).all()) for t in tensors)
 
 
 def snapshot(cache, prefix, logits: torch.Tensor, row: int = 0) -> BoundaryState:
@@ -90,31 +103,31 @@ def sha_cache(state: BoundaryState) -> str:
 
 # --------------------------------------------------------------------------- comparisons
 
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-             torch.float64: torch.int64}
-
-
 def _ordered(t: torch.Tensor) -> torch.Tensor:
-    """Map floats to integers whose difference counts ULPs (sign-magnitude -> linear)."""
-    i = t.contiguous().view(_INT_VIEW[t.dtype]).to(torch.int64)
+    """Map floats to integers whose difference counts ULPs (sign-magnitude -> linear; -0.0 and
+    +0.0 both map to 0, so the distance counts through zero)."""
+    i = bits(t).to(torch.int64)
     magnitude = i & ((1 << (torch.finfo(t.dtype).bits - 1)) - 1)
     return torch.where(i < 0, -magnitude, magnitude)
 
 
 def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """Bitwise comparison of two same-shape tensors [1, H, T, D] (T = positions)."""
+    """Bitwise comparison of two same-shape tensors [1, H, T, D] (T = positions): `equal` and
+    `n_diff` over raw bits; max |diff|, max ULP (through zero), `max_abs_rel` = max |diff| / max
+    |a|, `d_rel`, and the first position with a differing bit."""
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"cannot compare {a.dtype}{tuple(a.shape)} with {b.dtype}{tuple(b.shape)}")
-    ordered_a, ordered_b = _ordered(a), _ordered(b)
-    differs = ordered_a != ordered_b
+    differs = bits(a) != bits(b)
     n_diff = int(differs.sum())
-    out = {"equal": n_diff == 0, "n_diff": n_diff, "max_abs": 0.0, "max_ulp": 0,
+    out = {"equal": n_diff == 0, "n_diff": n_diff, "max_abs": 0.0, "max_ulp": 0, "max_abs_rel": 0.0,
            "d_rel": 0.0, "first_position": None}
     if n_diff:
         a64, b64 = a.double(), b.double()
         norm = float(torch.linalg.vector_norm(a64))
         out["max_abs"] = float((a64 - b64).abs().max())
-        out["max_ulp"] = int((ordered_a - ordered_b).abs().max())
+        out["max_ulp"] = int((_ordered(a) - _ordered(b)).abs().max())
+        scale = float(a64.abs().max())
+        out["max_abs_rel"] = out["max_abs"] / scale if scale else (0.0 if out["max_abs"] == 0 else float("inf"))
         out["d_rel"] = float(torch.linalg.vector_norm(a64 - b64)) / norm if norm else float("inf")
         positions = differs.flatten(0, 1).any(dim=0).any(dim=-1)   # [T]
         out["first_position"] = int(positions.nonzero()[0, 0])
@@ -143,6 +156,7 @@ def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
         "n_diff": sum(e[kv]["n_diff"] for e in layers for kv in ("k", "v")),
         "max_abs": max(e[kv]["max_abs"] for e in layers for kv in ("k", "v")),
         "max_ulp": max(e[kv]["max_ulp"] for e in layers for kv in ("k", "v")),
+        "max_abs_rel": max(e[kv]["max_abs_rel"] for e in layers for kv in ("k", "v")),
         "d_rel": d_rel,
         "d_rel_aggregation": "Frobenius norm over all layers' K and V concatenated",
         "first_position": min((e[kv]["first_position"] for e in layers for kv in ("k", "v")
@@ -157,7 +171,7 @@ def compare_logits(a: torch.Tensor, b: torch.Tensor) -> dict:
 
     ta, ma = top2(a)
     tb, mb = top2(b)
-    return {"equal": bool(torch.equal(a, b)),
+    return {"equal": bits_equal(a, b),
             "max_abs": float((a.double() - b.double()).abs().max()),
             "argmax_a": ta, "argmax_b": tb, "argmax_agree": ta == tb,
             "margin_a": ma, "margin_b": mb}

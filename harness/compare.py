@@ -212,6 +212,11 @@ def _environment_parts(run_a, run_b) -> list[dict]:
                 "torch": versions.get("torch"), "triton": versions.get("triton"),
                 "transformers": versions.get("transformers"), "numpy": versions.get("numpy"),
                 "Python": versions.get("python"), "CPU": cpu.get("model"),
+                "CPU capability": cpu.get("capability"), "BLAS": cpu.get("mkl") or cpu.get("blas"),
+                "oneDNN": cpu.get("onednn"),
+                "numerics env": ", ".join(f"{k}={v}" for k, v in (env.get("numerics_env") or {}).items()
+                                          if v is not None) or None,
+                "Triton launch options": str(env.get("triton_launch_options")),
                 "git revision": run.git_revision}
     pa, pb = parts(run_a), parts(run_b)
     return [{"part": k, "a": pa[k], "b": pb[k], "changed": pa[k] != pb[k]} for k in pa]

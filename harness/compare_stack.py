@@ -114,7 +114,7 @@ def _state_text(c: dict) -> str:
         kv = (cache.get("first_bad_kv") or "").upper()
         bad = cache.get("bad_layers") or []
         text = (f"first bad layer {cache.get('first_bad_layer')}{' ' + kv if kv else ''}"
-                f" ({len(bad)} layer(s) differ), max ULP {cache.get('max_ulp')}, "
+                f" ({len(bad)} layer(s) differ), max ULP {cache.get('max_ulp')} (through zero), "
                 f"d_rel {number_text(cache.get('d_rel'))}")
     if c.get("kind") == "replica" and not c["suffix"]["identical"]:
         text += f"; suffix diverges at {c['suffix']['first_divergence']}"

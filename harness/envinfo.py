@@ -1,8 +1,9 @@
 """The environment record: what hardware and software stack a measurement was taken on.
 
 This module owns `collect()`, which reads every visible GPU through NVML (nvidia-ml-py), the CUDA
-runtime and cuDNN that torch was built with, library and Python versions, the CPU, and the
-project's git revision; `environment_key()`, which names the folder that groups comparable runs;
+runtime and cuDNN that torch was built with, library and Python versions, the CPU and what decides
+its numerics (harness.cpu), the numerics-changing environment variables, the Triton launch options
+every kernel is compiled with, and the project's git revision; `environment_key()`, which names the folder that groups comparable runs;
 and `describe()`, the human text behind `kvfid env`. Each NVML field the device does not support
 is None, and a machine without NVML (no library or no driver) is a normal environment with
 `gpus: []`, not an error. The record is plain JSON-serializable data.
@@ -19,6 +20,9 @@ from pathlib import Path
 
 import numpy
 import torch
+
+from harness.cpu import collect_cpu, numerics_env
+from kernels import LAUNCH_OPTIONS
 
 _GPU_FIELDS = (
     "name", "uuid", "compute_capability", "driver_version", "cuda_driver_version",
@@ -46,11 +50,9 @@ def collect(nvml=None) -> dict:
             "transformers": _distribution_version("transformers"),
             "numpy": numpy.__version__,
         },
-        "cpu": {
-            "model": _cpu_model(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-        },
+        "cpu": collect_cpu(),
+        "numerics_env": numerics_env(),
+        "triton_launch_options": dict(LAUNCH_OPTIONS),
         "platform": platform.platform(),
         "git": _git_revision(),
     }
@@ -182,17 +184,6 @@ def _distribution_version(name: str) -> str | None:
         return None
 
 
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or None
-
-
 _MEASUREMENT_PATHS = ("harness", "kernels", "cases", "setup.py")
 
 
@@ -224,14 +215,17 @@ def _git(cwd: Path, *args: str) -> str | None:
 # --- key and text ------------------------------------------------------------------------------
 
 def environment_key(record: dict) -> str:
-    """`<gpu name or cpu-model>/<driver>/<cuda>/<torch>/<triton>`, each part a safe folder name."""
+    """`<gpu name or cpu-model-capability>/<driver>/<cuda>/<torch>/<triton>`, each part a safe
+    folder name. A CPU key carries the capability torch dispatches to (e.g. `avx2`, `avx512`),
+    since CPUs of one model name can compute different bits."""
     versions = record.get("versions", {})
     if record.get("gpus"):
         gpu = record["gpus"][0]
         device, driver = gpu.get("name"), gpu.get("driver_version")
     else:
-        model = (record.get("cpu") or {}).get("model")
-        device, driver = f"cpu-{model}" if model else "cpu", None
+        cpu = record.get("cpu") or {}
+        parts = ["cpu", cpu.get("model"), (cpu.get("capability") or "").lower() or None]
+        device, driver = "-".join(p for p in parts if p), None
     parts = (device, driver,
              versions.get("cuda_runtime"), versions.get("torch"), versions.get("triton"))
     return "/".join(_folder_name(p) for p in parts)
@@ -272,12 +266,23 @@ def describe(record: dict) -> str:
         f"transformers {_show(v.get('transformers'))}, numpy {_show(v.get('numpy'))}, "
         f"Python {_show(v.get('python'))}",
         f"CPU {_show(cpu.get('model'))}: {_show(cpu.get('cpu_count'))} logical CPUs, "
-        f"torch threads {_show(cpu.get('torch_threads'))}",
+        f"torch threads {_show(cpu.get('torch_threads'))}, capability {_show(cpu.get('capability'))}, "
+        f"BLAS {_show(cpu.get('blas'))} {_show(cpu.get('mkl'))}, oneDNN {_show(cpu.get('onednn'))}",
+        "CPU flags " + _flags(cpu.get("flags")),
+        "numerics env " + (", ".join(f"{k}={v}" for k, v in (record.get("numerics_env") or {}).items()
+                                     if v is not None) or "none set"),
+        f"Triton launch options {_show(record.get('triton_launch_options'))}",
         "git " + ("none (not a git checkout)" if git is None else
                   f"{git['revision']}{' (dirty)' if git['dirty'] else ''}"),
         f"key {environment_key(record)}",
     ]
     return "\n".join(lines)
+
+
+def _flags(flags: dict | None) -> str:
+    if not flags:
+        return "n/a"
+    return " ".join(name for name, present in flags.items() if present) or "none of " + ", ".join(flags)
 
 
 def _show(value, unit: str = "") -> str:

@@ -2,8 +2,10 @@
 
 This module owns `IMPLEMENTATIONS`: (op, name) -> `Implementation`, for every op the models use
 (attention decode and prefill, matmul, RMSNorm, softmax, log-softmax): stock torch, SDPA and eager
-as transformers calls them, the Triton kernels, and the stock ops under the batch-invariant modes.
-Each entry says which invariances (batch, sequence) it claims; harness.invariance checks them.
+as transformers calls them, the Triton kernels, the stock ops under the batch-invariant modes, and
+each op's deliberately variant twin (harness.twins), the control that shows the checks can fail on
+any machine. Each entry says which invariances (batch, sequence) it claims; harness.invariance
+checks them.
 A test may replace an entry (monkeypatch.setitem).
 """
 
@@ -16,6 +18,8 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+
+from harness import twins
 
 OPS = ("attention-decode", "attention-prefill", "matmul", "rms-norm", "softmax", "log-softmax")
 ATTENTION_OPS = OPS[:2]
@@ -34,6 +38,7 @@ class Implementation:
     mode: str | None = None
     triton: bool = False  # runs Triton kernels (in the interpreter on CPU: checked on fewer rows)
     cpu_skip: str | None = None  # why it runs on CUDA only (None: runs everywhere)
+    control: bool = False  # a deliberately variant twin: both checks must see it differ
 
 
 # ---- the implementations -----------------------------------------------------------------------
@@ -134,11 +139,13 @@ def _registry() -> dict[tuple[str, str], Implementation]:
                            triton=True, cpu_skip="a Triton bmm and softmax per head: too slow for "
                                                  "the interpreter"),
             Implementation(op, "triton", attention_triton, True, True, triton=True),
+            Implementation(op, "twin", twins.attention_twin, False, False, control=True),
         ]
-    row_ops = {"matmul": (matmul_stock, matmul_triton), "rms-norm": (rms_norm_stock, rms_norm_triton),
-               "softmax": (_softmax_stock, softmax_triton),
-               "log-softmax": (_log_softmax_stock, log_softmax_triton)}
-    for op, (stock, triton) in row_ops.items():
+    row_ops = {"matmul": (matmul_stock, matmul_triton, twins.matmul_twin),
+               "rms-norm": (rms_norm_stock, rms_norm_triton, twins.rms_norm_twin),
+               "softmax": (_softmax_stock, softmax_triton, twins.softmax_twin),
+               "log-softmax": (_log_softmax_stock, log_softmax_triton, twins.log_softmax_twin)}
+    for op, (stock, triton, twin) in row_ops.items():
         impls += [
             Implementation(op, "stock", stock, False, False),
             Implementation(op, "triton", triton, True, True, triton=True),
@@ -148,6 +155,7 @@ def _registry() -> dict[tuple[str, str], Implementation]:
                            cpu_skip=None if op == "rms-norm" else "the `triton` row's kernel call, "
                                                                   "repeated; interpreter time saved"),
             Implementation(op, "rowwise-mode", stock, True, True, mode="rowwise"),
+            Implementation(op, "twin", twin, False, False, control=True),
         ]
     return {(i.op, i.name): i for i in impls}
 

@@ -120,8 +120,9 @@ def environment_columns(environment: dict) -> list[str]:
     if gpus:
         gpu = f"{gpus[0].get('name')}" + (f" x{len(gpus)}" if len(gpus) > 1 else "")
     else:
-        cpu = (environment.get("cpu") or {}).get("model")
-        gpu = f"none (CPU {cpu})" if cpu else "none (CPU)"
+        cpu = environment.get("cpu") or {}
+        name = " ".join(str(p) for p in (cpu.get("model"), cpu.get("capability")) if p)
+        gpu = f"none (CPU {name})" if name else "none (CPU)"
     driver = gpus[0].get("driver_version") if gpus else None
     return [gpu] + [v or "-" for v in (driver, versions.get("cuda_runtime"),
                                         versions.get("torch"), versions.get("triton"))]

@@ -15,7 +15,10 @@ harness.implementations (re-exported here).
 
 Bits are compared (so -0.0 differs from +0.0); a difference is reported with the first failing
 batch size or position and the max abs difference, never turned into a tolerance. An
-implementation that claims an invariance and fails it makes the result's `ok` False.
+implementation that claims an invariance and fails it makes the result's `ok` False, and so does a
+deliberately variant twin (harness.twins) that a check fails to catch: that check could not fail.
+Whether a stock op is invariant differs between machines (CPU instruction sets, BLAS paths): a
+stock row that passes a check is a finding, "stock invariant here", never an error.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 import torch
 
 from harness import envinfo
+from harness.cache import bits_equal  # noqa: F401 (re-exported: the one bitwise comparison)
 from harness.implementations import (  # noqa: F401 (re-exported)
     ATTENTION_OPS, IMPLEMENTATIONS, OPS, Implementation, attention_eager, attention_sdpa,
     attention_triton, log_softmax_triton, matmul_stock, matmul_triton, rms_norm_stock,
@@ -73,19 +77,6 @@ SHAPES = {
 
 
 # ---- bitwise comparison ------------------------------------------------------------------------
-
-SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Identical shape, dtype and bits (-0.0 is not +0.0; NaN payloads count)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    as_int = SAME_WIDTH_INT[a.element_size()]
-    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
-
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest |a - b| in fp64 (NaN when one side has a NaN or an inf the other lacks)."""
@@ -224,10 +215,14 @@ def _run_one(impl: Implementation, dtype: torch.dtype, device: torch.device, sha
         rows = sorted(set(rows) | {shapes.row_sequence_len - 1})
         batch, alone = batch_check(call, [pool], batch_sizes, rows)
         sequence = row_sequence_check(call, pool, shapes.row_sequence_len, alone)
-    ok = ((batch["invariant"] or not impl.claims_batch)
-          and (sequence["invariant"] or not impl.claims_sequence))
+    if impl.control:
+        ok = not batch["invariant"] and not sequence["invariant"]
+    else:
+        ok = ((batch["invariant"] or not impl.claims_batch)
+              and (sequence["invariant"] or not impl.claims_sequence))
     return {"op": impl.op, "impl": impl.name, "dtype": next(k for k, v in DTYPES.items() if v == dtype),
-            "mode": impl.mode, "claims": {"batch": impl.claims_batch, "sequence": impl.claims_sequence},
+            "mode": impl.mode, "control": impl.control,
+            "claims": {"batch": impl.claims_batch, "sequence": impl.claims_sequence},
             "rows_alone": len(rows), "batch": batch, "sequence": sequence, "ok": ok}
 
 
@@ -242,9 +237,11 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
     Returns a JSON-ready dict: `ok` (False when an implementation fails an invariance it claims),
     `rows` (one per op x implementation x dtype), `skipped` (implementations not run here and why),
     the shapes, the environment record and its key, and the duration. `quick`: small shapes and
-    QUICK_BATCH_SIZES (for tests); batch sizes default to BATCH_SIZES otherwise.
+    QUICK_BATCH_SIZES (for tests); batch sizes default to BATCH_SIZES otherwise. `stock_probes`:
+    stock mm and SDPA searched over a grid of shapes for a witness of variance (harness.probes).
     """
     import kernels  # selects the Triton interpreter before triton loads, when there is no CUDA
+    from harness.probes import probe_stock  # imports this module
     from kernels.mode import set_batch_invariant_mode
 
     names = {name for _, name in IMPLEMENTATIONS}
@@ -287,6 +284,7 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
                     row = _run_one(impl, DTYPES[dtype], torch_device, shapes, batch_sizes, seed)
                 row["seconds"] = round(time.perf_counter() - tick, 3)
                 rows.append(row)
+        stock_probes = probe_stock(dtypes, device)
         threads_used = torch.get_num_threads()
     return {
         "ok": all(r["ok"] for r in rows),
@@ -297,6 +295,7 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
         "threads": threads_used,
         "shapes": asdict(shapes),
         "rows": rows,
+        "stock_probes": stock_probes,
         "skipped": skipped,
         "duration_s": round(time.perf_counter() - started, 3),
         "environment": environment,
@@ -316,10 +315,13 @@ def _claims(claims: dict) -> str:
 
 
 def _verdict(row: dict) -> str:
+    if row.get("control"):
+        return "control caught" if row["ok"] else "**CONTROL MISSED**"
     if not row["ok"]:
         return "**FAIL**"
-    claimed = row["claims"]["batch"] or row["claims"]["sequence"]
-    return "ok" if claimed else "-"
+    if row["claims"]["batch"] or row["claims"]["sequence"]:
+        return "ok"
+    return "stock invariant here" if row["batch"]["invariant"] and row["sequence"]["invariant"] else "-"
 
 
 def _versions(record: dict) -> str:
@@ -331,7 +333,10 @@ def _versions(record: dict) -> str:
 
 
 def render_table(result: dict) -> str:
-    """The comparison as Markdown: one table row per op x implementation x dtype."""
+    """The comparison as Markdown: one table row per op x implementation x dtype, then the stock
+    probes."""
+    from harness.probes import render_probes  # imports this module
+
     shapes = result["shapes"]
     lines = [
         f"# Kernel invariance ({'quick' if result['quick'] else 'full'}, {result['device']}, "
@@ -343,6 +348,9 @@ def render_table(result: dict) -> str:
         "Rows checked alone: every row, except for Triton rows in the interpreter (a sample: rows "
         f"0-{shapes['alone_first'] - 1} for row ops, 0-{shapes['attention_alone_first'] - 1} for "
         "attention, and each batch's last row).",
+        "`twin` rows are deliberately variant controls (reduction split chosen from the shape): "
+        "each check must catch them. A stock row that passes both checks is marked \"stock "
+        "invariant here\": stock numerics differ between machines, so that is a finding.",
         "",
         "| op | impl | dtype | claims | batch-invariant | first failing batch | max abs diff "
         "| sequence check | sequence-invariant | first differing position | max abs diff | verdict |",
@@ -357,11 +365,14 @@ def render_table(result: dict) -> str:
             f"| {'-' if s['first_differing_position'] is None else s['first_differing_position']} "
             f"| {_diff(s['max_abs_diff'])} | {_verdict(row)} |")
     lines.append("")
+    if result.get("stock_probes"):
+        lines += render_probes(result["stock_probes"]) + [""]
     for item in result["skipped"]:
         lines.append(f"Not run here: {item['op']} / {item['impl']} ({item['why']}).")
     failed = "; ".join(f"{r['op']} / {r['impl']} / {r['dtype']}" for r in result["rows"] if not r["ok"])
-    lines.append("Result: " + ("ok: every implementation that claims invariance is invariant."
-                               if result["ok"] else f"FAILED (claimed invariance broken): {failed}"))
+    lines.append("Result: " + ("ok: every implementation that claims invariance is invariant, and "
+                               "every variant twin was caught." if result["ok"] else
+                               f"FAILED (claimed invariance broken, or a twin not caught): {failed}"))
     lines.append(f"Duration: {result['duration_s']:.1f} s.")
     return "\n".join(lines) + "\n"
 

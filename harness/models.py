@@ -50,13 +50,32 @@ class ByteCodec:
         return data.decode("utf-8", errors="replace") + extra
 
 
+_TURN_PROBE = "kvfid-end-of-turn-probe"
+
+
+def end_of_turn_ids(tokenizer) -> frozenset[int]:
+    """The token that closes an assistant turn in the chat template (SmolLM2: `<|im_end|>`), read
+    by rendering a probe turn; the tokenizer's own eos where there is no template or no special
+    token follows the turn. The loader's eos is not enough: transformers 5.17 reads SmolLM2's
+    GGUF eos as id 1, 5.24 as id 2 (`<|im_end|>`), which changes where generations stop."""
+    if tokenizer.chat_template:
+        turn = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _TURN_PROBE}]
+        text = tokenizer.apply_chat_template(turn, tokenize=False)
+        if isinstance(text, str) and _TURN_PROBE in text:
+            after = tokenizer(text.split(_TURN_PROBE, 1)[1], add_special_tokens=False)["input_ids"]
+            special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+            if after and after[0] in special:
+                return frozenset({int(after[0])})
+    eos = tokenizer.eos_token_id
+    return frozenset([eos] if isinstance(eos, int) else list(eos or []))
+
+
 class ChatCodec:
     """A Hugging Face tokenizer with its chat template (one user turn, generation prompt)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        eos = tokenizer.eos_token_id
-        self.eos_ids = frozenset([eos] if isinstance(eos, int) else list(eos or []))
+        self.eos_ids = end_of_turn_ids(tokenizer)
 
     def prompt_ids(self, text: str) -> list[int]:
         messages = [{"role": "user", "content": text}]

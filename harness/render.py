@@ -30,8 +30,9 @@ def comparison_lines(comparison: dict, arms: dict, codec) -> list[str]:
     else:
         lines.append(f"    cache   DIFFERS  first bad layer {cache['first_bad_layer']} "
                      f"({cache['first_bad_kv'].upper()}), position {cache['first_position']}, "
-                     f"{cache['n_diff']} elements, max ULP {cache['max_ulp']}, "
-                     f"max |diff| {cache['max_abs']:.3g}, d_rel {cache['d_rel']:.3g}")
+                     f"{cache['n_diff']} elements, max |diff| {cache['max_abs']:.3g} "
+                     f"({cache.get('max_abs_rel', float('nan')):.3g} of max |value|), "
+                     f"max ULP {cache['max_ulp']} (through zero), d_rel {cache['d_rel']:.3g}")
     logits = comparison.get("logits")
     if logits is not None:
         verdict = "bit-exact" if logits["equal"] else f"max |diff| {logits['max_abs']:.3g}"

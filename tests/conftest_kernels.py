@@ -10,7 +10,7 @@ import torch
 
 import kernels  # noqa: F401  (sets TRITON_INTERPRET before triton is imported, when no CUDA)
 from harness.decode import cache_keyword  # noqa: F401  (the one compatibility point)
-from harness.invariance import SAME_WIDTH_INT, bits_equal
+from harness.cache import bits, bits_equal
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_IDS = ("fp32", "bf16", "fp16")
@@ -48,8 +48,7 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
     if bits_equal(a, b):
         return
-    as_int = SAME_WIDTH_INT[a.element_size()]
-    differ = a.view(as_int) != b.view(as_int)
+    differ = bits(a) != bits(b)
     raise AssertionError(f"{what}: not bitwise equal: {int(differ.sum())} of {a.numel()} elements "
                          f"differ, max |diff| = {max_abs_diff(a, b)!r}, first at {differ.nonzero()[0].tolist()}")
 

@@ -23,6 +23,38 @@ def flip_low_bit(t, index):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_bits_mean_bits_a_signed_zero_differs_and_agrees_with_the_fingerprint(dtype):
+    a = torch.tensor([[[[0.0, 1.0], [2.0, 3.0]]]], dtype=dtype)   # [1, 1, T=2, D=2]
+    b = a.clone()
+    b[0, 0, 1, 0] = 0.0
+    a[0, 0, 1, 0] = -0.0
+    assert torch.equal(a, b)   # why raw bits: torch.equal calls -0.0 and +0.0 equal
+    diff = kv.tensor_diff(a, b)
+    assert not diff["equal"] and diff["n_diff"] == 1 and diff["first_position"] == 1
+    assert diff["max_abs"] == 0.0 and diff["max_ulp"] == 0 and diff["max_abs_rel"] == 0.0
+    assert kv.sha_tensor(a) != kv.sha_tensor(b)
+    same = kv.tensor_diff(a, a.clone())
+    assert same["equal"] and kv.sha_tensor(a) == kv.sha_tensor(a.clone())
+
+
+def test_nan_payloads_count_as_bits():
+    a = torch.tensor([float("nan"), 1.0])
+    b = a.clone()
+    b.view(torch.int32)[0] ^= 1   # another NaN payload
+    assert torch.isnan(b[0]) and not kv.bits_equal(a, b) and kv.bits_equal(a, a.clone())
+    assert kv.tensor_diff(a[None, None, :, None], b[None, None, :, None])["n_diff"] == 1
+    assert not kv.compare_logits(a, b)["equal"]
+
+
+def test_max_abs_rel_stays_small_where_ulps_explode_through_zero():
+    a = torch.tensor([[[[1e-30], [4.0]]]])
+    b = torch.tensor([[[[-1e-30], [4.0]]]])
+    diff = kv.tensor_diff(a, b)
+    assert diff["max_ulp"] > 2 ** 24   # a sign change of a tiny value: far apart in ULPs
+    assert diff["max_abs_rel"] < 1e-29
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_flipped_bit_is_found_at_its_layer_position_and_kv(dtype):
     a = make_state(dtype=dtype)
     values = list(a.values)
@@ -48,7 +80,9 @@ def test_identical_states_compare_bit_exact():
 def test_ulp_distance_counts_across_zero():
     a = torch.tensor([0.0, -0.0, 1.0], dtype=torch.float32).view(1, 1, 3, 1)
     b = torch.tensor([-0.0, 0.0, 1.0], dtype=torch.float32).view(1, 1, 3, 1)
-    assert kv.tensor_diff(a, b)["equal"]            # +0 and -0 are 0 ULPs apart
+    diff = kv.tensor_diff(a, b)
+    assert not diff["equal"] and diff["n_diff"] == 2   # other bits...
+    assert diff["max_ulp"] == 0                        # ...but +0 and -0 are 0 ULPs apart
     tiny = torch.tensor([1e-45, -1e-45], dtype=torch.float32)   # smallest subnormals
     c = tiny.view(1, 1, 2, 1)
     d = torch.zeros(2).view(1, 1, 2, 1)

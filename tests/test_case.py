@@ -118,8 +118,8 @@ def test_plans_replicas_stacks_and_controls():
                       + '[replicas]\narms = ["prefill"]\nitems = 2\n'
                       + '[transplants]\npairs = ["live<-prefill", "prefill<-live"]\n'
                         'selections = ["all", "keys"]\ncontrols = 2\nseed = 7\n', "c.toml")
-    assert [s.label for s in case.stacks] == ["sdpa/fp32", "sdpa/bf16", "eager/fp32",
-                                              "eager/bf16"]
+    assert [s.label for s in case.stacks] == ["sdpa/fp32@t1", "sdpa/bf16@t1", "eager/fp32@t1",
+                                              "eager/bf16@t1"]
     assert all(s.threads == 1 for s in case.stacks)
     assert case.plan(1).replicas == ("prefill",) and case.plan(2).replicas == ()
     assert [t.label for t in case.plan(0).transplants] == [

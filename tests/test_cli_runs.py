@@ -29,7 +29,7 @@ def ledger_with_run(tmp_path_factory):
     result = kvfid("run", SMOKE, "--db", db, "--quiet")
     assert result.exit_code == 0, result.output
     run_id = re.match(r"run (\S+) finished: 9 units measured", result.stdout)[1]
-    assert "suffix ≠ live" in result.stdout and "sdpa/bf16" in result.stdout
+    assert "suffix ≠ live" in result.stdout and "sdpa/bf16@t1" in result.stdout
     return db, run_id
 
 
@@ -41,9 +41,9 @@ def test_runs_and_show(ledger_with_run):
     assert (row["id"], row["status"], row["units"], row["planned"]) == (run_id, "finished", 9, 9)
     shown = kvfid("show", "latest", "--db", db)
     assert shown.exit_code == 0 and f"# kvfid run {run_id}: smoke" in shown.stdout
-    assert "## Stack eager/bf16" in shown.stdout
+    assert "## Stack eager/bf16@t1" in shown.stdout
     as_json = json.loads(kvfid("show", run_id, "--db", db, "--format", "json").stdout)
-    assert set(as_json["stacks"]) == {"sdpa/bf16", "eager/bf16"}
+    assert set(as_json["stacks"]) == {"sdpa/bf16@t1", "eager/bf16@t1"}
 
 
 def test_audit_exit_codes(ledger_with_run, tmp_path):
@@ -56,10 +56,10 @@ def test_audit_exit_codes(ledger_with_run, tmp_path):
     with sqlite3.connect(tampered) as conn:
         conn.execute("UPDATE rows SET fingerprints = json_set(fingerprints, '$.suffix_sha', 'x')"
                      " WHERE item_index = 2 AND stack = 'crossing' AND kind = 'crossing-cell' "
-                     "AND label = 'sdpa/fp32|prefill'")
+                     "AND label = 'sdpa/fp32@t1|prefill'")
     failed = kvfid("audit", run_id, "--db", tampered, "--quiet")
     assert failed.exit_code == 1
-    assert "item arith-0002 (#2) stack crossing crossing-cell sdpa/fp32|prefill suffix_sha: " \
+    assert "item arith-0002 (#2) stack crossing crossing-cell sdpa/fp32@t1|prefill suffix_sha: " \
            "stored 'x'" in failed.stdout
 
 
@@ -76,9 +76,9 @@ def test_report_writes_the_three_files(ledger_with_run, tmp_path):
 def test_a_row_reproduces_with_its_repro_command(ledger_with_run):
     db, run_id = ledger_with_run
     with Ledger(db) as ledger:
-        unit = next(u for u in ledger.units(run_id) if u.stack == "eager/bf16"
+        unit = next(u for u in ledger.units(run_id) if u.stack == "eager/bf16@t1"
                     and u.status == "ok")
-    command = repro_command(load_case(SMOKE), "eager/bf16", unit.item_index, "")
+    command = repro_command(load_case(SMOKE), "eager/bf16@t1", unit.item_index, "")
     result = kvfid(*shlex.split(command)[1:], "--format", "json")
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)

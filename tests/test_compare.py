@@ -82,7 +82,7 @@ def clone(db, source: str, new_id: str, tamper=None) -> str:
     return new_id
 
 
-def break_bridge(unit, record, stack="sdpa/bf16", item="arith-0002"):
+def break_bridge(unit, record, stack="sdpa/bf16@t1", item="arith-0002"):
     """In B: the bridge's cache differs from live on one item, from layer 1 (K) on."""
     if unit.stack != stack or unit.item_id != item:
         return
@@ -98,7 +98,7 @@ def test_a_run_compared_with_itself_shows_no_difference(ledgers):
     assert result["a"]["run"] == result["b"]["run"] == runs["cpu"]
     assert not result["regressed"] and result["regressions"] == []
     assert result["only_a"] == result["only_b"] == []
-    assert set(result["stacks"]) == {"sdpa/bf16", "eager/bf16", "crossing"}
+    assert set(result["stacks"]) == {"sdpa/bf16@t1", "eager/bf16@t1", "crossing"}
     for entry in result["stacks"].values():
         assert entry["verdicts"] and {v["status"] for v in entry["verdicts"]} == {"same"}
         assert entry["rates"] and {r["status"] for r in entry["rates"]} == {"same"}
@@ -117,9 +117,9 @@ def test_a_flipped_bit_exact_verdict_is_a_regression_naming_stack_construction_i
     result = compare(db, runs["575"], tampered)
     assert result["regressed"]
     (reason,) = [r for r in result["regressions"] if "bit-exact" in r]
-    assert reason.startswith("sdpa/bf16: cache bit-exact of incremental vs live (bridge)")
+    assert reason.startswith("sdpa/bf16@t1: cache bit-exact of incremental vs live (bridge)")
     assert "arith-0002" in reason and "first bad layer 1 K" in reason
-    entry = result["stacks"]["sdpa/bf16"]
+    entry = result["stacks"]["sdpa/bf16@t1"]
     (verdict,) = [v for v in entry["verdicts"] if v["status"] != "same"]
     assert (verdict["held_a"], verdict["held_b"]) == (True, False)
     assert [f["item"] for f in verdict["broke"]] == ["arith-0002"] and verdict["fixed"] == []
@@ -131,7 +131,7 @@ def test_a_flipped_bit_exact_verdict_is_a_regression_naming_stack_construction_i
     assert "A bit-exact, B first bad layer 1 K" in printed["detail"]
     # Same key, same case: a changed fingerprint also means the run does not reproduce.
     assert any("does not reproduce" in r for r in result["regressions"])
-    assert not result["stacks"]["eager/bf16"]["regressed"]
+    assert not result["stacks"]["eager/bf16@t1"]["regressed"]
     text = render_markdown(result)
     assert "REGRESSED" in text and "REGRESSION" in text and "arith-0002" in text
 
@@ -142,7 +142,7 @@ def test_a_fixed_verdict_is_an_improvement_not_a_regression(ledgers, tmp_path):
     db.write_bytes(Path(gpu_db).read_bytes())
     broken = clone(db, runs["575"], "20990101-000000-beef", break_bridge)
     result = compare(db, broken, runs["575"])
-    (verdict,) = [v for v in result["stacks"]["sdpa/bf16"]["verdicts"] if v["status"] != "same"]
+    (verdict,) = [v for v in result["stacks"]["sdpa/bf16@t1"]["verdicts"] if v["status"] != "same"]
     assert verdict["status"] == "better" and verdict["fixed"][0]["item"] == "arith-0002"
     assert not any("bit-exact" in r for r in result["regressions"])
 
@@ -173,8 +173,8 @@ def test_environment_keys_resolve_to_their_latest_runs_of_the_same_case(ledgers)
 def test_stacks_on_one_side_only_are_listed_not_compared(ledgers):
     _, gpu_db, runs = ledgers
     result = compare(gpu_db, runs["570"], runs["570-other"])
-    assert set(result["stacks"]) == {"sdpa/bf16"}
-    assert result["only_a"] == ["eager/bf16", "crossing"] and result["only_b"] == ["sdpa/fp32"]
+    assert set(result["stacks"]) == {"sdpa/bf16@t1"}
+    assert result["only_a"] == ["eager/bf16@t1", "crossing"] and result["only_b"] == ["sdpa/fp32@t1"]
     assert not result["same_case"] and any("smoke-other" in n for n in result["notes"])
     assert "Stacks in one run only" in render_markdown(result)
 

@@ -126,9 +126,10 @@ def test_no_library():
 
 # --- the key ------------------------------------------------------------------------------------
 
-def _record(gpu_name=None, driver=None, cpu_model=None, cuda=None, torch_version=None, triton=None):
+def _record(gpu_name=None, driver=None, cpu_model=None, cuda=None, torch_version=None, triton=None,
+            capability=None):
     gpus = [{"name": gpu_name, "driver_version": driver}] if gpu_name else []
-    return {"gpus": gpus, "cpu": {"model": cpu_model},
+    return {"gpus": gpus, "cpu": {"model": cpu_model, "capability": capability},
             "versions": {"cuda_runtime": cuda, "torch": torch_version, "triton": triton}}
 
 
@@ -137,6 +138,29 @@ def test_environment_key_examples():
     assert environment_key(gpu) == "NVIDIA-H200/570.86.15/12.8/2.11.0/3.6.0"
     cpu = _record(cpu_model="AMD EPYC 7B13", torch_version="2.13.0+cpu", triton="3.9.0")
     assert environment_key(cpu) == "cpu-AMD-EPYC-7B13/none/none/2.13.0+cpu/3.9.0"
+
+
+def test_cpus_that_differ_only_in_capability_get_two_keys():
+    """One model name, two code paths torch dispatches to: their numerics differ, so do the keys."""
+    avx2, avx512 = (_record(cpu_model="AMD EPYC", torch_version="2.13.0+cpu", triton="3.9.0",
+                            capability=c) for c in ("AVX2", "AVX512"))
+    assert environment_key(avx2) == "cpu-AMD-EPYC-avx2/none/none/2.13.0+cpu/3.9.0"
+    assert environment_key(avx512) == "cpu-AMD-EPYC-avx512/none/none/2.13.0+cpu/3.9.0"
+
+
+def test_the_record_names_what_decides_cpu_numerics(monkeypatch):
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    record = collect(no_driver())
+    cpu = record["cpu"]
+    assert cpu["capability"] == torch.backends.cpu.get_cpu_capability()
+    assert set(cpu) >= {"model", "vendor", "capability", "flags", "blas", "mkl", "onednn", "torch_threads"}
+    assert cpu["flags"] is None or set(cpu["flags"]) >= {"amx_bf16", "avx512_bf16", "avx512_fp16"}
+    assert record["numerics_env"]["MKL_CBWR"] == "COMPATIBLE"
+    assert record["numerics_env"]["OMP_NUM_THREADS"] is None
+    text = describe(record)
+    assert f"capability {cpu['capability']}" in text and "MKL_CBWR=COMPATIBLE" in text
+    assert (cpu["capability"] or "").lower() in environment_key(record)
 
 
 def test_environment_key_parts_are_safe_folder_names():

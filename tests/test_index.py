@@ -36,8 +36,8 @@ def copy_run(db, source: str, new_id: str, environment: dict, tamper=None) -> st
 
 
 def break_prefill(unit, record):
-    """sdpa/bf16's prefill state differs from live on every item."""
-    if unit.stack == "sdpa/bf16" and record["status"] == "ok":
+    """sdpa/bf16@t1's prefill state differs from live on every item."""
+    if unit.stack == "sdpa/bf16@t1" and record["status"] == "ok":
         for c in record["comparisons"]:
             if c["b"] == "prefill" and c["kind"] == "arm":
                 c["cache"]["bit_exact"] = False
@@ -77,9 +77,9 @@ def test_one_row_per_environment_key_from_the_summaries_alone(reports):
     assert path == root / "index.md" and (root / "index.html").is_file()
     head, rows = table(path.read_text(), "## Case smoke")
     assert head[:5] == COLUMNS
-    assert {"sdpa/bf16: prefill bit-exact", "sdpa/bf16: suffix ≠ live [95% CI]",
-            "sdpa/bf16: replica floor", "sdpa/bf16: bridge bit-exact",
-            "eager/bf16: prefill bit-exact"} <= set(head)
+    assert {"sdpa/bf16@t1: prefill bit-exact", "sdpa/bf16@t1: suffix ≠ live [95% CI]",
+            "sdpa/bf16@t1: replica floor", "sdpa/bf16@t1: bridge bit-exact",
+            "eager/bf16@t1: prefill bit-exact"} <= set(head)
     assert head[-4:] == ["run", "started (UTC)", "git", "status"]
     assert len(rows) == 3                       # CPU, 570, 575: the 580 run has no report
     by_driver = {row[1]: dict(zip(head, row)) for row in rows}
@@ -88,11 +88,11 @@ def test_one_row_per_environment_key_from_the_summaries_alone(reports):
     assert by_driver["-"]["GPU"].startswith("none (CPU")
     assert by_driver["570.86.15"]["run"] == ids["570"]       # the newer of the two 570 runs
     # The newest 570 run's prefill broke: the row says so, the others do not.
-    assert by_driver["570.86.15"]["sdpa/bf16: prefill bit-exact"].startswith("0/")
-    assert by_driver["575.51.03"]["eager/bf16: prefill bit-exact"] == \
-        by_driver["-"]["eager/bf16: prefill bit-exact"]
+    assert by_driver["570.86.15"]["sdpa/bf16@t1: prefill bit-exact"].startswith("0/")
+    assert by_driver["575.51.03"]["eager/bf16@t1: prefill bit-exact"] == \
+        by_driver["-"]["eager/bf16@t1: prefill bit-exact"]
     assert re.fullmatch(r"\d+/\d+ \(.*%\) \[.*%, .*%\]",
-                        by_driver["-"]["sdpa/bf16: suffix ≠ live [95% CI]"])
+                        by_driver["-"]["sdpa/bf16@t1: suffix ≠ live [95% CI]"])
 
 
 def test_ledgers_add_runs_without_a_report(reports):

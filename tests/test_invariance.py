@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from harness import invariance
+from harness import invariance, probes, twins
 from harness.invariance import IMPLEMENTATIONS, OPS, bits_equal, compare_kernels, render_table
+from kernels.attention import attention_ref
 
 # The comparison runs on CPU tensors; Triton takes them only through its interpreter (always set
 # without CUDA, and by `make test`).
@@ -55,19 +56,45 @@ def test_triton_rows_are_invariant_and_the_result_is_ok(quick):
     assert quick["ok"] is True
 
 
-def test_negative_controls_stock_rows_are_not_all_invariant(quick):
-    """The checks can see a difference: stock fp32 mm differs by batch on this CPU (measured from 2
-    to 7 rows), and SDPA's decode steps differ from its prefill in every dtype."""
-    mm = rows_of(quick, "matmul", "stock", "fp32")[0]
-    assert not mm["batch"]["invariant"]
-    assert mm["batch"]["first_failing_batch"] <= 7
-    assert mm["batch"]["max_abs_diff"] > 0
-    for dtype in ("bf16", "fp32"):
-        sdpa = rows_of(quick, "attention-decode", "sdpa", dtype)[0]
-        assert not sdpa["sequence"]["invariant"]
-        assert sdpa["sequence"]["first_differing_position"] is not None
-    # No claim, no failure: a stock row that is not invariant leaves `ok` alone.
-    assert not mm["claims"]["batch"] and mm["ok"]
+def test_negative_controls_every_twin_is_caught_by_both_checks(quick):
+    """The checks can fail on any machine: each op's deliberately variant twin (split chosen from
+    the shape) is seen to differ by batch and by construction, in every dtype."""
+    twin_rows = rows_of(quick, impl="twin")
+    assert {r["op"] for r in twin_rows} == set(OPS) and len(twin_rows) == 2 * len(OPS)
+    for row in twin_rows:
+        assert not row["batch"]["invariant"] and row["batch"]["max_abs_diff"] > 0, row
+        assert not row["sequence"]["invariant"], row
+        assert row["sequence"]["first_differing_position"] is not None, row
+        assert row["ok"], row
+    assert render_table(quick).count("control caught") == len(twin_rows)
+
+
+def test_a_twin_the_checks_miss_fails_the_result(monkeypatch):
+    """Swap the matmul twin for an invariant matmul (stock F.linear under the rowwise mode): the
+    control is missed, so the result is not ok."""
+    key = ("matmul", "twin")
+    monkeypatch.setitem(IMPLEMENTATIONS, key, replace(IMPLEMENTATIONS[key], run=F.linear, mode="rowwise"))
+    result = compare_kernels(dtypes=("fp32",), quick=True, ops=("matmul",), impls=("twin",))
+    (row,) = result["rows"]
+    assert row["batch"]["invariant"] and not row["ok"] and result["ok"] is False
+    assert "**CONTROL MISSED**" in render_table(result)
+
+
+def test_stock_rows_are_findings_never_failures(quick):
+    """Whether a stock row varies is machine-dependent: either way it leaves `ok` alone, and a
+    stock row that passes both checks is reported as "stock invariant here"."""
+    stock = [r for r in quick["rows"] if not r["control"]
+             and not (r["claims"]["batch"] or r["claims"]["sequence"])]
+    assert stock
+    for row in stock:
+        assert row["ok"], row
+        both = row["batch"]["invariant"] and row["sequence"]["invariant"]
+        assert invariance._verdict(row) == ("stock invariant here" if both else "-")
+    probes = {(p["op"], p["dtype"]) for p in quick["stock_probes"]}
+    assert probes == {(op, d) for op in ("mm", "sdpa") for d in ("bf16", "fp32")}
+    for p in quick["stock_probes"]:
+        assert p["witness"] is None or p["witness"]["max_abs_diff"] > 0, p
+    assert "Stock probes" in render_table(quick)
 
 
 def test_result_carries_its_environment_and_is_json(quick):
@@ -97,6 +124,28 @@ def test_sequence_check_fails_for_a_claiming_attention_that_depends_on_length(mo
     result = compare_kernels(dtypes=("fp32",), quick=True, ops=("attention-decode",), impls=("triton",))
     (row,) = result["rows"]
     assert not row["sequence"]["invariant"] and not row["ok"] and result["ok"] is False
+
+
+def test_stock_probes_find_a_witness_exactly_when_there_is_one():
+    """The probes' own control: a variant op gives a witness, an invariant one gives none."""
+    cpu = torch.device("cpu")
+    witness = probes.mm_batch_witness(twins.matmul_twin, torch.float32, cpu, grid=((96, 80),))
+    assert witness and witness["batch"] == 2 and witness["max_abs_diff"] > 0
+
+    def rowwise(x, w):
+        return torch.cat([x[i:i + 1].clone() @ w.t() for i in range(x.shape[0])])
+
+    assert probes.mm_batch_witness(rowwise, torch.float32, cpu, grid=((96, 80),)) is None
+    grid = ((4, 2, 16, 24),)
+    witness = probes.attention_decode_witness(twins.attention_twin, torch.bfloat16, cpu, grid=grid)
+    assert witness and witness["position"] >= 1 and witness["max_abs_diff"] > 0
+
+    def per_position(q, k, v):  # each position computed exactly as its decode step is
+        first = k.shape[2] - q.shape[2]
+        return torch.cat([attention_ref(q[:, :, i:i + 1], k[:, :, :first + i + 1], v[:, :, :first + i + 1])
+                          for i in range(q.shape[2])], dim=2)
+
+    assert probes.attention_decode_witness(per_position, torch.bfloat16, cpu, grid=grid) is None
 
 
 def test_bits_equal_tells_signed_zeros_apart():

@@ -1,17 +1,18 @@
 """kernels.hf: the "kvfid_triton" attention implementation inside transformers models.
 
 Logits against stock SDPA (tolerance), caches bitwise equal across constructions (prefill, one token
-at a time, chunks) under the batch-invariant mode, the stock twin that differs, and refusals.
+at a time, chunks) under the batch-invariant mode, the variant twin that differs, and refusals.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest_kernels import assert_bitwise_equal, cache_keyword, device, tiny_model
+from conftest_kernels import assert_bitwise_equal, bits_equal, cache_keyword, device, tiny_model
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
+from harness import twins
 from kernels import hf, triton_runs_on
 from kernels.mode import set_batch_invariant_mode
 
@@ -71,19 +72,20 @@ def test_cache_bitwise_equal_across_constructions_under_the_mode(kind, impl):
         assert_bitwise_equal(logits, prefill_logits, f"{kind}/{impl} chunk {chunk}: logits")
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "kvfid_triton"])
-def test_control_without_the_mode_the_caches_differ(attn):
-    """Twin of the cache test: with stock matmuls (and with stock SDPA) the one-token-at-a-time
-    cache is not the prefill cache, even in fp32 on this tiny model (measured on the CPU)."""
-    if attn == "kvfid_triton" and not triton_runs_on(torch.device("cpu")):
+@pytest.mark.parametrize("impl", ["triton", "rowwise"])
+def test_control_a_variant_attention_under_the_mode_is_caught(impl):
+    """Twin of the cache test: the same constructions and check, with a deliberately shape-variant
+    attention (split-KV count from the query length) in place of the kernel, give caches that
+    differ from the prefill cache, on any CPU."""
+    if impl == "triton" and not triton_runs_on(torch.device("cpu")):
         pytest.skip("the CPU twin needs the Triton interpreter")
-    model, ids = tiny_model("llama").cpu(), token_ids().cpu()
-    model.set_attn_implementation(hf.register() if attn == "kvfid_triton" else attn)
-    with torch.no_grad():
+    model, ids = tiny_model("llama"), token_ids()
+    model.set_attn_implementation(twins.register_hf())
+    with torch.no_grad(), set_batch_invariant_mode(impl=impl):
         prefill, _ = build_cache(model, ids, LENGTH)
         incremental, _ = build_cache(model, ids, 1)
     layers = range(model.config.num_hidden_layers)
-    assert any(not torch.equal(a, b) for layer in layers
+    assert any(not bits_equal(a, b) for layer in layers
                for a, b in zip(layer_kv(prefill, layer), layer_kv(incremental, layer)))
 
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from conftest_kernels import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal, device,
                               max_abs_diff)
 
+from harness.twins import matmul_twin
 from kernels.matmul import bmm, matmul, matmul_ref
 from kernels.mode import set_batch_invariant_mode
 
@@ -92,13 +93,25 @@ def test_bmm_item_alone_equals_item_in_any_batch(path, dtype):
 
 # ---- negative control --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,n", [(torch.float32, 7), (torch.float16, 7), (torch.bfloat16, 64)],
-                         ids=["fp32-7", "fp16-7", "bf16-64"])
-def test_control_stock_mm_row_depends_on_batch(dtype, n):
-    """Twin of the batch test: stock torch.mm on this CPU gives rows alone other bits than the same
-    rows in a batch (fp32 and fp16 from 7 rows; bf16 only from about 33 rows at this shape)."""
-    pool = randn(n, 576, dtype=dtype).cpu()
-    w = randn(1536, 576, dtype=dtype, seed=1).cpu()
-    out = pool @ w.t()
-    differing = [i for i in range(n) if not torch.equal(pool[i:i + 1] @ w.t(), out[i:i + 1])]
-    assert differing, f"stock mm unexpectedly batch-invariant for {dtype}, batch of {n}"
+def linear_twin(a, w, bias):
+    out = matmul_twin(a, w)  # split-K, the split count chosen from the number of rows
+    return out + bias if bias is not None else out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["mm", "addmm"])
+def test_control_the_batch_check_catches_a_batch_variant_twin(with_bias, dtype):
+    """Twin of the batch test: the same check, the same inputs, on a deliberately batch-variant
+    matmul, finds rows that differ at every batch size (on any CPU, unlike a stock mm)."""
+    pool = randn(max(BATCH_SIZES), 96, dtype=dtype)
+    w = randn(80, 96, dtype=dtype, seed=1)
+    bias = randn(80, dtype=dtype, seed=2) if with_bias else None
+    found = rows_differing(linear_twin, pool, w, bias)
+    assert set(found) == set(BATCH_SIZES), f"twin not caught at batch sizes {set(BATCH_SIZES) - set(found)}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_twin_is_a_correct_matmul(dtype):
+    """The twin differs in bits, not in value: it matches fp64 within the dtype's tolerance."""
+    a, w = randn(37, 96, dtype=dtype), randn(80, 96, dtype=dtype, seed=1)
+    assert_close_to_ref(matmul_twin(a, w), matmul_ref(a.double(), w.t().double()), dtype)

@@ -48,8 +48,8 @@ def test_smoke_run_lands_every_unit_and_its_rows(full):
     assert run.environment["versions"]["torch"] == torch.__version__
     assert run.environment_key.startswith("cpu")
     assert {(u.item_index, u.stack) for u in units} == {
-        (i, s) for i in range(3) for s in ("sdpa/bf16", "eager/bf16", "crossing")}
-    item = next(u for u in units if u.stack == "sdpa/bf16" and u.status == "ok").record
+        (i, s) for i in range(3) for s in ("sdpa/bf16@t1", "eager/bf16@t1", "crossing")}
+    item = next(u for u in units if u.stack == "sdpa/bf16@t1" and u.status == "ok").record
     assert {"live", "prefill", "incremental", "batched:2"} <= set(item["arms"])
     prints, rows = stored(db, run_id)
     assert rows >= 9 and all(prints.values())
@@ -58,7 +58,7 @@ def test_smoke_run_lands_every_unit_and_its_rows(full):
 def test_units_run_stack_by_stack_then_the_crossing():
     units = plan_units(SMOKE)
     assert [(u.item_index, u.stack) for u in units[:4]] == [
-        (0, "sdpa/bf16"), (1, "sdpa/bf16"), (2, "sdpa/bf16"), (0, "eager/bf16")]
+        (0, "sdpa/bf16@t1"), (1, "sdpa/bf16@t1"), (2, "sdpa/bf16@t1"), (0, "eager/bf16@t1")]
     assert units[-1].stack == "crossing"
     assert [u.item_index for u in plan_units(SMOKE, Shard(1, 2))] == [1, 1, 1]
 
@@ -119,14 +119,14 @@ def test_audit_passes_unchanged_and_names_a_tampered_fingerprint(full, model, tm
         source.backup(target)
     with sqlite3.connect(copy) as conn:
         conn.execute("UPDATE rows SET fingerprints = json_set(fingerprints, '$.cache_sha', "
-                     "'tampered') WHERE run_id = ? AND item_index = 1 AND stack = 'eager/bf16' "
+                     "'tampered') WHERE run_id = ? AND item_index = 1 AND stack = 'eager/bf16@t1' "
                      "AND kind = 'boundary' AND label = 'prefill'", (run_id,))
     result = audit_run(copy, run_id, items=2, model=model, progress=False)
     assert not result.passed and result.units == 6
     (difference,) = result.differences
     assert (difference.item_id, difference.stack, difference.label, difference.field) == (
-        "arith-0001", "eager/bf16", "prefill", "cache_sha")
-    assert "FAIL" in result.text() and "item arith-0001 (#1) stack eager/bf16 boundary " \
+        "arith-0001", "eager/bf16@t1", "prefill", "cache_sha")
+    assert "FAIL" in result.text() and "item arith-0001 (#1) stack eager/bf16@t1 boundary " \
                                        "prefill cache_sha: stored 'tampered'" in result.text()
 
 

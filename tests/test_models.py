@@ -73,5 +73,11 @@ def test_smollm2_loads_from_its_gguf_and_then_from_the_cache(tmp_path, monkeypat
     ids = second.codec.prompt_ids("What is 17*23?")
     text = second.codec.decode(ids)
     assert "<|im_start|>user" in text and text.endswith("<|im_start|>assistant\n")
-    assert second.codec.eos_ids == {2}
+    assert second.codec.eos_ids == {2}   # <|im_end|>, from the chat template
+    tokenizer = second.codec.tokenizer
+    assert tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
+    tokenizer.eos_token = "<|im_start|>"   # what transformers 5.17 reads from the GGUF (id 1)
+    assert models.end_of_turn_ids(tokenizer) == {2}
+    tokenizer.chat_template = None   # no template: the tokenizer's eos is all there is
+    assert models.end_of_turn_ids(tokenizer) == {1}
     assert second.config.num_hidden_layers == 30 and second.context_length == 8192

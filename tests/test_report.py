@@ -13,7 +13,7 @@ from harness.report import aggregate, headline, markdown, repro_command, svg_bar
     write_report
 
 CASE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
-STACK = "sdpa/bf16"
+STACK = "sdpa/bf16@t1"  # smoke.toml sets threads = 1
 MARGINS = [1.0, 1.0, 0.5, 2.0, 2.0, 0.25, 3.0, 3.0]   # the live suffix's margin at each step
 
 
@@ -162,12 +162,12 @@ def test_report_files_are_written_and_self_contained(tmp_path):
 
 
 def test_repro_command_names_the_stack_plan_and_item():
-    command = repro_command(CASE, "eager/bf16", 1, "What?")
+    command = repro_command(CASE, "eager/bf16@t1", 1, "What?")
     assert command.startswith("kvfid repro --model tiny-llama --item-set arith --item 1 "
                               "--backend eager --dtype bf16 --device cpu --threads 1 -B 6 -S 6 ")
     assert "--replicas prefill" in command and "--transplant 'live<-prefill:all'" in command
     assert "--cross bf16,fp32" in repro_command(CASE, "crossing", 2, "What?")
-    assert "--replicas" not in repro_command(CASE, "sdpa/bf16", 2, "What?")
+    assert "--replicas" not in repro_command(CASE, "sdpa/bf16@t1", 2, "What?")
 
 
 def test_figures_draw_zeros_and_empty_series():
