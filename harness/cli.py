@@ -199,6 +199,53 @@ def repro(model_name, prompt, item_set, item_index, backend, dtype, batch_invari
         click.echo(render.item_text(record, model.codec))
 
 
+@main.command()
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+              help="A preset (see `kvfid models`) or hf:<folder>.")
+@click.option("--prompt", help="The prompt text (a one-turn chat).")
+@click.option("--item-set", help="Take the prompt from an item set: arith | jsonl:<path>.")
+@click.option("--item", "item_index", type=int, help="Index of the item in --item-set.")
+@click.option("--backend", default="sdpa", show_default=True,
+              help=f"Attention backend: {', '.join(backend_names())}.")
+@click.option("--dtype", default="bf16", show_default=True, help=f"One of {', '.join(DTYPES)}.")
+@click.option("--batch-invariant", is_flag=True, help="Swap in batch-invariant matmul/norm/softmax.")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--threads", type=int, help="torch thread count (default: torch's).")
+@click.option("-B", "boundary", type=int, default=8, show_default=True,
+              help="Live tokens generated after the prompt: P is the prompt plus these.")
+@click.option("--against", default="prefill", show_default=True,
+              help="The construction traced against the decode step: prefill or chunked:N.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
+              help="text for people, json for programs.")
+def blame(model_name, prompt, item_set, item_index, backend, dtype, batch_invariant, device, threads,
+          boundary, against, fmt) -> None:
+    """Name the op that first gives P's last position other bits in a decode step than in a
+    prefill (or a chunk): a culprit has bit-equal inputs on both sides and a differing output."""
+    from harness import blame as blame_lib
+    from harness import items as item_sets
+
+    try:
+        stack = Stack(backend, dtype, batch_invariant, device, threads)
+        item = _pick_item(item_sets, prompt, item_set, item_index)
+        if boundary < 1:
+            raise ValueError(f"-B must be at least 1; got {boundary}")
+    except (ValueError, ProtocolError) as err:
+        _usage(str(err))
+    if model_name not in PRESETS and not model_name.startswith("hf:"):
+        _usage(f"unknown model {model_name!r}; valid: {', '.join(model_names())}")
+    try:
+        model = load_model(model_name)
+    except ModelUnavailable as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(EXIT_ENVIRONMENT)
+    try:
+        result = blame_lib.blame_item(model, stack, model.codec.prompt_ids(item.prompt), boundary, against)
+    except (ValueError, ProtocolError) as err:
+        _usage(str(err))
+    click.echo(json.dumps({"stack": stack.label, **result.to_json()}, indent=1) if fmt == "json"
+               else blame_lib.render(result, stack.label))
+
+
 def _pick_item(item_sets, prompt, item_set, item_index):
     if (prompt is None) == (item_set is None):
         raise ValueError("give exactly one of --prompt or --item-set/--item")

@@ -1,0 +1,86 @@
+"""harness.blame: the op that first gives the boundary position other bits, and its controls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from harness import blame as blame_lib
+from harness.backends import Stack
+from harness.models import load_model
+
+needs_interpreter = pytest.mark.skipif(not kernels.interpreting(), reason="needs TRITON_INTERPRET=1")
+PLANTED = "model.layers.1.mlp.down_proj"
+
+
+def prefix_of(model, length=6):
+    prompt = model.codec.prompt_ids("What is 12 + 30?")
+    return prompt, prompt + [(17 * i + 5) % 200 for i in range(length)]
+
+
+def blame_on(stack: Stack, against="prefill", plant=False):
+    model = load_model("tiny-llama")
+    prompt, prefix = prefix_of(model)
+    with stack.activate(model) as module:
+        if plant:  # one batch-variant op: a scale that only calls with more than one row get
+            target = module.get_submodule(PLANTED)
+            forward = target.forward
+            target.forward = lambda x: forward(x) * (1.0 + 2.0 ** -10 * (x.shape[-2] > 1))
+        try:
+            return blame_lib.blame(module, prefix, len(prompt), against)
+        finally:
+            if plant:
+                del target.forward
+
+
+@needs_interpreter
+@pytest.mark.parametrize("against", ["prefill", "chunked:4"])
+def test_triton_with_the_mode_has_no_culprit(against):
+    result = blame_on(Stack("triton", "bf16", True, threads=1), against)
+    assert result.ops and all(op.kind == "equal" for op in result.ops), \
+        [(op.module, op.op, op.kind) for op in result.ops if op.kind != "equal"][:5]
+    assert result.culprits == [] and result.to_json()["first_culprit"] is None
+    assert "no culprit: every op" in blame_lib.render(result, "triton/bf16+bi")
+
+
+@needs_interpreter
+def test_control_a_planted_batch_variant_op_is_blamed_at_its_module():
+    result = blame_on(Stack("triton", "fp32", True, threads=1), plant=True)
+    first = result.culprits[0]
+    assert (first.module, first.op) == (PLANTED, "mul"), blame_lib.render(result, "planted")
+    assert first.shapes_a[0][-2] == 1 and first.shapes_b[0][-2] > 1   # M=1 vs M=|P|
+    assert first.n_diff > 0 and first.max_abs > 0
+    # Everything downstream of it only inherits the difference.
+    assert all(op.kind in ("equal", "inherited", "unverified") for op in result.ops[first.index + 1:])
+    assert f"first culprit: mul in {PLANTED}" in blame_lib.render(result, "planted")
+
+
+def test_control_the_variant_attention_twin_is_located_in_attention():
+    """Under the mode, only the twin attention varies: the first op whose boundary slice differs
+    is inside layer 0's attention, on any CPU."""
+    result = blame_on(Stack("twin", "fp32", True, threads=1))
+    first = next(op for op in result.ops if op.kind != "equal")
+    assert first.module == "model.layers.0.self_attn" and first.kind in ("culprit", "unverified"), first
+
+
+def test_boundary_slices_and_input_verdicts():
+    a, b = torch.arange(4.0).reshape(1, 4), torch.arange(12.0).reshape(3, 4)
+    sa, sb = blame_lib._boundary(a, b)
+    assert torch.equal(sa, a[0]) and torch.equal(sb, b[2])
+    assert blame_lib._boundary(torch.zeros(2, 3), torch.zeros(4, 5)) is None
+    assert blame_lib._compare([b[2:3]], [b]) == "equal"
+    assert blame_lib._compare([b[1:2]], [b]) == "differ"
+    assert blame_lib._compare([torch.zeros(2, 3)], [torch.zeros(4, 5)]) == "unknown"
+    signed = torch.tensor([[-0.0]]), torch.tensor([[0.0]])
+    assert blame_lib._compare([signed[0]], [signed[1]]) == "differ"   # bits, not values
+
+
+def test_blame_refuses_other_constructions_and_short_prefixes():
+    model = load_model("tiny-llama")
+    prompt, prefix = prefix_of(model)
+    with Stack("sdpa", "fp32").activate(model) as module:
+        with pytest.raises(ValueError, match="prefill"):
+            blame_lib.blame(module, prefix, len(prompt), "batched:2")
+        with pytest.raises(ValueError, match="at least 2"):
+            blame_lib.blame(module, prefix[:1], 1)
