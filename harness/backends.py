@@ -9,6 +9,7 @@ backends live in a registry so a new one (our Triton kernel) joins without the p
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
@@ -38,6 +39,42 @@ def register_backend(backend: AttentionBackend) -> None:
 
 def backend_names() -> list[str]:
     return list(_BACKENDS)
+
+
+def _user_implementation(spec: str, function: Callable) -> Callable[[], str]:
+    def register() -> str:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(spec, function)
+        AttentionMaskInterface.register(spec, sdpa_mask)  # else the causal/padding mask is dropped
+        return spec
+    return register
+
+
+def attention_backend(name: str) -> AttentionBackend:
+    """The backend called `name`: a registered one (sdpa, eager, triton, twin); `module:function`,
+    a user's attention function with transformers' AttentionInterface signature (module, query,
+    key, value, attention_mask, scaling=..., dropout=..., **kwargs) -> (output [B, T, H, D], weights);
+    or another implementation transformers has registered (e.g. `flex_attention`)."""
+    if name in _BACKENDS:
+        return _BACKENDS[name]
+    if ":" in name:
+        module_name, _, attribute = name.partition(":")
+        try:
+            function = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ValueError(f"backend {name!r}: cannot load {attribute!r} from module "
+                             f"{module_name!r} ({err})") from None
+        if not callable(function):
+            raise ValueError(f"backend {name!r}: {attribute} is not callable")
+        return AttentionBackend(name, f"user attention function {name}", _user_implementation(name, function))
+    from transformers import AttentionInterface
+
+    if name in AttentionInterface().valid_keys() and "|" not in name:
+        return AttentionBackend(name, f"transformers' {name}", lambda: name)
+    raise ValueError(f"unknown backend {name!r}; valid: {', '.join(backend_names())}, "
+                     "a module:function, or an implementation transformers registered")
 
 
 def _triton_implementation() -> str:
@@ -76,9 +113,7 @@ class Stack:
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; valid: "
-                             f"{', '.join(backend_names())}")
+        attention_backend(self.backend)  # raises ValueError naming the valid ones
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
         if self.threads is not None and self.threads < 1:
@@ -125,7 +160,12 @@ class Stack:
             if self.threads is not None:
                 torch.set_num_threads(self.threads)
                 restore.callback(torch.set_num_threads, previous_threads)
-            module.set_attn_implementation(_BACKENDS[self.backend].implementation())
+            name = attention_backend(self.backend).implementation()
+            try:
+                module.set_attn_implementation(name)
+            except (ImportError, ValueError) as err:
+                first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise EnvironmentError(f"backend {self.backend} is not available here: {first_line}") from err
             restore.callback(module.set_attn_implementation, previous_impl)
             if self.batch_invariant:
                 from kernels.mode import set_batch_invariant_mode

@@ -190,9 +190,13 @@ def repro(model_name, prompt, item_set, item_index, backend, dtype, batch_invari
         plan.check_fits(len(model.codec.prompt_ids(item.prompt)), model.context_length)
     except ProtocolError as err:
         _usage(str(err))
-    record = run_item(model, stack, item, plan, matcher=item_sets.match_answer)
-    if cross_stacks:
-        record["crossing"] = run_crossing(model, item, stack, cross_stacks, boundary, suffix)
+    try:
+        record = run_item(model, stack, item, plan, matcher=item_sets.match_answer)
+        if cross_stacks:
+            record["crossing"] = run_crossing(model, item, stack, cross_stacks, boundary, suffix)
+    except EnvironmentError as err:   # a backend or device this machine does not have
+        click.echo(f"error: {err}", err=True)
+        sys.exit(EXIT_ENVIRONMENT)
     if fmt == "json":
         click.echo(json.dumps(record, indent=1))
     else:
@@ -242,6 +246,9 @@ def blame(model_name, prompt, item_set, item_index, backend, dtype, batch_invari
         result = blame_lib.blame_item(model, stack, model.codec.prompt_ids(item.prompt), boundary, against)
     except (ValueError, ProtocolError) as err:
         _usage(str(err))
+    except EnvironmentError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(EXIT_ENVIRONMENT)
     click.echo(json.dumps({"stack": stack.label, **result.to_json()}, indent=1) if fmt == "json"
                else blame_lib.render(result, stack.label))
 
