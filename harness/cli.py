@@ -253,6 +253,82 @@ def blame(model_name, prompt, item_set, item_index, backend, dtype, batch_invari
                else blame_lib.render(result, stack.label))
 
 
+@main.command()
+@click.argument("trajectories", type=click.Path(exists=True, dir_okay=False))
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+              help="A preset (see `kvfid models`) or hf:<folder>; the one the trajectories are for.")
+@click.option("--backend", default="sdpa", show_default=True,
+              help=f"Attention backend: {', '.join(backend_names())}, or module:function.")
+@click.option("--dtype", default="bf16", show_default=True, help=f"One of {', '.join(DTYPES)}.")
+@click.option("--batch-invariant", is_flag=True, help="Swap in batch-invariant matmul/norm/softmax.")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--threads", type=int, help="torch thread count (default: torch's).")
+@click.option("--constructions", default="prefill", show_default=True,
+              help="Comma-separated re-scorings: prefill, chunked:N, batched:N.")
+@click.option("--expect-exact", is_flag=True, help="Exit 1 unless every logprob is bit-identical.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
+              help="text for people, json for programs.")
+def replay(trajectories, model_name, backend, dtype, batch_invariant, device, threads, constructions,
+           expect_exact, fmt) -> None:
+    """Re-score supplied trajectories (JSONL: prompt_ids or prompt, and tokens) the way a trainer
+    does and report, per token, how its logprob differs from step-by-step generation."""
+    from harness import replay as replay_lib
+
+    model = _load_or_exit(model_name)
+    try:
+        stack = Stack(backend, dtype, batch_invariant, device, threads)
+        loaded = replay_lib.load_trajectories(trajectories, model.codec)
+        result = replay_lib.replay(model, stack, loaded, tuple(c for c in constructions.split(",") if c),
+                                   progress=lambda i: click.echo(f"replay {i}", err=True))
+    except (ValueError, ProtocolError) as err:
+        _usage(str(err))
+    except EnvironmentError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(EXIT_ENVIRONMENT)
+    click.echo(json.dumps(result, indent=1) if fmt == "json" else replay_lib.render(result))
+    if expect_exact and any(a["differ"] for a in result["aggregate"].values()):
+        sys.exit(EXIT_VERDICT)
+
+
+@main.command()
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+              help="A preset (see `kvfid models`) or hf:<folder>.")
+@click.option("--item-set", default="arith", show_default=True, help="Prompts: arith | jsonl:<path>.")
+@click.option("-n", "count", type=click.IntRange(1, 10000), default=8, show_default=True,
+              help="Trajectories (the first n items).")
+@click.option("--tokens", type=click.IntRange(1, 100000), default=32, show_default=True,
+              help="Continuation length (shorter when an end-of-turn token is sampled).")
+@click.option("--temperature", type=float, default=0.8, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), required=True, help="The JSONL file to write.")
+def rollouts(model_name, item_set, count, tokens, temperature, seed, out) -> None:
+    """Sample trajectories with temperature (sdpa/fp32, seeded): a real input for `kvfid replay`."""
+    from pathlib import Path
+
+    from harness import items as item_sets
+    from harness import replay as replay_lib
+
+    model = _load_or_exit(model_name)
+    try:
+        prompts = [(i.id, model.codec.prompt_ids(i.prompt)) for i in item_sets.load_item_set(item_set, count)]
+        rows = replay_lib.sample_trajectories(model, Stack("sdpa", "fp32", threads=1), prompts, tokens,
+                                              temperature, seed)
+    except ValueError as err:
+        _usage(str(err))
+    Path(out).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    click.echo(f"{len(rows)} trajectories, {sum(len(r['tokens']) for r in rows)} tokens -> {out}", err=True)
+
+
+def _load_or_exit(model_name: str):
+    if model_name not in PRESETS and not model_name.startswith("hf:"):
+        _usage(f"unknown model {model_name!r}; valid: {', '.join(model_names())}")
+    try:
+        return load_model(model_name)
+    except ModelUnavailable as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(EXIT_ENVIRONMENT)
+
+
 def _pick_item(item_sets, prompt, item_set, item_index):
     if (prompt is None) == (item_set is None):
         raise ValueError("give exactly one of --prompt or --item-set/--item")

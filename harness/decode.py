@@ -54,6 +54,19 @@ class Runner:
         self.calls += 1
         return logits
 
+    def forward_all(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """Feed `ids` [B, T] after what `cache` holds (no cache when None), as a trainer scores a
+        sequence: logits at every position [B, T, V]."""
+        ids = ids.to(self._device)
+        start = time.perf_counter()
+        kwargs = {self._keyword: cache, "use_cache": True} if cache is not None else {"use_cache": False}
+        logits = self.module(input_ids=ids, **kwargs).logits
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return logits
+
     def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """No-cache forward over all of `ids` [B, T]; logits at every position [B, T, V]."""
         out = self.module(input_ids=ids.to(self._device), use_cache=False)

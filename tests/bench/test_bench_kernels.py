@@ -114,7 +114,8 @@ CASES = GPU_CASES if CUDA else CPU_CASES
 
 PARAMS = [pytest.param(case, impl, id=f"{case.id}-{impl.name}")
           for case in CASES for impl in IMPLEMENTATIONS.values()
-          if impl.op == case.op and impl.name not in case.skip_impls and (CUDA or not impl.cpu_skip)]
+          if impl.op == case.op and impl.name not in case.skip_impls and (CUDA or not impl.cpu_skip)
+          and not impl.control]  # the variant twins are controls of the checks, not kernels to time
 
 
 # ---- inputs and work per case ------------------------------------------------------------------
