@@ -1,14 +1,16 @@
 """Blame: which operation first makes the boundary position's bits depend on the construction.
 
-Two constructions compute the boundary position (the last position of P) differently: the step
-that feeds P's last token over a cache of the rest (what live decoding and teacher-forcing do),
-and one call over all of P (prefill) or the last chunk of a chunked construction. `blame()`
-traces every aten op of both computations (a TorchDispatchMode; the module path of each op comes
-from forward hooks), aligns the two sequences by (module path, op, occurrence), and for each
-aligned pair compares the boundary position's slice of every float input and output bit by bit:
+Two constructions compute a position of P in different calls: incremental decoding (the prompt
+in one call, then one token at a time: what live decoding does) and one call over all of P
+(prefill) or the chunk that holds it. `first_differing_position()` finds the lowest position
+whose keys or values differ in some layer; `blame()` traces every aten op of the two calls that
+compute that position (a TorchDispatchMode; the module path of each op comes from forward
+hooks), aligns the two sequences by (module path, op, occurrence), and for each aligned pair
+compares the position's slice of every float input and output bit by bit:
 
-* where the two sides' shapes differ in one dimension (`T` vs 1: [T, K] vs [1, K]), the slice is
-  the last index of that dimension; where they agree (the K/V of all of P), the whole tensor;
+* a dimension whose size is each call's length is a query dimension (the position's row is
+  taken); one whose size is each side's cache length is a key dimension (keys up to the position
+  are kept); equal sizes are compared whole;
 * an op is a **culprit** when its inputs are bit-equal on both sides and its output is not (that
   kernel is not invariant), and **inherited** when an input already differed. An op with a
   differing output and an input that cannot be compared (shapes differing in more than one
@@ -70,6 +72,7 @@ class BlameResult:
     a: str
     b: str
     prefix_length: int
+    position: int
     ops: list[OpVerdict] = field(default_factory=list)
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
@@ -80,7 +83,7 @@ class BlameResult:
 
     def to_json(self) -> dict:
         culprits = self.culprits
-        return {"a": self.a, "b": self.b, "prefix_length": self.prefix_length,
+        return {"a": self.a, "b": self.b, "prefix_length": self.prefix_length, "position": self.position,
                 "ops_aligned": len(self.ops), "ops_differing": sum(o.kind != "equal" for o in self.ops),
                 "first_culprit": _op_json(culprits[0]) if culprits else None,
                 "culprits": [_op_json(o) for o in culprits],
@@ -156,28 +159,45 @@ def _trace(module: torch.nn.Module, run, on_op) -> None:
             handle.remove()
 
 
-def _boundary(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The boundary position's slices of two corresponding tensors, or None when their shapes
-    differ in more than one dimension (not comparable)."""
-    if a.dim() != b.dim():
-        return None
-    differing = [d for d in range(a.dim()) if a.shape[d] != b.shape[d]]
-    if not differing:
-        return a, b
-    if len(differing) > 1:
-        return None
-    d = differing[0]
-    return a.select(d, a.shape[d] - 1), b.select(d, b.shape[d] - 1)
+@dataclass(frozen=True)
+class Spans:
+    """Which positions each side's traced call covers ([start, end)), and the position blamed."""
+
+    a: tuple[int, int]
+    b: tuple[int, int]
+    position: int
 
 
-def _compare(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> str:
-    """"equal" when every pair's boundary slices have the same bits, "differ" when one does not,
+def _boundary(x: torch.Tensor, y: torch.Tensor, spans: Spans) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The blamed position's slices of two corresponding tensors, or None when not comparable.
+
+    A dimension whose sizes differ is a query dimension when they are the two calls' lengths (the
+    position's row is selected) and a key dimension when they are the two cache lengths after the
+    calls (positions up to the blamed one are kept: causal attention sees no later key)."""
+    if x.dim() != y.dim():
+        return None
+    (sa, ea), (sb, eb), p = spans.a, spans.b, spans.position
+    for d in range(x.dim()):
+        sizes = (x.shape[d], y.shape[d])
+        if sizes[0] == sizes[1]:
+            continue
+        if sizes == (ea - sa, eb - sb):
+            x, y = x.narrow(d, p - sa, 1), y.narrow(d, p - sb, 1)
+        elif sizes == (ea, eb):
+            x, y = x.narrow(d, 0, p + 1), y.narrow(d, 0, p + 1)
+        else:
+            return None
+    return x, y
+
+
+def _compare(xs: list[torch.Tensor], ys: list[torch.Tensor], spans: Spans) -> str:
+    """"equal" when every pair's slices have the same bits, "differ" when one does not,
     "unknown" when none differs but some pair cannot be compared."""
     if len(xs) != len(ys):
         return "unknown"
     verdict = "equal"
     for x, y in zip(xs, ys):
-        pair = _boundary(x, y)
+        pair = _boundary(x, y, spans)
         if pair is None or pair[0].dtype != pair[1].dtype:
             verdict = "unknown"
         elif not bits_equal(*pair):
@@ -185,11 +205,11 @@ def _compare(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> str:
     return verdict
 
 
-def _diff(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[int, float, int]:
+def _diff(xs: list[torch.Tensor], ys: list[torch.Tensor], spans: Spans) -> tuple[int, float, int]:
     """Elements differing, max |diff| and max ULP over the comparable output slices."""
     n, worst, ulp = 0, 0.0, 0
     for x, y in zip(xs, ys):
-        pair = _boundary(x, y)
+        pair = _boundary(x, y, spans)
         if pair is None or pair[0].dtype != pair[1].dtype or bits_equal(*pair):
             continue
         x, y = (p.contiguous() for p in pair)
@@ -199,28 +219,65 @@ def _diff(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[int, float, i
     return n, worst, ulp
 
 
-def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
-          against: str = "prefill") -> BlameResult:
-    """Trace the step that feeds P's last token over an incrementally built cache (side a) and
-    the `against` construction's call that computes P's last position (side b); classify each op.
-    `module` is a model prepared by a stack (`Stack.activate`)."""
+def _spans(sizes: list[int]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for size in sizes:
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def _constructions(prefix: list[int], prompt_length: int, against: str) -> tuple[list, list]:
+    """The calls (position spans) of side a (incremental: the prompt, then one token at a time,
+    as live decoding runs) and of side b (`against`: prefill or chunked:N)."""
     construction = parse_construction(against)
     if construction.kind not in ("prefill", "chunked"):
-        raise ValueError(f"blame compares the decode step with `prefill` or `chunked:N`; got {against!r}")
-    if len(prefix) < 2:
-        raise ValueError("blame needs a boundary prefix of at least 2 tokens")
+        raise ValueError(f"blame compares incremental decoding with `prefill` or `chunked:N`; got {against!r}")
+    if len(prefix) < 2 or not 0 < prompt_length <= len(prefix):
+        raise ValueError("blame needs a boundary prefix of at least 2 tokens that holds the prompt")
+    side_a = _spans(parse_construction("incremental").chunk_sizes(prompt_length, len(prefix)))
+    return side_a, _spans(construction.chunk_sizes(prompt_length, len(prefix)))
+
+
+def _build(module, runner: Runner, prefix: list[int], spans: list[tuple[int, int]]):
+    """A cache fed the calls of `spans` in order; the last call's logits [1, V]."""
+    cache, logits = new_cache(module), None
+    for start, end in spans:
+        logits = runner.forward(as_batch(prefix[start:end]), cache)
+    return cache, logits
+
+
+def first_differing_position(module, prefix: list[int], prompt_length: int, against: str = "prefill"):
+    """The lowest position whose keys or values differ in some layer between the two sides'
+    caches over all of P (None when they are bit-exact, the logits included)."""
+    from harness import cache as kv
+
+    spans_a, spans_b = _constructions(prefix, prompt_length, against)
     runner = Runner(module)
-    # Side a: the cache over P[:-1] as live decoding builds it (prompt, then one token at a time).
-    cache_a = new_cache(module)
-    runner.forward(as_batch(prefix[:prompt_length]), cache_a)
-    for token in prefix[prompt_length:-1]:
-        runner.forward(as_batch([token]), cache_a)
-    # Side b: everything before the chunk that holds P's last position, then that chunk.
-    sizes = construction.chunk_sizes(prompt_length, len(prefix))
-    cache_b, start = new_cache(module), 0
-    for size in sizes[:-1]:
-        runner.forward(as_batch(prefix[start:start + size]), cache_b)
-        start += size
+    cache_a, logits_a = _build(module, runner, prefix, spans_a)
+    cache_b, logits_b = _build(module, runner, prefix, spans_b)
+    diff = kv.compare_states(kv.snapshot(cache_a, prefix, logits_a), kv.snapshot(cache_b, prefix, logits_b))
+    if diff["bit_exact"]:
+        return None if bits_equal(logits_a, logits_b) else len(prefix) - 1
+    return diff["first_position"]
+
+
+def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
+          against: str = "prefill", position: int | None = None) -> BlameResult:
+    """Trace the call that computes `position` (default: P's last) in incremental decoding (side
+    a: the prompt's prefill, or the decode step of that token) and in the `against`
+    construction (side b), each over the cache its earlier calls built; classify each op by the
+    bits of that position's slices. `module` is a model prepared by a stack (`Stack.activate`)."""
+    spans_a, spans_b = _constructions(prefix, prompt_length, against)
+    p = len(prefix) - 1 if position is None else position
+    if not 0 <= p < len(prefix):
+        raise ValueError(f"position {p} is outside P (0..{len(prefix) - 1})")
+    span_a = next(span for span in spans_a if span[0] <= p < span[1])
+    span_b = next(span for span in spans_b if span[0] <= p < span[1])
+    spans = Spans(span_a, span_b, p)
+    runner = Runner(module)
+    cache_a, _ = _build(module, runner, prefix, spans_a[:spans_a.index(span_a)])
+    cache_b, _ = _build(module, runner, prefix, spans_b[:spans_b.index(span_b)])
 
     side_a: dict[tuple, Side] = {}
     order_a: list[tuple] = []
@@ -232,9 +289,10 @@ def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
         side_a[key] = Side([tuple(t.shape) for t in inputs], inputs, outputs)
         order_a.append(key)
 
-    _trace(module, lambda: runner.forward(as_batch(prefix[-1:]), cache_a), record_a)
+    _trace(module, lambda: runner.forward(as_batch(prefix[span_a[0]:span_a[1]]), cache_a), record_a)
 
-    result = BlameResult("incremental (decode step)", construction.label, len(prefix))
+    kind_a = "prompt prefill" if span_a[0] == 0 and span_a[1] > 1 else "decode step"
+    result = BlameResult(f"incremental ({kind_a})", parse_construction(against).label, len(prefix), p)
     seen_b: Counter = Counter()
     matched: set[tuple] = set()
 
@@ -247,31 +305,37 @@ def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
             return
         matched.add(key)
         verdict = OpVerdict(len(result.ops), where, op, a.shapes_in, [tuple(t.shape) for t in inputs],
-                            _compare(a.inputs, inputs), _compare(a.outputs, outputs) == "equal")
+                            _compare(a.inputs, inputs, spans), _compare(a.outputs, outputs, spans) == "equal")
         if not verdict.output_equal:
-            verdict.n_diff, verdict.max_abs, verdict.max_ulp = _diff(a.outputs, outputs)
+            verdict.n_diff, verdict.max_abs, verdict.max_ulp = _diff(a.outputs, outputs, spans)
         result.ops.append(verdict)
 
-    _trace(module, lambda: runner.forward(as_batch(prefix[start:]), cache_b), record_b)
+    _trace(module, lambda: runner.forward(as_batch(prefix[span_b[0]:span_b[1]]), cache_b), record_b)
     result.only_a = [f"{w} {o}" for (w, o, _) in order_a if (w, o, _) not in matched]
     return result
 
 
-def blame_item(model, stack, prompt: list[int], boundary: int, against: str = "prefill") -> BlameResult:
-    """Generate P live (the prompt and `boundary` greedy tokens) on `stack`, then `blame()` the
-    computation of P's last position there."""
+def blame_item(model, stack, prompt: list[int], boundary: int, against: str = "prefill",
+               position: int | None = None) -> tuple[BlameResult, int | None]:
+    """Generate P live (the prompt and `boundary` greedy tokens) on `stack`, find the first
+    position whose cache differs between the two constructions, and `blame()` its computation
+    (or `position` when given). Returns the result and the first differing position (None when
+    the two constructions are bit-exact over all of P)."""
     with stack.activate(model) as module:
         live = run_live(module, prompt, boundary, 0, model.codec.eos_ids)
         if live.state is None:
             raise ValueError(f"the live run met the end-of-turn token after {len(live.generated.tokens)} "
                              f"of B={boundary} tokens: lower -B")
-        return blame(module, list(live.state.prefix), len(prompt), against)
+        prefix = list(live.state.prefix)
+        first = first_differing_position(module, prefix, len(prompt), against)
+        chosen = position if position is not None else first
+        return blame(module, prefix, len(prompt), against, chosen), first
 
 
 def render(result: BlameResult, stack_label: str, limit: int = 10) -> str:
     """The blame as text: the first culprit in full, then the other culprits."""
     culprits = result.culprits
-    lines = [f"kvfid blame  stack {stack_label}  |P| = {result.prefix_length}",
+    lines = [f"kvfid blame  stack {stack_label}  |P| = {result.prefix_length}  position {result.position}",
              f"a: {result.a}   b: {result.b}",
              f"{len(result.ops)} ops aligned, {sum(o.kind != 'equal' for o in result.ops)} with a "
              f"differing boundary slice, {len(culprits)} culprit(s)"]

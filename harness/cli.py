@@ -218,12 +218,14 @@ def repro(model_name, prompt, item_set, item_index, backend, dtype, batch_invari
 @click.option("-B", "boundary", type=int, default=8, show_default=True,
               help="Live tokens generated after the prompt: P is the prompt plus these.")
 @click.option("--against", default="prefill", show_default=True,
-              help="The construction traced against the decode step: prefill or chunked:N.")
+              help="The construction traced against incremental decoding: prefill or chunked:N.")
+@click.option("--position", type=int, help="The position of P to blame (default: the first whose "
+                                            "cache differs between the two constructions).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
               help="text for people, json for programs.")
 def blame(model_name, prompt, item_set, item_index, backend, dtype, batch_invariant, device, threads,
-          boundary, against, fmt) -> None:
-    """Name the op that first gives P's last position other bits in a decode step than in a
+          boundary, against, position, fmt) -> None:
+    """Name the op that first gives a position of P other bits in incremental decoding than in a
     prefill (or a chunk): a culprit has bit-equal inputs on both sides and a differing output."""
     from harness import blame as blame_lib
     from harness import items as item_sets
@@ -243,14 +245,17 @@ def blame(model_name, prompt, item_set, item_index, backend, dtype, batch_invari
         click.echo(f"error: {err}", err=True)
         sys.exit(EXIT_ENVIRONMENT)
     try:
-        result = blame_lib.blame_item(model, stack, model.codec.prompt_ids(item.prompt), boundary, against)
+        result, first = blame_lib.blame_item(model, stack, model.codec.prompt_ids(item.prompt), boundary,
+                                             against, position)
     except (ValueError, ProtocolError) as err:
         _usage(str(err))
     except EnvironmentError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(EXIT_ENVIRONMENT)
-    click.echo(json.dumps({"stack": stack.label, **result.to_json()}, indent=1) if fmt == "json"
-               else blame_lib.render(result, stack.label))
+    where = ("the caches are bit-exact over all of P" if first is None else
+             f"first differing cache position: {first}")
+    click.echo(json.dumps({"stack": stack.label, "first_differing_position": first, **result.to_json()},
+                          indent=1) if fmt == "json" else blame_lib.render(result, stack.label) + "\n" + where)
 
 
 @main.command()

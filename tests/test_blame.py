@@ -64,16 +64,38 @@ def test_control_the_variant_attention_twin_is_located_in_attention():
     assert first.module == "model.layers.0.self_attn" and first.kind in ("culprit", "unverified"), first
 
 
-def test_boundary_slices_and_input_verdicts():
-    a, b = torch.arange(4.0).reshape(1, 4), torch.arange(12.0).reshape(3, 4)
-    sa, sb = blame_lib._boundary(a, b)
-    assert torch.equal(sa, a[0]) and torch.equal(sb, b[2])
-    assert blame_lib._boundary(torch.zeros(2, 3), torch.zeros(4, 5)) is None
-    assert blame_lib._compare([b[2:3]], [b]) == "equal"
-    assert blame_lib._compare([b[1:2]], [b]) == "differ"
-    assert blame_lib._compare([torch.zeros(2, 3)], [torch.zeros(4, 5)]) == "unknown"
+def test_slices_of_query_and_key_dimensions_and_input_verdicts():
+    # Position 2: side a's call is a decode step [2, 3); side b's a prefill [0, 3).
+    spans = blame_lib.Spans((2, 3), (0, 3), 2)
+    a, b = torch.arange(4.0).reshape(1, 4), torch.arange(12.0).reshape(3, 4)   # query dim: 1 vs 3
+    sa, sb = blame_lib._boundary(a, b, spans)
+    assert torch.equal(sa, a[0:1]) and torch.equal(sb, b[2:3])
+    keys_a, keys_b = torch.arange(6.0).reshape(3, 2), torch.arange(6.0).reshape(3, 2)
+    assert blame_lib._compare([keys_a], [keys_b], spans) == "equal"   # key dim: same length here
+    # Position 1 inside a 2-token prompt: side a [0, 2) of a 2-long cache, side b [0, 3).
+    inner = blame_lib.Spans((0, 2), (0, 3), 1)
+    sa, sb = blame_lib._boundary(torch.arange(2.0), torch.arange(3.0), inner)
+    assert sa.tolist() == [1.0] and sb.tolist() == [1.0]
+    assert blame_lib._boundary(torch.zeros(2, 3), torch.zeros(4, 5), spans) is None
+    assert blame_lib._compare([b[2:3]], [b], spans) == "equal"
+    assert blame_lib._compare([b[1:2]], [b], spans) == "differ"
+    assert blame_lib._compare([torch.zeros(2, 7)], [torch.zeros(4, 5)], spans) == "unknown"
     signed = torch.tensor([[-0.0]]), torch.tensor([[0.0]])
-    assert blame_lib._compare([signed[0]], [signed[1]]) == "differ"   # bits, not values
+    assert blame_lib._compare([signed[0]], [signed[1]], spans) == "differ"   # bits, not values
+
+
+@needs_interpreter
+def test_first_differing_position_is_none_when_exact_and_found_for_the_twin():
+    model = load_model("tiny-llama")
+    prompt, prefix = prefix_of(model)
+    with Stack("triton", "fp32", True, threads=1).activate(model) as module:
+        assert blame_lib.first_differing_position(module, prefix, len(prompt)) is None
+    with Stack("twin", "fp32", True, threads=1).activate(model) as module:
+        varying = blame_lib.first_differing_position(module, prefix, len(prompt))
+        assert varying is not None and 0 < varying < len(prefix)
+        located = blame_lib.blame(module, prefix, len(prompt), position=varying)
+    first = next(op for op in located.ops if op.kind != "equal")
+    assert located.position == varying and first.module == "model.layers.0.self_attn", first
 
 
 def test_blame_refuses_other_constructions_and_short_prefixes():
@@ -84,3 +106,5 @@ def test_blame_refuses_other_constructions_and_short_prefixes():
             blame_lib.blame(module, prefix, len(prompt), "batched:2")
         with pytest.raises(ValueError, match="at least 2"):
             blame_lib.blame(module, prefix[:1], 1)
+        with pytest.raises(ValueError, match="outside P"):
+            blame_lib.blame(module, prefix, len(prompt), position=len(prefix))
