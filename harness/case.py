@@ -98,6 +98,7 @@ class Case:
     replicas: Replicas = Replicas()
     crossing: Crossing | None = None
     transplants: Transplants | None = None
+    ignore_eos: bool = False
     source: str = ""
     text: str = ""
     sha: str = ""
@@ -109,7 +110,7 @@ class Case:
         return ItemPlan(self.B, self.S, self.constructions,
                         self.replicas.arms if self.replicas.applies(index) else (),
                         self.transplants.specs if self.transplants else (),
-                        transplant_rows="all" if control else "divergent")
+                        transplant_rows="all" if control else "divergent", ignore_eos=self.ignore_eos)
 
     def with_item_count(self, n: int) -> "Case":
         """The same case on its first `n` items (`kvfid run --items N`)."""
@@ -139,7 +140,7 @@ class Case:
 # --------------------------------------------------------------------------- loading
 
 _TOP = {"name", "description", "model", "B", "S", "constructions", "items", "stacks",
-        "replicas", "crossing", "transplants"}
+        "replicas", "crossing", "transplants", "ignore_eos"}
 _TABLES = {
     "items": {"set", "n", "seed"},
     "stacks": {"backends", "dtypes", "batch_invariant", "device", "threads"},
@@ -195,7 +196,8 @@ def parse_case(text: str, source: str = "<case>") -> Case:
 
     name = v.optional(data, "", "name", str, Path(source).stem)
     return Case(name, v.optional(data, "", "description", str, ""), model, items, B, S,
-                constructions, stacks, replicas, crossing, transplants, source, text,
+                constructions, stacks, replicas, crossing, transplants,
+                v.optional(data, "", "ignore_eos", bool, False), source, text,
                 hashlib.sha256(text.encode()).hexdigest())
 
 

@@ -155,11 +155,13 @@ def bench_report(bench_json, reports, threshold) -> None:
 @click.option("--replicas", default="", help="Comma-separated arms to run twice (replica floor).")
 @click.option("--transplant", "transplants", multiple=True,
               help="RECIPIENT<-DONOR[:SELECTION], e.g. live<-prefill:keys (repeatable).")
+@click.option("--ignore-eos", is_flag=True, help="Generate all B and S tokens even past an end-of-turn "
+                                                  "token (tiny random models end early otherwise).")
 @click.option("--cross", help="Also run the fixed-prefix precision crossing over these dtypes "
                               "(comma-separated), P frozen from this stack's live run.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
 def repro(model_name, prompt, item_set, item_index, backend, dtype, batch_invariant, device,
-          threads, boundary, suffix, arms, replicas, transplants, cross, fmt) -> None:
+          threads, boundary, suffix, arms, replicas, transplants, ignore_eos, cross, fmt) -> None:
     """Reproduce one item on one stack: every arm against live, cache and suffix verdicts."""
     from harness import items as item_sets
     from harness.protocol import run_crossing, run_item
@@ -168,7 +170,7 @@ def repro(model_name, prompt, item_set, item_index, backend, dtype, batch_invari
         stack = Stack(backend, dtype, batch_invariant, device, threads)
         plan = ItemPlan(boundary, suffix, tuple(a for a in arms.split(",") if a),
                         tuple(r for r in replicas.split(",") if r),
-                        tuple(parse_transplant(t) for t in transplants))
+                        tuple(parse_transplant(t) for t in transplants), ignore_eos=ignore_eos)
         cross_stacks = [stack.with_dtype(d) for d in cross.split(",")] if cross else []
         item = _pick_item(item_sets, prompt, item_set, item_index)
     except (ValueError, ProtocolError) as err:

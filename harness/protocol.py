@@ -216,6 +216,7 @@ class ItemPlan:
     replicas: tuple[str, ...] = ()
     transplants: tuple[TransplantSpec, ...] = ()
     transplant_rows: str = "all"   # "divergent": only where recipient and donor suffixes differ
+    ignore_eos: bool = False       # generate B and S tokens whatever the model emits
 
     def __post_init__(self) -> None:
         if self.B < 1 or self.S < 1:
@@ -240,12 +241,13 @@ class ItemPlan:
 def run_item(model, stack, item, plan: ItemPlan, matcher=None) -> dict:
     """Measure one item on one stack: every arm, comparisons vs live, replicas, transplants."""
     start = time.perf_counter()
-    codec, eos = model.codec, model.codec.eos_ids
+    codec, eos = model.codec, frozenset() if plan.ignore_eos else model.codec.eos_ids
     prompt = codec.prompt_ids(item.prompt)
     plan.check_fits(len(prompt), model.context_length)
     matcher = matcher or (lambda text, answer: None)
     record = {"item": {"id": item.id, "prompt": item.prompt, "answer": item.answer},
               "model": model.name, "stack": stack.describe(), "B": plan.B, "S": plan.S,
+              "ignore_eos": plan.ignore_eos,
               "prompt_length": len(prompt), "arms": {}, "comparisons": [], "transplants": []}
     with stack.activate(model) as module:
         # Casting the model to this stack's dtype (once per process) is set-up, not protocol.

@@ -91,6 +91,7 @@ def repro_command(case, stack_label: str, item_index: int, prompt: str) -> str:
     args += ["--device", stack.device]
     args += ["--threads", str(stack.threads)] if stack.threads else []
     args += ["-B", str(case.B), "-S", str(case.S), "--arms", ",".join(case.constructions)]
+    args += ["--ignore-eos"] if case.ignore_eos else []
     args += ["--replicas", ",".join(plan.replicas)] if plan.replicas else []
     for spec in plan.transplants:
         args += ["--transplant", spec.label]

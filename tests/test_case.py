@@ -112,6 +112,13 @@ def test_an_empty_list_is_refused():
         parse_case(GOOD + "[replicas]\narms = []\n", "cases/x.toml")
 
 
+def test_ignore_eos_reaches_the_plan_and_must_be_a_boolean():
+    assert parse_case("ignore_eos = true\n" + GOOD, "c.toml").plan(0).ignore_eos
+    assert not parse_case(GOOD, "c.toml").plan(0).ignore_eos
+    with pytest.raises(CaseError, match="ignore_eos"):
+        parse_case('ignore_eos = "yes"\n' + GOOD, "c.toml")
+
+
 def test_plans_replicas_stacks_and_controls():
     case = parse_case(GOOD.replace('dtypes = ["fp32"]', 'dtypes = ["fp32", "bf16"]')
                       .replace('backends = ["sdpa"]', 'backends = ["sdpa", "eager"]')

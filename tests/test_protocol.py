@@ -130,6 +130,10 @@ def test_eos_before_b_live_tokens_marks_the_item_short():
     assert record["status"] == "short"
     assert f"EOS after {index + 1} of B=16" in record["note"]
     assert record["comparisons"] == [] and "prefix" not in record
+    # --ignore-eos: the same item generates all B and S tokens and is compared.
+    full = run_item(short_model, Stack("sdpa", "fp32"), PROMPT, ItemPlan(16, 4, ignore_eos=True))
+    assert full["status"] == "ok" and full["ignore_eos"] and full["comparisons"]
+    assert len(full["arms"]["live"]["suffix"]) == 4
 
 
 @pytest.mark.parametrize("bad, message", [
