@@ -63,6 +63,12 @@ def save_bench(json_path, reports_dir="reports") -> Path:
     return target
 
 
+def file_bench(json_path, reports_dir="reports", threshold: float = 0.10) -> tuple[Path, dict]:
+    """File a result (`save_bench`) and compare it with the previous one of its key."""
+    saved = save_bench(json_path, reports_dir)
+    return saved, compare_bench(saved, latest_previous(saved.parent, exclude=saved), threshold)
+
+
 def latest_previous(key_dir, exclude=None) -> Path | None:
     """The newest stored result in `key_dir` (an environment's folder or its `bench/`), other
     than `exclude`; None when there is none."""
