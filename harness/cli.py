@@ -180,7 +180,7 @@ def repro(fmt, **options) -> None:
 # --------------------------------------------------------------------------- matrix runs
 
 def _db_option(command):
-    option = click.option("--db", type=click.Path(dir_okay=False), default=None,
+    option = click.option("--db", type=click.Path(), default=None,
                           help="Ledger file (default: $KVFID_DB, else reports/ledger.sqlite).")
     return option(command)
 
@@ -308,8 +308,8 @@ def merge(run_ids, db, into) -> None:
 @click.argument("a", metavar="A")
 @click.argument("b", metavar="B")
 @_db_option
-@click.option("--db-a", type=click.Path(dir_okay=False), help="A's ledger (default: --db).")
-@click.option("--db-b", type=click.Path(dir_okay=False), help="B's ledger (default: --db).")
+@click.option("--db-a", type=click.Path(), help="A's ledger (default: --db).")
+@click.option("--db-b", type=click.Path(), help="B's ledger (default: --db).")
 @click.option("--kernels-a", type=click.Path(exists=True, dir_okay=False),
               help="A's kernel invariance result (JSON of `kvfid kernels --format json`).")
 @click.option("--kernels-b", type=click.Path(exists=True, dir_okay=False),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from harness.errors import BadInput
 from harness.lease import Lease, this_process
-from harness.ledger_file import connect, record_sha
+from harness.ledger_file import LedgerRefused, connect, record_sha
 from harness.rows import fingerprints, record_rows
 
 DEFAULT_DB = Path("reports") / "ledger.sqlite"
@@ -164,14 +164,14 @@ class Ledger:
             row = self.db.execute("SELECT * FROM runs ORDER BY rowid DESC LIMIT 1").fetchone()
             if row is None:
                 raise LedgerError(f"{self.path}: no runs yet")
-            return _run(row)
+            return _run(row, self.path)
         rows = self.db.execute("SELECT * FROM runs WHERE id = ? OR id LIKE ? ORDER BY id",
                                (run_id, run_id.replace("%", "") + "%")).fetchall()
         exact = [r for r in rows if r[0] == run_id]
         if exact:
-            return _run(exact[0])
+            return _run(exact[0], self.path)
         if len(rows) == 1:
-            return _run(rows[0])
+            return _run(rows[0], self.path)
         if not rows:
             raise LedgerError(f"{self.path}: no run {run_id!r} (see `kvfid runs`)")
         raise LedgerError(f"{self.path}: {run_id!r} matches {len(rows)} runs: "
@@ -184,7 +184,7 @@ class Ledger:
         """Every run with its stored unit count, oldest first."""
         counts = dict(self.db.execute("SELECT run_id, COUNT(*) FROM units GROUP BY run_id"))
         rows = self.db.execute("SELECT * FROM runs ORDER BY rowid").fetchall()
-        return [(_run(r), counts.get(r[0], 0)) for r in rows]
+        return [(_run(r, self.path), counts.get(r[0], 0)) for r in rows]
 
     def set_status(self, run_id: str, status: str, error: str | None = None) -> None:
         finished = None if status == "running" else now()
@@ -220,7 +220,9 @@ class Ledger:
         rows = self.db.execute(
             "SELECT item_index, item_id, stack, status, record, environment_key FROM units "
             "WHERE run_id = ? ORDER BY rowid", (run_id,))
-        return [StoredUnit(i, item, stack, status, json.loads(record), key)
+        return [StoredUnit(i, item, stack, status,
+                           _loads(record, f"{self.path}: run {run_id} item #{i} stack {stack}"),
+                           key)
                 for i, item, stack, status, record, key in rows]
 
     def stored_fingerprints(self, run_id: str) -> dict[tuple[int, str], dict]:
@@ -304,8 +306,17 @@ class _Transaction:
         self.db.execute("ROLLBACK" if exc_type else "COMMIT")
 
 
-def _run(row) -> Run:
+def _run(row, path: Path) -> Run:
     (run_id, name, source, text, sha, count, design, environment, key, revision, started,
      finished, status, error) = row
-    return Run(run_id, name, source, text, sha, count, json.loads(design),
-               json.loads(environment), key, revision, started, finished, status, error)
+    return Run(run_id, name, source, text, sha, count, _loads(design, f"{path}: run {run_id}"),
+               _loads(environment, f"{path}: run {run_id}"), key, revision, started, finished,
+               status, error)
+
+
+def _loads(text: str, where: str):
+    """Stored JSON, or LedgerRefused (exit 3) naming where the ledger is damaged."""
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        raise LedgerRefused(f"{where}: stored JSON is damaged") from None

@@ -130,8 +130,13 @@ def _read_uri(path: Path) -> str:
     """`mode=ro` while a writer may be at work (a -wal file exists), else `immutable=1`: a
     read-only open of a WAL file would otherwise create -wal and -shm files beside it."""
     wal = Path(f"{path}-wal")
-    quiet = not wal.exists() or not os.access(path, os.W_OK)
+    quiet = not wal.exists() or not writable(path)
     return f"file:{quote(str(path.resolve()))}?" + ("immutable=1" if quiet else "mode=ro")
+
+
+def writable(path: Path) -> bool:
+    """Whether this process may write the file (a read-only one is read `immutable=1`)."""
+    return os.access(path, os.W_OK)
 
 
 def _inspect(db: sqlite3.Connection, path: Path, write: bool) -> int:

@@ -106,7 +106,8 @@ class Matrix:
             try:
                 model = load_model(case.model)
             except ModelUnavailable as err:
-                raise EnvironmentUnavailable(str(err)) from None
+                raise EnvironmentUnavailable(f"{case.source}: model = {case.model!r}: {err}"
+                                             ) from None
         self.model = model
         for index, item in enumerate(self.items):   # refuse before any compute
             try:
