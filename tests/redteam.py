@@ -301,3 +301,50 @@ def repro_inputs(folder: Path) -> list[tuple[str, list, tuple]]:
         ("control: arith item", [*base, "--item-set", "arith", "--item", "7"], (0,)),
     ]
     return cases
+
+
+# --------------------------------------------------------------------------- outputs
+
+def output_cases(good: Path, folder: Path) -> list[tuple[str, list, int, int | None]]:
+    """(what, args, expected exit, the write that fails with ENOSPC or None) for bad output
+    places: under a regular file, in /proc, and a disk that fills at the Nth file written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    blocker = folder / "a-file"
+    blocker.write_text("")
+    report = lambda out: ["report", "latest", "--db", good, "--out", out]
+    compare = lambda out: ["compare", "latest", "latest", "--db", good, "--out", out,
+                           "--reports", folder]
+    return [("report under a file", report(blocker / "x"), 2, None),
+            ("compare under a file", compare(blocker / "x"), 2, None),
+            ("report into /proc", report("/proc/kvfid-reports"), 2, None),
+            ("report, disk full at its 2nd file", report(folder / "r2"), 3, 2),
+            ("report, disk full at the index", report(folder / "r4"), 3, 4),
+            ("compare, disk full at its 3rd file", compare(folder / "c3"), 3, 3),
+            ("run --report, disk full", ["run", SMOKE, "--db", folder / "l.sqlite", "--items",
+                                         "1", "--quiet", "--report"], 3, 1)]
+
+
+@contextlib.contextmanager
+def disk_full_at(n: int | None):
+    """The `n`-th output file written fails half-way with ENOSPC (None: no failure)."""
+    from harness import outputs
+
+    original, calls = outputs.write_text, []
+
+    def write(path, text):
+        calls.append(path)
+        if len(calls) == n:
+            path.write_text(text[: len(text) // 2])
+            raise OSError(28, "No space left on device", str(path))
+        original(path, text)
+
+    outputs.write_text = write
+    try:
+        yield
+    finally:
+        outputs.write_text = original
+
+
+def partial_files(folder: Path) -> list[Path]:
+    """Temporary or half-written outputs left under `folder`."""
+    return [p for p in folder.rglob("*") if p.is_file() and p.name.endswith(".tmp")]

@@ -6,6 +6,7 @@ Every command here runs in-process (click's runner) under a time limit; a traceb
 tests/redteam_table.py counts them for the closing note.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -107,7 +108,7 @@ def test_a_bad_option_is_named_with_its_allowed_values(option, value, named):
 def _tampered(good, tmp_path, sql=None, record=None):
     copy = tmp_path / "tampered.sqlite"
     shutil.copy(good, copy)
-    with sqlite3.connect(copy) as conn:
+    with contextlib.closing(sqlite3.connect(copy)) as conn, conn:
         if sql:
             conn.executescript(sql)
         if record:
