@@ -64,6 +64,18 @@ def selection_reason(selection, n_layers: int, prefix_length: int) -> str | None
     return None
 
 
+def device_and_threads(device: str | None, threads: int | None) -> str:
+    """Check `--device` and `--threads` of a command; the device (None: cuda when available)."""
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    require(device_reason(device), "--device", device)
+    if threads is not None:
+        require(threads_reason(threads), "--threads", threads)
+    check_cuda(device, "--device")
+    return device
+
+
 def require(reason: str | None, where: str, value, error=BadInput) -> None:
     """Raise `error` naming where the value came from, the value, and `reason`."""
     if reason is not None:

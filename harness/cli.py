@@ -84,11 +84,9 @@ def env(fmt: str) -> None:
 def kernels(dtypes, device, quick, threads, out, fmt) -> None:
     """Bitwise batch-invariance and prefill-vs-decode verdicts for every op and implementation;
     exit 1 if an implementation that claims invariance is not invariant."""
-    import torch
+    from harness import checks, invariance
 
-    from harness import invariance
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = checks.device_and_threads(device, threads)
     try:
         result = invariance.compare_kernels(tuple(d for d in dtypes.split(",") if d), device,
                                             quick, threads=threads,

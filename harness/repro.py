@@ -36,9 +36,7 @@ def prepare(model_name: str, prompt: str | None, item_set: str | None, item_inde
     """Check every option, then load the model and check what needs it (layers, context)."""
     if model_name not in PRESETS and not (model_name.startswith("hf:") and len(model_name) > 3):
         raise BadInput(f"--model: unknown model {model_name!r}; valid: {', '.join(model_names())}")
-    checks.require(checks.device_reason(device), "--device", device)
-    if threads is not None:
-        checks.require(checks.threads_reason(threads), "--threads", threads)
+    checks.device_and_threads(device, threads)
     try:
         stack = Stack(backend, dtype, batch_invariant, device, threads)
         plan = ItemPlan(boundary, suffix, tuple(a for a in arms.split(",") if a),
@@ -50,7 +48,6 @@ def prepare(model_name: str, prompt: str | None, item_set: str | None, item_inde
     for arm in plan.arms:
         checks.require(checks.construction_reason(arm), "--arms", arm)
     item = pick_item(prompt, item_set, item_index)
-    checks.check_cuda(device, "--device")
     model = load_model(model_name)
     prompt_length = len(model.codec.prompt_ids(item.prompt))
     plan.check_fits(prompt_length, model.context_length)
