@@ -39,6 +39,7 @@ class Difference:
     now: object
 
     def text(self) -> str:
+        """One line: item, stack, row, field, stored vs now."""
         return (f"item {self.item_id} (#{self.item_index}) stack {self.stack} {self.kind} "
                 f"{self.label} {self.field}: stored {_short(self.stored)} now {_short(self.now)}")
 
@@ -62,10 +63,12 @@ class AuditResult:
 
     @property
     def same_environment(self) -> bool:
+        """The re-run happened on the stored run's environment key."""
         return self.stored_key == self.current_key
 
     @property
     def passed(self) -> bool:
+        """Nothing missing, nothing changed, every fingerprint reproduced."""
         return not self.differences and not self.integrity
 
     def text(self) -> str:

@@ -37,6 +37,7 @@ class Lease:
         return _age_s(self.heartbeat) < STALE_AFTER_S
 
     def text(self) -> str:
+        """Who holds the lease, for messages."""
         return f"pid {self.pid} on {self.host}, last heartbeat {self.heartbeat}"
 
 

@@ -151,6 +151,8 @@ def _inspect(db: sqlite3.Connection, path: Path, write: bool) -> int:
         if write:
             return 0
         raise LedgerRefused(f"{path}: an empty SQLite database, not a kvfid ledger")
+    if version == 1 and tables == _TABLES[2]:
+        version = 2     # a kvfid older than schema 2 stamped a schema 2 ledger (and wrote nothing)
     expected = _TABLES.get(version)
     if expected is None or tables != expected:
         why = "no kvfid schema version" if expected is None else _difference(tables, expected)

@@ -39,6 +39,7 @@ class Outcome:
 
     @property
     def error_lines(self) -> list[str]:
+        """The `error:` lines of the output."""
         return [line for line in self.output.splitlines() if line.startswith("error:")]
 
     def clean_refusal(self, *names: str, codes=(2, 3)) -> bool:
@@ -204,7 +205,8 @@ def damaged_ledgers(good: Path, folder: Path) -> list[tuple[str, Path, dict]]:
     edited("foreign runs table", "DROP TABLE rows; DROP TABLE units; DROP TABLE runs; "
                                  "CREATE TABLE runs (a, b);")
     edited("no rows table", "DROP TABLE rows;")
-    edited("schema 1 stamp on schema 2 tables", "PRAGMA user_version=1;")
+    edited("schema 2 stamp on schema 1 tables", "ALTER TABLE units DROP COLUMN record_sha; "
+                                                "DROP TABLE leases;")
     edited("damaged record JSON", "UPDATE units SET record = '{' WHERE rowid = 1;",
            runs="ok", run="ok")   # listing and adding runs never read a stored record
     edited("foreign database", "DROP TABLE rows; DROP TABLE units; DROP TABLE runs; "
