@@ -146,21 +146,11 @@ def case_variants(count: int = 200, seed: int = 0) -> list[tuple[str, bytes]]:
     return out
 
 
-def run_case_variant(folder: Path, name: str, data: bytes, run_valid: bool = True) -> Outcome:
+def run_case_variant(folder: Path, name: str, data: bytes) -> Outcome:
     """Write a variant and `kvfid run` it on one item into its own ledger."""
     case = folder / "case.toml"
     case.write_bytes(data)
-    args = ["run", case, "--db", folder / "ledger.sqlite", "--items", "1", "--quiet"]
-    if not run_valid:
-        from harness.case import CaseError, load_case
-
-        try:
-            load_case(case)
-        except CaseError:
-            pass
-        else:
-            return Outcome(args, 0, "", False, False)
-    return invoke(*args, timeout_s=120)
+    return invoke("run", case, "--db", folder / "ledger.sqlite", "--items", "1", "--quiet")
 
 
 # --------------------------------------------------------------------------- damaged ledgers

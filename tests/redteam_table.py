@@ -32,6 +32,7 @@ def _sha(path: Path):
 def _count(table, check, outcome, clean):
     row = table.setdefault(check, collections.Counter())
     row["tried"] += 1
+    row[f"exit {outcome.exit_code}"] += 1
     kind = ("hangs" if outcome.hang else "tracebacks" if outcome.traceback else
             "clean" if clean else "other")
     row[kind] += 1
@@ -90,10 +91,13 @@ def main() -> None:
         clean = outcome.clean_refusal(codes=(code,)) and not redteam.partial_files(tmp)
         _count(table, "unwritable or full outputs", outcome, clean)
 
-    print("| check | tried | clean | tracebacks | hangs | other |\n|---|---|---|---|---|---|")
+    print("| check | tried | clean | tracebacks | hangs | other | exit codes |\n"
+          "|---|---|---|---|---|---|---|")
     for check, row in table.items():
+        exits = ", ".join(f"{k.split()[1]}: {v}" for k, v in sorted(row.items())
+                          if k.startswith("exit "))
         print(f"| {check} | {row['tried']} | {row['clean']} | {row['tracebacks']} | "
-              f"{row['hangs']} | {row['other']} |")
+              f"{row['hangs']} | {row['other']} | {exits} |")
     print(f"\n{time.perf_counter() - start:.0f} s; scratch files in {tmp}")
 
 
