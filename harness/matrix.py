@@ -223,10 +223,13 @@ def _existing_run(db: str | Path, run_id: str | None, must_exist: bool):
         if not (must_exist or ledger.has_run(run_id)):
             return None
         run = ledger.run(run_id)
-        live = [lease for lease in ledger.leases(run.id) if lease.alive()]
+        leases = ledger.leases(run.id)
+    live = [lease for lease in leases if lease.alive()]
     if must_exist and run.status == "running" and live:
         raise LedgerError(f"run {run.id} is still being measured ({live[0].text()}); "
                           f"wait for it, or stop that process first")
+    if must_exist and run.status == "running" and leases:
+        print(f"kvfid: run {run.id} died ({leases[0].text()}); resuming it", file=sys.stderr)
     return run
 
 

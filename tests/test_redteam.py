@@ -195,14 +195,18 @@ def test_a_killed_run_shows_as_died_and_a_live_one_cannot_be_resumed(good, tmp_p
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     host, pid, process = this_process()
-    with sqlite3.connect(copy) as conn:
+    with contextlib.closing(sqlite3.connect(copy)) as conn, conn:
         (run_id,) = conn.execute("SELECT id FROM runs").fetchone()
         conn.execute("UPDATE runs SET status = 'running'")
         conn.execute("INSERT INTO leases VALUES (?, ?, ?, NULL, '2026-01-01T00:00:00Z')",
                      (run_id, host, int(gone.stdout)))
     listed = invoke("runs", "--db", copy, "--format", "json")
     assert json.loads(listed.output)[0]["status"] == "died"
-    with sqlite3.connect(copy) as conn:
+    resumed = invoke("run", SMOKE, "--db", copy, "--resume", run_id, "--quiet")
+    assert resumed.exit_code == 0 and f"run {run_id} died (pid {gone.stdout.strip()}" in \
+        resumed.output and f"run {run_id} finished" in resumed.output, resumed.output
+    with contextlib.closing(sqlite3.connect(copy)) as conn, conn:
+        conn.execute("UPDATE runs SET status = 'running'")
         conn.execute("INSERT INTO leases VALUES (?, ?, ?, ?, '2026-01-01T00:00:00Z')",
                      (run_id, host, pid, process))
     assert json.loads(invoke("runs", "--db", copy, "--format", "json").output)[0]["status"] \
@@ -271,3 +275,10 @@ def test_an_unwritable_destination_is_one_line(good, tmp_path, command):
     outcome = invoke(*args)
     assert outcome.clean_refusal(blocker, codes=(2,)), outcome.output
     assert os.listdir(tmp_path) == ["a-file"]
+
+
+def test_audit_of_a_partial_run_lists_what_is_pending_without_failing(good, tmp_path):
+    copy = _tampered(good, tmp_path, "DELETE FROM rows WHERE item_index = 1; DELETE FROM units "
+                                     "WHERE item_index = 1; UPDATE runs SET status = 'partial';")
+    outcome = invoke("audit", "latest", "--db", copy, "--quiet")
+    assert outcome.exit_code == 0 and "3 planned units are not stored yet" in outcome.output
