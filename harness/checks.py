@@ -82,7 +82,7 @@ def require(reason: str | None, where: str, value, error=BadInput) -> None:
         raise error(f"{where} = {value!r} is not allowed; {reason}")
 
 
-def check_cuda(device: str, where: str) -> None:
+def check_cuda(device: str, where: str, error=Unavailable) -> None:
     """Exit 3 when a CUDA device is asked for and this machine has none (or not that index)."""
     if not device.startswith("cuda"):
         return
@@ -91,7 +91,7 @@ def check_cuda(device: str, where: str) -> None:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = int(device.split(":")[1]) if ":" in device else 0
     if index >= count:
-        raise Unavailable(f"{where} = {device!r}: this machine has {count} CUDA device(s)")
+        raise error(f"{where} = {device!r}: this machine has {count} CUDA device(s)")
 
 
 MAX_BATCH = 64              # batched:N duplicates the item N times: bound the memory

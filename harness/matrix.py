@@ -19,7 +19,7 @@ import torch
 
 from harness import envinfo
 from harness.case import Case, CaseError
-from harness.checks import selection_reason
+from harness.checks import check_cuda, selection_reason
 from harness.errors import BadInput, Unavailable
 from harness.items import load_item_set, match_answer
 from harness.ledger import Ledger, LedgerError, new_run_id
@@ -143,6 +143,8 @@ def _check_devices(case: Case) -> None:
     if any(d.startswith("cuda") for d in wanted) and not torch.cuda.is_available():
         raise EnvironmentUnavailable(f"{case.source}: its stacks run on {', '.join(sorted(wanted))}"
                                      f" and no CUDA device is available here")
+    for device in sorted(wanted):           # cuda:7 on a machine with fewer devices
+        check_cuda(device, f"{case.source}: [stacks] device", EnvironmentUnavailable)
 
 
 # --------------------------------------------------------------------------- runs

@@ -43,6 +43,7 @@ def write_files(files: dict[str, tuple[Path, str]]) -> dict[str, Path]:
 
 def write_text(path: Path, text: str) -> None:
     """Write `text` as UTF-8 to a new file at `path` and flush it to the disk."""
+    path.unlink(missing_ok=True)            # a temporary name left by a killed process
     with open(path, "x", encoding="utf-8") as f:
         f.write(text)
         f.flush()
