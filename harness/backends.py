@@ -16,8 +16,14 @@ from typing import Callable, Iterator
 
 import torch
 
+from harness.errors import Unavailable
+
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
                                   "fp32": torch.float32}
+
+
+class StackUnavailable(Unavailable, EnvironmentError):
+    """A device or attention implementation this machine cannot run (exit 3)."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +158,7 @@ class Stack:
     def activate(self, model) -> Iterator[torch.nn.Module]:
         """Set this stack on entry, yield the prepared module, restore what was found on exit."""
         if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise EnvironmentError(f"stack {self.label} wants {self.device}, no CUDA device here")
+            raise StackUnavailable(f"stack {self.label} wants {self.device}, no CUDA device here")
         module = model.cast(self.torch_dtype, self.device)
         previous_impl = module.config._attn_implementation
         previous_threads = torch.get_num_threads()
@@ -165,7 +171,7 @@ class Stack:
                 module.set_attn_implementation(name)
             except (ImportError, ValueError) as err:
                 first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise EnvironmentError(f"backend {self.backend} is not available here: {first_line}") from err
+                raise StackUnavailable(f"backend {self.backend} is not available here: {first_line}") from err
             restore.callback(module.set_attn_implementation, previous_impl)
             if self.batch_invariant:
                 from kernels.mode import set_batch_invariant_mode

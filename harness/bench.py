@@ -27,6 +27,11 @@ class BenchOutcome:
     invariance_ok: bool = True
     seconds: dict[str, float] = field(default_factory=dict)
 
+    def text(self, total_s: float) -> str:
+        """What `kvfid bench` prints on stdout: the headline lines and the time per step."""
+        steps = ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
+        return "\n".join(self.lines + [f"bench took {total_s:.0f} s ({steps})"])
+
 
 def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
@@ -68,7 +73,7 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
     start = time.perf_counter()
     chosen = load_case(matrix.default_case_path() if case == "default" else case)
     result = matrix.run_case(chosen, db, items=items, progress=True)
-    with Ledger(db) as ledger:
+    with Ledger(db, readonly=True) as ledger:
         run = ledger.run(result.run_id)
         summary = report.aggregate(ledger.units(run.id), run.design)
         paths = report.write_report(ledger, run.id, reports)

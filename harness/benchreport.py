@@ -16,18 +16,27 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from harness import envinfo
+from harness.errors import BadInput
 
 MACHINE_INFO_KEY = "kvfid"  # machine_info[MACHINE_INFO_KEY] = {"environment": ..., "environment_key": ...}
+
+
+class BenchInputError(BadInput, ValueError):
+    """A benchmark result that cannot be read."""
 
 
 def load_bench(source) -> dict:
     """A pytest-benchmark JSON result from a path, or the dict itself."""
     if isinstance(source, dict):
         return source
-    with open(source, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        with open(source, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:
+        raise BenchInputError(f"{source}: cannot read a pytest-benchmark JSON result ({err})"
+                              ) from None
     if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
-        raise ValueError(f"{source}: not a pytest-benchmark JSON result (no 'benchmarks' list)")
+        raise BenchInputError(f"{source}: not a pytest-benchmark JSON result (no 'benchmarks' list)")
     return data
 
 
@@ -61,6 +70,12 @@ def save_bench(json_path, reports_dir="reports") -> Path:
         target = folder / f"{stem}-{n}.json"
     shutil.copyfile(json_path, target)
     return target
+
+
+def file_bench(json_path, reports_dir="reports", threshold: float = 0.10) -> tuple[Path, dict]:
+    """File a result (`save_bench`) and compare it with the previous one of its key."""
+    saved = save_bench(json_path, reports_dir)
+    return saved, compare_bench(saved, latest_previous(saved.parent, exclude=saved), threshold)
 
 
 def latest_previous(key_dir, exclude=None) -> Path | None:

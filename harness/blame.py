@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from harness.cache import _ordered, bits_equal
+from harness.errors import BadInput
 from harness.decode import Runner, as_batch, new_cache
 from harness.protocol import parse_construction, run_live
 
@@ -324,12 +325,59 @@ def blame_item(model, stack, prompt: list[int], boundary: int, against: str = "p
     with stack.activate(model) as module:
         live = run_live(module, prompt, boundary, 0, model.codec.eos_ids)
         if live.state is None:
-            raise ValueError(f"the live run met the end-of-turn token after {len(live.generated.tokens)} "
-                             f"of B={boundary} tokens: lower -B")
+            raise BadInput(f"-B = {boundary}: the live run met the end-of-turn token after "
+                           f"{len(live.generated.tokens)} tokens; lower -B")
         prefix = list(live.state.prefix)
         first = first_differing_position(module, prefix, len(prompt), against)
         chosen = position if position is not None else first
         return blame(module, prefix, len(prompt), against, chosen), first
+
+
+@dataclass
+class BlameOutcome:
+    """What `kvfid blame` prints."""
+
+    stack: str
+    result: BlameResult
+    first_differing_position: int | None
+
+    def to_json(self) -> dict:
+        return {"stack": self.stack, "first_differing_position": self.first_differing_position,
+                **self.result.to_json()}
+
+    def text(self) -> str:
+        where = ("the caches are bit-exact over all of P" if self.first_differing_position is None
+                 else f"first differing cache position: {self.first_differing_position}")
+        return render(self.result, self.stack) + "\n" + where
+
+
+def blame_command(model_name: str, prompt: str | None, item_set: str | None, item_index: int | None,
+                  backend: str, dtype: str, batch_invariant: bool, device: str, threads: int | None,
+                  boundary: int, against: str, position: int | None) -> BlameOutcome:
+    """`kvfid blame`: every option checked before compute (exit 2 / 3), then `blame_item`."""
+    from harness import repro
+    from harness.models import load_model
+
+    repro.check_model_name(model_name)
+    stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads)
+    try:
+        parse_construction(against)
+    except ValueError as err:
+        raise BadInput(f"--against: {err}") from None
+    item = repro.pick_item(prompt, item_set, item_index)
+    model = load_model(model_name)
+    prompt_ids = model.codec.prompt_ids(item.prompt)
+    if len(prompt_ids) + boundary > model.context_length:
+        raise BadInput(f"-B = {boundary}: the prompt ({len(prompt_ids)} tokens) and B exceed the "
+                       f"context of {model.context_length}")
+    if position is not None and not 0 <= position < len(prompt_ids) + boundary:
+        raise BadInput(f"--position = {position} is not allowed; P has positions 0 to "
+                       f"{len(prompt_ids) + boundary - 1}")
+    try:
+        result, first = blame_item(model, stack, prompt_ids, boundary, against, position)
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+    return BlameOutcome(stack.label, result, first)
 
 
 def render(result: BlameResult, stack_label: str, limit: int = 10) -> str:

@@ -21,13 +21,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from harness.backends import DTYPES, Stack, backend_names, parse_stack
+from harness.case_fields import CaseError, Validator
+from harness.checks import construction_reason, count_reason, device_reason, threads_reason
 from harness.models import PRESETS, model_names
 from harness.protocol import (CONSTRUCTION_HELP, ItemPlan, ProtocolError, TransplantSpec,
-                              parse_construction, parse_transplant)
-
-
-class CaseError(ValueError):
-    """A case file that cannot be run: bad TOML, unknown key, bad value."""
+                              parse_transplant)
 
 
 @dataclass(frozen=True)
@@ -103,6 +101,15 @@ class Case:
     text: str = ""
     sha: str = ""
 
+    def stack(self, label: str) -> Stack:
+        """The stack with this label. A label stored before the thread count joined stack labels
+        (`sdpa/bf16` for `sdpa/bf16@t1`) names the same stack; KeyError when none matches."""
+        for exact in (True, False):
+            for stack in self.stacks:
+                if label == (stack.label if exact else stack.label.partition("@t")[0]):
+                    return stack
+        raise KeyError(label)
+
     def plan(self, index: int) -> ItemPlan:
         """The protocol plan for item `index`."""
         control = bool(self.transplants) and index in self.transplants.control_indices(
@@ -114,8 +121,8 @@ class Case:
 
     def with_item_count(self, n: int) -> "Case":
         """The same case on its first `n` items (`kvfid run --items N`)."""
-        if n < 1:
-            raise CaseError(f"{self.source}: --items must be >= 1, got {n}")
+        if count_reason(n) is not None:
+            raise CaseError(f"{self.source}: --items = {n} is not allowed; {count_reason(n)}")
         return replace(self, items=replace(self.items, n=n))
 
     @property
@@ -157,6 +164,9 @@ def load_case(path: str | Path) -> Case:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise CaseError(f"{path}: cannot read the case file ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise CaseError(f"{path}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset "
+                        f"{err.start}); a case file is UTF-8 TOML") from None
     return parse_case(text, str(path))
 
 
@@ -166,7 +176,7 @@ def parse_case(text: str, source: str = "<case>") -> Case:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise CaseError(f"{source}: not valid TOML ({err})") from None
-    v = _Validator(source)
+    v = Validator(source, _TABLES)
     v.keys(data, _TOP, "")
     for table, allowed in _TABLES.items():
         if table in data:
@@ -182,8 +192,8 @@ def parse_case(text: str, source: str = "<case>") -> Case:
     item_set = v.required(items_table, "items", "set", str)
     if item_set != "arith" and not (item_set.startswith("jsonl:") and len(item_set) > 6):
         v.fail("items", "set", item_set, "arith, jsonl:<path>")
-    items = ItemSpec(item_set, v.positive(items_table, "items", "n"),
-                     v.integer(items_table, "items", "seed", 0))
+    n = v.check("items", "n", v.positive(items_table, "items", "n"), count_reason)
+    items = ItemSpec(item_set, n, v.integer(items_table, "items", "seed", 0))
 
     stacks = _stacks(v, v.table(data, "stacks"))
     replicas = Replicas()
@@ -201,7 +211,7 @@ def parse_case(text: str, source: str = "<case>") -> Case:
                 hashlib.sha256(text.encode()).hexdigest())
 
 
-def _stacks(v: "_Validator", t: dict) -> tuple[Stack, ...]:
+def _stacks(v: "Validator", t: dict) -> tuple[Stack, ...]:
     """backends x dtypes x batch-invariant modes, on one device and thread count."""
     backends = v.choices(t, "stacks", "backends", backend_names(), None)
     dtypes = v.choices(t, "stacks", "dtypes", list(DTYPES), None)
@@ -209,16 +219,15 @@ def _stacks(v: "_Validator", t: dict) -> tuple[Stack, ...]:
     if not isinstance(modes, list) or not modes or not all(isinstance(m, bool) for m in modes):
         v.fail("stacks", "batch_invariant", modes, "a non-empty list of true/false")
     device = v.optional(t, "stacks", "device", str, "cpu")
-    if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
-        v.fail("stacks", "device", device, "cpu, cuda, cuda:<index>")
+    v.check("stacks", "device", device, device_reason)
     threads = t.get("threads")
-    if threads is not None and (not _is_int(threads) or threads < 1):
-        v.fail("stacks", "threads", threads, "a positive integer (or leave it out)")
+    if threads is not None:
+        v.check("stacks", "threads", threads, threads_reason)
     return tuple(Stack(b, d, bi, device, threads)
                  for b, d, bi in itertools.product(backends, dtypes, dict.fromkeys(modes)))
 
 
-def _crossing(v: "_Validator", t: dict, like: Stack) -> Crossing:
+def _crossing(v: "Validator", t: dict, like: Stack) -> Crossing:
     """The crossing's reference stack runs on the matrix's device and thread count."""
     text = v.required(t, "crossing", "reference", str)
     try:
@@ -234,16 +243,18 @@ def _crossing(v: "_Validator", t: dict, like: Stack) -> Crossing:
                     constructions, v.item_count(t, "crossing", "items"))
 
 
-def _transplants(v: "_Validator", t: dict) -> Transplants:
+def _transplants(v: "Validator", t: dict) -> Transplants:
     """Every pair with every selection; each pair and selection checked on its own."""
     pairs = v.strings(t, "transplants", "pairs", None)
     selections = v.strings(t, "transplants", "selections", ["all"])
     for pair in pairs:
         try:
-            parse_transplant(f"{pair}:all")
+            spec = parse_transplant(f"{pair}:all")
         except ProtocolError as err:
             v.fail("transplants", "pairs", pair, f"RECIPIENT<-DONOR, each one of "
                    f"{CONSTRUCTION_HELP} (selections go in `selections`) ({err})")
+        for arm in (spec.recipient, spec.donor):
+            v.check("transplants", "pairs", arm, construction_reason)
     for selection in selections:
         try:
             parse_transplant(f"live<-prefill:{selection}")
@@ -260,90 +271,3 @@ def stored_case(run) -> Case:
     """The case a ledger run ran: its stored text, on its stored item count."""
     case = parse_case(run.case_text, f"{run.case_source} (as stored with run {run.id})")
     return case.with_item_count(run.item_count)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-class _Validator:
-    """Typed reads from the parsed TOML; every failure names file, key, value, allowed."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, table: str, key: str, value, allowed: str):
-        where = f"[{table}] {key}" if table else key
-        raise CaseError(f"{self.source}: {where} = {value!r} is not allowed; allowed: {allowed}")
-
-    def keys(self, data: dict, allowed: set[str], table: str) -> None:
-        for key in data:
-            if key not in allowed:
-                where = f"[{table}] " if table else ""
-                raise CaseError(f"{self.source}: unknown key {where}{key!r}; allowed: "
-                                f"{', '.join(sorted(allowed))}")
-
-    def table(self, data: dict, name: str) -> dict:
-        if name not in data:
-            raise CaseError(f"{self.source}: missing table [{name}]; it takes "
-                            f"{', '.join(sorted(_TABLES[name]))}")
-        if not isinstance(data[name], dict):
-            self.fail("", name, data[name], f"a table [{name}]")
-        return data[name]
-
-    def required(self, data: dict, table: str, key: str, kind: type):
-        if key not in data:
-            where = f"[{table}] {key}" if table else key
-            raise CaseError(f"{self.source}: missing key {where}")
-        return self.optional(data, table, key, kind, None)
-
-    def optional(self, data: dict, table: str, key: str, kind: type, default):
-        value = data.get(key, default)
-        if value is not default and not isinstance(value, kind):
-            self.fail(table, key, value, f"a {kind.__name__}")
-        return value
-
-    def integer(self, data: dict, table: str, key: str, default: int, minimum=None) -> int:
-        value = data.get(key, default)
-        if not _is_int(value) or (minimum is not None and value < minimum):
-            self.fail(table, key, value, "an integer" + (f" >= {minimum}" if minimum is not None
-                                                        else ""))
-        return value
-
-    def positive(self, data: dict, table: str, key: str) -> int:
-        if key not in data:
-            where = f"[{table}] {key}" if table else key
-            raise CaseError(f"{self.source}: missing key {where}")
-        return self.integer(data, table, key, 0, minimum=1)
-
-    def item_count(self, data: dict, table: str, key: str) -> int | None:
-        value = data.get(key, "all")
-        if value == "all":
-            return None
-        if not _is_int(value) or value < 0:
-            self.fail(table, key, value, '"all" or a non-negative integer (the first N items)')
-        return value
-
-    def strings(self, data: dict, table: str, key: str, default) -> tuple[str, ...]:
-        value = data.get(key, default)
-        if value is None:
-            raise CaseError(f"{self.source}: missing key [{table}] {key}")
-        if not isinstance(value, list) or not value or not all(isinstance(x, str) for x in value):
-            self.fail(table, key, value, "a non-empty list of strings")
-        return tuple(value)
-
-    def choices(self, data: dict, table: str, key: str, allowed: list[str], default):
-        values = self.strings(data, table, key, default)
-        for value in values:
-            if value not in allowed:
-                self.fail(table, key, value, ", ".join(allowed))
-        return tuple(dict.fromkeys(values))
-
-    def constructions(self, data: dict, table: str, key: str, default) -> tuple[str, ...]:
-        labels = []
-        for value in self.strings(data, table, key, default):
-            try:
-                labels.append(parse_construction(value).label)
-            except ProtocolError:
-                self.fail(table, key, value, CONSTRUCTION_HELP)
-        return tuple(dict.fromkeys(labels))

@@ -1,31 +1,50 @@
 """`kvfid`: the command line. Thin: parses, calls the library, prints.
 
 Machine-readable output goes to stdout (`--format json`); logs and progress to stderr.
-Exit codes: 0 ok, 1 a fidelity or regression verdict failed, 2 usage error, 3 environment
-unavailable.
+Exit codes, mapped here in one place from harness.errors: 0 ok, 1 a fidelity or regression verdict
+failed, 2 usage error or bad input, 3 environment unavailable (70: a bug). Every error is one line
+on stderr; KVFID_DEBUG=1 shows the traceback.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 import click
 
 from harness import render
-from harness.backends import DTYPES, Stack, backend_names
-from harness.models import PRESETS, ModelUnavailable, load_model, model_names
-from harness.protocol import CONSTRUCTION_HELP, ItemPlan, ProtocolError, parse_transplant
-
-EXIT_VERDICT, EXIT_ENVIRONMENT = 1, 3   # usage errors exit 2 through click
-
-
-def _usage(message: str):
-    raise click.UsageError(message)
+from harness.backends import DTYPES, backend_names
+from harness.errors import EXIT_INTERNAL, EXIT_VERDICT, BadInput, KvfidError, Unavailable
+from harness.models import model_names
+from harness.protocol import CONSTRUCTION_HELP
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Kvfid(click.Group):
+    """The `kvfid` group: every KvfidError becomes one line and its exit code."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KvfidError as err:
+            if os.environ.get("KVFID_DEBUG") == "1":
+                raise
+            click.echo(f"error: {err}", err=True)
+            ctx.exit(err.exit_code)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except Exception as err:    # a bug: still one line, unless KVFID_DEBUG=1
+            if os.environ.get("KVFID_DEBUG") == "1":
+                raise
+            text = " ".join(f"{type(err).__name__}: {err}".split())
+            click.echo(f"internal error (a bug in kvfid): {text}; KVFID_DEBUG=1 shows the "
+                       "traceback", err=True)
+            ctx.exit(EXIT_INTERNAL)
+
+
+@click.group(cls=_Kvfid, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """kvfid: is a rebuilt KV state the live state? Per kernel, precision and stack."""
 
@@ -34,16 +53,9 @@ def main() -> None:
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
 def models(fmt: str) -> None:
     """List the model presets, their sizes, and whether they can be loaded here."""
-    rows = [{"name": p.name, "params": p.params, "available": p.available(),
-             "description": p.description} for p in PRESETS.values()]
-    if fmt == "json":
-        click.echo(json.dumps(rows, indent=2))
-        return
-    for row in rows:
-        mark = "yes" if row["available"] else "no "
-        click.echo(f"{row['name']:<20} {row['params']:>6}  available: {mark}  "
-                   f"{row['description']}")
-    click.echo(f"{'hf:<folder>':<20} {'':>6}  any local Hugging Face model folder")
+    from harness.models import describe_presets
+
+    click.echo(describe_presets(fmt))
 
 
 @main.command()
@@ -72,20 +84,17 @@ def env(fmt: str) -> None:
 def kernels(dtypes, device, quick, threads, out, fmt) -> None:
     """Bitwise batch-invariance and prefill-vs-decode verdicts for every op and implementation;
     exit 1 if an implementation that claims invariance is not invariant."""
-    import torch
+    from harness import checks, invariance
 
-    from harness import invariance
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = checks.device_and_threads(device, threads)
     try:
         result = invariance.compare_kernels(tuple(d for d in dtypes.split(",") if d), device,
                                             quick, threads=threads,
                                             progress=lambda m: click.echo(m, err=True))
     except ValueError as err:
-        _usage(str(err))
+        raise BadInput(str(err)) from None
     except EnvironmentError as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(EXIT_ENVIRONMENT)
+        raise Unavailable(str(err)) from None
     if out:
         click.echo(f"kernels: {invariance.write_result(result, out)}", err=True)
     click.echo(json.dumps(result, indent=1) if fmt == "json" else invariance.render_table(result))
@@ -109,9 +118,7 @@ def bench(reports, db, case_path, items, quick) -> None:
                         items=items)
     for name, path in outcome.files.items():
         click.echo(f"{name}: {path}", err=True)
-    click.echo("\n".join(outcome.lines))
-    steps = ", ".join(f"{k} {v:.0f} s" for k, v in outcome.seconds.items())
-    click.echo(f"bench took {time.perf_counter() - start:.0f} s ({steps})")
+    click.echo(outcome.text(time.perf_counter() - start))
     sys.exit(0 if outcome.invariance_ok else EXIT_VERDICT)
 
 
@@ -125,9 +132,7 @@ def bench_report(bench_json, reports, threshold) -> None:
     medians with the previous result of the same key; exit 1 on a regression."""
     from harness import benchreport
 
-    saved = benchreport.save_bench(bench_json, reports)
-    previous = benchreport.latest_previous(saved.parent, exclude=saved)
-    comparison = benchreport.compare_bench(saved, previous, threshold)
+    saved, comparison = benchreport.file_bench(bench_json, reports, threshold)
     click.echo(f"bench: {saved}", err=True)
     click.echo(benchreport.render_bench(comparison))
     sys.exit(0 if comparison["ok"] else EXIT_VERDICT)
@@ -160,49 +165,16 @@ def bench_report(bench_json, reports, threshold) -> None:
 @click.option("--cross", help="Also run the fixed-prefix precision crossing over these dtypes "
                               "(comma-separated), P frozen from this stack's live run.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
-def repro(model_name, prompt, item_set, item_index, backend, dtype, batch_invariant, device,
-          threads, boundary, suffix, arms, replicas, transplants, ignore_eos, cross, fmt) -> None:
+def repro(fmt, **options) -> None:
     """Reproduce one item on one stack: every arm against live, cache and suffix verdicts."""
-    from harness import items as item_sets
-    from harness.protocol import run_crossing, run_item
+    from harness import repro as one_item
 
-    try:
-        stack = Stack(backend, dtype, batch_invariant, device, threads)
-        plan = ItemPlan(boundary, suffix, tuple(a for a in arms.split(",") if a),
-                        tuple(r for r in replicas.split(",") if r),
-                        tuple(parse_transplant(t) for t in transplants), ignore_eos=ignore_eos)
-        cross_stacks = [stack.with_dtype(d) for d in cross.split(",")] if cross else []
-        item = _pick_item(item_sets, prompt, item_set, item_index)
-    except (ValueError, ProtocolError) as err:
-        _usage(str(err))
-    if model_name not in PRESETS and not model_name.startswith("hf:"):
-        _usage(f"unknown model {model_name!r}; valid: {', '.join(model_names())}")
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            click.echo(f"error: --device {device} but no CUDA device is available", err=True)
-            sys.exit(EXIT_ENVIRONMENT)
-    try:
-        model = load_model(model_name)
-    except ModelUnavailable as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(EXIT_ENVIRONMENT)
-    try:
-        plan.check_fits(len(model.codec.prompt_ids(item.prompt)), model.context_length)
-    except ProtocolError as err:
-        _usage(str(err))
-    try:
-        record = run_item(model, stack, item, plan, matcher=item_sets.match_answer)
-        if cross_stacks:
-            record["crossing"] = run_crossing(model, item, stack, cross_stacks, boundary, suffix)
-    except EnvironmentError as err:   # a backend or device this machine does not have
-        click.echo(f"error: {err}", err=True)
-        sys.exit(EXIT_ENVIRONMENT)
+    checked = one_item.prepare(**options)
+    record = one_item.measure(checked)
     if fmt == "json":
         click.echo(json.dumps(record, indent=1))
     else:
-        click.echo(render.item_text(record, model.codec))
+        click.echo(render.item_text(record, checked.model.codec))
 
 
 @main.command()
@@ -212,12 +184,12 @@ def repro(model_name, prompt, item_set, item_index, backend, dtype, batch_invari
 @click.option("--item-set", help="Take the prompt from an item set: arith | jsonl:<path>.")
 @click.option("--item", "item_index", type=int, help="Index of the item in --item-set.")
 @click.option("--backend", default="sdpa", show_default=True,
-              help=f"Attention backend: {', '.join(backend_names())}.")
+              help=f"Attention backend: {', '.join(backend_names())}, or module:function.")
 @click.option("--dtype", default="bf16", show_default=True, help=f"One of {', '.join(DTYPES)}.")
 @click.option("--batch-invariant", is_flag=True, help="Swap in batch-invariant matmul/norm/softmax.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("--threads", type=int, help="torch thread count (default: torch's).")
-@click.option("-B", "boundary", type=int, default=8, show_default=True,
+@click.option("-B", "boundary", type=click.IntRange(1, 100000), default=8, show_default=True,
               help="Live tokens generated after the prompt: P is the prompt plus these.")
 @click.option("--against", default="prefill", show_default=True,
               help="The construction traced against incremental decoding: prefill or chunked:N.")
@@ -225,43 +197,17 @@ def repro(model_name, prompt, item_set, item_index, backend, dtype, batch_invari
                                             "cache differs between the two constructions).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
               help="text for people, json for programs.")
-def blame(model_name, prompt, item_set, item_index, backend, dtype, batch_invariant, device, threads,
-          boundary, against, position, fmt) -> None:
+def blame(fmt, **options) -> None:
     """Name the op that first gives a position of P other bits in incremental decoding than in a
     prefill (or a chunk): a culprit has bit-equal inputs on both sides and a differing output."""
     from harness import blame as blame_lib
-    from harness import items as item_sets
 
-    try:
-        stack = Stack(backend, dtype, batch_invariant, device, threads)
-        item = _pick_item(item_sets, prompt, item_set, item_index)
-        if boundary < 1:
-            raise ValueError(f"-B must be at least 1; got {boundary}")
-    except (ValueError, ProtocolError) as err:
-        _usage(str(err))
-    if model_name not in PRESETS and not model_name.startswith("hf:"):
-        _usage(f"unknown model {model_name!r}; valid: {', '.join(model_names())}")
-    try:
-        model = load_model(model_name)
-    except ModelUnavailable as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(EXIT_ENVIRONMENT)
-    try:
-        result, first = blame_lib.blame_item(model, stack, model.codec.prompt_ids(item.prompt), boundary,
-                                             against, position)
-    except (ValueError, ProtocolError) as err:
-        _usage(str(err))
-    except EnvironmentError as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(EXIT_ENVIRONMENT)
-    where = ("the caches are bit-exact over all of P" if first is None else
-             f"first differing cache position: {first}")
-    click.echo(json.dumps({"stack": stack.label, "first_differing_position": first, **result.to_json()},
-                          indent=1) if fmt == "json" else blame_lib.render(result, stack.label) + "\n" + where)
+    outcome = blame_lib.blame_command(**options)
+    click.echo(json.dumps(outcome.to_json(), indent=1) if fmt == "json" else outcome.text())
 
 
 @main.command()
-@click.argument("trajectories", type=click.Path(exists=True, dir_okay=False))
+@click.argument("trajectories", type=click.Path(dir_okay=False))
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
               help="A preset (see `kvfid models`) or hf:<folder>; the one the trajectories are for.")
 @click.option("--backend", default="sdpa", show_default=True,
@@ -275,23 +221,12 @@ def blame(model_name, prompt, item_set, item_index, backend, dtype, batch_invari
 @click.option("--expect-exact", is_flag=True, help="Exit 1 unless every logprob is bit-identical.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
               help="text for people, json for programs.")
-def replay(trajectories, model_name, backend, dtype, batch_invariant, device, threads, constructions,
-           expect_exact, fmt) -> None:
+def replay(fmt, expect_exact, **options) -> None:
     """Re-score supplied trajectories (JSONL: prompt_ids or prompt, and tokens) the way a trainer
     does and report, per token, how its logprob differs from step-by-step generation."""
     from harness import replay as replay_lib
 
-    model = _load_or_exit(model_name)
-    try:
-        stack = Stack(backend, dtype, batch_invariant, device, threads)
-        loaded = replay_lib.load_trajectories(trajectories, model.codec)
-        result = replay_lib.replay(model, stack, loaded, tuple(c for c in constructions.split(",") if c),
-                                   progress=lambda i: click.echo(f"replay {i}", err=True))
-    except (ValueError, ProtocolError) as err:
-        _usage(str(err))
-    except EnvironmentError as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(EXIT_ENVIRONMENT)
+    result = replay_lib.replay_command(progress=lambda i: click.echo(f"replay {i}", err=True), **options)
     click.echo(json.dumps(result, indent=1) if fmt == "json" else replay_lib.render(result))
     if expect_exact and any(a["differ"] for a in result["aggregate"].values()):
         sys.exit(EXIT_VERDICT)
@@ -305,82 +240,23 @@ def replay(trajectories, model_name, backend, dtype, batch_invariant, device, th
               help="Trajectories (the first n items).")
 @click.option("--tokens", type=click.IntRange(1, 100000), default=32, show_default=True,
               help="Continuation length (shorter when an end-of-turn token is sampled).")
-@click.option("--temperature", type=float, default=0.8, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=0.8, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), required=True, help="The JSONL file to write.")
-def rollouts(model_name, item_set, count, tokens, temperature, seed, out) -> None:
+def rollouts(**options) -> None:
     """Sample trajectories with temperature (sdpa/fp32, seeded): a real input for `kvfid replay`."""
-    from pathlib import Path
-
-    from harness import items as item_sets
     from harness import replay as replay_lib
 
-    model = _load_or_exit(model_name)
-    try:
-        prompts = [(i.id, model.codec.prompt_ids(i.prompt)) for i in item_sets.load_item_set(item_set, count)]
-        rows = replay_lib.sample_trajectories(model, Stack("sdpa", "fp32", threads=1), prompts, tokens,
-                                              temperature, seed)
-    except ValueError as err:
-        _usage(str(err))
-    Path(out).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    rows, out = replay_lib.rollouts_command(**options)
     click.echo(f"{len(rows)} trajectories, {sum(len(r['tokens']) for r in rows)} tokens -> {out}", err=True)
-
-
-def _load_or_exit(model_name: str):
-    if model_name not in PRESETS and not model_name.startswith("hf:"):
-        _usage(f"unknown model {model_name!r}; valid: {', '.join(model_names())}")
-    try:
-        return load_model(model_name)
-    except ModelUnavailable as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(EXIT_ENVIRONMENT)
-
-
-def _pick_item(item_sets, prompt, item_set, item_index):
-    if (prompt is None) == (item_set is None):
-        raise ValueError("give exactly one of --prompt or --item-set/--item")
-    if prompt is not None:
-        return item_sets.Item(id="prompt", prompt=prompt, answer=None)
-    if item_index is None or item_index < 0:
-        raise ValueError("--item-set needs --item N (N >= 0)")
-    chosen = item_sets.load_item_set(item_set, item_index + 1)
-    if item_index >= len(chosen):
-        raise ValueError(f"{item_set} has {len(chosen)} items; --item {item_index} is out of range")
-    return chosen[item_index]
 
 
 # --------------------------------------------------------------------------- matrix runs
 
 def _db_option(command):
-    option = click.option("--db", type=click.Path(dir_okay=False), default=None,
+    option = click.option("--db", type=click.Path(), default=None,
                           help="Ledger file (default: $KVFID_DB, else reports/ledger.sqlite).")
     return option(command)
-
-
-def _db_path(db):
-    from pathlib import Path
-
-    from harness.ledger import default_db_path
-
-    return Path(db) if db else default_db_path()
-
-
-def _ledger(db):
-    from harness.ledger import Ledger
-
-    path = _db_path(db)
-    if not path.is_file():
-        _usage(f"no ledger at {path} (run `kvfid run CASE` first, or give --db)")
-    return Ledger(path)
-
-
-def _run_of(ledger, run_id: str):
-    from harness.ledger import LedgerError
-
-    try:
-        return ledger.run(run_id)
-    except LedgerError as err:
-        _usage(str(err))
 
 
 @main.command()
@@ -401,21 +277,18 @@ def run(case_path, item_count, db, resume, run_id, shard, write_report, quiet) -
 
     Under `torchrun --nproc-per-node N -m harness.cli run CASE`, each rank runs its shard of
     the items into one run and rank 0 closes it and prints the headline."""
-    from harness import distributed, matrix, report
-    from harness.case import CaseError, load_case
-    from harness.ledger import LedgerError
+    from harness import distributed, matrix
+    from harness.case import load_case
+    from harness.ledger_views import db_path, headline, report_run
 
-    try:
-        case = load_case(matrix.default_case_path() if case_path == "default" else case_path)
-        if item_count is not None:
-            case.with_item_count(item_count)        # refuse a bad count before anything runs
-        shard_spec = matrix.parse_shard(shard)
-    except (CaseError, ValueError) as err:
-        _usage(str(err))
-    path = _db_path(db)
+    case = load_case(matrix.default_case_path() if case_path == "default" else case_path)
+    if item_count is not None:
+        case.with_item_count(item_count)        # refuse a bad count before anything runs
+    shard_spec = matrix.parse_shard(shard)
+    path = db_path(db)
     ranked = distributed.torchrun_rank()
     if ranked and (resume or shard != "0/1"):
-        _usage("under torchrun each rank takes its shard itself; drop --shard/--resume")
+        raise BadInput("under torchrun each rank takes its shard itself; drop --shard/--resume")
     try:
         if ranked:
             result = distributed.run_ranked(case, path, ranked, items=item_count, run_id=run_id,
@@ -425,47 +298,27 @@ def run(case_path, item_count, db, resume, run_id, shard, write_report, quiet) -
         else:
             result = matrix.run_case(case, path, items=item_count, run_id=run_id,
                                      resume=resume, shard=shard_spec, progress=not quiet)
-    except (CaseError, LedgerError, ProtocolError) as err:
-        _usage(str(err))
-    except matrix.EnvironmentUnavailable as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(EXIT_ENVIRONMENT)
     except matrix.RunInterrupted as stop:
         click.echo(f"interrupted: what was measured is stored; `kvfid run {case_path} --resume "
                    f"{stop.run_id}` continues run {stop.run_id}", err=True)
         sys.exit(130)
-    with _ledger(path) as ledger:
-        stored = ledger.run(result.run_id)
-        summary = report.aggregate(ledger.units(stored.id), stored.design)
-        click.echo(f"run {result.run_id} {result.status}: {result.measured} units measured, "
-                   f"{result.skipped} already stored")
-        click.echo(report.headline(summary))
-        if write_report:
-            for name, file in report.write_report(ledger, stored.id).items():
-                click.echo(f"{name}: {file}", err=True)
-            from harness.index import update_index
-
-            click.echo(f"index: {update_index()}", err=True)
+    click.echo(f"run {result.run_id} {result.status}: {result.measured} units measured, "
+               f"{result.skipped} already stored")
+    click.echo(headline(path, result.run_id))
+    if write_report:
+        for name, file in report_run(path, result.run_id).items():
+            click.echo(f"{name}: {file}", err=True)
 
 
 @main.command()
 @_db_option
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
 def runs(db, fmt) -> None:
-    """List the runs in the ledger."""
-    with _ledger(db) as ledger:
-        rows = [{"id": r.id, "case": r.case_name, "status": r.status, "units": n,
-                 "planned": r.design["units"], "environment": r.environment_key,
-                 "git": r.git_revision, "started": r.started, "finished": r.finished}
-                for r, n in ledger.runs()]
-    if fmt == "json":
-        click.echo(json.dumps(rows, indent=1))
-        return
-    from harness.report import text_table
+    """List the runs in the ledger (a run whose processes died shows as `died`)."""
+    from harness.ledger_views import list_runs, runs_text
 
-    click.echo(text_table(["run", "case", "status", "units", "started", "environment"],
-                          [[r["id"], r["case"], r["status"], f"{r['units']}/{r['planned']}",
-                            r["started"], r["environment"]] for r in rows]))
+    rows = list_runs(db)
+    click.echo(json.dumps(rows, indent=1) if fmt == "json" else runs_text(rows))
 
 
 @main.command()
@@ -474,18 +327,9 @@ def runs(db, fmt) -> None:
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
 def show(run_id, db, fmt) -> None:
     """Print a run's aggregates (RUN: an id, a unique prefix, or `latest`)."""
-    from harness import report
-    from harness.case import stored_case
+    from harness.ledger_views import show_run
 
-    with _ledger(db) as ledger:
-        stored = _run_of(ledger, run_id)
-        units = ledger.units(stored.id)
-        summary = report.aggregate(units, stored.design)
-        if fmt == "json":
-            click.echo(json.dumps(summary, indent=1))
-            return
-        doc = report.document(stored, stored_case(stored), summary, units, raw_environment=False)
-        click.echo(report.markdown(doc))
+    click.echo(show_run(db, run_id, fmt))
 
 
 @main.command()
@@ -494,16 +338,12 @@ def show(run_id, db, fmt) -> None:
 @click.option("--items", "item_count", type=int, help="Audit only the first N items.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def audit(run_id, db, item_count, quiet) -> None:
-    """Re-run a stored run and check every fingerprint; exit 1 when any changed."""
-    from harness import matrix
+    """Check a stored run against its plan and its record checksums, then re-run it and check
+    every fingerprint; exit 1 when anything is missing, changed or does not reproduce."""
+    from harness.audit import audit_run
+    from harness.ledger_views import db_path
 
-    with _ledger(db) as ledger:
-        stored = _run_of(ledger, run_id)
-    try:
-        result = matrix.audit_run(ledger.path, stored.id, items=item_count, progress=not quiet)
-    except matrix.EnvironmentUnavailable as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(EXIT_ENVIRONMENT)
+    result = audit_run(db_path(db), run_id, items=item_count, progress=not quiet)
     click.echo(result.text())
     sys.exit(0 if result.passed else EXIT_VERDICT)
 
@@ -515,15 +355,10 @@ def audit(run_id, db, item_count, quiet) -> None:
               help="Reports folder; files go to OUT/<environment key>/<run id>/.")
 def report_command(run_id, db, out) -> None:
     """Write a run's report: report.md, report.html (self-contained) and summary.json."""
-    from harness import report
+    from harness.ledger_views import report_run
 
-    with _ledger(db) as ledger:
-        stored = _run_of(ledger, run_id)
-        for name, path in report.write_report(ledger, stored.id, out).items():
-            click.echo(f"{name}: {path}")
-        from harness.index import update_index
-
-        click.echo(f"index: {update_index(out)}")
+    for name, path in report_run(db, run_id, out).items():
+        click.echo(f"{name}: {path}")
 
 
 @main.command()
@@ -533,13 +368,9 @@ def report_command(run_id, db, out) -> None:
 def merge(run_ids, db, into) -> None:
     """Merge runs of one case (e.g. shards) into a new run; exit 1 if a unit stored twice has
     different fingerprints."""
-    from harness.ledger import LedgerError
+    from harness.ledger_views import merge_runs
 
-    with _ledger(db) as ledger:
-        try:
-            merged, copied, conflicts = ledger.merge(list(run_ids), into)
-        except LedgerError as err:
-            _usage(str(err))
+    merged, copied, conflicts = merge_runs(db, list(run_ids), into)
     click.echo(f"run {merged.id} {merged.status}: {copied} units from {len(run_ids)} runs")
     for source, index, stack in conflicts:
         click.echo(f"conflict: item #{index} stack {stack} differs in run {source} "
@@ -551,8 +382,8 @@ def merge(run_ids, db, into) -> None:
 @click.argument("a", metavar="A")
 @click.argument("b", metavar="B")
 @_db_option
-@click.option("--db-a", type=click.Path(dir_okay=False), help="A's ledger (default: --db).")
-@click.option("--db-b", type=click.Path(dir_okay=False), help="B's ledger (default: --db).")
+@click.option("--db-a", type=click.Path(), help="A's ledger (default: --db).")
+@click.option("--db-b", type=click.Path(), help="B's ledger (default: --db).")
 @click.option("--kernels-a", type=click.Path(exists=True, dir_okay=False),
               help="A's kernel invariance result (JSON of `kvfid kernels --format json`).")
 @click.option("--kernels-b", type=click.Path(exists=True, dir_okay=False),
@@ -575,14 +406,11 @@ def compare_command(a, b, db, db_a, db_b, kernels_a, kernels_b, bench_a, bench_b
     (the latest finished run there, of the other side's case when it has one). Exit 1 when B
     regressed against A."""
     from harness import compare as comparison
-    from harness.ledger import LedgerError
+    from harness.ledger_views import db_path
 
-    try:
-        result = comparison.compare((_db_path(db_a or db), _db_path(db_b or db)), a, b,
-                                    kernels_a=kernels_a, kernels_b=kernels_b, bench_a=bench_a,
-                                    bench_b=bench_b, threshold=threshold, reports=reports)
-    except (LedgerError, ValueError) as err:
-        _usage(str(err))
+    result = comparison.compare((db_path(db_a or db), db_path(db_b or db)), a, b,
+                                kernels_a=kernels_a, kernels_b=kernels_b, bench_a=bench_a,
+                                bench_b=bench_b, threshold=threshold, reports=reports)
     if out:
         for name, path in comparison.write_comparison(result, out).items():
             click.echo(f"{name}: {path}", err=True)

@@ -22,6 +22,7 @@ from harness.aggregate import aggregate
 from harness.compare_render import (SHOWN, number_text, seconds_text, document,  # noqa: F401 (re-exported)
                                     render_html, render_markdown, svg_intervals, write_comparison)
 from harness.compare_stack import compare_stack, rate_change  # noqa: F401 (re-exported)
+from harness.errors import BadInput
 from harness.ledger import Ledger, LedgerError
 
 INTERVAL_RULE = ("A rate changed beyond its interval when the two runs' 95% Wilson intervals do "
@@ -46,7 +47,7 @@ def _open(source, opened: dict, stack: contextlib.ExitStack) -> Ledger:
         raise LedgerError(f"{path}: no ledger file")
     key = path.resolve()
     if key not in opened:
-        opened[key] = stack.enter_context(Ledger(path))
+        opened[key] = stack.enter_context(Ledger(path, readonly=True))
     return opened[key]
 
 
@@ -243,14 +244,21 @@ def _notes(side_a: dict, side_b: dict) -> list[str]:
 
 # --------------------------------------------------------------------------- kernels
 
+class CompareInputError(BadInput, ValueError):
+    """A kernels or bench input of `compare` that cannot be read."""
+
+
 def _load_json(source, what: str, key: str) -> dict:
     if isinstance(source, dict):
         data = source
     else:
-        with open(source, encoding="utf-8") as f:
-            data = json.load(f)
+        try:
+            with open(source, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as err:
+            raise CompareInputError(f"{source}: cannot read the {what} ({err})") from None
     if not isinstance(data, dict) or not isinstance(data.get(key), list):
-        raise ValueError(f"{source if not isinstance(source, dict) else 'the given dict'}: "
+        raise CompareInputError(f"{source if not isinstance(source, dict) else 'the given dict'}: "
                          f"not a {what} (no {key!r} list)")
     return data
 

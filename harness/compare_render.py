@@ -13,6 +13,7 @@ import html
 import json
 from pathlib import Path
 
+from harness.outputs import write_files
 from harness.report import interval_text, markdown, to_html
 
 SHOWN = 40          # rows of a long list shown in the Markdown (the JSON has them all)
@@ -205,10 +206,6 @@ def render_html(result: dict) -> str:
 def write_comparison(result: dict, out_dir) -> dict[str, Path]:
     """Write comparison.md, comparison.html and comparison.json to `out_dir`."""
     folder = Path(out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = {"markdown": folder / "comparison.md", "html": folder / "comparison.html",
-             "json": folder / "comparison.json"}
-    paths["markdown"].write_text(render_markdown(result), encoding="utf-8")
-    paths["html"].write_text(render_html(result), encoding="utf-8")
-    paths["json"].write_text(json.dumps(result, indent=1), encoding="utf-8")
-    return paths
+    return write_files({"markdown": (folder / "comparison.md", render_markdown(result)),
+                        "html": (folder / "comparison.html", render_html(result)),
+                        "json": (folder / "comparison.json", json.dumps(result, indent=1))})

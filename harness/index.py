@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from harness.ledger import Ledger, LedgerError
+from harness.outputs import write_files
 from harness.report import aggregate, interval_text, markdown, percent, to_html
 
 HEADLINE = "prefill"    # the construction whose figures a row shows (else the case's first one)
@@ -27,11 +28,8 @@ def update_index(reports_dir="reports", ledgers=()) -> Path:
     root = Path(reports_dir)
     entries = newest(collect_entries(root, ledgers))
     doc = index_document(entries)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "index.html").write_text(to_html(doc), encoding="utf-8")
-    path = root / "index.md"
-    path.write_text(markdown(doc), encoding="utf-8")
-    return path
+    return write_files({"html": (root / "index.html", to_html(doc)),
+                        "markdown": (root / "index.md", markdown(doc))})["markdown"]
 
 
 # --------------------------------------------------------------------------- gathering runs
@@ -55,7 +53,7 @@ def collect_entries(root: Path, ledgers=()) -> list[dict]:
     for db in ledgers:
         if not Path(db).is_file():
             raise LedgerError(f"{db}: no ledger file")
-        with Ledger(db) as ledger:
+        with Ledger(db, readonly=True) as ledger:
             for run, _ in ledger.runs():
                 entries.append({**_meta({"run": run.id, "case": run.case_name,
                                          "status": run.status,
@@ -102,7 +100,7 @@ def newest(entries: list[dict]) -> list[dict]:
     out = list(best.values())
     for entry in out:
         if entry["stacks"] is None:
-            with Ledger(entry["ledger"]) as ledger:
+            with Ledger(entry["ledger"], readonly=True) as ledger:
                 run = ledger.run(entry["run"])
                 try:
                     entry["stacks"] = aggregate(ledger.units(run.id), run.design)["stacks"]

@@ -39,6 +39,7 @@ from harness.implementations import (  # noqa: F401 (re-exported)
     ATTENTION_OPS, IMPLEMENTATIONS, OPS, Implementation, attention_eager, attention_sdpa,
     attention_triton, log_softmax_triton, matmul_stock, matmul_triton, rms_norm_stock,
     rms_norm_triton, softmax_triton)
+from harness.outputs import write_files
 
 BATCH_SIZES = (2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 64, 128)
 # quick: tile edges (7/8, 16/17), two tiles (33) and the size where stock fp32 mm differs (7).
@@ -380,7 +381,6 @@ def render_table(result: dict) -> str:
 def write_result(result: dict, reports) -> Path:
     """File a comparison as <reports>/<environment key>/kernels.json and kernels.md; the .md path."""
     folder = Path(reports) / result["environment_key"]
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "kernels.json").write_text(json.dumps(result, indent=1))
-    (folder / "kernels.md").write_text(render_table(result) + "\n")
-    return folder / "kernels.md"
+    return write_files({"json": (folder / "kernels.json", json.dumps(result, indent=1)),
+                        "markdown": (folder / "kernels.md", render_table(result) + "\n")}
+                       )["markdown"]

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
+from harness.checks import MAX_ITEMS, prompt_reason
+
 ARITH_DEFAULT_N = 50  # `arith` without n: small enough for CPU runs of a real model
 
 
@@ -133,6 +135,8 @@ def _parse_line(line: str, where: str, default_id: str) -> Item:
     prompt = obj.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"{where}: `prompt` is required and must be a non-empty string")
+    if prompt_reason(prompt) is not None:
+        raise ValueError(f"{where}: `prompt` {prompt_reason(prompt)}")
     answer = _text_field(obj, "answer", where, None)
     if answer is not None and _reference(answer) is None:
         # Refused here, not mid-run: match_answer compares numbers only.
@@ -158,13 +162,18 @@ def load_item_set(spec: str, n: int | None = None, seed: int = 0) -> list[Item]:
 
     For `arith`, n defaults to ARITH_DEFAULT_N; a jsonl set with fewer than n items is an error.
     """
-    if n is not None and n < 0:
-        raise ValueError(f"item count must be >= 0, got {n}")
+    if n is not None and not 0 <= n <= MAX_ITEMS:
+        raise ValueError(f"item count {n} is not allowed; allowed: 0 to {MAX_ITEMS}")
     if spec == "arith":
         return arith_items(ARITH_DEFAULT_N if n is None else n, seed)
     if spec.startswith("jsonl:") and spec[len("jsonl:"):]:
         path = spec[len("jsonl:"):]
-        items = jsonl_items(path)
+        try:
+            items = jsonl_items(path)
+        except OSError as err:
+            raise ValueError(f"{path}: cannot read the item set ({err.strerror})") from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not UTF-8 text (byte at offset {err.start})") from None
         if n is None:
             return items
         if n > len(items):

@@ -19,31 +19,15 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness.cache import sha_ids
+from harness.errors import BadInput
+from harness.lease import Lease, this_process
+from harness.ledger_file import LedgerRefused, connect, record_sha
+from harness.rows import fingerprints, record_rows
 
 DEFAULT_DB = Path("reports") / "ledger.sqlite"
-SCHEMA_VERSION = 1
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS runs (
-  id TEXT PRIMARY KEY, case_name TEXT NOT NULL, case_source TEXT NOT NULL,
-  case_text TEXT NOT NULL, case_sha TEXT NOT NULL, item_count INTEGER NOT NULL,
-  design TEXT NOT NULL, environment TEXT NOT NULL, environment_key TEXT NOT NULL,
-  git_revision TEXT, started TEXT NOT NULL, finished TEXT, status TEXT NOT NULL, error TEXT);
-CREATE TABLE IF NOT EXISTS units (
-  run_id TEXT NOT NULL REFERENCES runs(id), item_index INTEGER NOT NULL, item_id TEXT NOT NULL,
-  stack TEXT NOT NULL, status TEXT NOT NULL, record TEXT NOT NULL,
-  environment_key TEXT NOT NULL, written TEXT NOT NULL,
-  PRIMARY KEY (run_id, item_index, stack));
-CREATE TABLE IF NOT EXISTS rows (
-  run_id TEXT NOT NULL, item_index INTEGER NOT NULL, item_id TEXT NOT NULL, stack TEXT NOT NULL,
-  kind TEXT NOT NULL, label TEXT NOT NULL, metrics TEXT NOT NULL, fingerprints TEXT NOT NULL,
-  PRIMARY KEY (run_id, item_index, stack, kind, label),
-  FOREIGN KEY (run_id, item_index, stack) REFERENCES units(run_id, item_index, stack));
-"""
 
 
-class LedgerError(LookupError):
+class LedgerError(BadInput, LookupError):
     """No such run, an ambiguous run id, or runs that cannot be combined."""
 
 
@@ -90,94 +74,17 @@ class StoredUnit:
     environment_key: str
 
 
-# --------------------------------------------------------------------------- rows of a record
-
-def record_rows(record: dict) -> list[tuple[str, str, dict, dict]]:
-    """(kind, label, metrics, fingerprints) for each arm, comparison, transplant, crossing cell."""
-    if "cells" in record:
-        return _crossing_rows(record)
-    if record["status"] == "short":
-        generated = record["arms"]["live"]["generated"]
-        return [("short", "live", {"generated": len(generated), "note": record.get("note")},
-                 {"generated_sha": sha_ids(generated)})]
-    rows = [("prefix", "P", {"length": len(record["prefix"]),
-                             "prompt_length": record["prompt_length"]},
-             {"prefix_sha": record["prefix_sha"]})]
-    for label, arm in record["arms"].items():
-        metrics = {"correct": arm["correct"], "suffix_length": len(arm["suffix"]),
-                   "suffix_eos": arm["suffix_eos"], "wall_s": arm["wall_s"],
-                   "forward_calls": arm["forward_calls"]}
-        if "rows_identical" in arm:
-            metrics["rows_identical"] = arm["rows_identical"]
-        rows.append(("boundary", label, metrics, {k: arm[k] for k in
-                                                  ("cache_sha", "logits_sha", "suffix_sha")}))
-    for c in record["comparisons"]:
-        prints = {}
-        if c["kind"] == "replica":   # the replica's own state, and its verdict vs the first run
-            prints = {"verdict": _verdict(c), **c.get("replica_fingerprints", {})}
-        rows.append((c["kind"], f"{c['a']}~{c['b']}", _comparison_metrics(c), prints))
-    for t in record["transplants"]:
-        rows.append(("transplant", t["label"],
-                     {"outcome": t["outcome"],
-                      "recipient_equals_donor": t["recipient_equals_donor"]},
-                     {"suffix_sha": t.get("suffix_sha"), "outcome": t["outcome"]}))
-    return rows
-
-
-def _crossing_rows(record: dict) -> list[tuple[str, str, dict, dict]]:
-    if record["status"] == "short":
-        return [("short", "reference", {}, {})]
-    rows = [("prefix", "P", {}, {"prefix_sha": record["prefix_sha"]}),
-            ("reference", "live", {}, {"suffix_sha": sha_ids(record["reference_suffix"])})]
-    for key, cell in record["cells"].items():
-        rows.append(("crossing-cell", key, {"same_as_reference_live":
-                                            cell["same_as_reference_live"]},
-                     {k: cell[k] for k in ("prefix_sha", "cache_sha", "logits_sha",
-                                           "suffix_sha") if k in cell}))
-    for c in record["comparisons"]:
-        rows.append(("crossing", f"{c['stack']}|{c['a']}~{c['b']}", _comparison_metrics(c), {}))
-    return rows
-
-
-def _comparison_metrics(c: dict) -> dict:
-    cache, logits, suffix = c.get("cache") or {}, c.get("logits") or {}, c["suffix"]
-    return {"prefix_identical": c["prefix_identical"], "cache_bit_exact": cache.get("bit_exact"),
-            "first_bad_layer": cache.get("first_bad_layer"), "d_rel": cache.get("d_rel"),
-            "max_ulp": cache.get("max_ulp"), "logits_equal": logits.get("equal"),
-            "argmax_agree": logits.get("argmax_agree"), "suffix_identical": suffix["identical"],
-            "first_divergence": suffix["first_divergence"],
-            "margin_at_divergence": suffix["margin_a_at_divergence"]}
-
-
-def _verdict(c: dict) -> str:
-    cache = c.get("cache")
-    cache_text = "n/a" if cache is None else "exact" if cache["bit_exact"] else "differs"
-    logits = c.get("logits")
-    logits_text = "n/a" if logits is None else "exact" if logits["equal"] else "differs"
-    suffix = c["suffix"]
-    suffix_text = "identical" if suffix["identical"] else f"diverges@{suffix['first_divergence']}"
-    return f"cache {cache_text}, logits {logits_text}, suffix {suffix_text}"
-
-
-def fingerprints(record: dict) -> dict[tuple[str, str], dict]:
-    """{(kind, label): fingerprints} of one unit's record (what `audit` compares)."""
-    return {(kind, label): prints for kind, label, _, prints in record_rows(record)}
-
-
 # --------------------------------------------------------------------------- the store
 
 class Ledger:
-    """One SQLite ledger file; safe to share between processes (WAL, busy timeout)."""
+    """One SQLite ledger file; safe to share between processes (WAL, busy timeout). Opening
+    refuses a file that is not a kvfid ledger (harness.ledger_file)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, readonly: bool = False) -> None:
+        """Open for writing (schema created or migrated), or `readonly` (nothing written)."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA busy_timeout=60000")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self.db.executescript(_SCHEMA)
-        self.db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        self.readonly = readonly
+        self.db, self.version = connect(self.path, write=not readonly)
 
     def close(self) -> None:
         self.db.close()
@@ -257,14 +164,14 @@ class Ledger:
             row = self.db.execute("SELECT * FROM runs ORDER BY rowid DESC LIMIT 1").fetchone()
             if row is None:
                 raise LedgerError(f"{self.path}: no runs yet")
-            return _run(row)
+            return _run(row, self.path)
         rows = self.db.execute("SELECT * FROM runs WHERE id = ? OR id LIKE ? ORDER BY id",
                                (run_id, run_id.replace("%", "") + "%")).fetchall()
         exact = [r for r in rows if r[0] == run_id]
         if exact:
-            return _run(exact[0])
+            return _run(exact[0], self.path)
         if len(rows) == 1:
-            return _run(rows[0])
+            return _run(rows[0], self.path)
         if not rows:
             raise LedgerError(f"{self.path}: no run {run_id!r} (see `kvfid runs`)")
         raise LedgerError(f"{self.path}: {run_id!r} matches {len(rows)} runs: "
@@ -277,7 +184,7 @@ class Ledger:
         """Every run with its stored unit count, oldest first."""
         counts = dict(self.db.execute("SELECT run_id, COUNT(*) FROM units GROUP BY run_id"))
         rows = self.db.execute("SELECT * FROM runs ORDER BY rowid").fetchall()
-        return [(_run(r), counts.get(r[0], 0)) for r in rows]
+        return [(_run(r, self.path), counts.get(r[0], 0)) for r in rows]
 
     def set_status(self, run_id: str, status: str, error: str | None = None) -> None:
         finished = None if status == "running" else now()
@@ -294,11 +201,12 @@ class Ledger:
     def write_unit(self, run_id: str, item_index: int, item_id: str, stack: str, record: dict,
                    environment_key: str) -> bool:
         """Store one unit and its rows in one transaction; False if it was already stored."""
+        text = json.dumps(record, separators=(",", ":"))
         with self._transaction():
             cursor = self.db.execute(
-                "INSERT OR IGNORE INTO units VALUES (?,?,?,?,?,?,?,?)",
-                (run_id, item_index, item_id, stack, record["status"],
-                 json.dumps(record, separators=(",", ":")), environment_key, now()))
+                "INSERT OR IGNORE INTO units VALUES (?,?,?,?,?,?,?,?,?)",
+                (run_id, item_index, item_id, stack, record["status"], text, environment_key,
+                 now(), record_sha(text)))
             if cursor.rowcount == 0:
                 return False
             self.db.executemany(
@@ -312,7 +220,9 @@ class Ledger:
         rows = self.db.execute(
             "SELECT item_index, item_id, stack, status, record, environment_key FROM units "
             "WHERE run_id = ? ORDER BY rowid", (run_id,))
-        return [StoredUnit(i, item, stack, status, json.loads(record), key)
+        return [StoredUnit(i, item, stack, status,
+                           _loads(record, f"{self.path}: run {run_id} item #{i} stack {stack}"),
+                           key)
                 for i, item, stack, status, record, key in rows]
 
     def stored_fingerprints(self, run_id: str) -> dict[tuple[int, str], dict]:
@@ -339,6 +249,46 @@ class Ledger:
                                       unit.record, unit.environment_key)
         return copied, conflicts
 
+    def record_texts(self, run_id: str) -> list[tuple[int, str, str, str | None]]:
+        """(item_index, stack, record as stored, its stored SHA-256 or None before schema 2)."""
+        sha = "record_sha" if self.version >= 2 else "NULL"
+        return self.db.execute(f"SELECT item_index, stack, record, {sha} FROM units "
+                               "WHERE run_id = ? ORDER BY rowid", (run_id,)).fetchall()
+
+    def stored_rows(self, run_id: str) -> dict[tuple[int, str], dict]:
+        """{(item_index, stack): {(kind, label): (metrics, fingerprints)}} as stored."""
+        out: dict[tuple[int, str], dict] = {}
+        for index, stack, kind, label, metrics, prints in self.db.execute(
+                "SELECT item_index, stack, kind, label, metrics, fingerprints FROM rows "
+                "WHERE run_id = ?", (run_id,)):
+            out.setdefault((index, stack), {})[(kind, label)] = (json.loads(metrics),
+                                                                 json.loads(prints))
+        return out
+
+    # leases ----------------------------------------------------------------------------------
+
+    def hold(self, run_id: str) -> None:
+        """Take (or renew) this process's lease on a run: its heartbeat."""
+        host, pid, process = this_process()
+        with self._transaction():
+            self.db.execute("INSERT OR REPLACE INTO leases VALUES (?,?,?,?,?)",
+                            (run_id, host, pid, process, now()))
+
+    def release(self, run_id: str) -> None:
+        """Drop this process's lease on a run (it stopped measuring)."""
+        host, pid, _ = this_process()
+        with self._transaction():
+            self.db.execute("DELETE FROM leases WHERE run_id = ? AND host = ? AND pid = ?",
+                            (run_id, host, pid))
+
+    def leases(self, run_id: str) -> list[Lease]:
+        """The leases held on a run (none in a ledger older than schema 2)."""
+        if self.version < 2:
+            return []
+        return [Lease(*row) for row in self.db.execute(
+            "SELECT run_id, host, pid, process, heartbeat FROM leases WHERE run_id = ?",
+            (run_id,))]
+
     def _transaction(self):
         return _Transaction(self.db)
 
@@ -356,8 +306,17 @@ class _Transaction:
         self.db.execute("ROLLBACK" if exc_type else "COMMIT")
 
 
-def _run(row) -> Run:
+def _run(row, path: Path) -> Run:
     (run_id, name, source, text, sha, count, design, environment, key, revision, started,
      finished, status, error) = row
-    return Run(run_id, name, source, text, sha, count, json.loads(design),
-               json.loads(environment), key, revision, started, finished, status, error)
+    return Run(run_id, name, source, text, sha, count, _loads(design, f"{path}: run {run_id}"),
+               _loads(environment, f"{path}: run {run_id}"), key, revision, started, finished,
+               status, error)
+
+
+def _loads(text: str, where: str):
+    """Stored JSON, or LedgerRefused (exit 3) naming where the ledger is damaged."""
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        raise LedgerRefused(f"{where}: stored JSON is damaged") from None

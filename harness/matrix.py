@@ -3,24 +3,27 @@
 A unit is one (item, stack) measurement (`run_item`), or one item's precision crossing
 (`run_crossing`, stack `crossing`). `run_case` checks everything it can before any compute
 (environment, items, context lengths), loads the model once, then for each stack and each item
-measures a unit and writes it in one transaction. `--resume` skips stored units; `--shard I/N`
-takes every N-th item, so processes given the same run id fill one run. `audit_run` re-measures a
-stored run from its stored case and compares every fingerprint.
+measures a unit and writes it in one transaction, holding a lease on the run (harness.lease) so
+that a killed run shows as `died`. `--resume` skips stored units; `--shard I/N` takes every N-th
+item, so processes given the same run id fill one run. harness.audit re-checks a stored run.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from harness import envinfo
-from harness.case import Case, CaseError, stored_case
+from harness.case import Case, CaseError
+from harness.checks import check_cuda, selection_reason
+from harness.errors import BadInput, Unavailable
 from harness.items import load_item_set, match_answer
-from harness.ledger import Ledger, LedgerError, fingerprints, new_run_id
+from harness.ledger import Ledger, LedgerError, new_run_id
+from harness.ledger_file import probe
 from harness.models import ModelUnavailable, load_model
 from harness.protocol import ProtocolError, run_crossing, run_item
 
@@ -29,8 +32,12 @@ GPU_DEFAULT_CASE = CASES / "gpu-qwen2.5-shape.toml"
 CPU_DEFAULT_CASE = CASES / "smollm2-cpu.toml"
 
 
-class EnvironmentUnavailable(RuntimeError):
+class EnvironmentUnavailable(Unavailable, RuntimeError):
     """The case needs something this machine lacks (a CUDA device, a model package)."""
+
+
+class ShardError(BadInput, ValueError):
+    """A `--shard` that is not I/N with 0 <= I < N."""
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -63,9 +70,9 @@ def parse_shard(text: str) -> Shard:
     try:
         index, count = (int(part) for part in text.split("/"))
     except ValueError:
-        raise ValueError(f"bad shard {text!r}; expected I/N, e.g. 0/2") from None
+        raise ShardError(f"bad shard {text!r}; expected I/N, e.g. 0/2") from None
     if not 0 <= index < count:
-        raise ValueError(f"bad shard {text!r}; need 0 <= I < N")
+        raise ShardError(f"bad shard {text!r}; need 0 <= I < N")
     return Shard(index, count)
 
 
@@ -89,7 +96,6 @@ class Matrix:
 
     def __init__(self, case: Case, model=None) -> None:
         self.case = case
-        self.stacks = {stack.label: stack for stack in case.stacks}
         _check_devices(case)
         try:
             self.items = load_item_set(case.items.set, case.items.n, case.items.seed)
@@ -99,15 +105,26 @@ class Matrix:
             try:
                 model = load_model(case.model)
             except ModelUnavailable as err:
-                raise EnvironmentUnavailable(str(err)) from None
+                raise EnvironmentUnavailable(f"{case.source}: model = {case.model!r}: {err}"
+                                             ) from None
         self.model = model
         for index, item in enumerate(self.items):   # refuse before any compute
             try:
-                case.plan(index).check_fits(len(model.codec.prompt_ids(item.prompt)),
-                                            model.context_length)
+                prompt = len(model.codec.prompt_ids(item.prompt))
+                case.plan(index).check_fits(prompt, model.context_length)
                 match_answer("", item.answer)       # a reference that is not a number raises
             except (ProtocolError, ValueError) as err:
                 raise CaseError(f"{case.source}: item {item.id}: {err}") from None
+            self._check_transplants(item, prompt + case.B)
+
+    def _check_transplants(self, item, prefix_length: int) -> None:
+        """Every transplant selection fits the model's layers and this item's boundary prefix."""
+        layers = int(self.model.config.num_hidden_layers)
+        for spec in self.case.transplants.specs if self.case.transplants else ():
+            reason = selection_reason(spec.selection, layers, prefix_length)
+            if reason is not None:
+                raise CaseError(f"{self.case.source}: [transplants] selections = "
+                                f"{spec.selection.label!r} on item {item.id}: {reason}")
 
     def measure(self, unit: Unit) -> dict:
         """Measure one unit; the record `run_item` (or `run_crossing`) returns."""
@@ -116,7 +133,7 @@ class Matrix:
             c = self.case.crossing
             return run_crossing(self.model, item, c.reference, c.stacks, self.case.B, self.case.S,
                                 c.constructions)
-        return run_item(self.model, self.stacks[unit.stack], item, self.case.plan(unit.item_index),
+        return run_item(self.model, self.case.stack(unit.stack), item, self.case.plan(unit.item_index),
                         matcher=match_answer)
 
 
@@ -125,6 +142,8 @@ def _check_devices(case: Case) -> None:
     if any(d.startswith("cuda") for d in wanted) and not torch.cuda.is_available():
         raise EnvironmentUnavailable(f"{case.source}: its stacks run on {', '.join(sorted(wanted))}"
                                      f" and no CUDA device is available here")
+    for device in sorted(wanted):           # cuda:7 on a machine with fewer devices
+        check_cuda(device, f"{case.source}: [stacks] device", EnvironmentUnavailable)
 
 
 # --------------------------------------------------------------------------- runs
@@ -149,6 +168,7 @@ def run_case(case: Case, db: str | Path, *, items: int | None = None, run_id: st
     """
     if resume and run_id and resume != run_id:
         raise CaseError("give --resume RUN or --run-id RUN, not two different runs")
+    probe(Path(db))                       # a file that is not a ledger: refused, untouched
     existing = _existing_run(db, resume or run_id, must_exist=bool(resume))
     count = items or (existing.item_count if existing else case.items.n)
     if count != case.items.n:
@@ -164,11 +184,12 @@ def run_case(case: Case, db: str | Path, *, items: int | None = None, run_id: st
         units = plan_units(case, shard)
         todo = [u for u in units if (u.item_index, u.stack) not in stored]
         ledger.set_status(run.id, "running")
+        ledger.hold(run.id)
         if progress:
             print(f"kvfid run {run.id}: {case.name} on {key}; {len(todo)} units to measure, "
                   f"{len(units) - len(todo)} already stored", file=sys.stderr)
         measured = 0
-        bar = _progress(len(todo), case.name, progress)
+        bar = progress_bar(len(todo), case.name, progress)
         try:
             for unit in todo:
                 item = matrix.items[unit.item_index]
@@ -176,6 +197,7 @@ def run_case(case: Case, db: str | Path, *, items: int | None = None, run_id: st
                 record = matrix.measure(unit)
                 measured += ledger.write_unit(run.id, unit.item_index, item.id, unit.stack,
                                               record, key)
+                ledger.hold(run.id)       # the heartbeat `runs` reads
                 bar.update()
         except KeyboardInterrupt:
             ledger.set_status(run.id, "interrupted")
@@ -185,6 +207,7 @@ def run_case(case: Case, db: str | Path, *, items: int | None = None, run_id: st
             raise
         finally:
             bar.close()
+            ledger.release(run.id)
         status = ledger.finish(run.id)
     return RunResult(run.id, status, measured, len(units) - len(todo), len(units))
 
@@ -198,9 +221,17 @@ def _existing_run(db: str | Path, run_id: str | None, must_exist: bool):
             raise LedgerError(f"{db}: no run {run_id!r} (no ledger file yet)")
         return None
     with Ledger(db) as ledger:
-        if must_exist or ledger.has_run(run_id):
-            return ledger.run(run_id)
-    return None
+        if not (must_exist or ledger.has_run(run_id)):
+            return None
+        run = ledger.run(run_id)
+        leases = ledger.leases(run.id)
+    live = [lease for lease in leases if lease.alive()]
+    if must_exist and run.status == "running" and live:
+        raise LedgerError(f"run {run.id} is still being measured ({live[0].text()}); "
+                          f"wait for it, or stop that process first")
+    if must_exist and run.status == "running" and leases:
+        print(f"kvfid: run {run.id} died ({leases[0].text()}); resuming it", file=sys.stderr)
+    return run
 
 
 def _create_or_join(ledger: Ledger, run_id: str | None, case: Case, environment: dict, key: str):
@@ -223,98 +254,9 @@ def _check_continues(run, case: Case, key: str) -> None:
                           f"{key}. Start a new run here and compare the two")
 
 
-def _progress(total: int, name: str, enabled: bool):
+def progress_bar(total: int, name: str, enabled: bool):
+    """A tqdm bar on stderr (disabled when `enabled` is false)."""
     from tqdm import tqdm
 
     return tqdm(total=total, desc=name, unit="unit", file=sys.stderr, disable=not enabled,
                 dynamic_ncols=True)
-
-
-# --------------------------------------------------------------------------- audit
-
-@dataclass(frozen=True)
-class Difference:
-    item_index: int
-    item_id: str
-    stack: str
-    kind: str
-    label: str
-    field: str
-    stored: object
-    now: object
-
-    def text(self) -> str:
-        return (f"item {self.item_id} (#{self.item_index}) stack {self.stack} {self.kind} "
-                f"{self.label} {self.field}: stored {_short(self.stored)} now {_short(self.now)}")
-
-
-def _short(value) -> str:
-    return f"{value[:16]}…" if isinstance(value, str) and len(value) > 24 else repr(value)
-
-
-@dataclass
-class AuditResult:
-    run_id: str
-    stored_key: str
-    current_key: str
-    units: int = 0
-    fingerprints: int = 0
-    differences: list[Difference] = field(default_factory=list)
-
-    @property
-    def same_environment(self) -> bool:
-        return self.stored_key == self.current_key
-
-    @property
-    def passed(self) -> bool:
-        return not self.differences
-
-    def text(self) -> str:
-        where = ("the same environment" if self.same_environment else
-                 f"another environment (stored {self.stored_key})")
-        head = (f"audit of run {self.run_id}: {self.units} units re-run on {self.current_key}, "
-                f"{where}; {self.fingerprints} fingerprints compared")
-        if self.passed:
-            return head + "\nPASS: every fingerprint matches"
-        verdict = ("FAIL: the stored run does not reproduce here" if self.same_environment else
-                   "REGRESSION: these fingerprints changed between the environments")
-        return "\n".join([head, f"{verdict} ({len(self.differences)} differences)"]
-                         + ["  " + d.text() for d in self.differences])
-
-
-def audit_run(db: str | Path, run_id: str, *, items: int | None = None, model=None,
-              progress: bool = True) -> AuditResult:
-    """Re-run every stored unit of a run (the first `items` items only, if given) from the stored
-    case and compare every fingerprint with the stored ones."""
-    with Ledger(db) as ledger:
-        run = ledger.run(run_id)
-        stored = ledger.stored_fingerprints(run.id)
-        ids = {(u.item_index, u.stack): u.item_id for u in ledger.units(run.id)}
-    case = stored_case(run)
-    matrix = Matrix(case, model)
-    result = AuditResult(run.id, run.environment_key,
-                         envinfo.environment_key(envinfo.collect()))
-    order = {unit: n for n, unit in enumerate(plan_units(case))}
-    keys = sorted((k for k in stored if items is None or k[0] < items),
-                  key=lambda k: order.get(Unit(*k), len(order)))
-    bar = _progress(len(keys), f"audit {run.id}", progress)
-    for index, stack in keys:
-        bar.set_postfix_str(f"{stack} {ids[(index, stack)]}")
-        now = fingerprints(matrix.measure(Unit(index, stack)))
-        before = stored[(index, stack)]
-        result.units += 1
-        for row in sorted(set(before) | set(now)):
-            old, new = before.get(row), now.get(row)
-            if old is None or new is None:
-                result.differences.append(Difference(index, ids[(index, stack)], stack, *row,
-                                                     "row", "absent" if old is None else "present",
-                                                     "absent" if new is None else "present"))
-                continue
-            for name in sorted(set(old) | set(new)):
-                result.fingerprints += 1
-                if old.get(name) != new.get(name):
-                    result.differences.append(Difference(index, ids[(index, stack)], stack, *row,
-                                                         name, old.get(name), new.get(name)))
-        bar.update()
-    bar.close()
-    return result

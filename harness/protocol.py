@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 from harness import cache as kv
 from harness.decode import Greedy, Runner, feed_chunks, greedy, new_cache, as_batch
+from harness.errors import BadInput
 
 CONSTRUCTION_HELP = "live, prefill, incremental, incremental-1, chunked:N, batched:N (N >= 1)"
 
 
-class ProtocolError(ValueError):
+class ProtocolError(BadInput, ValueError):
     """Bad protocol input, raised before any compute."""
 
 

@@ -27,6 +27,7 @@ import torch
 
 from harness.cache import bits
 from harness.decode import Runner, as_batch, new_cache
+from harness.errors import BadInput
 from harness.protocol import parse_construction
 
 CONSTRUCTIONS = ("prefill", "chunked", "batched")
@@ -196,6 +197,50 @@ def render(result: dict) -> str:
                      f"p99 {a['p99_abs']:.3g}, mean KL {a['kl_mean']:.3g}, items exact "
                      f"{a['items_exact']}/{a['items']}")
     return "\n".join(lines)
+
+
+def replay_command(trajectories: str, model_name: str, backend: str, dtype: str, batch_invariant: bool,
+                   device: str, threads: int | None, constructions: str, progress=None) -> dict:
+    """`kvfid replay`: the options and the file checked before compute (exit 2 / 3), then `replay`."""
+    from harness import repro
+    from harness.models import load_model
+
+    repro.check_model_name(model_name)
+    stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads)
+    chosen = tuple(c for c in constructions.split(",") if c)
+    for c in chosen:
+        try:
+            kind = parse_construction(c).kind
+        except ValueError as err:
+            raise BadInput(f"--constructions: {err}") from None
+        if kind not in CONSTRUCTIONS:
+            raise BadInput(f"--constructions = {c!r} is not allowed; allowed: prefill, chunked:N, batched:N")
+    model = load_model(model_name)
+    try:
+        loaded = load_trajectories(trajectories, model.codec)
+        return replay(model, stack, loaded, chosen, progress)
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+
+
+def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, temperature: float,
+                     seed: int, out: str) -> tuple[list[dict], str]:
+    """`kvfid rollouts`: sample on sdpa/fp32 (one thread) and write the JSONL atomically."""
+    from harness import items, repro
+    from harness.backends import Stack
+    from harness.models import load_model
+    from harness.outputs import write_files
+
+    repro.check_model_name(model_name)
+    try:
+        chosen = items.load_item_set(item_set, count)
+    except ValueError as err:
+        raise BadInput(f"--item-set {item_set}: {err}") from None
+    model = load_model(model_name)
+    prompts = [(i.id, model.codec.prompt_ids(i.prompt)) for i in chosen]
+    rows = sample_trajectories(model, Stack("sdpa", "fp32", threads=1), prompts, tokens, temperature, seed)
+    write_files({"rollouts": (Path(out), "".join(json.dumps(r) + "\n" for r in rows))})
+    return rows, out
 
 
 # --------------------------------------------------------------------------- sampling

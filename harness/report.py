@@ -17,6 +17,7 @@ from pathlib import Path
 from harness.aggregate import OUTCOMES, ROLES, aggregate  # noqa: F401 (re-exported)
 from harness.envinfo import describe as describe_environment
 from harness.figures import PALETTE, svg_bars, svg_lines  # noqa: F401 (re-exported)
+from harness.outputs import write_files
 
 
 # --------------------------------------------------------------------------- formatting
@@ -78,8 +79,7 @@ def headline(summary: dict) -> str:
 def repro_command(case, stack_label: str, item_index: int, prompt: str) -> str:
     """The `kvfid repro` command that measures one unit of `case` again."""
     crossing = stack_label == "crossing"
-    stack = case.crossing.reference if crossing else next(s for s in case.stacks
-                                                          if s.label == stack_label)
+    stack = case.crossing.reference if crossing else case.stack(stack_label)
     plan = case.plan(item_index)
     args = ["kvfid", "repro", "--model", case.model]
     if case.items.seed == 0:
@@ -335,16 +335,13 @@ def write_report(ledger, run_id: str, root: str | Path = "reports") -> dict[str,
     summary = aggregate(units, run.design)
     doc = document(run, case, summary, units)
     folder = Path(root) / run.environment_key / run.id
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = {"markdown": folder / "report.md", "html": folder / "report.html",
-             "summary": folder / "summary.json"}
-    paths["markdown"].write_text(markdown(doc), encoding="utf-8")
-    paths["html"].write_text(to_html(doc), encoding="utf-8")
     meta = {"run": run.id, "case": run.case_name, "case_sha": run.case_sha,
             "status": run.status, "started": run.started, "finished": run.finished,
             "environment_key": run.environment_key,
             "environment": run.environment, "git_revision": run.git_revision,
             "units": len(units), "planned_units": run.design["units"],
             "repro": {label: repro_template(case, label) for label in case.unit_labels}}
-    paths["summary"].write_text(json.dumps({**meta, **summary}, indent=1), encoding="utf-8")
-    return paths
+    return write_files({"markdown": (folder / "report.md", markdown(doc)),
+                        "html": (folder / "report.html", to_html(doc)),
+                        "summary": (folder / "summary.json",
+                                    json.dumps({**meta, **summary}, indent=1))})

@@ -61,7 +61,7 @@ BAD = [
      "bf16, fp16, fp32"),
     (edited("threads = 1", 'threads = 1\ndevice = "tpu"'), "[stacks] device", "'tpu'",
      "cpu, cuda"),
-    (edited("threads = 1", "threads = 0"), "[stacks] threads", "0", "positive integer"),
+    (edited("threads = 1", "threads = 0"), "[stacks] threads", "0", "an integer from 1 to 1024"),
     (GOOD + '[replicas]\narms = ["prefil"]\n', "[replicas] arms", "'prefil'", "incremental-1"),
     (GOOD + '[replicas]\narms = ["prefill"]\nitems = -1\n', "[replicas] items", "-1", '"all"'),
     (GOOD + '[crossing]\nreference = "sdpa/fp8"\ndtypes = ["fp32"]\n', "[crossing] reference",

@@ -102,7 +102,7 @@ def test_shards_then_merge(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["run", "cases/nowhere.toml"], "cannot read the case file"),
     (["run", SMOKE, "--shard", "2/2"], "bad shard"),
-    (["run", SMOKE, "--items", "0"], "--items must be >= 1"),
+    (["run", SMOKE, "--items", "0"], "--items = 0 is not allowed"),
     (["show", "latest"], "no ledger at"),
 ])
 def test_usage_errors_exit_2(args, message, tmp_path):

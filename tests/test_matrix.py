@@ -10,7 +10,8 @@ import torch
 from harness import matrix
 from harness.case import CaseError, load_case
 from harness.ledger import Ledger, LedgerError
-from harness.matrix import Shard, audit_run, parse_shard, plan_units, run_case
+from harness.audit import audit_run
+from harness.matrix import Shard, parse_shard, plan_units, run_case
 from harness.models import load_model
 
 CASES = Path(__file__).resolve().parent.parent / "cases"

@@ -1,0 +1,44 @@
+"""The one error hierarchy of kvfid, and the exit code of each kind.
+
+Every error a user can cause or meet is a `KvfidError` carrying a one-line message and its exit
+code; `cli.py` maps them to exit codes in one place (0 ok, 1 a verdict failed, 2 usage or bad
+input, 3 environment unavailable). Library modules keep their own names for their errors
+(`CaseError`, `ProtocolError`, `LedgerError`, ...) by subclassing one of the kinds here, so a
+caller may catch either the specific error or the kind.
+"""
+
+from __future__ import annotations
+
+EXIT_OK, EXIT_VERDICT, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
+EXIT_INTERNAL = 70   # an exception kvfid did not expect: a bug (EX_SOFTWARE); never a verdict
+
+
+class KvfidError(Exception):
+    """Base of every error kvfid reports as one line."""
+
+    exit_code = EXIT_USAGE
+
+    def __str__(self) -> str:  # one line, whatever the cause carried
+        return " ".join(super().__str__().split())
+
+
+class BadInput(KvfidError):
+    """A bad option, case file, item set, run id or output place: exit 2."""
+
+    exit_code = EXIT_USAGE
+
+
+class Unavailable(KvfidError):
+    """Something this machine lacks or cannot use: a device, a model, a ledger file that is not
+    kvfid's or is damaged, a full disk: exit 3."""
+
+    exit_code = EXIT_ENVIRONMENT
+
+
+class OutputError(KvfidError):
+    """An output could not be written (nothing partial is left); exit 2 for a place that cannot
+    be written, 3 for a full or failing disk."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
