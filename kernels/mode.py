@@ -3,7 +3,7 @@
 `set_batch_invariant_mode()` registers replacements for the ops that a Llama/Qwen2 forward reaches
 (found with a TorchDispatchMode trace: `mm` for the projections and the LM head, `addmm` for
 Qwen2's q/k/v biases, `bmm` for eager attention, `mean.dim` for RMSNorm, `_softmax` for eager
-attention, `_log_softmax` for log-probabilities) under the CPU and CUDA dispatch keys with
+attention, `_log_softmax` for log-probabilities; plus `mm.dtype` where torch has a kernel for it) under the CPU and CUDA dispatch keys with
 `torch.library.Library("aten", "IMPL")`, and removes them again on exit, also when the body
 raises. Anything the replacements do not cover (other dtypes, 0-d or empty inputs, addmm with
 alpha/beta) goes to the kernel that was registered before. Reductions over any dim are covered:
@@ -39,6 +39,10 @@ IMPLS = ("triton", "rowwise")
 DISPATCH_KEYS = ("CPU", "CUDA")
 # aten overloads replaced while the mode is on (op name as torch.library spells it).
 OVERRIDDEN_OPS = ("mm", "addmm", "bmm", "mean.dim", "_softmax", "_log_softmax")
+# Replaced only under the dispatch keys where torch has a kernel for them: `mm.dtype` (e.g. bf16 in,
+# fp32 out) has a CUDA kernel, but torch 2.13's CPU build has the overload with no CPU kernel, and
+# the mode does not invent one.
+WHERE_STOCK_OPS = ("mm.dtype",)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -90,6 +94,17 @@ def _mm(impl: str, original) -> Callable:
             return _matmul.matmul(a, b)
         return torch.cat([original.call_boxed(keys, _fresh(a[i:i + 1]), b) for i in range(a.shape[0])])
     return mm
+
+
+def _mm_dtype(impl: str, original) -> Callable:
+    def mm_dtype(keys, a, b, out_dtype):
+        if not _dense_float(a, b) or out_dtype not in _FLOAT_DTYPES or a.shape[0] == 0:
+            return original.call_boxed(keys, a, b, out_dtype)
+        if _triton(impl, a):
+            return _matmul.matmul(a, b, out_dtype=out_dtype)
+        return torch.cat([original.call_boxed(keys, _fresh(a[i:i + 1]), b, out_dtype)
+                          for i in range(a.shape[0])])
+    return mm_dtype
 
 
 def _addmm(impl: str, original) -> Callable:
@@ -159,6 +174,7 @@ def _softmax_like(log: bool) -> Callable:
 
 _FACTORIES = {
     "mm": _mm,
+    "mm.dtype": _mm_dtype,
     "addmm": _addmm,
     "bmm": _bmm,
     "mean.dim": _mean_dim,
@@ -173,14 +189,25 @@ def _install(impl: str) -> torch.library.Library:
         with warnings.catch_warnings():
             # Replacing aten kernels is the point; torch warns about it once per process.
             warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
-            for key, op in itertools.product(DISPATCH_KEYS, OVERRIDDEN_OPS):
+            for key, op in itertools.product(DISPATCH_KEYS, OVERRIDDEN_OPS + WHERE_STOCK_OPS):
                 # The kernel registered now (before ours) is the fallback and the "rowwise" worker.
-                original = torch.library.get_kernel(f"aten::{op}", key)
-                lib.impl(op, _FACTORIES[op](impl, original), key, with_keyset=True)
+                original = _stock_kernel(op, key)
+                if original is not None:
+                    lib.impl(op, _FACTORIES[op](impl, original), key, with_keyset=True)
     except BaseException:
         _remove(lib)
         raise
     return lib
+
+
+def _stock_kernel(op: str, key: str):
+    """The kernel registered for `op` under `key` now; None for a WHERE_STOCK_OPS op without one."""
+    try:
+        return torch.library.get_kernel(f"aten::{op}", key)
+    except RuntimeError:
+        if op in OVERRIDDEN_OPS:
+            raise
+        return None
 
 
 def _remove(lib: torch.library.Library) -> None:

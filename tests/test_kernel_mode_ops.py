@@ -146,3 +146,48 @@ def test_zero_dim_input(impl):
         inside = (torch.softmax(x, 0), torch.log_softmax(x, 0), x.mean())
     for got, want in zip(inside, (torch.softmax(x, 0), torch.log_softmax(x, 0), x.mean())):
         assert got.shape == () and bits_equal(got, want)
+
+
+# ---- mm with an output dtype -------------------------------------------------------------------
+
+def stock_mm_dtype_exists(dev: torch.device) -> bool:
+    try:
+        torch.library.get_kernel("aten::mm.dtype", "CUDA" if dev.type == "cuda" else "CPU")
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(stock_mm_dtype_exists(torch.device("cpu")), reason="this torch has a CPU mm.dtype")
+def test_mm_dtype_without_a_stock_kernel_is_left_alone():
+    """torch 2.13's CPU build has `aten::mm.dtype` with no CPU kernel: the mode adds none."""
+    a, b = randn(4, 8, dtype=torch.bfloat16).cpu(), randn(8, 3, dtype=torch.bfloat16, seed=1).cpu()
+    before = torch._C._dispatch_dump("aten::mm.dtype")
+    with set_batch_invariant_mode(impl="rowwise"):
+        assert torch._C._dispatch_dump("aten::mm.dtype") == before
+        with pytest.raises(NotImplementedError):
+            torch.ops.aten.mm.dtype(a, b, torch.float32)
+
+
+def twin_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A batch-variant mm with fp32 out: K split in 4 when there is more than one row."""
+    splits = 4 if a.shape[0] > 1 else 1
+    parts = [x.float() @ y.float() for x, y in zip(a.chunk(splits, 1), b.chunk(splits, 0))]
+    return torch.stack(parts).sum(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mm_dtype_rows_alone_equal_rows_in_batch_and_the_twin_is_caught(impl):
+    a, b = randn(33, 576, dtype=torch.bfloat16), randn(576, 192, dtype=torch.bfloat16, seed=1)
+
+    def mode_mm(x):
+        with set_batch_invariant_mode(impl=impl):
+            return torch.ops.aten.mm.dtype(x, b, torch.float32)  # [M, N] fp32
+    out = mode_mm(a)
+    assert out.dtype == torch.float32
+    assert_close_to_ref(out, a.double() @ b.double(), torch.float32)
+    bad = [i for i in range(a.shape[0]) if not bits_equal(mode_mm(a[i:i + 1]), out[i:i + 1])]
+    assert not bad, f"rows {bad} differ alone"
+    twin = twin_mm(a, b)
+    assert any(not bits_equal(twin_mm(a[i:i + 1], b), twin[i:i + 1]) for i in range(a.shape[0]))
