@@ -85,9 +85,12 @@ def kvfid_triton_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    *,
+    align_own: bool = True,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """AttentionInterface function: query [B, Hq, T, D], key/value [B, Hkv, S, D] -> ([B, T, Hq, D], None)."""
+    """AttentionInterface function: query [B, Hq, T, D], key/value [B, Hkv, S, D] -> ([B, T, Hq, D], None).
+    `align_own=False` gives the kernel's padding-variant twin (the tests' negative control)."""
     batch, n_q_heads, q_len, head_dim = query.shape
     kv_len = key.shape[2]
     if dropout:
@@ -116,7 +119,8 @@ def kvfid_triton_attention(
     # Padded query positions are not computed by the kernel: zeros, not uninitialized memory.
     empty = torch.empty if first_valid is None else torch.zeros
     out = empty((batch, q_len, n_q_heads, head_dim), dtype=query.dtype, device=query.device)
-    attention_into(out.transpose(1, 2), query, key, value, scaling, first_valid)  # writes [B, Hq, T, D] view
+    attention_into(out.transpose(1, 2), query, key, value, scaling, first_valid,  # writes [B, Hq, T, D] view
+                   align_own=align_own)
     return out, None
 
 
