@@ -38,7 +38,7 @@ class Construction:
 
     def chunk_sizes(self, prompt_length: int, prefix_length: int) -> list[int]:
         """The forward-call sizes that feed P (not used by `live`)."""
-        if self.kind in ("prefill", "batched", "cobatched"):
+        if self.kind in ("prefill", "batched"):
             return [prefix_length]
         if self.kind == "incremental":
             return [prompt_length] + [1] * (prefix_length - prompt_length)

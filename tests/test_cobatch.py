@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from harness import cobatch
 from harness.backends import Stack
-from harness.case import parse_case
+from harness.case import CaseError, parse_case
 from harness.cli import main
 from harness.decode import Runner
 from harness.items import arith_items
@@ -86,6 +86,9 @@ def test_case_files_and_repro_take_the_cobatched_names():
     case = parse_case(text)
     assert case.constructions == ("live", "cobatched:3", "cobatched:2+decode")
     assert case.transplants.specs[0].donor == "cobatched:2+decode"
+    crossing = text + '[crossing]\nreference = "sdpa/fp32"\ndtypes = ["fp32"]\nconstructions = ["prefill", "cobatched:2"]\n'
+    with pytest.raises(CaseError, match="other than live and cobatched"):
+        parse_case(crossing)
     result = CliRunner().invoke(main, ["repro", "--model", "tiny-llama", "--prompt", "What is 2+2?",
                                        "--dtype", "fp32", "-B", "4", "-S", "3",
                                        "--arms", "live,cobatched:3+decode"])
