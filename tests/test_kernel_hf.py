@@ -142,3 +142,13 @@ def test_sliding_window_shorter_than_the_keys_is_refused():
         model(token_ids(length=12))  # window covers every key: plain causal attention
         with pytest.raises(ValueError, match="sliding-window"):
             model(token_ids(length=13))
+
+
+def test_softcapping_and_custom_masks_are_refused_before_compute():
+    q = torch.zeros(1, 2, 4, 16, device=device())
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match="softcapping"):
+        hf.kvfid_triton_attention(module, q, q, q, None, softcap=30.0)
+    custom = torch.ones(1, 1, 4, 4, dtype=torch.bool, device=device())  # bidirectional
+    with pytest.raises(ValueError, match="neither the plain causal pattern"):
+        hf.kvfid_triton_attention(module, q, q, q, custom)
