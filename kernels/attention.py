@@ -13,7 +13,8 @@ arithmetic for t:
 * accumulation is fp32; no split over the key axis, nothing is chosen by looking at the shape.
 
 Rows are independent programs (batch rows and heads are grid axes), so batch size cannot change a
-row.
+row. The query heads that share one key/value head are stacked into one tile (GQA), so each key
+tile is loaded once per group.
 
 Left-padded batches (`first_valid`, a row's first valid key, as transformers pads) keep this. A
 program works in its row's *own* positions (absolute position minus the row's padding): its query
@@ -23,8 +24,7 @@ program therefore runs the same instructions on the same values as the row alone
 pointers differ, so neither its padding nor its neighbours (other programs) can change its bits.
 Padded query positions are not computed. A kernel that aligns tiles to padded positions and masks
 pad keys is correct but padding-variant (a row's keys fall into other tiles): `align_own=False`
-is that twin, kept as the tests' negative control. The query heads that share one key/value head are stacked into one tile (GQA), so each key
-tile is loaded once per group.
+is that twin, kept as the tests' negative control.
 
 Products: on CUDA `tl.dot` (fp32 operands, IEEE precision). In the Triton interpreter `tl.dot` is a
 NumPy BLAS product whose bits for a row can depend on the row's place in the tile (DESIGN.md,
