@@ -63,10 +63,11 @@ def rows_identical(cache, logits: torch.Tensor) -> bool:
     return all(bool((bits(t) == bits(t[:1])).all()) for t in tensors)
 
 
-def snapshot(cache, prefix, logits: torch.Tensor, row: int = 0) -> BoundaryState:
-    """Clone row `row` of a dynamic cache and its boundary logits [rows, V] into a state."""
-    keys = tuple(layer.keys[row:row + 1].clone() for layer in cache.layers)
-    values = tuple(layer.values[row:row + 1].clone() for layer in cache.layers)
+def snapshot(cache, prefix, logits: torch.Tensor, row: int = 0, pad: int = 0) -> BoundaryState:
+    """Clone row `row` of a dynamic cache and its boundary logits [rows, V] into a state; a
+    left-padded row drops its first `pad` positions, so the state covers exactly the prefix."""
+    keys = tuple(layer.keys[row:row + 1, :, pad:].clone() for layer in cache.layers)  # [1, H, |P|, D]
+    values = tuple(layer.values[row:row + 1, :, pad:].clone() for layer in cache.layers)
     state = BoundaryState(tuple(prefix), keys, values, logits[row].clone())
     if state.length != len(state.prefix):
         raise AssertionError(f"cache covers {state.length} positions, prefix has "

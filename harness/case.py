@@ -236,9 +236,9 @@ def _crossing(v: "Validator", t: dict, like: Stack) -> Crossing:
         v.fail("crossing", "reference", text, f"BACKEND/DTYPE[+bi] with BACKEND in "
                f"{', '.join(backend_names())} and DTYPE in {', '.join(DTYPES)} ({err})")
     constructions = v.constructions(t, "crossing", "constructions", ["incremental", "prefill"])
-    if len(constructions) != 2 or "live" in constructions:
+    if len(constructions) != 2 or any(c == "live" or c.startswith("cobatched") for c in constructions):
         v.fail("crossing", "constructions", list(constructions),
-               'exactly two constructions other than live, e.g. ["incremental", "prefill"]')
+               'exactly two constructions other than live and cobatched, e.g. ["incremental", "prefill"]')
     return Crossing(reference, v.choices(t, "crossing", "dtypes", list(DTYPES), None),
                     constructions, v.item_count(t, "crossing", "items"))
 

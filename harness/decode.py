@@ -41,12 +41,17 @@ class Runner:
         self._keyword = cache_keyword(self.module)
         self._device = next(self.module.parameters()).device
 
-    def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        """Feed `ids` [B, T] after what `cache` holds; return last-position logits [B, V]."""
+    def forward(self, ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed `ids` [B, T] after what `cache` holds; return last-position logits [B, V].
+        A padded batch also passes its attention mask [B, cached + T] and position ids [B, T]."""
         ids = ids.to(self._device)
+        padding = {} if attention_mask is None else {
+            "attention_mask": attention_mask.to(self._device),
+            "position_ids": position_ids.to(self._device)}
         start = time.perf_counter()
         out = self.module(input_ids=ids, use_cache=True, logits_to_keep=1,
-                          **{self._keyword: cache})
+                          **{self._keyword: cache}, **padding)
         logits = out.logits[:, -1, :]
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)

@@ -134,7 +134,7 @@ class Matrix:
             return run_crossing(self.model, item, c.reference, c.stacks, self.case.B, self.case.S,
                                 c.constructions)
         return run_item(self.model, self.case.stack(unit.stack), item, self.case.plan(unit.item_index),
-                        matcher=match_answer)
+                        matcher=match_answer, neighbours=self.items)
 
 
 def _check_devices(case: Case) -> None:

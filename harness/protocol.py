@@ -8,85 +8,15 @@ a `Runner`, so each arm reports its wall time, forward calls and forward time.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
-
+from typing import Sequence
 
 from harness import cache as kv
+from harness import cobatch
+from harness.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
+                                   TransplantSpec, parse_construction, parse_transplant)
 from harness.decode import Greedy, Runner, feed_chunks, greedy, new_cache, as_batch
-from harness.errors import BadInput
-
-CONSTRUCTION_HELP = "live, prefill, incremental, incremental-1, chunked:N, batched:N (N >= 1)"
-
-
-class ProtocolError(BadInput, ValueError):
-    """Bad protocol input, raised before any compute."""
-
-
-@dataclass(frozen=True)
-class Construction:
-    """How a boundary state over P is built (see DESIGN.md, 'construction')."""
-
-    kind: str
-    n: int | None = None
-
-    @property
-    def label(self) -> str:
-        return f"{self.kind}:{self.n}" if self.n is not None else self.kind
-
-    def chunk_sizes(self, prompt_length: int, prefix_length: int) -> list[int]:
-        """The forward-call sizes that feed P (not used by `live`)."""
-        if self.kind in ("prefill", "batched"):
-            return [prefix_length]
-        if self.kind == "incremental":
-            return [prompt_length] + [1] * (prefix_length - prompt_length)
-        if self.kind == "incremental-1":
-            return [1] * prefix_length
-        if self.kind == "chunked":
-            full, rest = divmod(prefix_length, self.n)
-            return [self.n] * full + ([rest] if rest else [])
-        raise ProtocolError(f"{self.label} has no chunk sizes")
-
-
-def parse_construction(text: str) -> Construction:
-    """`prefill`, `chunked:16`, `batched:2`, ... -> Construction; ProtocolError otherwise."""
-    text = text.strip()
-    if text in ("live", "prefill", "incremental", "incremental-1"):
-        return Construction(text)
-    match = re.fullmatch(r"(chunked|batched):(\d+)", text)
-    if match and int(match[2]) >= 1:
-        return Construction(match[1], int(match[2]))
-    raise ProtocolError(f"unknown arm {text!r}; valid: {CONSTRUCTION_HELP}")
-
-
-@dataclass(frozen=True)
-class TransplantSpec:
-    """`recipient<-donor:selection`."""
-
-    recipient: str
-    donor: str
-    selection: kv.Selection
-
-    @property
-    def label(self) -> str:
-        return f"{self.recipient}<-{self.donor}:{self.selection.label}"
-
-
-def parse_transplant(text: str) -> TransplantSpec:
-    """`live<-prefill`, `prefill<-live:keys`, `live<-chunked:16:layers=0-4+values`."""
-    recipient, arrow, rest = text.strip().partition("<-")
-    match = re.fullmatch(r"((?:chunked|batched):\d+|[\w-]+)(?::([\w=+-]+))?", rest.strip())
-    if not arrow or not match or not recipient.strip():
-        raise ProtocolError(f"bad transplant {text!r}; expected RECIPIENT<-DONOR[:SELECTION], "
-                            f"selection: {kv.SELECTION_HELP}")
-    recipient, donor = parse_construction(recipient).label, parse_construction(match[1]).label
-    try:
-        selection = kv.parse_selection(match[2] or "all")
-    except ValueError as err:
-        raise ProtocolError(str(err)) from None
-    return TransplantSpec(recipient, donor, selection)
-
 
 # --------------------------------------------------------------------------- arms
 
@@ -102,6 +32,7 @@ class Arm:
     forward_s: float
     generated: Greedy | None = None      # live only: the B tokens and their margins
     rows_identical: bool | None = None   # batched only: every row's state equals row 0's
+    cobatch: dict | None = None          # cobatched only: the co-batch's rows (cobatch.CoBatch)
 
     def record(self, codec, prompt_length: int, answer, matcher) -> dict:
         text = codec.decode(list(self.state.prefix[prompt_length:]) + self.suffix.tokens) \
@@ -119,6 +50,8 @@ class Arm:
             out["live_margins"] = self.generated.margins
         if self.rows_identical is not None:
             out["rows_identical"] = self.rows_identical
+        if self.cobatch is not None:
+            out["cobatch"] = self.cobatch
         return out
 
 
@@ -162,11 +95,41 @@ def run_construction(module, construction: Construction, prompt_length: int,
                runner.seconds, rows_identical=rows_identical)
 
 
+@dataclass(frozen=True)
+class Neighbours:
+    """Whom a co-batched item may be batched with: (item id, prompt ids) of its item set, and the
+    longest row the context leaves room for."""
+
+    item_id: str
+    pool: tuple[tuple[str, list[int]], ...]
+    max_length: int
+
+
+def run_cobatched(module, construction: Construction, prefix: list[int], S: int, eos_ids,
+                  neighbours: Neighbours) -> Arm:
+    """P built in one left-padded batch with other items; the item's row (padding dropped) is the
+    state. `+decode`: the suffix is decoded in the same co-batch, else by the batch-1 decoder."""
+    start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
+    batch = cobatch.choose(prefix, neighbours.item_id, neighbours.pool, construction.n,
+                           neighbours.max_length)
+    logits, mask = cobatch.prefill(runner, cache, batch)             # [N, V], [N, W]
+    state = kv.snapshot(cache, prefix, logits, batch.row, batch.pads[batch.row])
+    if construction.decode_in_batch:
+        suffix = cobatch.decode(runner, cache, batch, logits, mask, S, eos_ids)
+    else:
+        del cache
+        suffix = decode_suffix(runner, state, S, eos_ids)
+    return Arm(construction.label, state, suffix, time.perf_counter() - start, runner.calls,
+               runner.seconds, cobatch=batch.describe())
+
+
 def build_arm(module, construction: Construction, prompt: list[int], prefix: list[int], S: int,
-              eos_ids) -> Arm:
+              eos_ids, neighbours: Neighbours | None = None) -> Arm:
     """`live` regenerates P itself; every other construction is built over the given P."""
     if construction.kind == "live":
         return run_live(module, prompt, len(prefix) - len(prompt), S, eos_ids)
+    if construction.kind == "cobatched":
+        return run_cobatched(module, construction, prefix, S, eos_ids, neighbours)
     return run_construction(module, construction, len(prompt), prefix, S, eos_ids)
 
 
@@ -239,13 +202,19 @@ class ItemPlan:
                                 f"= {need} exceeds the model's context of {context_length}")
 
 
-def run_item(model, stack, item, plan: ItemPlan, matcher=None) -> dict:
-    """Measure one item on one stack: every arm, comparisons vs live, replicas, transplants."""
+def run_item(model, stack, item, plan: ItemPlan, matcher=None, neighbours: Sequence = ()) -> dict:
+    """Measure one item on one stack: every arm, comparisons vs live, replicas, transplants.
+    `neighbours`: the item set that co-batched arms draw from (default: the built-in arith set)."""
     start = time.perf_counter()
     codec, eos = model.codec, frozenset() if plan.ignore_eos else model.codec.eos_ids
     prompt = codec.prompt_ids(item.prompt)
     plan.check_fits(len(prompt), model.context_length)
     matcher = matcher or (lambda text, answer: None)
+    others = None
+    if any(label.startswith("cobatched") for label in plan.arms):
+        pool = neighbours or cobatch.default_pool()
+        others = Neighbours(item.id, tuple((i.id, codec.prompt_ids(i.prompt)) for i in pool),
+                            model.context_length - plan.S)
     record = {"item": {"id": item.id, "prompt": item.prompt, "answer": item.answer},
               "model": model.name, "stack": stack.describe(), "B": plan.B, "S": plan.S,
               "ignore_eos": plan.ignore_eos,
@@ -265,13 +234,14 @@ def run_item(model, stack, item, plan: ItemPlan, matcher=None) -> dict:
         arms = {"live": live}
         for label in plan.arms[1:]:
             arms[label] = build_arm(module, parse_construction(label), prompt, prefix, plan.S,
-                                    eos)
+                                    eos, others)
         for label in plan.arms[1:]:
             kind = "bridge" if label == "incremental" else "arm"
             record["comparisons"].append(compare_arms(live, arms[label], kind))
         spent = list(arms.values())
         for label in plan.replicas:
-            replica = build_arm(module, parse_construction(label), prompt, prefix, plan.S, eos)
+            replica = build_arm(module, parse_construction(label), prompt, prefix, plan.S, eos,
+                                others)
             replica.label = label + "'"
             comparison = compare_arms(arms[label], replica, "replica")
             comparison["replica_fingerprints"] = _fingerprints(replica)

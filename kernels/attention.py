@@ -16,6 +16,16 @@ Rows are independent programs (batch rows and heads are grid axes), so batch siz
 row. The query heads that share one key/value head are stacked into one tile (GQA), so each key
 tile is loaded once per group.
 
+Left-padded batches (`first_valid`, a row's first valid key, as transformers pads) keep this. A
+program works in its row's *own* positions (absolute position minus the row's padding): its query
+tiles, its key tiles and its causal limit are those of the unpadded row, and the key pointer starts
+at the first valid key, so pad keys are never loaded and never enter the online softmax. Row b's
+program therefore runs the same instructions on the same values as the row alone; only base
+pointers differ, so neither its padding nor its neighbours (other programs) can change its bits.
+Padded query positions are not computed. A kernel that aligns tiles to padded positions and masks
+pad keys is correct but padding-variant (a row's keys fall into other tiles): `align_own=False`
+is that twin, kept as the tests' negative control.
+
 Products: on CUDA `tl.dot` (fp32 operands, IEEE precision). In the Triton interpreter `tl.dot` is a
 NumPy BLAS product whose bits for a row can depend on the row's place in the tile (DESIGN.md,
 "Known hazards"), so there the products are broadcast multiplies reduced with `tl.sum`, whose
@@ -49,7 +59,8 @@ def _attention_kernel(
     skb, skh, skt, skd,
     svb, svh, svt, svd,
     sob, soh, sot, sod,
-    n_kv_heads, n_group_chunks, q_len, kv_len, first_tile, scale,
+    pad_ptr,  # [B] int64: each row's first valid (unpadded) key position; read only if PADDED
+    n_kv_heads, n_group_chunks, q_len, kv_len, scale,
     GROUP: tl.constexpr,  # query heads per key/value head
     GROUP_TILE: tl.constexpr,  # query heads stacked in one program (power of two)
     HEAD_DIM: tl.constexpr,
@@ -57,21 +68,39 @@ def _attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr,
+    PADDED: tl.constexpr,  # left-padded rows: pad_ptr holds each row's padding
+    ALIGN_OWN: tl.constexpr = True,  # tiles on the row's own positions; False: the control twin
 ):
     # Index arithmetic in int64: no overflow on large caches, and the interpreter skips its
     # per-operation int32 overflow checks (a large share of its time otherwise).
-    tile = first_tile + tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1).to(tl.int64)  # over batch x kv head x group chunk
     chunk = pid % n_group_chunks
     kv_head = (pid // n_group_chunks) % n_kv_heads
     b = pid // (n_group_chunks * n_kv_heads)
+    # Positions below are the row's own (`shift` = its left padding subtracted), so tiles start at
+    # its first valid key; `lo` is the first valid key in those coordinates (0 but in the twin).
+    if PADDED:
+        pad = tl.load(pad_ptr + b).to(tl.int64)
+        if ALIGN_OWN:
+            shift = pad
+            lo = 0
+        else:  # the padding-variant twin: tiles on padded positions, pad keys masked
+            shift = 0
+            lo = pad
+    else:
+        shift = 0
+        lo = 0
+    end = kv_len - shift  # keys of this row, in its coordinates
+    q_first = end - q_len  # position of query 0 (negative: padded queries, never computed)
+    tile = tl.maximum(tl.maximum(q_first, lo), 0) // BLOCK_M + tl.program_id(0).to(tl.int64)
+    if tile * BLOCK_M >= end:
+        return  # past its row's last tile (padded launches size the grid for the longest row)
 
     ROWS: tl.constexpr = GROUP_TILE * BLOCK_M
     rows = tl.arange(0, ROWS).to(tl.int64)
     g = chunk * GROUP_TILE + rows // BLOCK_M  # head within the group
-    pos = tile * BLOCK_M + rows % BLOCK_M  # absolute position of each query row
-    q_first = kv_len - q_len  # absolute position of query 0
-    row_ok = (g < GROUP) & (pos >= q_first) & (pos < kv_len)
+    pos = tile * BLOCK_M + rows % BLOCK_M  # position of each query row
+    row_ok = (g < GROUP) & (pos >= q_first) & (pos >= lo) & (pos < end)
     d = tl.arange(0, HEAD_DIM_PAD).to(tl.int64)
     if HEAD_DIM_PAD == HEAD_DIM:
         row_mask = row_ok[:, None]
@@ -82,8 +111,8 @@ def _attention_kernel(
     q_rows = b * sqb + (kv_head * GROUP + g) * sqh + (pos - q_first) * sqt
     q = tl.load(q_ptr + (q_rows[:, None] + d[None, :] * sqd), mask=row_mask, other=0.0).to(tl.float32)
     o_rows = b * sob + (kv_head * GROUP + g) * soh + (pos - q_first) * sot
-    k_base = k_ptr + (b * skb + kv_head * skh + d[None, :] * skd)  # [1, D]
-    v_base = v_ptr + (b * svb + kv_head * svh + d[None, :] * svd)
+    k_base = k_ptr + (b * skb + kv_head * skh + shift * skt + d[None, :] * skd)  # [1, D]
+    v_base = v_ptr + (b * svb + kv_head * svh + shift * svt + d[None, :] * svd)
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
@@ -91,13 +120,13 @@ def _attention_kernel(
 
     # Keys this tile can see end at its last row (or the last key); with BLOCK_N % BLOCK_M == 0
     # this is the same key-tile count a decode step of any row of the tile computes.
-    hi = tl.minimum(kv_len, (tile + 1) * BLOCK_M)
-    for start in range(0, hi, BLOCK_N):
+    hi = tl.minimum(end, (tile + 1) * BLOCK_M)
+    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N).to(tl.int64)
         if HEAD_DIM_PAD == HEAD_DIM:
-            kv_mask = (cols < kv_len)[:, None]
+            kv_mask = (cols < end)[:, None]
         else:
-            kv_mask = (cols < kv_len)[:, None] & (d < HEAD_DIM)[None, :]
+            kv_mask = (cols < end)[:, None] & (d < HEAD_DIM)[None, :]
         # [BLOCK_N, D]
         k = tl.load(k_base + cols[:, None] * skt, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_base + cols[:, None] * svt, mask=kv_mask, other=0.0).to(tl.float32)
@@ -107,8 +136,11 @@ def _attention_kernel(
         else:
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
         # Keys past a row's position are masked; for real rows that also covers keys >= kv_len.
-        s = tl.where(cols[None, :] <= pos[:, None], s * scale, float("-inf"))
-        # Every row sees key 0 in the first tile, so m_new is finite from there on.
+        keep = cols[None, :] <= pos[:, None]
+        if PADDED and not ALIGN_OWN:
+            keep = keep & (cols[None, :] >= lo)
+        s = tl.where(keep, s * scale, float("-inf"))
+        # Every row sees its first valid key in the first tile, so m_new is finite from there on.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -152,9 +184,13 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   scale: float | None = None) -> torch.Tensor:
-    """`attention` written into `out` ([B, Hq, Tq, D], any strides); returns `out`."""
+                   scale: float | None = None, first_valid: torch.Tensor | None = None, *,
+                   align_own: bool = True) -> torch.Tensor:
+    """`attention` written into `out` ([B, Hq, Tq, D], any strides); returns `out`. Padded query
+    positions (before a row's `first_valid`) are not written. `align_own=False` is the control
+    twin that aligns tiles to padded positions (padding-variant; for tests only)."""
     _check(q, k, v)
+    pad = _first_valid(first_valid, q.shape[0], k.shape[2], q.device)
     batch, n_q_heads, q_len, head_dim = q.shape
     n_kv_heads, kv_len = k.shape[1], k.shape[2]
     if out.shape != q.shape:
@@ -165,36 +201,66 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     group = n_q_heads // n_kv_heads
     group_tile = min(triton.next_power_of_2(group), max(1, MAX_TILE_ROWS // BLOCK_M))
     n_group_chunks = triton.cdiv(group, group_tile)
-    first_tile = (kv_len - q_len) // BLOCK_M
-    last_tile = (kv_len - 1) // BLOCK_M
-    grid = (last_tile - first_tile + 1, batch * n_kv_heads * n_group_chunks)
+    # Query tiles per row: exact without padding; with it, the most q_len positions can straddle
+    # (each row starts at its own tile; programs past a row's last tile do nothing).
+    tiles = ((kv_len - 1) // BLOCK_M - (kv_len - q_len) // BLOCK_M + 1 if pad is None
+             else (q_len + BLOCK_M - 2) // BLOCK_M + 1)
+    grid = (tiles, batch * n_kv_heads * n_group_chunks)
     use_dot = uses_tl_dot(q.device)
     _attention_kernel[grid](
         q, k, v, out,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        n_kv_heads, n_group_chunks, q_len, kv_len, first_tile, scale,
+        pad if pad is not None else q,  # a placeholder pointer when unpadded (never read)
+        n_kv_heads, n_group_chunks, q_len, kv_len, scale,
         GROUP=group, GROUP_TILE=group_tile,
         # tl.dot needs a reduction dim of at least 16: pad tiny head dims with masked zeros.
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n_for(q.device), USE_DOT=use_dot, num_warps=8 if use_dot else 4,
-        **LAUNCH_OPTIONS,
+        PADDED=pad is not None, ALIGN_OWN=align_own, **LAUNCH_OPTIONS,
     )
     return out
 
 
+def _first_valid(first_valid: torch.Tensor | None, batch: int, kv_len: int,
+                 device: torch.device) -> torch.Tensor | None:
+    """Validated per-row padding as contiguous int64 [B] on `device`; None when there is none."""
+    if first_valid is None:
+        return None
+    if first_valid.shape != (batch,) or first_valid.dtype.is_floating_point:
+        raise ValueError(f"first_valid must be integer [B={batch}]; got {first_valid.dtype}"
+                         f"{tuple(first_valid.shape)}")
+    if bool((first_valid < 0).any()):
+        raise ValueError(f"first_valid must be >= 0; got {first_valid.tolist()}")
+    # A row padded past every key so far (a chunk of pure padding) has no valid key yet.
+    return first_valid.to(device=device, dtype=torch.int64).clamp(max=kv_len).contiguous()
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, first_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention; q [B, Hq, Tq, D] are the last Tq positions of k, v [B, Hkv, Tk, D].
 
     Returns [B, Hq, Tq, D] in q's dtype. Bits per position are independent of batch size and of
-    how the positions were split into prefill, chunks or decode steps.
+    how the positions were split into prefill, chunks or decode steps. `first_valid` [B] (int, >= 0)
+    left-pads row b: keys before `first_valid[b]` are never read and those query positions are 0;
+    a row's valid positions get the bits they get unpadded (see the module docstring).
     """
-    return attention_into(torch.empty_like(q, memory_format=torch.contiguous_format), q, k, v, scale)
+    empty = torch.zeros_like if first_valid is not None else torch.empty_like
+    out = empty(q, memory_format=torch.contiguous_format)
+    return attention_into(out, q, k, v, scale, first_valid)
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                  scale: float | None = None) -> torch.Tensor:
+                  scale: float | None = None, first_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Plain PyTorch causal attention with the same contract as `attention` (any float dtype)."""
+    if first_valid is not None:  # each row alone over its valid keys, left-padded with zeros
+        out = torch.zeros_like(q)
+        kv_len = k.shape[2]
+        for b, pad in enumerate(first_valid.tolist()):
+            n = min(q.shape[2], kv_len - pad)  # valid queries of row b
+            if n > 0:
+                out[b:b + 1, :, q.shape[2] - n:] = attention_ref(
+                    q[b:b + 1, :, q.shape[2] - n:], k[b:b + 1, :, pad:], v[b:b + 1, :, pad:], scale=scale)
+        return out
     _, n_q_heads, q_len, head_dim = q.shape
     n_kv_heads, kv_len = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale

@@ -3,13 +3,15 @@
 `register()` puts two functions into transformers' public interfaces under one name:
 
 * the attention function (`AttentionInterface`), which calls `kernels.attention`; the kernel applies
-  causality itself from absolute positions (queries are the last positions of the keys), so the
-  harness's unpadded batches need no mask;
+  causality itself from positions (queries are the last positions of the keys), so unpadded
+  batches need no mask, and left padding is passed to it as each row's first valid key;
 * a mask function (`masking_utils.AttentionMaskInterface`). Without one, transformers skips mask
   creation for the name and a padding mask would be dropped silently. Ours builds the mask the
   stock `sdpa` way and returns None when it is exactly the causal pattern the kernel applies
-  anyway; anything else (padding, a sliding window shorter than the keys, a static cache's unfilled
-  slots) is passed on, and the attention function refuses it with a clear error.
+  anyway; anything else is passed on. The attention function accepts exactly one other pattern,
+  causal with left padding (transformers' padded batches: row b sees keys `first_valid[b] <= j <=
+  its position`), and refuses every other mask before any compute (a sliding window shorter than
+  the keys, right padding, a static cache's unfilled slots, custom masks).
 
 Uses only names public in transformers 5.17 through 5.2x.
 """
@@ -44,6 +46,27 @@ def _is_kernel_pattern(mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
     return torch.equal(mask == 0, pattern) and bool((blocked <= torch.finfo(mask.dtype).min / 2).all())
 
 
+def left_padding(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor | None:
+    """[B] first valid key per row when a 4-D mask ([B or 1, H or 1, q, kv]; bool, True = attend,
+    or additive float) is exactly causal with left padding; None for any other mask."""
+    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (q_len, kv_len):
+        return None
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.is_floating_point() and bool((mask[mask != 0] <= torch.finfo(mask.dtype).min / 2).all()):
+        allowed = mask == 0
+    else:
+        return None
+    pad = kv_len - allowed[..., -1, :].sum(-1)  # [B, H] (a fully padded row: kv_len)
+    if not bool((pad == pad[:, :1]).all()):
+        return None
+    pad = pad[:, 0]  # [B]
+    keys = torch.arange(kv_len, device=mask.device)
+    q_pos = torch.arange(q_len, device=mask.device) + (kv_len - q_len)
+    expected = (keys >= pad[:, None, None]) & (keys[None, None, :] <= q_pos[None, :, None])  # [B, q, kv]
+    return pad if torch.equal(allowed, expected[:, None].expand(allowed.shape)) else None
+
+
 def kvfid_triton_mask(*args, **kwargs) -> torch.Tensor | None:
     """Mask function for `AttentionMaskInterface`: None when the kernel's own causality is the mask."""
     kwargs["allow_is_causal_skip"] = False  # always materialize, so it can be inspected
@@ -62,9 +85,12 @@ def kvfid_triton_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    *,
+    align_own: bool = True,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """AttentionInterface function: query [B, Hq, T, D], key/value [B, Hkv, S, D] -> ([B, T, Hq, D], None)."""
+    """AttentionInterface function: query [B, Hq, T, D], key/value [B, Hkv, S, D] -> ([B, T, Hq, D], None).
+    `align_own=False` gives the kernel's padding-variant twin (the tests' negative control)."""
     batch, n_q_heads, q_len, head_dim = query.shape
     kv_len = key.shape[2]
     if dropout:
@@ -80,13 +106,21 @@ def kvfid_triton_attention(
         raise ValueError(
             f"{NAME}: sliding-window attention (window {window} < {kv_len} keys) is not supported; "
             "the kernel attends to every earlier position")
+    first_valid = None
     if attention_mask is not None and not _is_kernel_pattern(attention_mask, q_len, kv_len):
-        raise ValueError(
-            f"{NAME}: got an attention mask that is not the plain causal pattern (padding, a custom "
-            "mask, or a static cache with unfilled slots). The kernel applies causality from absolute "
-            "positions and cannot honour other masks; feed unpadded batches with a dynamic cache.")
-    out = torch.empty((batch, q_len, n_q_heads, head_dim), dtype=query.dtype, device=query.device)
-    attention_into(out.transpose(1, 2), query, key, value, scaling)  # writes [B, Hq, T, D] view
+        first_valid = left_padding(attention_mask, q_len, kv_len)  # [B]
+        if first_valid is None:
+            raise ValueError(
+                f"{NAME}: got an attention mask that is neither the plain causal pattern nor causal "
+                "with left padding (right padding, a custom mask, or a static cache with unfilled "
+                "slots). The kernel cannot honour other masks; feed left-padded batches with a "
+                "dynamic cache.")
+        first_valid = first_valid.expand(batch)
+    # Padded query positions are not computed by the kernel: zeros, not uninitialized memory.
+    empty = torch.empty if first_valid is None else torch.zeros
+    out = empty((batch, q_len, n_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    attention_into(out.transpose(1, 2), query, key, value, scaling, first_valid,  # writes [B, Hq, T, D] view
+                   align_own=align_own)
     return out, None
 
 

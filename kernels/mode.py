@@ -3,10 +3,11 @@
 `set_batch_invariant_mode()` registers replacements for the ops that a Llama/Qwen2 forward reaches
 (found with a TorchDispatchMode trace: `mm` for the projections and the LM head, `addmm` for
 Qwen2's q/k/v biases, `bmm` for eager attention, `mean.dim` for RMSNorm, `_softmax` for eager
-attention, `_log_softmax` for log-probabilities) under the CPU and CUDA dispatch keys with
+attention, `_log_softmax` for log-probabilities; plus `mm.dtype` where torch has a kernel for it) under the CPU and CUDA dispatch keys with
 `torch.library.Library("aten", "IMPL")`, and removes them again on exit, also when the body
-raises. Anything the replacements do not cover (other dtypes, reductions over other dims,
-addmm with alpha/beta) goes to the kernel that was registered before.
+raises. Anything the replacements do not cover (other dtypes, 0-d or empty inputs, addmm with
+alpha/beta) goes to the kernel that was registered before. Reductions over any dim are covered:
+mean over any dims (moved last and flattened), (log-)softmax over any dim, `half_to_float`.
 
 Two implementations:
 
@@ -38,6 +39,10 @@ IMPLS = ("triton", "rowwise")
 DISPATCH_KEYS = ("CPU", "CUDA")
 # aten overloads replaced while the mode is on (op name as torch.library spells it).
 OVERRIDDEN_OPS = ("mm", "addmm", "bmm", "mean.dim", "_softmax", "_log_softmax")
+# Replaced only under the dispatch keys where torch has a kernel for them: `mm.dtype` (e.g. bf16 in,
+# fp32 out) has a CUDA kernel, but torch 2.13's CPU build has the overload with no CPU kernel, and
+# the mode does not invent one.
+WHERE_STOCK_OPS = ("mm.dtype",)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -51,8 +56,13 @@ def _dense_float(*tensors: torch.Tensor) -> bool:
     return all(t.layout == torch.strided and t.dtype == first for t in tensors) and first in _FLOAT_DTYPES
 
 
-def _last_dim_only(x: torch.Tensor, dim) -> bool:
-    return x.dim() >= 1 and dim is not None and len(dim) == 1 and dim[0] in (-1, x.dim() - 1)
+def _reduced_last(x: torch.Tensor, dim) -> tuple[torch.Tensor, list[int]]:
+    """x [..] with the reduced dims (all if `dim` is empty or None) moved last and flattened:
+    ([*kept, n], the reduced dims, ascending). A copy only when the layout needs one."""
+    dims = sorted({d % x.dim() for d in dim}) if dim else list(range(x.dim()))
+    kept = [d for d in range(x.dim()) if d not in dims]
+    moved = x.permute(*kept, *dims)
+    return moved.reshape(*moved.shape[:len(kept)], -1), dims  # [*kept, n]
 
 
 def _triton(impl: str, x: torch.Tensor) -> bool:
@@ -86,6 +96,17 @@ def _mm(impl: str, original) -> Callable:
     return mm
 
 
+def _mm_dtype(impl: str, original) -> Callable:
+    def mm_dtype(keys, a, b, out_dtype):
+        if not _dense_float(a, b) or out_dtype not in _FLOAT_DTYPES or a.shape[0] == 0:
+            return original.call_boxed(keys, a, b, out_dtype)
+        if _triton(impl, a):
+            return _matmul.matmul(a, b, out_dtype=out_dtype)
+        return torch.cat([original.call_boxed(keys, _fresh(a[i:i + 1]), b, out_dtype)
+                          for i in range(a.shape[0])])
+    return mm_dtype
+
+
 def _addmm(impl: str, original) -> Callable:
     def addmm(keys, bias, a, b, *, beta=1, alpha=1):
         n = b.shape[1] if b.dim() == 2 else -1
@@ -115,14 +136,21 @@ def _bmm(impl: str, original) -> Callable:
 
 
 def _mean_dim(impl: str, original) -> Callable:
+    """Mean over any dims: the reduced dims are flattened last, so each output element is one
+    row's reduction, computed alone (rowwise) or by the row kernel (triton)."""
     def mean_dim(keys, x, dim, keepdim=False, *, dtype=None):
-        covered = _dense_float(x) and _last_dim_only(x, dim) and x.numel() > 0
+        covered = _dense_float(x) and x.dim() > 0 and x.numel() > 0
         if not covered or (dtype is not None and dtype not in _FLOAT_DTYPES):
             return original.call_boxed(keys, x, dim, keepdim, dtype=dtype)
+        rows, dims = _reduced_last(x, dim)  # [*kept, n]
         if _triton(impl, x):
-            return _norm.mean_last_dim(x, keepdim=keepdim, dtype=dtype)
-        out = _rows_alone(x, lambda row: original.call_boxed(keys, row, [-1], True, dtype=dtype))
-        return out if keepdim else out.squeeze(-1)
+            out = _norm.mean_last_dim(rows, dtype=dtype)
+        else:
+            out = _rows_alone(rows, lambda row: original.call_boxed(keys, row, [-1], True, dtype=dtype))
+            out = out.squeeze(-1)  # [*kept]
+        for d in dims if keepdim else ():
+            out = out.unsqueeze(d)
+        return out
     return mean_dim
 
 
@@ -131,18 +159,22 @@ def _softmax_like(log: bool) -> Callable:
         def softmax(keys, x, dim, half_to_float):
             if not _dense_float(x) or x.numel() == 0 or x.dim() == 0:
                 return original.call_boxed(keys, x, dim, half_to_float)
+            out_dtype = torch.float32 if half_to_float else x.dtype
             if _triton(impl, x):
                 fn = _softmax.log_softmax if log else _softmax.softmax
-                return fn(x, dim, dtype=torch.float32 if half_to_float else x.dtype)
-            moved = x.movedim(dim, -1)
-            out = _rows_alone(moved, lambda row: original.call_boxed(keys, row, -1, half_to_float))
-            return out.movedim(-1, dim)
+                return fn(x, dim, dtype=out_dtype)
+            # The stock CPU kernel refuses half_to_float; an exact upcast of the row computes the
+            # same function (fp32 math, fp32 out), as CUDA's does.
+            moved = x.movedim(dim, -1).to(out_dtype)  # [..., n]
+            out = _rows_alone(moved, lambda row: original.call_boxed(keys, row, -1, False))
+            return out.movedim(-1, dim).contiguous()  # the stock op's layout
         return softmax
     return factory
 
 
 _FACTORIES = {
     "mm": _mm,
+    "mm.dtype": _mm_dtype,
     "addmm": _addmm,
     "bmm": _bmm,
     "mean.dim": _mean_dim,
@@ -157,14 +189,25 @@ def _install(impl: str) -> torch.library.Library:
         with warnings.catch_warnings():
             # Replacing aten kernels is the point; torch warns about it once per process.
             warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
-            for key, op in itertools.product(DISPATCH_KEYS, OVERRIDDEN_OPS):
+            for key, op in itertools.product(DISPATCH_KEYS, OVERRIDDEN_OPS + WHERE_STOCK_OPS):
                 # The kernel registered now (before ours) is the fallback and the "rowwise" worker.
-                original = torch.library.get_kernel(f"aten::{op}", key)
-                lib.impl(op, _FACTORIES[op](impl, original), key, with_keyset=True)
+                original = _stock_kernel(op, key)
+                if original is not None:
+                    lib.impl(op, _FACTORIES[op](impl, original), key, with_keyset=True)
     except BaseException:
         _remove(lib)
         raise
     return lib
+
+
+def _stock_kernel(op: str, key: str):
+    """The kernel registered for `op` under `key` now; None for a WHERE_STOCK_OPS op without one."""
+    try:
+        return torch.library.get_kernel(f"aten::{op}", key)
+    except RuntimeError:
+        if op in OVERRIDDEN_OPS:
+            raise
+        return None
 
 
 def _remove(lib: torch.library.Library) -> None:

@@ -59,8 +59,6 @@ def _softmax_kernel(x_ptr, out_ptr, n_rows, n_cols, sx_row, sx_col, so_row,
 
 def _launch(x: torch.Tensor, log: bool, dtype: torch.dtype | None) -> torch.Tensor:
     check_row_input("log_softmax" if log else "softmax", x)
-    if x.dim() == 0:
-        x = x.reshape(1)
     rows = x.reshape(-1, x.shape[-1])
     n_rows, n_cols = rows.shape
     out = torch.empty((n_rows, n_cols), dtype=dtype or x.dtype, device=x.device)
@@ -71,16 +69,20 @@ def _launch(x: torch.Tensor, log: bool, dtype: torch.dtype | None) -> torch.Tens
     return out.reshape(x.shape)
 
 
+def _over_dim(x: torch.Tensor, dim: int, log: bool, dtype: torch.dtype | None) -> torch.Tensor:
+    if x.dim() == 0:  # a 0-d tensor is one row of one element, as torch treats it
+        return _launch(x.reshape(1), log, dtype).reshape(())
+    return _launch(x.movedim(dim, -1), log, dtype).movedim(-1, dim).contiguous()
+
+
 def softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Softmax over `dim` (fp32 internally); output in `dtype` (default x's dtype)."""
-    x = x.movedim(dim, -1)
-    return _launch(x, False, dtype).movedim(-1, dim).contiguous()
+    """Softmax over `dim` (fp32 internally); output in `dtype` (default x's dtype), contiguous."""
+    return _over_dim(x, dim, False, dtype)
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Log-softmax over `dim` (fp32 internally); output in `dtype` (default x's dtype)."""
-    x = x.movedim(dim, -1)
-    return _launch(x, True, dtype).movedim(-1, dim).contiguous()
+    """Log-softmax over `dim` (fp32 internally); output in `dtype` (default x's dtype), contiguous."""
+    return _over_dim(x, dim, True, dtype)
 
 
 def softmax_ref(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

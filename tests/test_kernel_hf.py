@@ -102,16 +102,39 @@ def test_mask_function_returns_none_exactly_for_the_plain_causal_pattern():
     assert mask is not None and mask.shape == (2, 1, 9, 9)
 
 
-def test_padding_mask_is_refused():
+def test_left_padding_is_read_from_the_mask_and_other_masks_are_not():
+    common = dict(batch_size=3, kv_offset=0, device=device())
+    padding = torch.ones(3, 9, dtype=torch.bool, device=device())
+    padding[0, :2] = False
+    padding[2, :9] = False  # a row with no valid key yet (a chunk of pure padding)
+    for q_length in (9, 4, 1):  # prefill, chunk, decode
+        mask = hf.kvfid_triton_mask(q_length=q_length, kv_length=9, q_offset=9 - q_length,
+                                    attention_mask=padding, **common)
+        assert hf.left_padding(mask, q_length, 9).tolist() == [2, 0, 9]
+        additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+        assert hf.left_padding(additive, q_length, 9).tolist() == [2, 0, 9]
+    right = torch.ones(3, 9, dtype=torch.bool, device=device())
+    right[0, -2:] = False
+    mask = hf.kvfid_triton_mask(q_length=9, kv_length=9, q_offset=0, attention_mask=right, **common)
+    assert hf.left_padding(mask, 9, 9) is None
+    holes = padding.clone()
+    holes[1, 4] = False
+    mask = hf.kvfid_triton_mask(q_length=9, kv_length=9, q_offset=0, attention_mask=holes, **common)
+    assert hf.left_padding(mask, 9, 9) is None
+
+
+def test_left_padding_runs_and_right_padding_is_refused():
     model = tiny_model("llama")
     model.set_attn_implementation(hf.register())
     ids = token_ids(batch=2, length=8)
-    padding = torch.ones_like(ids)
-    padding[0, :3] = 0
+    left, right = torch.ones_like(ids), torch.ones_like(ids)
+    left[0, :3] = 0
+    right[0, -3:] = 0
     with torch.no_grad():
         model(ids, attention_mask=torch.ones_like(ids))  # an all-ones mask is fine
-        with pytest.raises(ValueError, match="not the plain causal pattern"):
-            model(ids, attention_mask=padding)
+        model(ids, attention_mask=left)
+        with pytest.raises(ValueError, match="neither the plain causal pattern nor causal with left"):
+            model(ids, attention_mask=right)
 
 
 def test_sliding_window_shorter_than_the_keys_is_refused():
@@ -121,3 +144,13 @@ def test_sliding_window_shorter_than_the_keys_is_refused():
         model(token_ids(length=12))  # window covers every key: plain causal attention
         with pytest.raises(ValueError, match="sliding-window"):
             model(token_ids(length=13))
+
+
+def test_softcapping_and_custom_masks_are_refused_before_compute():
+    q = torch.zeros(1, 2, 4, 16, device=device())
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match="softcapping"):
+        hf.kvfid_triton_attention(module, q, q, q, None, softcap=30.0)
+    custom = torch.ones(1, 1, 4, 4, dtype=torch.bool, device=device())  # bidirectional
+    with pytest.raises(ValueError, match="neither the plain causal pattern"):
+        hf.kvfid_triton_attention(module, q, q, q, custom)

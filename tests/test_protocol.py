@@ -205,7 +205,8 @@ def test_our_calls_raise_no_warnings_on_this_transformers():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run_item(tiny(), Stack("sdpa", "bf16"), PROMPT,
-                 ItemPlan(4, 4, arms=("live", "prefill", "batched:2", "chunked:2")))
+                 ItemPlan(4, 4, arms=("live", "prefill", "batched:2", "chunked:2",
+                                      "cobatched:3+decode")))
     assert [str(w.message) for w in caught] == []
 
 
