@@ -16,28 +16,55 @@ Rows are independent programs (batch rows and heads are grid axes), so batch siz
 row. The query heads that share one key/value head are stacked into one tile (GQA), so each key
 tile is loaded once per group.
 
-Products: on CUDA `tl.dot` (fp32 operands, IEEE precision). In the Triton interpreter `tl.dot` is a
-NumPy BLAS product whose bits for a row can depend on the row's place in the tile (DESIGN.md,
-"Known hazards"), so there the products are broadcast multiplies reduced with `tl.sum`, whose
-order is the same for every row. Operands are upcast to fp32 first either way (the interpreter's
-bf16 `tl.dot` is wrong without it).
+Products: on CUDA `tl.dot`. bf16/fp16 operands go in as they are (tensor cores) with fp32
+accumulation, and the probabilities P are cast to V's dtype for the PV product, as flash attention
+does; fp32 operands use IEEE fp32 (`input_precision="ieee"`, no TF32). The MMA computes each output
+element from its row and column alone, in an order fixed by the compiled config, so this keeps the
+argument above: the config (tiles, warps, stages) comes from `CONFIGS` by (arch, dtype), never from
+the batch or a length. In the Triton interpreter `tl.dot` is a NumPy BLAS product whose bits for a
+row can depend on the row's place in the tile (DESIGN.md, "Known hazards"), so there the products
+are fp32 broadcast multiplies reduced with `tl.sum`, whose order is the same for every row.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from . import LAUNCH_OPTIONS, triton_runs_on, uses_tl_dot
+from . import LAUNCH_OPTIONS, gpu_arch, triton_runs_on, uses_tl_dot
+from .dot import mma
 
-# Tile sizes are constants per execution path (device), never functions of batch or length.
-BLOCK_M = 16  # query positions per tile (per query head of the group)
-BLOCK_N_GPU = 64  # keys per tile with tl.dot; a multiple of BLOCK_M (see the module docstring)
-BLOCK_N_INTERPRETER = 128  # the interpreter is faster with fewer, larger tiles
-MAX_TILE_ROWS = 64  # query rows per program: group heads are split into chunks of this many rows
+BLOCK_M = 16  # query positions per tile (per query head of the group), on every path
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """One execution path's fixed tiling: a function of (arch, dtype), never of batch or length."""
+
+    block_n: int  # keys per tile; a multiple of BLOCK_M (see the module docstring)
+    max_tile_rows: int  # query rows per program: group heads are split into chunks of this many
+    num_warps: int
+    num_stages: int
+    use_dot: bool = True
+
+
+# The interpreter is faster with fewer, larger key tiles; warps and stages mean nothing there.
+INTERPRETER_CONFIG = AttentionConfig(block_n=128, max_tile_rows=64, num_warps=4, num_stages=1,
+                                     use_dot=False)
+# Sized for H100/H200 (and A100) with `kvfid compile`: no config spills, shared memory well within
+# the limit. bf16/fp16: 64 query rows (4 heads of a GQA group) share each 64-key tile, one warp
+# group (4 warps) on sm_90/sm_100, 8 warps on sm_80 (4 spill at head dim 128). fp32 keeps IEEE
+# products on the CUDA cores: 32 rows x 32 keys over 8 warps stays within registers.
+_HALF = {"sm_80": AttentionConfig(block_n=64, max_tile_rows=64, num_warps=8, num_stages=2),
+         "sm_90": AttentionConfig(block_n=64, max_tile_rows=64, num_warps=4, num_stages=2),
+         "sm_100": AttentionConfig(block_n=64, max_tile_rows=64, num_warps=4, num_stages=2)}
+_FP32 = AttentionConfig(block_n=32, max_tile_rows=32, num_warps=8, num_stages=2)
+CONFIGS = {(arch, dtype): _FP32 if dtype == torch.float32 else _HALF[arch]
+           for arch in _HALF for dtype in (torch.bfloat16, torch.float16, torch.float32)}
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -80,7 +107,9 @@ def _attention_kernel(
 
     # [ROWS, D]
     q_rows = b * sqb + (kv_head * GROUP + g) * sqh + (pos - q_first) * sqt
-    q = tl.load(q_ptr + (q_rows[:, None] + d[None, :] * sqd), mask=row_mask, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + (q_rows[:, None] + d[None, :] * sqd), mask=row_mask, other=0.0)
+    if not USE_DOT:
+        q = q.to(tl.float32)
     o_rows = b * sob + (kv_head * GROUP + g) * soh + (pos - q_first) * sot
     k_base = k_ptr + (b * skb + kv_head * skh + d[None, :] * skd)  # [1, D]
     v_base = v_ptr + (b * svb + kv_head * svh + d[None, :] * svd)
@@ -99,12 +128,14 @@ def _attention_kernel(
         else:
             kv_mask = (cols < kv_len)[:, None] & (d < HEAD_DIM)[None, :]
         # [BLOCK_N, D]
-        k = tl.load(k_base + cols[:, None] * skt, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_base + cols[:, None] * svt, mask=kv_mask, other=0.0).to(tl.float32)
-        # [ROWS, BLOCK_N]
+        k = tl.load(k_base + cols[:, None] * skt, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * svt, mask=kv_mask, other=0.0)
+        # [ROWS, BLOCK_N]; fp32 accumulation either way
         if USE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            s = mma(q, tl.trans(k), tl.zeros([ROWS, BLOCK_N], tl.float32))
         else:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
         # Keys past a row's position are masked; for real rows that also covers keys >= kv_len.
         s = tl.where(cols[None, :] <= pos[:, None], s * scale, float("-inf"))
@@ -114,7 +145,7 @@ def _attention_kernel(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if USE_DOT:
-            pv = tl.dot(p, v, input_precision="ieee")
+            pv = mma(p.to(v.dtype), v, tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32))
         else:
             pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         acc = acc * alpha[:, None] + pv
@@ -125,9 +156,20 @@ def _attention_kernel(
 
 
 
-def block_n_for(device: torch.device) -> int:
-    """Keys per tile on `device`: a function of the execution path only."""
-    return BLOCK_N_GPU if uses_tl_dot(device) else BLOCK_N_INTERPRETER
+def config_for(device: torch.device, dtype: torch.dtype) -> AttentionConfig:
+    """The fixed tiling on `device` for `dtype`: a function of the execution path only."""
+    return CONFIGS[(gpu_arch(device), dtype)] if uses_tl_dot(device) else INTERPRETER_CONFIG
+
+
+def group_tile_for(group: int, config: AttentionConfig) -> int:
+    """Query heads of a GQA group stacked in one program (a power of two, at most the config's rows)."""
+    return min(triton.next_power_of_2(group), max(1, config.max_tile_rows // BLOCK_M))
+
+
+def head_dim_pad(head_dim: int) -> int:
+    """The head dim a tile holds: tl.dot needs a reduction dim of at least 16, so tiny head dims
+    are padded with masked zeros."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -152,8 +194,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   scale: float | None = None) -> torch.Tensor:
-    """`attention` written into `out` ([B, Hq, Tq, D], any strides); returns `out`."""
+                   scale: float | None = None, *, config: AttentionConfig | None = None) -> torch.Tensor:
+    """`attention` written into `out` ([B, Hq, Tq, D], any strides); returns `out`.
+
+    `config` overrides the path's tiling (tests run the GPU configs in the interpreter)."""
     _check(q, k, v)
     batch, n_q_heads, q_len, head_dim = q.shape
     n_kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -163,33 +207,35 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     group = n_q_heads // n_kv_heads
-    group_tile = min(triton.next_power_of_2(group), max(1, MAX_TILE_ROWS // BLOCK_M))
+    config = config or config_for(q.device, q.dtype)
+    group_tile = group_tile_for(group, config)
     n_group_chunks = triton.cdiv(group, group_tile)
     first_tile = (kv_len - q_len) // BLOCK_M
     last_tile = (kv_len - 1) // BLOCK_M
     grid = (last_tile - first_tile + 1, batch * n_kv_heads * n_group_chunks)
-    use_dot = uses_tl_dot(q.device)
     _attention_kernel[grid](
         q, k, v, out,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         n_kv_heads, n_group_chunks, q_len, kv_len, first_tile, scale,
         GROUP=group, GROUP_TILE=group_tile,
-        # tl.dot needs a reduction dim of at least 16: pad tiny head dims with masked zeros.
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n_for(q.device), USE_DOT=use_dot, num_warps=8 if use_dot else 4,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
+        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, USE_DOT=config.use_dot,
+        num_warps=config.num_warps, num_stages=config.num_stages,
         **LAUNCH_OPTIONS,
     )
     return out
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
     """Causal attention; q [B, Hq, Tq, D] are the last Tq positions of k, v [B, Hkv, Tk, D].
 
     Returns [B, Hq, Tq, D] in q's dtype. Bits per position are independent of batch size and of
-    how the positions were split into prefill, chunks or decode steps.
+    how the positions were split into prefill, chunks or decode steps. `config`: as in
+    `attention_into`.
     """
-    return attention_into(torch.empty_like(q, memory_format=torch.contiguous_format), q, k, v, scale)
+    return attention_into(torch.empty_like(q, memory_format=torch.contiguous_format), q, k, v, scale,
+                          config=config)
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
