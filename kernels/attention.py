@@ -58,11 +58,12 @@ INTERPRETER_CONFIG = AttentionConfig(block_n=128, max_tile_rows=64, num_warps=4,
 # Sized for H100/H200 (and A100) with `kvfid compile`: no config spills, shared memory well within
 # the limit. bf16/fp16: 64 query rows (4 heads of a GQA group) share each 64-key tile, one warp
 # group (4 warps) on sm_90/sm_100, 8 warps on sm_80 (4 spill at head dim 128). fp32 keeps IEEE
-# products on the CUDA cores: 32 rows x 32 keys over 8 warps stays within registers.
+# products on the CUDA cores: 32 rows x 16 keys over 8 warps (32 keys left an 8-24 B stack on
+# sm_80 and sm_100 at head dim 128).
 _HALF = {"sm_80": AttentionConfig(block_n=64, max_tile_rows=64, num_warps=8, num_stages=2),
          "sm_90": AttentionConfig(block_n=64, max_tile_rows=64, num_warps=4, num_stages=2),
          "sm_100": AttentionConfig(block_n=64, max_tile_rows=64, num_warps=4, num_stages=2)}
-_FP32 = AttentionConfig(block_n=32, max_tile_rows=32, num_warps=8, num_stages=2)
+_FP32 = AttentionConfig(block_n=16, max_tile_rows=32, num_warps=8, num_stages=2)
 CONFIGS = {(arch, dtype): _FP32 if dtype == torch.float32 else _HALF[arch]
            for arch in _HALF for dtype in (torch.bfloat16, torch.float16, torch.float32)}
 
