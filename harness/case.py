@@ -1,8 +1,8 @@
 """Case files: one matrix run's design as data (TOML -> frozen dataclasses), validated on load.
 
 A case names the model, the item set, B and S, the stacks, the constructions, replicas, the
-precision crossing and the transplants. `load_case(path)` refuses a bad file before any compute
-with a `CaseError` naming the file, the key, the bad value and the allowed ones; `parse_case`
+precision crossing and the transplants (`[[stacks]]`: several products of stacks, each on its
+first `items` items). `load_case(path)` refuses a bad file before any compute with a `CaseError` naming the file, the key, the bad value and the allowed ones; `parse_case`
 does the same for case text stored in the ledger. `Case.plan(index)` gives the `ItemPlan` for
 one item, so the run loop never reads TOML.
 
@@ -22,7 +22,8 @@ from pathlib import Path
 
 from harness.backends import DTYPES, Stack, backend_names, parse_stack
 from harness.case_fields import CaseError, Validator
-from harness.checks import construction_reason, count_reason, device_reason, threads_reason
+from harness.case_stacks import stack_groups, stack_tables
+from harness.checks import construction_reason, count_reason
 from harness.models import PRESETS, model_names
 from harness.protocol import (CONSTRUCTION_HELP, ItemPlan, ProtocolError, TransplantSpec,
                               parse_transplant)
@@ -100,6 +101,7 @@ class Case:
     source: str = ""
     text: str = ""
     sha: str = ""
+    stack_items: tuple[int | None, ...] = ()  # per stack: only the first N items (None: all)
 
     def stack(self, label: str) -> Stack:
         """The stack with this label. A label stored before the thread count joined stack labels
@@ -119,6 +121,11 @@ class Case:
                         self.transplants.specs if self.transplants else (),
                         transplant_rows="all" if control else "divergent", ignore_eos=self.ignore_eos)
 
+    def takes(self, stack: Stack, index: int) -> bool:
+        """Whether the matrix measures item `index` on `stack`."""
+        limit = self.stack_items[self.stacks.index(stack)] if self.stack_items else None
+        return limit is None or index < limit
+
     def with_item_count(self, n: int) -> "Case":
         """The same case on its first `n` items (`kvfid run --items N`)."""
         if count_reason(n) is not None:
@@ -136,9 +143,10 @@ class Case:
         crossing_items = 0
         if self.crossing:
             crossing_items = n if self.crossing.items is None else min(n, self.crossing.items)
+        stack_units = sum(sum(self.takes(s, i) for i in range(n)) for s in self.stacks)
         out = {"items": n, "stacks": [s.label for s in self.stacks],
                "crossing_items": crossing_items,
-               "units": n * len(self.stacks) + crossing_items, "control_indices": []}
+               "units": stack_units + crossing_items, "control_indices": []}
         if self.transplants:
             out["control_indices"] = list(self.transplants.control_indices(self.items.n))
         return out
@@ -150,7 +158,7 @@ _TOP = {"name", "description", "model", "B", "S", "constructions", "items", "sta
         "replicas", "crossing", "transplants", "ignore_eos"}
 _TABLES = {
     "items": {"set", "n", "seed"},
-    "stacks": {"backends", "dtypes", "batch_invariant", "device", "threads"},
+    "stacks": {"backends", "dtypes", "batch_invariant", "device", "threads", "items"},
     "replicas": {"arms", "items"},
     "crossing": {"reference", "dtypes", "constructions", "items"},
     "transplants": {"pairs", "selections", "controls", "seed"},
@@ -180,7 +188,8 @@ def parse_case(text: str, source: str = "<case>") -> Case:
     v.keys(data, _TOP, "")
     for table, allowed in _TABLES.items():
         if table in data:
-            v.keys(v.table(data, table), allowed, table)
+            for t in stack_tables(v, data) if table == "stacks" else [v.table(data, table)]:
+                v.keys(t, allowed, table)
 
     model = v.required(data, "", "model", str)
     if model not in PRESETS and not (model.startswith("hf:") and len(model) > 3):
@@ -195,7 +204,7 @@ def parse_case(text: str, source: str = "<case>") -> Case:
     n = v.check("items", "n", v.positive(items_table, "items", "n"), count_reason)
     items = ItemSpec(item_set, n, v.integer(items_table, "items", "seed", 0))
 
-    stacks = _stacks(v, v.table(data, "stacks"))
+    stacks, stack_items = stack_groups(v, data)
     replicas = Replicas()
     if "replicas" in data:
         t = data["replicas"]
@@ -207,24 +216,8 @@ def parse_case(text: str, source: str = "<case>") -> Case:
     name = v.optional(data, "", "name", str, Path(source).stem)
     return Case(name, v.optional(data, "", "description", str, ""), model, items, B, S,
                 constructions, stacks, replicas, crossing, transplants,
-                v.optional(data, "", "ignore_eos", bool, False), source, text,
-                hashlib.sha256(text.encode()).hexdigest())
-
-
-def _stacks(v: "Validator", t: dict) -> tuple[Stack, ...]:
-    """backends x dtypes x batch-invariant modes, on one device and thread count."""
-    backends = v.choices(t, "stacks", "backends", backend_names(), None)
-    dtypes = v.choices(t, "stacks", "dtypes", list(DTYPES), None)
-    modes = t.get("batch_invariant", [False])
-    if not isinstance(modes, list) or not modes or not all(isinstance(m, bool) for m in modes):
-        v.fail("stacks", "batch_invariant", modes, "a non-empty list of true/false")
-    device = v.optional(t, "stacks", "device", str, "cpu")
-    v.check("stacks", "device", device, device_reason)
-    threads = t.get("threads")
-    if threads is not None:
-        v.check("stacks", "threads", threads, threads_reason)
-    return tuple(Stack(b, d, bi, device, threads)
-                 for b, d, bi in itertools.product(backends, dtypes, dict.fromkeys(modes)))
+                ignore_eos=v.optional(data, "", "ignore_eos", bool, False), source=source, text=text,
+                sha=hashlib.sha256(text.encode()).hexdigest(), stack_items=stack_items)
 
 
 def _crossing(v: "Validator", t: dict, like: Stack) -> Crossing:

@@ -101,6 +101,35 @@ def kernels(dtypes, device, quick, threads, out, fmt) -> None:
     sys.exit(0 if result["ok"] else EXIT_VERDICT)
 
 
+@main.command(name="compile")
+@click.option("--arch", "archs", default="sm_80,sm_90,sm_100", show_default=True,
+              help="Comma-separated GPU archs.")
+@click.option("--dtypes", default="bf16,fp16,fp32", show_default=True, help="Comma-separated.")
+@click.option("--kernels", "kernel_names", help="Comma-separated (default: all): attention, "
+              "matmul, mean, rms_norm, softmax, log_softmax.")
+@click.option("--quick", is_flag=True, help="Attention at the GPU default case's shape only.")
+@click.option("--jobs", type=click.IntRange(min=1), help="Compiler processes (default: CPUs).")
+@click.option("--out", type=click.Path(file_okay=False), help="Keep each config's cubin here.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
+def compile_command(archs, dtypes, kernel_names, quick, jobs, out, fmt) -> None:
+    """Compile every Triton kernel config for GPU archs on this machine (no GPU needed) and
+    inspect the cubins; exit 1 on a compile failure, spill, shared memory over the limit, atomic,
+    or a bf16/fp16 product without tensor cores."""
+    from harness.compile import compile_targets, render_table
+    from harness.compile_plan import plan
+
+    def split(text):
+        return tuple(x for x in text.split(",") if x) if text else None
+
+    try:
+        targets = plan(split(archs), split(dtypes), split(kernel_names), quick)
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+    report = compile_targets(targets, out, jobs)
+    click.echo(json.dumps(report, indent=1) if fmt == "json" else render_table(report))
+    sys.exit(0 if report["ok"] else EXIT_VERDICT)
+
+
 @main.command()
 @click.option("--reports", default="reports", show_default=True, type=click.Path(file_okay=False))
 @click.option("--db", help="Ledger path (default: REPORTS/ledger.sqlite).")

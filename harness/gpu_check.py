@@ -1,9 +1,12 @@
 """`make gpu-check`: the one prepared script for a GPU machine.
 
-Runs, in order and each under its own time limit: the GPU-marked tests, `kvfid kernels`, the speed
-benches, and a 32-item fidelity run of `cases/gpu-qwen2.5-shape.toml` with its report; writes every
-result into one flat output folder (at most 8 files, for machines that return only a few) and
-prints a headline. Needs only what the GPU image has (torch, triton, transformers, click, pytest,
+Runs, in order and each under its own time limit: `kvfid compile` (every kernel config compiled
+for sm_80/sm_90/sm_100 and judged, with its roofline: seconds, so a broken GPU path shows before
+the minutes of the rest; a failure there is reported and the later steps still run), the
+GPU-marked tests, `kvfid kernels`, the speed benches, and a 32-item fidelity run of
+`cases/gpu-qwen2.5-shape.toml` with its report; writes every result into one flat output folder
+(at most 8 files, for machines that return only a few: the run's aggregates are not copied, since
+`kvfid show latest --db ledger.sqlite --format json` rebuilds them) and prints a headline. Needs only what the GPU image has (torch, triton, transformers, click, pytest,
 pytest-benchmark, nvidia-ml-py): run from the source tree, nothing is installed.
 `--dry-run` runs the same steps on CPU at toy sizes, to prove the script works before a GPU is
 spent on it.
@@ -41,7 +44,11 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
     db = str(out / "ledger.sqlite")
     case = "cases/smoke.toml" if dry_run else "cases/gpu-qwen2.5-shape.toml"
     bench = bench_command(out / "bench.json", quick=dry_run)
+    # Dry run: one arch, one kernel, one dtype (the full plan takes minutes on 2 CPU cores).
+    compile_args = (["--arch", "sm_90", "--dtypes", "bf16", "--kernels", "matmul"] if dry_run
+                    else [])
     return [
+        Step("compile", cli + ["compile", "--format", "json"] + compile_args, 180, "compile.json"),
         Step("gpu-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
                            "tests"], 120),
         Step("kernels", cli + ["kernels", "--format", "json"] + (["--quick"] if dry_run else []),
@@ -78,9 +85,19 @@ def _text(value) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
 
 
+def compile_verdict(out: Path) -> dict | None:
+    """The compile step's verdict from compile.json: how many configs, which failed and why."""
+    try:
+        report = json.loads((out / "compile.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return {"ok": report["ok"], "configs": len(report["configs"]),
+            "failed": {r["name"]: r["problems"] for r in report["configs"] if r["problems"]}}
+
+
 def flatten_reports(out: Path) -> None:
     """Copy the run report next to the other results (one level) and drop the nested folder."""
-    for name in ("report.md", "report.html", "summary.json"):
+    for name in ("report.md", "report.html"):
         found = sorted((out / "reports").rglob(name))
         if found:
             shutil.copy(found[-1], out / name)
@@ -108,9 +125,13 @@ def main(argv=None) -> int:
         environment = envinfo.collect()
         for step in plan(out, args.dry_run):
             results.append(run_step(step, out, log))
+            if step.name == "compile" and results[-1]["rc"]:
+                # Said at once, not after the other steps' minutes; they still run.
+                print(f"[gpu-check] compile FAILED: {json.dumps(compile_verdict(out))}",
+                      file=sys.stderr, flush=True)
     flatten_reports(out)
     summary = {"environment_key": envinfo.environment_key(environment), "dry_run": args.dry_run,
-               "steps": results}
+               "compile": compile_verdict(out), "steps": results}
     (out / "gpu-check.json").write_text(json.dumps({**summary, "environment": environment},
                                                    indent=1))
     print(json.dumps(summary, indent=1))

@@ -85,7 +85,7 @@ class Unit:
 def plan_units(case: Case, shard: Shard = Shard()) -> list[Unit]:
     """Every unit of the case in run order: for each stack, for each item; then the crossing."""
     items = [i for i in range(case.items.n) if shard.takes(i)]
-    units = [Unit(i, stack.label) for stack in case.stacks for i in items]
+    units = [Unit(i, stack.label) for stack in case.stacks for i in items if case.takes(stack, i)]
     if case.crossing:
         units += [Unit(i, "crossing") for i in items if case.crossing.applies(i)]
     return units

@@ -30,6 +30,13 @@ def uses_tl_dot(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting()
 
 
+def gpu_arch(device: torch.device) -> str:
+    """The kernel config family of a CUDA device: `sm_90` (Hopper), `sm_100` (Blackwell data
+    centre), else `sm_80` (Ampere-class MMA: A100, Ada, consumer Blackwell)."""
+    major, _ = torch.cuda.get_device_capability(device)
+    return {9: "sm_90", 10: "sm_100"}.get(major, "sm_80")
+
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Code-generation options that change result bits, fixed at every launch rather than left to

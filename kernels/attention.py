@@ -26,28 +26,59 @@ Padded query positions are not computed. A kernel that aligns tiles to padded po
 pad keys is correct but padding-variant (a row's keys fall into other tiles): `align_own=False`
 is that twin, kept as the tests' negative control.
 
-Products: on CUDA `tl.dot` (fp32 operands, IEEE precision). In the Triton interpreter `tl.dot` is a
-NumPy BLAS product whose bits for a row can depend on the row's place in the tile (DESIGN.md,
-"Known hazards"), so there the products are broadcast multiplies reduced with `tl.sum`, whose
-order is the same for every row. Operands are upcast to fp32 first either way (the interpreter's
-bf16 `tl.dot` is wrong without it).
+Products: on CUDA `tl.dot`. bf16/fp16 operands go in as they are (tensor cores) with fp32
+accumulation, and the probabilities P are cast to V's dtype for the PV product, as flash attention
+does; fp32 operands use IEEE fp32 (`input_precision="ieee"`, no TF32). The MMA computes each output
+element from its row and column alone, in an order fixed by the compiled config, so this keeps the
+argument above: the config (tiles, warps, stages) comes from `CONFIGS` by (arch, dtype), never from
+the batch or a length. In the Triton interpreter `tl.dot` is a NumPy BLAS product whose bits for a
+row can depend on the row's place in the tile (DESIGN.md, "Known hazards"), so there the products
+are fp32 broadcast multiplies reduced with `tl.sum`, whose order is the same for every row.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from . import LAUNCH_OPTIONS, triton_runs_on, uses_tl_dot
+from . import LAUNCH_OPTIONS, gpu_arch, triton_runs_on, uses_tl_dot
+from .dot import mma
 
-# Tile sizes are constants per execution path (device), never functions of batch or length.
-BLOCK_M = 16  # query positions per tile (per query head of the group)
-BLOCK_N_GPU = 64  # keys per tile with tl.dot; a multiple of BLOCK_M (see the module docstring)
-BLOCK_N_INTERPRETER = 128  # the interpreter is faster with fewer, larger tiles
-MAX_TILE_ROWS = 64  # query rows per program: group heads are split into chunks of this many rows
+BLOCK_M = 16  # query positions per tile (per query head of the group), on every path
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """One execution path's fixed tiling: a function of (arch, dtype), never of batch or length."""
+
+    block_n: int  # keys per tile; a multiple of BLOCK_M (see the module docstring)
+    max_tile_rows: int  # query rows per program: group heads are split into chunks of this many
+    num_warps: int
+    num_stages: int
+    use_dot: bool = True
+
+
+# The interpreter is faster with fewer, larger key tiles; warps and stages mean nothing there.
+INTERPRETER_CONFIG = AttentionConfig(block_n=128, max_tile_rows=64, num_warps=4, num_stages=1,
+                                     use_dot=False)
+# Sized for H100/H200 (and A100) with `kvfid compile`: no config spills, shared memory well within
+# the limit. bf16/fp16: 64 query rows (4 heads of a GQA group) share each 64-key tile, one warp
+# group (4 warps) on sm_90, 8 warps on sm_80 and sm_100 (4 spill at head dim 128). fp32 keeps IEEE
+# products on the CUDA cores: 32 rows x 16 keys over 8 warps (32 keys left an 8-24 B stack on
+# sm_80 and sm_100 at head dim 128).
+_HALF = {"sm_80": AttentionConfig(block_n=64, max_tile_rows=64, num_warps=8, num_stages=2),
+         "sm_90": AttentionConfig(block_n=64, max_tile_rows=64, num_warps=4, num_stages=2),
+         # sm_100: the padding-aware kernel spilled 8 B with 4 warps and 2 stages.
+         "sm_100": AttentionConfig(block_n=64, max_tile_rows=64, num_warps=8, num_stages=1)}
+# sm_80 takes one stage: two left an 8 B spill for the padded prefill; one spills on sm_90/sm_100.
+_FP32 = {arch: AttentionConfig(block_n=16, max_tile_rows=32, num_warps=8,
+                               num_stages=1 if arch == "sm_80" else 2) for arch in _HALF}
+CONFIGS = {(arch, dtype): _FP32[arch] if dtype == torch.float32 else _HALF[arch]
+           for arch in _HALF for dtype in (torch.bfloat16, torch.float16, torch.float32)}
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -109,7 +140,9 @@ def _attention_kernel(
 
     # [ROWS, D]
     q_rows = b * sqb + (kv_head * GROUP + g) * sqh + (pos - q_first) * sqt
-    q = tl.load(q_ptr + (q_rows[:, None] + d[None, :] * sqd), mask=row_mask, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + (q_rows[:, None] + d[None, :] * sqd), mask=row_mask, other=0.0)
+    if not USE_DOT:
+        q = q.to(tl.float32)
     o_rows = b * sob + (kv_head * GROUP + g) * soh + (pos - q_first) * sot
     k_base = k_ptr + (b * skb + kv_head * skh + shift * skt + d[None, :] * skd)  # [1, D]
     v_base = v_ptr + (b * svb + kv_head * svh + shift * svt + d[None, :] * svd)
@@ -128,12 +161,14 @@ def _attention_kernel(
         else:
             kv_mask = (cols < end)[:, None] & (d < HEAD_DIM)[None, :]
         # [BLOCK_N, D]
-        k = tl.load(k_base + cols[:, None] * skt, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_base + cols[:, None] * svt, mask=kv_mask, other=0.0).to(tl.float32)
-        # [ROWS, BLOCK_N]
+        k = tl.load(k_base + cols[:, None] * skt, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * svt, mask=kv_mask, other=0.0)
+        # [ROWS, BLOCK_N]; fp32 accumulation either way
         if USE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            s = mma(q, tl.trans(k), tl.zeros([ROWS, BLOCK_N], tl.float32))
         else:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
         # Keys past a row's position are masked; for real rows that also covers keys >= kv_len.
         keep = cols[None, :] <= pos[:, None]
@@ -146,7 +181,7 @@ def _attention_kernel(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if USE_DOT:
-            pv = tl.dot(p, v, input_precision="ieee")
+            pv = mma(p.to(v.dtype), v, tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32))
         else:
             pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         acc = acc * alpha[:, None] + pv
@@ -157,9 +192,20 @@ def _attention_kernel(
 
 
 
-def block_n_for(device: torch.device) -> int:
-    """Keys per tile on `device`: a function of the execution path only."""
-    return BLOCK_N_GPU if uses_tl_dot(device) else BLOCK_N_INTERPRETER
+def config_for(device: torch.device, dtype: torch.dtype) -> AttentionConfig:
+    """The fixed tiling on `device` for `dtype`: a function of the execution path only."""
+    return CONFIGS[(gpu_arch(device), dtype)] if uses_tl_dot(device) else INTERPRETER_CONFIG
+
+
+def group_tile_for(group: int, config: AttentionConfig) -> int:
+    """Query heads of a GQA group stacked in one program (a power of two, at most the config's rows)."""
+    return min(triton.next_power_of_2(group), max(1, config.max_tile_rows // BLOCK_M))
+
+
+def head_dim_pad(head_dim: int) -> int:
+    """The head dim a tile holds: tl.dot needs a reduction dim of at least 16, so tiny head dims
+    are padded with masked zeros."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -185,10 +231,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    scale: float | None = None, first_valid: torch.Tensor | None = None, *,
-                   align_own: bool = True) -> torch.Tensor:
+                   align_own: bool = True, config: AttentionConfig | None = None) -> torch.Tensor:
     """`attention` written into `out` ([B, Hq, Tq, D], any strides); returns `out`. Padded query
     positions (before a row's `first_valid`) are not written. `align_own=False` is the control
-    twin that aligns tiles to padded positions (padding-variant; for tests only)."""
+    twin that aligns tiles to padded positions (padding-variant; for tests only). `config`
+    overrides the path's tiling (tests run the GPU configs in the interpreter)."""
     _check(q, k, v)
     pad = _first_valid(first_valid, q.shape[0], k.shape[2], q.device)
     batch, n_q_heads, q_len, head_dim = q.shape
@@ -199,23 +246,23 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     group = n_q_heads // n_kv_heads
-    group_tile = min(triton.next_power_of_2(group), max(1, MAX_TILE_ROWS // BLOCK_M))
+    config = config or config_for(q.device, q.dtype)
+    group_tile = group_tile_for(group, config)
     n_group_chunks = triton.cdiv(group, group_tile)
     # Query tiles per row: exact without padding; with it, the most q_len positions can straddle
     # (each row starts at its own tile; programs past a row's last tile do nothing).
     tiles = ((kv_len - 1) // BLOCK_M - (kv_len - q_len) // BLOCK_M + 1 if pad is None
              else (q_len + BLOCK_M - 2) // BLOCK_M + 1)
     grid = (tiles, batch * n_kv_heads * n_group_chunks)
-    use_dot = uses_tl_dot(q.device)
     _attention_kernel[grid](
         q, k, v, out,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         pad if pad is not None else q,  # a placeholder pointer when unpadded (never read)
         n_kv_heads, n_group_chunks, q_len, kv_len, scale,
         GROUP=group, GROUP_TILE=group_tile,
-        # tl.dot needs a reduction dim of at least 16: pad tiny head dims with masked zeros.
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n_for(q.device), USE_DOT=use_dot, num_warps=8 if use_dot else 4,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
+        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, USE_DOT=config.use_dot,
+        num_warps=config.num_warps, num_stages=config.num_stages,
         PADDED=pad is not None, ALIGN_OWN=align_own, **LAUNCH_OPTIONS,
     )
     return out
@@ -236,17 +283,19 @@ def _first_valid(first_valid: torch.Tensor | None, batch: int, kv_len: int,
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-              scale: float | None = None, first_valid: torch.Tensor | None = None) -> torch.Tensor:
+              scale: float | None = None, first_valid: torch.Tensor | None = None,
+              config: AttentionConfig | None = None) -> torch.Tensor:
     """Causal attention; q [B, Hq, Tq, D] are the last Tq positions of k, v [B, Hkv, Tk, D].
 
     Returns [B, Hq, Tq, D] in q's dtype. Bits per position are independent of batch size and of
     how the positions were split into prefill, chunks or decode steps. `first_valid` [B] (int, >= 0)
     left-pads row b: keys before `first_valid[b]` are never read and those query positions are 0;
-    a row's valid positions get the bits they get unpadded (see the module docstring).
+    a row's valid positions get the bits they get unpadded (see the module docstring). `config`:
+    as in `attention_into`.
     """
     empty = torch.zeros_like if first_valid is not None else torch.empty_like
     out = empty(q, memory_format=torch.contiguous_format)
-    return attention_into(out, q, k, v, scale, first_valid)
+    return attention_into(out, q, k, v, scale, first_valid, config=config)
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

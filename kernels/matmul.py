@@ -4,22 +4,47 @@
 program in order (no split-K) with fp32 accumulation, and the bias added once at the end. A row of
 `c` is therefore computed by the same arithmetic whatever number of rows comes with it.
 
-Products: `tl.dot` on CUDA (fp32 operands, IEEE precision); in the Triton interpreter a broadcast
+Products: on CUDA `tl.dot` accumulating into the fp32 tile (`kernels.dot.mma`): bf16/fp16
+operands go to the tensor cores as they are, fp32 operands stay IEEE fp32. Every element of the
+tile is computed from its row of `a` and its column of `b` by the same MMA sequence over K, whose
+order the fixed config (tiles, warps, stages from `CONFIGS` by arch and dtype) decides, so a row's
+bits still do not depend on M or on its place in the tile. In the Triton interpreter a broadcast
 multiply reduced with `tl.sum`, because the interpreter's `tl.dot` (a NumPy BLAS call) can give a
 row different bits depending on its place in the tile (DESIGN.md, "Known hazards").
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from . import LAUNCH_OPTIONS, triton_runs_on, uses_tl_dot
+from . import LAUNCH_OPTIONS, gpu_arch, triton_runs_on, uses_tl_dot
+from .dot import mma
 
-# Fixed tiles, per execution path. They may depend on the device, never on M.
-TILES_GPU = (64, 64, 32)  # (BLOCK_M, BLOCK_N, BLOCK_K)
-TILES_INTERPRETER = (16, 256, 64)
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """One execution path's fixed tiling: a function of (arch, dtype), never of M."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool = True
+
+
+INTERPRETER_CONFIG = MatmulConfig(16, 256, 64, num_warps=4, num_stages=1, use_dot=False)
+# Sized for H100/H200 (and A100) by `kvfid compile`: no spills, shared memory within the limit.
+# BLOCK_N 64 keeps a decode GEMV (M = 1) spread over many programs, since K is never split.
+_HALF = MatmulConfig(128, 64, 64, num_warps=4, num_stages=3)
+_FP32 = MatmulConfig(64, 64, 32, num_warps=4, num_stages=2)
+CONFIGS = {(arch, dtype): _FP32 if dtype == torch.float32 else _HALF
+           for arch in ("sm_80", "sm_90", "sm_100")
+           for dtype in (torch.bfloat16, torch.float16, torch.float32)}
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -50,12 +75,12 @@ def _matmul_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + rk) < K
-        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if USE_DOT:
-            acc += tl.dot(a, b, input_precision="ieee")
+            acc = mma(a, b, acc)
         else:
-            acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
         a_ptrs += BLOCK_K * sak
         b_ptrs += BLOCK_K * sbk
     if HAS_BIAS:
@@ -65,12 +90,13 @@ def _matmul_kernel(
 
 
 
-def tiles_for(device: torch.device) -> tuple[int, int, int]:
-    """The fixed (BLOCK_M, BLOCK_N, BLOCK_K) used on `device`; a function of the device only."""
-    return TILES_GPU if uses_tl_dot(device) else TILES_INTERPRETER
+def config_for(device: torch.device, dtype: torch.dtype) -> MatmulConfig:
+    """The fixed tiling used on `device` for `dtype`; a function of the execution path only."""
+    return CONFIGS[(gpu_arch(device), dtype)] if uses_tl_dot(device) else INTERPRETER_CONFIG
 
 
-def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
+            config: MatmulConfig | None = None) -> torch.Tensor:
     """c[i] = a[i] @ b[i] (+ bias) for 3-D views a [Bt, M, K], b [Bt, K, N], c [Bt, M, N]."""
     batch, m, k = a.shape
     n = b.shape[2]
@@ -78,14 +104,15 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tenso
         return c
     if k == 0:
         return c.copy_(bias.reshape(n).expand_as(c)) if bias is not None else c.zero_()
-    block_m, block_n, block_k = tiles_for(a.device)
+    config = config or config_for(a.device, a.dtype)
+    block_m, block_n = config.block_m, config.block_n
     bias_arg = bias.reshape(n) if bias is not None else c  # any pointer when there is no bias
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), batch)
     _matmul_kernel[grid](
         a, b, c, bias_arg, m, n, k,
         *a.stride(), *b.stride(), *c.stride(), bias_arg.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_DOT=uses_tl_dot(a.device),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=config.block_k,
+        USE_DOT=config.use_dot, num_warps=config.num_warps, num_stages=config.num_stages,
         **LAUNCH_OPTIONS,
     )
     return c
@@ -100,10 +127,11 @@ def _check_operands(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, config: MatmulConfig | None = None) -> torch.Tensor:
     """`a [M, K] @ b [K, N] (+ bias [N])` with fp32 accumulation; a row's bits do not depend on M.
 
     Any strides (a transposed weight needs no copy). The result has `out_dtype` (default a's).
+    `config` overrides the path's tiling (tests run the GPU configs in the interpreter).
     """
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul expects a [M, K] and b [K, N]; got {tuple(a.shape)}, {tuple(b.shape)}")
@@ -112,7 +140,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     if bias is not None and bias.shape not in ((n,), (1, n)):
         raise ValueError(f"bias must have shape [{n}] or [1, {n}]; got {tuple(bias.shape)}")
     c = torch.empty((a.shape[0], n), dtype=out_dtype or a.dtype, device=a.device)
-    _launch(a.unsqueeze(0), b.unsqueeze(0), c.unsqueeze(0), bias)
+    _launch(a.unsqueeze(0), b.unsqueeze(0), c.unsqueeze(0), bias, config)
     return c
 
 

@@ -16,6 +16,9 @@ from . import LAUNCH_OPTIONS, check_row_input
 
 BLOCK_ROWS = 16  # rows per program; fixed, never a function of the row count
 BLOCK_COLS = 256  # columns per step of the in-order reduction
+# rms_norm's warps on a GPU: with Triton's default 4 the sm_100 cubin keeps a 16-byte stack frame
+# (STL/LDL); 8 has none on sm_80/90/100 (`kvfid compile`).
+RMS_NORM_WARPS = 8
 
 
 
@@ -108,7 +111,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         w = weight.contiguous() if weight is not None else out
         _rms_norm_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](
             rows, w, out, n_rows, n_cols, rows.stride(0), rows.stride(1), out.stride(0), float(eps),
-            HAS_WEIGHT=weight is not None, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, **LAUNCH_OPTIONS)
+            HAS_WEIGHT=weight is not None, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS,
+            num_warps=RMS_NORM_WARPS, **LAUNCH_OPTIONS)
     return out.reshape(x.shape)
 
 

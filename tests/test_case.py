@@ -35,8 +35,8 @@ def edited(old: str, new: str) -> str:
 def test_shipped_cases_load(name):
     case = load_case(CASES / f"{name}.toml")
     assert case.name == name and case.stacks and case.items.n >= 1
-    assert case.design()["units"] == len(case.stacks) * case.items.n + \
-        case.design()["crossing_items"]
+    measured = sum(case.takes(s, i) for s in case.stacks for i in range(case.items.n))
+    assert case.design()["units"] == measured + case.design()["crossing_items"]
 
 
 def test_gpu_case_names_the_triton_backend_through_the_registry():
@@ -44,6 +44,51 @@ def test_gpu_case_names_the_triton_backend_through_the_registry():
     assert "triton" in backend_names()
     assert {s.backend for s in case.stacks} == {"sdpa", "eager", "triton"}
     assert {s.device for s in case.stacks} == {"cuda"}
+
+
+@pytest.mark.parametrize("name,headline", [("gpu-qwen2.5-shape", {"triton/bf16+bi", "sdpa/bf16+bi"}),
+                                           ("smollm2-cpu", {"triton/bf16+bi"})])
+def test_default_cases_carry_the_batch_invariant_triton_stack(name, headline):
+    case = load_case(CASES / f"{name}.toml")
+    labels = [s.label for s in case.stacks]
+    assert headline <= set(labels) and labels[0] == "triton/bf16+bi"  # measured first
+    assert {"sdpa/bf16", "sdpa/fp32"} <= set(labels)  # the diverging stock rows beside it
+
+
+STACK_GROUPS = GOOD.replace("""[stacks]
+backends = ["sdpa"]
+dtypes = ["fp32"]
+threads = 1
+""", """[[stacks]]
+backends = ["triton", "sdpa"]
+dtypes = ["bf16"]
+batch_invariant = [true]
+items = 2
+
+[[stacks]]
+backends = ["sdpa"]
+dtypes = ["bf16", "fp32"]
+""")
+
+
+def test_stack_tables_union_with_per_table_item_limits():
+    case = parse_case(STACK_GROUPS)
+    assert [s.label for s in case.stacks] == ["triton/bf16+bi", "sdpa/bf16+bi", "sdpa/bf16",
+                                              "sdpa/fp32"]
+    assert [i for i in range(5) if case.takes(case.stacks[0], i)] == [0, 1]
+    assert all(case.takes(case.stacks[3], i) for i in range(5))
+    assert case.design()["units"] == 2 * 2 + 2 * 5
+
+
+def test_stack_tables_refuse_a_stack_listed_twice_and_a_bad_limit():
+    twice = STACK_GROUPS.replace('backends = ["sdpa"]\ndtypes = ["bf16", "fp32"]',
+                                 'backends = ["sdpa"]\ndtypes = ["bf16"]\nbatch_invariant = [true]')
+    with pytest.raises(CaseError, match=r"\[stacks\] backends = 'sdpa/bf16\+bi'"):
+        parse_case(twice)
+    with pytest.raises(CaseError, match=r"\[stacks\] items = -1"):
+        parse_case(STACK_GROUPS.replace("items = 2", "items = -1"))
+    with pytest.raises(CaseError, match="unknown key \\[stacks\\] 'item'"):
+        parse_case(STACK_GROUPS.replace("items = 2", "item = 2"))
 
 
 # (text, the key as named in the message, the bad value, a piece of the allowed list)

@@ -13,10 +13,13 @@ def test_dry_run_runs_every_step_into_at_most_eight_flat_files(tmp_path):
     files = sorted(p.name for p in tmp_path.iterdir())
     assert all(p.is_file() for p in tmp_path.iterdir()) and len(files) <= 8
     summary = json.loads((tmp_path / "gpu-check.json").read_text())
-    assert [s["step"] for s in summary["steps"]] == ["gpu-tests", "kernels", "bench", "fidelity",
-                                                      "report"]
+    assert [s["step"] for s in summary["steps"]] == ["compile", "gpu-tests", "kernels", "bench",
+                                                      "fidelity", "report"]
     assert all(s["rc"] == 0 for s in summary["steps"]), summary["steps"]
-    assert {"kernels.json", "bench.json", "report.html", "ledger.sqlite"} <= set(files)
+    assert {"compile.json", "kernels.json", "bench.json", "report.html", "ledger.sqlite"} <= set(files)
+    assert summary["compile"]["ok"] and summary["compile"]["configs"] == 4, summary["compile"]
+    compiled = json.loads((tmp_path / "compile.json").read_text())["configs"]
+    assert all(row["roofline"] and row["mma"] > 0 for row in compiled)  # kept with its roofline
 
 
 def test_without_cuda_the_real_check_refuses_with_exit_3(tmp_path):

@@ -8,7 +8,7 @@ from conftest_kernels import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_bitwise_equ
                               bits_equal, device)
 
 from harness.twins import attention_twin
-from kernels.attention import BLOCK_M, attention, attention_ref, block_n_for
+from kernels.attention import BLOCK_M, attention, attention_ref, config_for
 
 
 def make_qkv(batch, n_q_heads, n_kv_heads, length, head_dim, dtype, seed=0):
@@ -62,7 +62,7 @@ def test_attention_scale_argument():
 # ---- fidelity: every position, every construction ---------------------------------------------
 
 LENGTH = 140  # crosses a key tile and does not fill the last query or key tile
-BLOCK_N = block_n_for(device())
+BLOCK_N = max(config_for(device(), dtype).block_n for dtype in DTYPES)
 assert LENGTH > BLOCK_N and LENGTH % BLOCK_M and LENGTH % BLOCK_N
 
 

@@ -16,12 +16,13 @@ import pytest
 import torch
 from conftest_kernels import DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal, device, max_abs_diff
 
-from kernels.attention import attention_into, attention_ref, block_n_for
+from kernels.attention import attention_into, attention_ref, config_for
 
 PROBE_LEN = 24  # own positions of the probe: more than one query tile (16)
 WIDTH = 140  # batch width: the probe's padding (116) puts its keys across a 128- or 64-key tile edge
-BLOCK_N = block_n_for(device())
-assert (WIDTH - PROBE_LEN) // BLOCK_N != (WIDTH - 1) // BLOCK_N
+for _dtype in DTYPES:   # the probe's keys cross a key-tile edge in every dtype's config
+    _block_n = config_for(device(), _dtype).block_n
+    assert (WIDTH - PROBE_LEN) // _block_n != (WIDTH - 1) // _block_n
 HQ, HKV, HEAD_DIM = 2, 1, 16
 BATCH_SIZES = range(2, 17)
 FEW_BATCH_SIZES = (2, 9, 16)  # for the other dtypes and the NaN check (interpreter time)

@@ -64,6 +64,14 @@ def test_units_run_stack_by_stack_then_the_crossing():
     assert [u.item_index for u in plan_units(SMOKE, Shard(1, 2))] == [1, 1, 1]
 
 
+def test_units_of_a_stack_with_an_item_limit_stop_there():
+    """The CPU default case's headline stack runs on its first item only; the others on all 8."""
+    case = load_case(CASES / "smollm2-cpu.toml")
+    units = [(u.item_index, u.stack) for u in plan_units(case) if u.stack != "crossing"]
+    assert [u for u in units if u[1] == "triton/bf16+bi"] == [(0, "triton/bf16+bi")]
+    assert len(units) == 1 + 4 * 8 == case.design()["units"] - case.design()["crossing_items"]
+
+
 def test_resume_after_an_interruption_neither_loses_nor_duplicates(full, model, tmp_path,
                                                                    monkeypatch):
     db = tmp_path / "ledger.sqlite"
