@@ -167,19 +167,37 @@ def bench_report(bench_json, reports, threshold) -> None:
     sys.exit(0 if comparison["ok"] else EXIT_VERDICT)
 
 
+def _options(*options):
+    """One decorator for a group of click options shared by several commands."""
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return decorate
+
+
+# --model, --prompt, --item-set, --item: one model and one item.
+_item_options = _options(
+    click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+                 help=f"One of {', '.join(model_names())}."),
+    click.option("--prompt", help="The prompt text (a one-turn chat)."),
+    click.option("--item-set", help="Take the prompt from an item set: arith | jsonl:<path>."),
+    click.option("--item", "item_index", type=int, help="Index of the item in --item-set."))
+
+# --backend, --dtype, --batch-invariant, --device, --threads: the options of one stack.
+_stack_options = _options(
+    click.option("--backend", default="sdpa", show_default=True,
+                 help=f"Attention backend: {', '.join(backend_names())}, module:function, or an "
+                      "implementation transformers registered."),
+    click.option("--dtype", default="bf16", show_default=True, help=f"Precision: {', '.join(DTYPES)}."),
+    click.option("--batch-invariant", is_flag=True, help="Swap in batch-invariant matmul/norm/softmax."),
+    click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N."),
+    click.option("--threads", type=int, help="torch thread count (default: torch's); part of the stack."))
+
+
 @main.command()
-@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
-              help=f"A preset ({', '.join(model_names())}).")
-@click.option("--prompt", help="The prompt text (a one-turn chat).")
-@click.option("--item-set", help="Take the prompt from an item set: arith | jsonl:<path>.")
-@click.option("--item", "item_index", type=int, help="Index of the item in --item-set.")
-@click.option("--backend", default="sdpa", show_default=True,
-              help=f"Attention backend: {', '.join(backend_names())}.")
-@click.option("--dtype", default="bf16", show_default=True,
-              help=f"Precision: {', '.join(DTYPES)}.")
-@click.option("--batch-invariant", is_flag=True, help="Swap in batch-invariant matmul/norm/softmax.")
-@click.option("--device", default="cpu", show_default=True)
-@click.option("--threads", type=int, help="torch thread count (default: torch's).")
+@_item_options
+@_stack_options
 @click.option("-B", "boundary", type=int, default=32, show_default=True,
               help="Live-generated tokens in the boundary prefix.")
 @click.option("-S", "suffix", type=int, default=48, show_default=True,
@@ -207,17 +225,8 @@ def repro(fmt, **options) -> None:
 
 
 @main.command()
-@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
-              help="A preset (see `kvfid models`) or hf:<folder>.")
-@click.option("--prompt", help="The prompt text (a one-turn chat).")
-@click.option("--item-set", help="Take the prompt from an item set: arith | jsonl:<path>.")
-@click.option("--item", "item_index", type=int, help="Index of the item in --item-set.")
-@click.option("--backend", default="sdpa", show_default=True,
-              help=f"Attention backend: {', '.join(backend_names())}, or module:function.")
-@click.option("--dtype", default="bf16", show_default=True, help=f"One of {', '.join(DTYPES)}.")
-@click.option("--batch-invariant", is_flag=True, help="Swap in batch-invariant matmul/norm/softmax.")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
-@click.option("--threads", type=int, help="torch thread count (default: torch's).")
+@_item_options
+@_stack_options
 @click.option("-B", "boundary", type=click.IntRange(1, 100000), default=8, show_default=True,
               help="Live tokens generated after the prompt: P is the prompt plus these.")
 @click.option("--against", default="prefill", show_default=True,
@@ -239,12 +248,7 @@ def blame(fmt, **options) -> None:
 @click.argument("trajectories", type=click.Path(dir_okay=False))
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
               help="A preset (see `kvfid models`) or hf:<folder>; the one the trajectories are for.")
-@click.option("--backend", default="sdpa", show_default=True,
-              help=f"Attention backend: {', '.join(backend_names())}, or module:function.")
-@click.option("--dtype", default="bf16", show_default=True, help=f"One of {', '.join(DTYPES)}.")
-@click.option("--batch-invariant", is_flag=True, help="Swap in batch-invariant matmul/norm/softmax.")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
-@click.option("--threads", type=int, help="torch thread count (default: torch's).")
+@_stack_options
 @click.option("--constructions", default="prefill", show_default=True,
               help="Comma-separated re-scorings: prefill, chunked:N, batched:N.")
 @click.option("--expect-exact", is_flag=True, help="Exit 1 unless every logprob is bit-identical.")
