@@ -68,7 +68,7 @@ def test_units_of_a_stack_with_an_item_limit_stop_there():
     """The CPU default case's headline stack runs on its first item only; the others on all 8."""
     case = load_case(CASES / "smollm2-cpu.toml")
     units = [(u.item_index, u.stack) for u in plan_units(case) if u.stack != "crossing"]
-    assert [u for u in units if u[1] == "triton/bf16+bi"] == [(0, "triton/bf16+bi")]
+    assert [u for u in units if u[1] == "triton/bf16+bi@t1"] == [(0, "triton/bf16+bi@t1")]
     assert len(units) == 1 + 4 * 8 == case.design()["units"] - case.design()["crossing_items"]
 
 
