@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from harness.cache import _ordered, bits_equal
+from harness.cache import ulp_ordered, bits_equal
 from harness.errors import BadInput
 from harness.decode import Runner, as_batch, new_cache
 from harness.protocol import parse_construction, run_live
@@ -216,7 +216,7 @@ def _diff(xs: list[torch.Tensor], ys: list[torch.Tensor], spans: Spans) -> tuple
         x, y = (p.contiguous() for p in pair)
         n += int((x != y).sum()) or 1
         worst = max(worst, float((x.double() - y.double()).abs().max()))
-        ulp = max(ulp, int((_ordered(x) - _ordered(y)).abs().max()))
+        ulp = max(ulp, int((ulp_ordered(x) - ulp_ordered(y)).abs().max()))
     return n, worst, ulp
 
 

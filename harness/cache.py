@@ -104,7 +104,7 @@ def sha_cache(state: BoundaryState) -> str:
 
 # --------------------------------------------------------------------------- comparisons
 
-def _ordered(t: torch.Tensor) -> torch.Tensor:
+def ulp_ordered(t: torch.Tensor) -> torch.Tensor:
     """Map floats to integers whose difference counts ULPs (sign-magnitude -> linear; -0.0 and
     +0.0 both map to 0, so the distance counts through zero)."""
     i = bits(t).to(torch.int64)
@@ -126,7 +126,7 @@ def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> dict:
         a64, b64 = a.double(), b.double()
         norm = float(torch.linalg.vector_norm(a64))
         out["max_abs"] = float((a64 - b64).abs().max())
-        out["max_ulp"] = int((_ordered(a) - _ordered(b)).abs().max())
+        out["max_ulp"] = int((ulp_ordered(a) - ulp_ordered(b)).abs().max())
         scale = float(a64.abs().max())
         out["max_abs_rel"] = out["max_abs"] / scale if scale else (0.0 if out["max_abs"] == 0 else float("inf"))
         out["d_rel"] = float(torch.linalg.vector_norm(a64 - b64)) / norm if norm else float("inf")

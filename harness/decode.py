@@ -41,36 +41,31 @@ class Runner:
         self._keyword = cache_keyword(self.module)
         self._device = next(self.module.parameters()).device
 
-    def forward(self, ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed `ids` [B, T] after what `cache` holds; return last-position logits [B, V].
-        A padded batch also passes its attention mask [B, cached + T] and position ids [B, T]."""
-        ids = ids.to(self._device)
-        padding = {} if attention_mask is None else {
-            "attention_mask": attention_mask.to(self._device),
-            "position_ids": position_ids.to(self._device)}
+    def _counted(self, **kwargs) -> torch.Tensor:
+        """One timed, counted forward call; the model's logits."""
         start = time.perf_counter()
-        out = self.module(input_ids=ids, use_cache=True, logits_to_keep=1,
-                          **{self._keyword: cache}, **padding)
-        logits = out.logits[:, -1, :]
+        logits = self.module(**kwargs).logits
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         self.seconds += time.perf_counter() - start
         self.calls += 1
         return logits
 
+    def forward(self, ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed `ids` [B, T] after what `cache` holds; return last-position logits [B, V].
+        A padded batch also passes its attention mask [B, cached + T] and position ids [B, T]."""
+        padding = {} if attention_mask is None else {
+            "attention_mask": attention_mask.to(self._device),
+            "position_ids": position_ids.to(self._device)}
+        return self._counted(input_ids=ids.to(self._device), use_cache=True, logits_to_keep=1,
+                             **{self._keyword: cache}, **padding)[:, -1, :]
+
     def forward_all(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """Feed `ids` [B, T] after what `cache` holds (no cache when None), as a trainer scores a
         sequence: logits at every position [B, T, V]."""
-        ids = ids.to(self._device)
-        start = time.perf_counter()
         kwargs = {self._keyword: cache, "use_cache": True} if cache is not None else {"use_cache": False}
-        logits = self.module(input_ids=ids, **kwargs).logits
-        if logits.is_cuda:
-            torch.cuda.synchronize(logits.device)
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
-        return logits
+        return self._counted(input_ids=ids.to(self._device), **kwargs)
 
     def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """No-cache forward over all of `ids` [B, T]; logits at every position [B, T, V]."""
