@@ -53,7 +53,7 @@ bench: install
 # results land flat in $OUT (or ./gpu-check-out). `gpu-check-dry-run` rehearses it on CPU.
 .PHONY: gpu-check gpu-check-dry-run
 gpu-check:
-	PYTHONPATH=. $(PY) -m harness.gpu_check
+	PYTHONPATH=. $(PY) -m harness.environment.gpu_check
 
 gpu-check-dry-run: install
-	$(BIN)/python -m harness.gpu_check --dry-run --out gpu-check-out
+	$(BIN)/python -m harness.environment.gpu_check --dry-run --out gpu-check-out

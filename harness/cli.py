@@ -15,11 +15,11 @@ import time
 
 import click
 
-from harness import render
-from harness.backends import DTYPES, backend_names
+from harness.reports import render
+from harness.protocol.backends import DTYPES, backend_names
 from harness.errors import EXIT_INTERNAL, EXIT_VERDICT, BadInput, KvfidError, Unavailable
-from harness.models import model_names
-from harness.protocol import CONSTRUCTION_HELP
+from harness.protocol.models import model_names
+from harness.protocol.protocol import CONSTRUCTION_HELP
 
 
 class _Kvfid(click.Group):
@@ -53,7 +53,7 @@ def main() -> None:
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
 def models(fmt: str) -> None:
     """List the model presets, their sizes, and whether they can be loaded here."""
-    from harness.models import describe_presets
+    from harness.protocol.models import describe_presets
 
     click.echo(describe_presets(fmt))
 
@@ -62,7 +62,7 @@ def models(fmt: str) -> None:
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
 def env(fmt: str) -> None:
     """Print the environment record (GPUs through NVML, versions, CPU, git) and its key."""
-    from harness import envinfo
+    from harness.environment import envinfo
 
     record = envinfo.collect()
     if fmt == "json":
@@ -84,7 +84,8 @@ def env(fmt: str) -> None:
 def kernels(dtypes, device, quick, threads, out, fmt) -> None:
     """Bitwise batch-invariance and prefill-vs-decode verdicts for every op and implementation;
     exit 1 if an implementation that claims invariance is not invariant."""
-    from harness import checks, invariance
+    from harness.runs import checks
+    from harness.environment import invariance
 
     device = checks.device_and_threads(device, threads)
     try:
@@ -115,8 +116,8 @@ def compile_command(archs, dtypes, kernel_names, quick, jobs, out, fmt) -> None:
     """Compile every Triton kernel config for GPU archs on this machine (no GPU needed) and
     inspect the cubins; exit 1 on a compile failure, spill, shared memory over the limit, atomic,
     or a bf16/fp16 product without tensor cores."""
-    from harness.compile import compile_targets, render_table
-    from harness.compile_plan import plan
+    from harness.environment.compile import compile_targets, render_table
+    from harness.environment.compile_plan import plan
 
     def split(text):
         return tuple(x for x in text.split(",") if x) if text else None
@@ -140,7 +141,7 @@ def compile_command(archs, dtypes, kernel_names, quick, jobs, out, fmt) -> None:
 def bench(reports, db, case_path, items, quick) -> None:
     """Everything `make bench` does: environment, kernel table, speed benches, the default
     fidelity case, its report and reports/index.md; exit 1 if a claimed invariance fails."""
-    from harness.bench import run_bench
+    from harness.runs.bench import run_bench
 
     start = time.perf_counter()
     outcome = run_bench(reports, db, case_path, kernels_quick=quick, speed=not quick,
@@ -159,7 +160,7 @@ def bench(reports, db, case_path, items, quick) -> None:
 def bench_report(bench_json, reports, threshold) -> None:
     """File a pytest-benchmark JSON under reports/<environment key>/bench/ and compare its
     medians with the previous result of the same key; exit 1 on a regression."""
-    from harness import benchreport
+    from harness.reports import benchreport
 
     saved, comparison = benchreport.file_bench(bench_json, reports, threshold)
     click.echo(f"bench: {saved}", err=True)
@@ -214,7 +215,7 @@ _stack_options = _options(
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
 def repro(fmt, **options) -> None:
     """Reproduce one item on one stack: every arm against live, cache and suffix verdicts."""
-    from harness import repro as one_item
+    from harness.runs import repro as one_item
 
     checked = one_item.prepare(**options)
     record = one_item.measure(checked)
@@ -238,7 +239,7 @@ def repro(fmt, **options) -> None:
 def blame(fmt, **options) -> None:
     """Name the op that first gives a position of P other bits in incremental decoding than in a
     prefill (or a chunk): a culprit has bit-equal inputs on both sides and a differing output."""
-    from harness import blame as blame_lib
+    from harness.protocol import blame as blame_lib
 
     outcome = blame_lib.blame_command(**options)
     click.echo(json.dumps(outcome.to_json(), indent=1) if fmt == "json" else outcome.text())
@@ -257,7 +258,7 @@ def blame(fmt, **options) -> None:
 def replay(fmt, expect_exact, **options) -> None:
     """Re-score supplied trajectories (JSONL: prompt_ids or prompt, and tokens) the way a trainer
     does and report, per token, how its logprob differs from step-by-step generation."""
-    from harness import replay as replay_lib
+    from harness.protocol import replay as replay_lib
 
     result = replay_lib.replay_command(progress=lambda i: click.echo(f"replay {i}", err=True), **options)
     click.echo(json.dumps(result, indent=1) if fmt == "json" else replay_lib.render(result))
@@ -278,7 +279,7 @@ def replay(fmt, expect_exact, **options) -> None:
 @click.option("--out", type=click.Path(dir_okay=False), required=True, help="The JSONL file to write.")
 def rollouts(**options) -> None:
     """Sample trajectories with temperature (sdpa/fp32, seeded): a real input for `kvfid replay`."""
-    from harness import replay as replay_lib
+    from harness.protocol import replay as replay_lib
 
     rows, out = replay_lib.rollouts_command(**options)
     click.echo(f"{len(rows)} trajectories, {sum(len(r['tokens']) for r in rows)} tokens -> {out}", err=True)
@@ -310,9 +311,9 @@ def run(case_path, item_count, db, resume, run_id, shard, write_report, quiet) -
 
     Under `torchrun --nproc-per-node N -m harness.cli run CASE`, each rank runs its shard of
     the items into one run and rank 0 closes it and prints the headline."""
-    from harness import distributed, matrix
-    from harness.case import load_case
-    from harness.ledger_views import db_path, headline, report_run
+    from harness.runs import distributed, matrix
+    from harness.runs.case import load_case
+    from harness.runs.ledger_views import db_path, headline, report_run
 
     case = load_case(matrix.default_case_path() if case_path == "default" else case_path)
     if item_count is not None:
@@ -348,7 +349,7 @@ def run(case_path, item_count, db, resume, run_id, shard, write_report, quiet) -
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
 def runs(db, fmt) -> None:
     """List the runs in the ledger (a run whose processes died shows as `died`)."""
-    from harness.ledger_views import list_runs, runs_text
+    from harness.runs.ledger_views import list_runs, runs_text
 
     rows = list_runs(db)
     click.echo(json.dumps(rows, indent=1) if fmt == "json" else runs_text(rows))
@@ -360,7 +361,7 @@ def runs(db, fmt) -> None:
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
 def show(run_id, db, fmt) -> None:
     """Print a run's aggregates (RUN: an id, a unique prefix, or `latest`)."""
-    from harness.ledger_views import show_run
+    from harness.runs.ledger_views import show_run
 
     click.echo(show_run(db, run_id, fmt))
 
@@ -373,8 +374,8 @@ def show(run_id, db, fmt) -> None:
 def audit(run_id, db, item_count, quiet) -> None:
     """Check a stored run against its plan and its record checksums, then re-run it and check
     every fingerprint; exit 1 when anything is missing, changed or does not reproduce."""
-    from harness.audit import audit_run
-    from harness.ledger_views import db_path
+    from harness.runs.audit import audit_run
+    from harness.runs.ledger_views import db_path
 
     result = audit_run(db_path(db), run_id, items=item_count, progress=not quiet)
     click.echo(result.text())
@@ -388,7 +389,7 @@ def audit(run_id, db, item_count, quiet) -> None:
               help="Reports folder; files go to OUT/<environment key>/<run id>/.")
 def report_command(run_id, db, out) -> None:
     """Write a run's report: report.md, report.html (self-contained) and summary.json."""
-    from harness.ledger_views import report_run
+    from harness.runs.ledger_views import report_run
 
     for name, path in report_run(db, run_id, out).items():
         click.echo(f"{name}: {path}")
@@ -401,7 +402,7 @@ def report_command(run_id, db, out) -> None:
 def merge(run_ids, db, into) -> None:
     """Merge runs of one case (e.g. shards) into a new run; exit 1 if a unit stored twice has
     different fingerprints."""
-    from harness.ledger_views import merge_runs
+    from harness.runs.ledger_views import merge_runs
 
     merged, copied, conflicts = merge_runs(db, list(run_ids), into)
     click.echo(f"run {merged.id} {merged.status}: {copied} units from {len(run_ids)} runs")
@@ -438,8 +439,8 @@ def compare_command(a, b, db, db_a, db_b, kernels_a, kernels_b, bench_a, bench_b
     """What changed from A to B. A and B: run ids (unique prefixes, `latest`) or environment keys
     (the latest finished run there, of the other side's case when it has one). Exit 1 when B
     regressed against A."""
-    from harness import compare as comparison
-    from harness.ledger_views import db_path
+    from harness.reports import compare as comparison
+    from harness.runs.ledger_views import db_path
 
     result = comparison.compare((db_path(db_a or db), db_path(db_b or db)), a, b,
                                 kernels_a=kernels_a, kernels_b=kernels_b, bench_a=bench_a,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 import kernels  # noqa: F401  (sets TRITON_INTERPRET before triton is imported, when no CUDA)
-from harness.decode import cache_keyword  # noqa: F401  (the one compatibility point)
-from harness.cache import bits, bits_equal
+from harness.protocol.decode import cache_keyword  # noqa: F401  (the one compatibility point)
+from harness.protocol.cache import bits, bits_equal
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_IDS = ("fp32", "bf16", "fp16")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from harness.items import Item
-from harness.models import load_model
+from harness.protocol.items import Item
+from harness.protocol.models import load_model
 
 PROMPT = Item(id="t0", prompt="What is 17*23?", answer="391")
 

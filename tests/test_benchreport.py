@@ -1,4 +1,4 @@
-"""harness.benchreport: filing pytest-benchmark results per environment, comparing medians."""
+"""harness.reports.benchreport: filing pytest-benchmark results per environment, comparing medians."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from harness.benchreport import (MACHINE_INFO_KEY, compare_bench, latest_previous, render_bench,
+from harness.reports.benchreport import (MACHINE_INFO_KEY, compare_bench, latest_previous, render_bench,
                                  save_bench)
 
 KEY = "cpu-Test-CPU/none/none/2.13.0+cpu/3.9.0"

@@ -1,4 +1,4 @@
-"""harness.blame: the op that first gives the boundary position other bits, and its controls."""
+"""harness.protocol.blame: the op that first gives the boundary position other bits, and its controls."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import kernels
-from harness import blame as blame_lib
-from harness.backends import Stack
-from harness.models import load_model
+from harness.protocol import blame as blame_lib
+from harness.protocol.backends import Stack
+from harness.protocol.models import load_model
 
 needs_interpreter = pytest.mark.skipif(not kernels.interpreting(), reason="needs TRITON_INTERPRET=1")
 PLANTED = "model.layers.1.mlp.down_proj"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from harness import cache as kv
+from harness.protocol import cache as kv
 
 
 def make_state(seed=0, layers=3, heads=2, length=6, dim=4, dtype=torch.bfloat16):

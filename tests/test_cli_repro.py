@@ -5,11 +5,11 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from harness.backends import Stack
+from harness.protocol.backends import Stack
 from harness.cli import main
-from harness.protocol import ItemPlan, parse_transplant, run_item
+from harness.protocol.protocol import ItemPlan, parse_transplant, run_item
 from protocol_fixtures import tiny
-from harness.items import Item, match_answer
+from harness.protocol.items import Item, match_answer
 
 TIMING_KEYS = {"wall_s", "forward_s", "overhead", "setup_s"}
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from harness.case import load_case
+from harness.runs.case import load_case
 from harness.cli import main
-from harness.ledger import Ledger
-from harness.report import repro_command
+from harness.runs.ledger import Ledger
+from harness.reports.report import repro_command
 
 SMOKE = str(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
 

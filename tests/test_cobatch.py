@@ -5,13 +5,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from harness import cobatch
-from harness.backends import Stack
-from harness.case import CaseError, parse_case
+from harness.protocol import cobatch
+from harness.protocol.backends import Stack
+from harness.runs.case import CaseError, parse_case
 from harness.cli import main
-from harness.decode import Runner
-from harness.items import arith_items
-from harness.protocol import (ItemPlan, Neighbours, parse_construction, parse_transplant,
+from harness.protocol.decode import Runner
+from harness.protocol.items import arith_items
+from harness.protocol.protocol import (ItemPlan, Neighbours, parse_construction, parse_transplant,
                               run_cobatched, run_item, run_live)
 from protocol_fixtures import PROMPT, tiny
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from fake_nvml import H200, FakeNVML  # tests/ is on sys.path (pytest's rootdir-less import mode)
-from harness import envinfo
-from harness.case import load_case
-from harness.compare import compare, render_html, render_markdown, write_comparison, rate_change
-from harness.ledger import Ledger, LedgerError
-from harness.matrix import run_case
-from harness.models import load_model
+from harness.environment import envinfo
+from harness.runs.case import load_case
+from harness.reports.compare import compare, render_html, render_markdown, write_comparison, rate_change
+from harness.runs.ledger import Ledger, LedgerError
+from harness.runs.matrix import run_case
+from harness.protocol.models import load_model
 
 CASES = Path(__file__).resolve().parent.parent / "cases"
 SMOKE = load_case(CASES / "smoke.toml")

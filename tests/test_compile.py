@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from harness.cli import main
-from harness.compile import compile_targets, instruction_mix, problems, resource_usage
-from harness.compile_plan import ARCHS, Target, plan
+from harness.environment.compile import compile_targets, instruction_mix, problems, resource_usage
+from harness.environment.compile_plan import ARCHS, Target, plan
 
 CONTROLS = str(Path(__file__).parent)  # where the workers import compile_controls from
 

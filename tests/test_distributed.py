@@ -5,9 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.ledger import Ledger
-from harness.case import load_case
-from harness.matrix import run_case
+from harness.runs.ledger import Ledger
+from harness.runs.case import load_case
+from harness.runs.matrix import run_case
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""harness.envinfo against a fake NVML (full, sparse, no driver) and on this real machine."""
+"""harness.environment.envinfo against a fake NVML (full, sparse, no driver) and on this real machine."""
 
 import importlib.util
 import inspect
@@ -12,8 +12,8 @@ import torch
 
 import fake_nvml  # tests/ is on sys.path under pytest's default (rootdir-less) import mode
 from fake_nvml import H200, FakeNVML, full_gpu, no_driver, sparse_gpu
-from harness import envinfo
-from harness.envinfo import collect, describe, environment_key
+from harness.environment import envinfo
+from harness.environment.envinfo import collect, describe, environment_key
 
 
 @pytest.fixture(autouse=True)
@@ -207,9 +207,9 @@ def test_envinfo_does_not_import_triton_at_module_import():
 # --- git revision -------------------------------------------------------------------------------
 
 def _envinfo_copy_in(folder):
-    """Load a copy of envinfo placed at folder/harness/envinfo.py, so its git view is folder's."""
-    (folder / "harness").mkdir(parents=True)
-    target = folder / "harness" / "envinfo.py"
+    """Load a copy of envinfo placed at folder/harness/environment/envinfo.py, so its git view is folder's."""
+    (folder / "harness" / "environment").mkdir(parents=True)
+    target = folder / "harness" / "environment" / "envinfo.py"
     shutil.copy(envinfo.__file__, target)
     spec = importlib.util.spec_from_file_location("envinfo_copy", target)
     module = importlib.util.module_from_spec(spec)
@@ -238,6 +238,6 @@ def test_git_revision_and_dirty_flag(tmp_path):
     (tmp_path / "harness" / "new.py").write_text("x = 1\n")
     assert module._git_revision()["dirty"] is True  # a new module changes what runs
     (tmp_path / "harness" / "new.py").unlink()
-    with open(tmp_path / "harness" / "envinfo.py", "a") as f:
+    with open(tmp_path / "harness" / "environment" / "envinfo.py", "a") as f:
         f.write("# edited\n")
     assert module._git_revision()["dirty"] is True

@@ -4,13 +4,13 @@ KVFID_DEBUG=1, and an unexpected exception reported as a bug (exit 70), never as
 import pytest
 from click.testing import CliRunner
 
-from harness import ledger_views
-from harness.case import CaseError
+from harness.runs import ledger_views
+from harness.runs.case import CaseError
 from harness.cli import main
 from harness.errors import BadInput, OutputError, Unavailable
-from harness.ledger import LedgerError
-from harness.ledger_file import LedgerRefused
-from harness.models import ModelUnavailable
+from harness.runs.ledger import LedgerError
+from harness.runs.ledger_file import LedgerRefused
+from harness.protocol.models import ModelUnavailable
 
 
 @pytest.mark.parametrize("error,code", [

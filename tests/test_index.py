@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from fake_nvml import H200, FakeNVML  # tests/ is on sys.path (pytest's rootdir-less import mode)
-from harness import envinfo
-from harness.case import load_case
-from harness.index import update_index
-from harness.ledger import Ledger
-from harness.matrix import run_case
-from harness.models import load_model
-from harness.report import write_report
+from harness.environment import envinfo
+from harness.runs.case import load_case
+from harness.reports.index import update_index
+from harness.runs.ledger import Ledger
+from harness.runs.matrix import run_case
+from harness.protocol.models import load_model
+from harness.reports.report import write_report
 
 SMOKE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
 COLUMNS = ["GPU", "driver", "CUDA", "torch", "triton"]

@@ -1,4 +1,4 @@
-"""harness.invariance: the kernel comparison's table, verdicts, negative controls, and that it can fail."""
+"""harness.environment.invariance: the kernel comparison's table, verdicts, negative controls, and that it can fail."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from harness import invariance, probes, twins
-from harness.invariance import IMPLEMENTATIONS, OPS, bits_equal, compare_kernels, render_table
+from harness.environment import invariance, probes, twins
+from harness.environment.invariance import IMPLEMENTATIONS, OPS, bits_equal, compare_kernels, render_table
 from kernels.attention import attention_ref
 
 # The comparison runs on CPU tensors; Triton takes them only through its interpreter (always set

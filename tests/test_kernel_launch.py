@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernels
-from harness import envinfo
+from harness.environment import envinfo
 from kernels import attention, matmul, norm, softmax
 
 

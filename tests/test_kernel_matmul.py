@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest_kernels import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal, device,
                               max_abs_diff)
 
-from harness.twins import matmul_twin
+from harness.environment.twins import matmul_twin
 from kernels.matmul import bmm, matmul, matmul_ref
 from kernels.mode import set_batch_invariant_mode
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import ledger as ledger_module
-from harness.case import load_case
-from harness.ledger import Ledger, LedgerError, fingerprints, record_rows
+from harness.runs import ledger as ledger_module
+from harness.runs.case import load_case
+from harness.runs.ledger import Ledger, LedgerError, fingerprints, record_rows
 
 CASE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
 ENV = {"git": {"revision": "abc", "dirty": True}, "gpus": []}

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import matrix
-from harness.case import CaseError, load_case
-from harness.ledger import Ledger, LedgerError
-from harness.audit import audit_run
-from harness.matrix import Shard, parse_shard, plan_units, run_case
-from harness.models import load_model
+from harness.runs import matrix
+from harness.runs.case import CaseError, load_case
+from harness.runs.ledger import Ledger, LedgerError
+from harness.runs.audit import audit_run
+from harness.runs.matrix import Shard, parse_shard, plan_units, run_case
+from harness.protocol.models import load_model
 
 CASES = Path(__file__).resolve().parent.parent / "cases"
 SMOKE = load_case(CASES / "smoke.toml")

@@ -5,8 +5,8 @@ import importlib.util
 import pytest
 import torch
 
-from harness import models
-from harness.models import ByteCodec, ModelUnavailable, load_model
+from harness.protocol import models
+from harness.protocol.models import ByteCodec, ModelUnavailable, load_model
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])

@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-from harness import cache as kv
-from harness.backends import Stack
-from harness.decode import Runner
-from harness.models import ByteCodec
-from harness.protocol import (ItemPlan, ProtocolError, parse_construction, parse_transplant,
+from harness.protocol import cache as kv
+from harness.protocol.backends import Stack
+from harness.protocol.decode import Runner
+from harness.protocol.models import ByteCodec
+from harness.protocol.protocol import (ItemPlan, ProtocolError, parse_construction, parse_transplant,
                               run_construction, run_crossing, run_item, run_live)
 from protocol_fixtures import PROMPT, tiny
 
@@ -93,7 +93,7 @@ def test_transplant_outcome_donor_when_the_donor_cache_decides():
         noisy = kv.BoundaryState(live.state.prefix,
                                  tuple(k * 0 for k in live.state.keys),
                                  tuple(v * 0 for v in live.state.values), live.state.logits)
-        from harness.protocol import Arm, decode_suffix, run_transplant
+        from harness.protocol.protocol import Arm, decode_suffix, run_transplant
         runner = Runner(module)
         donor = Arm("prefill", noisy, decode_suffix(runner, noisy, 8, eos), 0, 0, 0)
         arms = {"live": live, "prefill": donor}
@@ -181,8 +181,8 @@ def test_casts_come_from_the_fp32_master():
 FINGERPRINT_SCRIPT = """
 import json, sys
 sys.path.insert(0, 'tests')
-from harness.backends import Stack
-from harness.protocol import ItemPlan, run_item
+from harness.protocol.backends import Stack
+from harness.protocol.protocol import ItemPlan, run_item
 from protocol_fixtures import PROMPT, tiny
 r = run_item(tiny(), Stack('sdpa', 'bf16'), PROMPT, ItemPlan(6, 6, arms=('live', 'prefill')))
 print(json.dumps({k: [a['cache_sha'], a['logits_sha'], a['suffix_sha']]
@@ -228,7 +228,7 @@ def test_divergent_only_transplants_skip_exact_rows():
 
 
 def test_decoding_a_suffix_leaves_the_boundary_state_untouched():
-    from harness.protocol import decode_suffix
+    from harness.protocol.protocol import decode_suffix
 
     model = tiny()
     prompt = model.codec.prompt_ids(PROMPT.prompt)

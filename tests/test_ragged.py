@@ -21,10 +21,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from harness import cobatch
-from harness.backends import Stack
-from harness.decode import Runner, new_cache
-from harness.invariance import bits_equal
+from harness.protocol import cobatch
+from harness.protocol.backends import Stack
+from harness.protocol.decode import Runner, new_cache
+from harness.environment.invariance import bits_equal
 from kernels import hf
 from protocol_fixtures import tiny
 

@@ -17,8 +17,9 @@ import sys
 
 import pytest
 
-from harness import ledger_file, outputs
-from harness.lease import this_process
+from harness.runs import ledger_file
+from harness import outputs
+from harness.runs.lease import this_process
 from redteam import (BASELINE, SMOKE, case_variants, damaged_ledgers, invoke, ledger_commands,
                      repro_inputs, run_case_variant, runs_left)
 

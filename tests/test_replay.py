@@ -1,4 +1,4 @@
-"""harness.replay: supplied trajectories, per-token logprob mismatch, sampling, and `kvfid replay`."""
+"""harness.protocol.replay: supplied trajectories, per-token logprob mismatch, sampling, and `kvfid replay`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from click.testing import CliRunner
 
 import kernels
-from harness import replay
-from harness.backends import Stack
+from harness.protocol import replay
+from harness.protocol.backends import Stack
 from harness.cli import main
 from protocol_fixtures import tiny
 

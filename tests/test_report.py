@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import stats
-from harness.case import load_case
-from harness.ledger import Ledger, StoredUnit
-from harness.report import aggregate, headline, markdown, repro_command, svg_bars, svg_lines, \
+from harness.runs import stats
+from harness.runs.case import load_case
+from harness.runs.ledger import Ledger, StoredUnit
+from harness.reports.report import aggregate, headline, markdown, repro_command, svg_bars, svg_lines, \
     write_report
 
 CASE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")

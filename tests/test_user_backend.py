@@ -6,9 +6,9 @@ import importlib.util
 
 import pytest
 
-from harness.backends import Stack, attention_backend
-from harness.models import load_model
-from harness.protocol import ItemPlan, run_item
+from harness.protocol.backends import Stack, attention_backend
+from harness.protocol.models import load_model
+from harness.protocol.protocol import ItemPlan, run_item
 from protocol_fixtures import PROMPT
 
 USER_MODULE = '''
@@ -39,8 +39,8 @@ def test_a_user_attention_function_runs_through_the_protocol(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("name,message", [("no_such_module_xyz:attention", "cannot load"),
-                                          ("harness.cache:no_such_function", "cannot load"),
-                                          ("harness.cache:Selection", None),
+                                          ("harness.protocol.cache:no_such_function", "cannot load"),
+                                          ("harness.protocol.cache:Selection", None),
                                           ("flash", "unknown backend 'flash'; valid: sdpa")])
 def test_bad_backend_names_are_refused_before_compute(name, message):
     if message is None:   # a class is callable: accepted here, judged by transformers when it runs

@@ -2,8 +2,8 @@
 
 `pytest tests` (`make test`) collects this folder too; every benchmark here skips itself unless
 pytest-benchmark runs with `--benchmark-only`, so the test budget is not spent on timing. The
-environment record (harness.envinfo) goes into pytest-benchmark's `machine_info`, so every saved
-JSON result says what it was measured on; harness.benchreport files results by its key.
+environment record (harness.environment.envinfo) goes into pytest-benchmark's `machine_info`, so every saved
+JSON result says what it was measured on; harness.reports.benchreport files results by its key.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from harness import envinfo
-from harness.benchreport import MACHINE_INFO_KEY
+from harness.environment import envinfo
+from harness.reports.benchreport import MACHINE_INFO_KEY
 
 # Timing threads: one by default (on a shared 2-core machine two torch threads are 10-30x slower);
 # KVFID_BENCH_THREADS=N measures with N.

@@ -1,0 +1,142 @@
+"""`make gpu-check`: the one prepared script for a GPU machine.
+
+Runs, in order and each under its own time limit: `kvfid compile` (every kernel config compiled
+for sm_80/sm_90/sm_100 and judged, with its roofline: seconds, so a broken GPU path shows before
+the minutes of the rest; a failure there is reported and the later steps still run), the
+GPU-marked tests, `kvfid kernels`, the speed benches, and a 32-item fidelity run of
+`cases/gpu-qwen2.5-shape.toml` with its report; writes every result into one flat output folder
+(at most 8 files, for machines that return only a few: the run's aggregates are not copied, since
+`kvfid show latest --db ledger.sqlite --format json` rebuilds them) and prints a headline. Needs only what the GPU image has (torch, triton, transformers, click, pytest,
+pytest-benchmark, nvidia-ml-py): run from the source tree, nothing is installed.
+`--dry-run` runs the same steps on CPU at toy sizes, to prove the script works before a GPU is
+spent on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.runs.bench import bench_command
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    argv: list[str]
+    timeout_s: int
+    stdout_file: str | None = None   # keep the step's stdout as this file in the output folder
+
+
+def plan(out: Path, dry_run: bool) -> list[Step]:
+    """The steps; dry-run swaps in toy sizes and the CPU smoke case."""
+    py = sys.executable
+    cli = [py, "-m", "harness.cli"]
+    db = str(out / "ledger.sqlite")
+    case = "cases/smoke.toml" if dry_run else "cases/gpu-qwen2.5-shape.toml"
+    bench = bench_command(out / "bench.json", quick=dry_run)
+    # Dry run: one arch, one kernel, one dtype (the full plan takes minutes on 2 CPU cores).
+    compile_args = (["--arch", "sm_90", "--dtypes", "bf16", "--kernels", "matmul"] if dry_run
+                    else [])
+    return [
+        Step("compile", cli + ["compile", "--format", "json"] + compile_args, 180, "compile.json"),
+        Step("gpu-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                           "tests"], 120),
+        Step("kernels", cli + ["kernels", "--format", "json"] + (["--quick"] if dry_run else []),
+             60, "kernels.json"),
+        Step("bench", bench, 90),
+        Step("fidelity", cli + ["run", case, "--db", db, "--quiet"]
+             + ([] if dry_run else ["--items", "32"]), 240),
+        Step("report", cli + ["report", "latest", "--db", db, "--out", str(out / "reports")], 20),
+    ]
+
+
+def run_step(step: Step, out: Path, log) -> dict:
+    """Run one step under its limit; its output goes to the log (and stdout to its file)."""
+    start = time.perf_counter()
+    log.write(f"\n===== {step.name}: {' '.join(step.argv)}\n")
+    log.flush()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    try:
+        done = subprocess.run(step.argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=step.timeout_s)
+        rc, stdout, stderr = done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as err:
+        rc, stdout, stderr = 124, _text(err.stdout), _text(err.stderr) + "\n[timed out]"
+    log.write(stdout + "\n" + stderr[-20000:] + "\n")
+    if step.stdout_file:
+        (out / step.stdout_file).write_text(stdout)
+    seconds = time.perf_counter() - start
+    print(f"[gpu-check] {step.name:<10} rc={rc} {seconds:6.1f} s", file=sys.stderr, flush=True)
+    return {"step": step.name, "rc": rc, "seconds": round(seconds, 1),
+            "tail": stdout.strip().splitlines()[-3:]}
+
+
+def _text(value) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
+
+
+def compile_verdict(out: Path) -> dict | None:
+    """The compile step's verdict from compile.json: how many configs, which failed and why."""
+    try:
+        report = json.loads((out / "compile.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return {"ok": report["ok"], "configs": len(report["configs"]),
+            "failed": {r["name"]: r["problems"] for r in report["configs"] if r["problems"]}}
+
+
+def flatten_reports(out: Path) -> None:
+    """Copy the run report next to the other results (one level) and drop the nested folder."""
+    for name in ("report.md", "report.html"):
+        found = sorted((out / "reports").rglob(name))
+        if found:
+            shutil.copy(found[-1], out / name)
+    shutil.rmtree(out / "reports", ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu-check-out"),
+                        help="output folder (default: $OUT, else ./gpu-check-out)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, toy sizes: check that every step runs")
+    args = parser.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu-check: no CUDA device here; use --dry-run to rehearse on CPU", file=sys.stderr)
+        return 3
+    results = []
+    with open(out / "log.txt", "w") as log:
+        from harness.environment import envinfo
+
+        environment = envinfo.collect()
+        for step in plan(out, args.dry_run):
+            results.append(run_step(step, out, log))
+            if step.name == "compile" and results[-1]["rc"]:
+                # Said at once, not after the other steps' minutes; they still run.
+                print(f"[gpu-check] compile FAILED: {json.dumps(compile_verdict(out))}",
+                      file=sys.stderr, flush=True)
+    flatten_reports(out)
+    summary = {"environment_key": envinfo.environment_key(environment), "dry_run": args.dry_run,
+               "compile": compile_verdict(out), "steps": results}
+    (out / "gpu-check.json").write_text(json.dumps({**summary, "environment": environment},
+                                                   indent=1))
+    print(json.dumps(summary, indent=1))
+    return 0 if all(r["rc"] in (0, 1) for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,386 @@
+"""Kernel comparison: is each implementation of each op the models use bitwise invariant?
+
+This module owns `compare_kernels()`, which runs every implementation of every op (attention
+decode and prefill, matmul, RMSNorm, softmax, log-softmax; stock torch, SDPA and eager as
+transformers calls them, the Triton kernels, and the batch-invariant modes) through two bitwise
+checks, and `render_table()`, its Markdown table. The implementations and their claims live in
+harness.environment.implementations (re-exported here).
+
+* **batch**: rows computed alone against the same rows inside batches of 2 ... 128 (each batch
+  size its own call); for attention a row is a sequence (the batch axis), for the row ops a row of
+  the M / rows axis.
+* **sequence**: for attention decode, every position of a full prefill against decode steps over
+  a growing KV cache; for attention prefill, against chunked prefills; for the row ops, every
+  checked row inside one long sequence `[1, T, K]` against the row alone (a decode step).
+
+Bits are compared (so -0.0 differs from +0.0); a difference is reported with the first failing
+batch size or position and the max abs difference, never turned into a tolerance. An
+implementation that claims an invariance and fails it makes the result's `ok` False, and so does a
+deliberately variant twin (harness.environment.twins) that a check fails to catch: that check could not fail.
+Whether a stock op is invariant differs between machines (CPU instruction sets, BLAS paths): a
+stock row that passes a check is a finding, "stock invariant here", never an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from harness.environment import envinfo
+from harness.protocol.cache import bits_equal  # noqa: F401 (re-exported: the one bitwise comparison)
+from harness.environment.implementations import (  # noqa: F401 (re-exported)
+    ATTENTION_OPS, IMPLEMENTATIONS, OPS, Implementation, attention_eager, attention_sdpa,
+    attention_triton, log_softmax_triton, matmul_stock, matmul_triton, rms_norm_stock,
+    rms_norm_triton, softmax_triton)
+from harness.outputs import write_files
+
+BATCH_SIZES = (2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 64, 128)
+# quick: tile edges (7/8, 16/17), two tiles (33) and the size where stock fp32 mm differs (7).
+QUICK_BATCH_SIZES = (2, 3, 7, 8, 16, 17, 33)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Sizes of one comparison. The default is SmolLM2-135M's (hidden 576, 9/3 heads, head dim 64);
+    the Triton interpreter's cost (about 20 ms per attention program) sets the lengths."""
+
+    n_q_heads: int = 9
+    n_kv_heads: int = 3
+    head_dim: int = 64
+    decode_context: int = 100  # keys a decode step sees in the batch check
+    prefill_len: int = 16  # tokens of each sequence in the prefill batch check (one query tile)
+    sequence_len: int = 130  # positions in the prefill-vs-decode check (crosses a 128-key tile)
+    chunkings: tuple[tuple[int, int], ...] = ((37, 37), (13, 9))  # (first chunk, later chunks)
+    hidden: int = 576
+    matmul_out: int = 192  # k_proj / v_proj: 3 KV heads x 64
+    softmax_width: int = 2048  # attention scores over a 2k context
+    log_softmax_width: int = 4096  # a slice of the 49152-token vocabulary (interpreter cost)
+    row_sequence_len: int = 100  # T of the row ops' [1, T, K] sequence
+    alone_first: int = 40  # rows 0 .. alone_first-1 (and each batch's last row) are checked alone
+    attention_alone_first: int = 16
+
+
+SHAPES = {
+    "full": Shapes(),
+    "quick": Shapes(n_q_heads=2, n_kv_heads=1, head_dim=16, decode_context=20, prefill_len=5,
+                    sequence_len=24, chunkings=((7, 7), (5, 3)), hidden=48, matmul_out=40,
+                    softmax_width=96, log_softmax_width=200, row_sequence_len=24, alone_first=8,
+                    attention_alone_first=3),
+}
+
+
+# ---- bitwise comparison ------------------------------------------------------------------------
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| in fp64 (NaN when one side has a NaN or an inf the other lacks)."""
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor, as a model step would pass (no view offsets into a pool)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+# ---- the two checks ----------------------------------------------------------------------------
+
+def alone_rows(batch_sizes: Sequence[int], first: int, limit: int) -> list[int]:
+    """Rows checked alone: 0 .. first-1 and the last row of every batch (below `limit`)."""
+    return sorted(i for i in set(range(first)) | {n - 1 for n in batch_sizes} if i < limit)
+
+
+def batch_check(call: Callable, pool: Sequence[torch.Tensor], batch_sizes: Sequence[int],
+                rows: Sequence[int]) -> tuple[dict, dict[int, torch.Tensor]]:
+    """Each of `rows` alone vs the same row in a batch of n (its own call) for each n; returns the
+    verdict and the outputs alone (reused by the row ops' sequence check)."""
+    alone = {i: call(*(_fresh(t[i:i + 1]) for t in pool)) for i in rows}
+    failing = []
+    for n in batch_sizes:
+        out = call(*(_fresh(t[:n]) for t in pool))
+        bad = [i for i in rows if i < n and not bits_equal(out[i:i + 1], alone[i])]
+        if bad:
+            diff = max(max_abs_diff(out[i:i + 1], alone[i]) for i in bad)
+            failing.append({"batch": n, "rows": bad, "max_abs_diff": diff})
+    verdict = {
+        "invariant": not failing,
+        "first_failing_batch": failing[0]["batch"] if failing else None,
+        "max_abs_diff": max((f["max_abs_diff"] for f in failing), default=0.0),
+        "failing": failing,
+        "comparisons": sum(1 for n in batch_sizes for i in rows if i < n),
+    }
+    return verdict, alone
+
+
+Pairs = list[tuple[int, torch.Tensor, torch.Tensor]]  # (position, output, reference output)
+
+
+def _positions_verdict(kind: str, constructions: dict[str, Pairs]) -> dict:
+    """Each construction's outputs against the reference, position by position, bit by bit."""
+    report, differing, worst = {}, set(), 0.0
+    for name, pairs in constructions.items():
+        bad = [(t, max_abs_diff(out, ref)) for t, out, ref in pairs if not bits_equal(out, ref)]
+        diff = max((d for _, d in bad), default=0.0)
+        report[name] = {"differing_positions": [t for t, _ in bad], "max_abs_diff": diff}
+        differing.update(t for t, _ in bad)
+        worst = diff if math.isnan(diff) else max(worst, diff)
+    return {"kind": kind, "invariant": not differing,
+            "first_differing_position": min(differing) if differing else None,
+            "differing_positions": len(differing),
+            "positions_checked": len({t for pairs in constructions.values() for t, _, _ in pairs}),
+            "max_abs_diff": worst, "constructions": report}
+
+
+def _chunk_bounds(length: int, first: int, step: int) -> list[int]:
+    return [0] + list(range(first, length, step)) + [length]
+
+
+def attention_sequence_check(op: str, call: Callable, q, k, v, chunkings) -> dict:
+    """Decode: every position by decode steps over a growing cache vs one prefill. Prefill:
+    chunked prefills (first chunk, then fixed chunks) vs one prefill. q, k, v: [1, H, T, D]."""
+    length = q.shape[2]
+    prefill = call(q, k, v)  # [1, Hq, T, D]
+
+    def by_chunks(bounds):
+        # The cache a chunk sees is a new contiguous tensor, as a grown KV cache is.
+        out = torch.cat([call(_fresh(q[:, :, s:e]), _fresh(k[:, :, :e]), _fresh(v[:, :, :e]))
+                         for s, e in zip(bounds, bounds[1:])], dim=2)
+        return [(t, out[:, :, t], prefill[:, :, t]) for t in range(length)]
+
+    if op == "attention-decode":
+        return _positions_verdict("decode steps vs prefill",
+                                  {"decode": by_chunks(list(range(length + 1)))})
+    chunked = {f"chunks {a}+{b}": by_chunks(_chunk_bounds(length, a, b)) for a, b in chunkings}
+    return _positions_verdict("chunked vs prefill", chunked)
+
+
+def row_sequence_check(call: Callable, pool: torch.Tensor, length: int,
+                       alone: dict[int, torch.Tensor]) -> dict:
+    """Rows 0..length-1 as one sequence [1, T, K] vs each row checked alone ([1, K])."""
+    sequence = call(_fresh(pool[None, :length]))[0]  # [T, N]
+    pairs = [(t, sequence[t:t + 1], alone[t]) for t in sorted(alone) if t < length]
+    return _positions_verdict("row in a sequence vs alone", {"sequence": pairs})
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+
+def _randn(gen: torch.Generator, *shape, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen) * scale
+
+
+def _row_op_inputs(op: str, shapes: Shapes, pool_rows: int, gen: torch.Generator):
+    """(pool [rows, K] in fp32, params in fp32 or plain numbers) for a row op."""
+    if op == "matmul":
+        # Weights scaled like a trained projection's, so outputs are of order one.
+        return (_randn(gen, pool_rows, shapes.hidden),
+                (_randn(gen, shapes.matmul_out, shapes.hidden, scale=shapes.hidden ** -0.5),))
+    if op == "rms-norm":
+        return _randn(gen, pool_rows, shapes.hidden), (1 + 0.1 * _randn(gen, shapes.hidden), 1e-5)
+    width = shapes.softmax_width if op == "softmax" else shapes.log_softmax_width
+    return _randn(gen, pool_rows, width, scale=3.0), ()
+
+
+def _cast(t, dtype, device):
+    return t.to(device=device, dtype=dtype) if isinstance(t, torch.Tensor) else t
+
+
+def _run_one(impl: Implementation, dtype: torch.dtype, device: torch.device, shapes: Shapes,
+             batch_sizes: Sequence[int], seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    pool_rows = max(batch_sizes)
+    # Every row is checked alone, except where the Triton interpreter makes that too slow.
+    sampled = impl.triton and device.type != "cuda"
+    if impl.op in ATTENTION_OPS:
+        h_q, h_kv, d = shapes.n_q_heads, shapes.n_kv_heads, shapes.head_dim
+        kv_len = shapes.decode_context if impl.op == "attention-decode" else shapes.prefill_len
+        q_len = 1 if impl.op == "attention-decode" else kv_len
+        pool = [_randn(gen, pool_rows, h_q, q_len, d).to(device, dtype),  # q: the last q_len positions
+                *(_randn(gen, pool_rows, h_kv, kv_len, d).to(device, dtype) for _ in "kv")]
+        rows = alone_rows(batch_sizes, shapes.attention_alone_first if sampled else pool_rows, pool_rows)
+        batch, _ = batch_check(impl.run, pool, batch_sizes, rows)
+        seq = [_randn(gen, 1, h, shapes.sequence_len, d).to(device, dtype) for h in (h_q, h_kv, h_kv)]
+        sequence = attention_sequence_check(impl.op, impl.run, *seq, shapes.chunkings)
+    else:
+        pool, params = _row_op_inputs(impl.op, shapes, max(pool_rows, shapes.row_sequence_len), gen)
+        pool = pool.to(device, dtype)
+        params = tuple(_cast(p, dtype, device) for p in params)
+        call = lambda x: impl.run(x, *params)  # noqa: E731
+        limit = max(pool_rows, shapes.row_sequence_len)
+        rows = alone_rows(batch_sizes, shapes.alone_first if sampled else limit, limit)
+        rows = sorted(set(rows) | {shapes.row_sequence_len - 1})
+        batch, alone = batch_check(call, [pool], batch_sizes, rows)
+        sequence = row_sequence_check(call, pool, shapes.row_sequence_len, alone)
+    if impl.control:
+        ok = not batch["invariant"] and not sequence["invariant"]
+    else:
+        ok = ((batch["invariant"] or not impl.claims_batch)
+              and (sequence["invariant"] or not impl.claims_sequence))
+    return {"op": impl.op, "impl": impl.name, "dtype": next(k for k, v in DTYPES.items() if v == dtype),
+            "mode": impl.mode, "control": impl.control,
+            "claims": {"batch": impl.claims_batch, "sequence": impl.claims_sequence},
+            "rows_alone": len(rows), "batch": batch, "sequence": sequence, "ok": ok}
+
+
+# ---- the comparison ----------------------------------------------------------------------------
+
+def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu", quick: bool = False,
+                    *, ops: Sequence[str] | None = None, impls: Sequence[str] | None = None,
+                    batch_sizes: Sequence[int] | None = None, threads: int | None = None,
+                    seed: int = 0, progress: Callable[[str], None] | None = None) -> dict:
+    """Run every (op, implementation, dtype) through the batch and sequence checks.
+
+    Returns a JSON-ready dict: `ok` (False when an implementation fails an invariance it claims),
+    `rows` (one per op x implementation x dtype), `skipped` (implementations not run here and why),
+    the shapes, the environment record and its key, and the duration. `quick`: small shapes and
+    QUICK_BATCH_SIZES (for tests); batch sizes default to BATCH_SIZES otherwise. `stock_probes`:
+    stock mm and SDPA searched over a grid of shapes for a witness of variance (harness.environment.probes).
+    """
+    import kernels  # selects the Triton interpreter before triton loads, when there is no CUDA
+    from harness.environment.probes import probe_stock  # imports this module
+    from kernels.mode import set_batch_invariant_mode
+
+    names = {name for _, name in IMPLEMENTATIONS}
+    checks = (("dtypes", dtypes, DTYPES), ("ops", ops, OPS), ("implementations", impls, names))
+    for what, given, valid in checks:
+        if given is not None and set(given) - set(valid):
+            raise ValueError(f"unknown {what} {sorted(set(given) - set(valid))}; valid: {', '.join(valid)}")
+    torch_device = torch.device(device)
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise EnvironmentError("device cuda requested, but no CUDA device is available")
+    shapes = SHAPES["quick" if quick else "full"]
+    if batch_sizes is None:
+        batch_sizes = QUICK_BATCH_SIZES if quick else BATCH_SIZES
+    selected = [i for i in IMPLEMENTATIONS.values()
+                if (ops is None or i.op in ops) and (impls is None or i.name in impls)]
+    on_cpu = torch_device.type != "cuda"
+
+    def why_not(impl: Implementation) -> str | None:
+        if impl.triton and not kernels.triton_runs_on(torch_device):
+            return f"Triton cannot take {device} tensors in this process (no TRITON_INTERPRET=1)"
+        return f"{impl.cpu_skip}; runs on CUDA" if impl.cpu_skip and on_cpu else None
+
+    skipped = [{"op": i.op, "impl": i.name, "why": why_not(i)} for i in selected if why_not(i)]
+    selected = [i for i in selected if not why_not(i)]
+
+    started = time.perf_counter()
+    rows = []
+    with contextlib.ExitStack() as restore:
+        if threads is not None:
+            restore.callback(torch.set_num_threads, torch.get_num_threads())
+            torch.set_num_threads(threads)
+        restore.enter_context(torch.inference_mode())
+        environment = envinfo.collect()
+        for impl in selected:
+            for dtype in dtypes:
+                if progress:
+                    progress(f"{impl.op} / {impl.name} / {dtype}")
+                with set_batch_invariant_mode(impl.mode is not None, impl=impl.mode or "triton"):
+                    tick = time.perf_counter()
+                    row = _run_one(impl, DTYPES[dtype], torch_device, shapes, batch_sizes, seed)
+                row["seconds"] = round(time.perf_counter() - tick, 3)
+                rows.append(row)
+        stock_probes = probe_stock(dtypes, device)
+        threads_used = torch.get_num_threads()
+    return {
+        "ok": all(r["ok"] for r in rows),
+        "device": str(torch_device),
+        "quick": quick,
+        "dtypes": list(dtypes),
+        "batch_sizes": list(batch_sizes),
+        "threads": threads_used,
+        "shapes": asdict(shapes),
+        "rows": rows,
+        "stock_probes": stock_probes,
+        "skipped": skipped,
+        "duration_s": round(time.perf_counter() - started, 3),
+        "environment": environment,
+        "environment_key": envinfo.environment_key(environment),
+    }
+
+
+# ---- rendering ---------------------------------------------------------------------------------
+
+def _diff(value: float) -> str:
+    return "0" if value == 0 else f"{value:.3g}"
+
+
+def _claims(claims: dict) -> str:
+    text = "+".join(name for name in ("batch", "sequence") if claims[name])
+    return text or "none"
+
+
+def _verdict(row: dict) -> str:
+    if row.get("control"):
+        return "control caught" if row["ok"] else "**CONTROL MISSED**"
+    if not row["ok"]:
+        return "**FAIL**"
+    if row["claims"]["batch"] or row["claims"]["sequence"]:
+        return "ok"
+    return "stock invariant here" if row["batch"]["invariant"] and row["sequence"]["invariant"] else "-"
+
+
+def _versions(record: dict) -> str:
+    v, git = record.get("versions", {}), record.get("git")
+    revision = "no git checkout" if git is None else \
+        f"git {git['revision'][:12]}{' (dirty)' if git['dirty'] else ''}"
+    return (f"torch {v.get('torch')}, triton {v.get('triton')}, transformers {v.get('transformers')}, "
+            f"Python {v.get('python')}, {revision}")
+
+
+def render_table(result: dict) -> str:
+    """The comparison as Markdown: one table row per op x implementation x dtype, then the stock
+    probes."""
+    from harness.environment.probes import render_probes  # imports this module
+
+    shapes = result["shapes"]
+    lines = [
+        f"# Kernel invariance ({'quick' if result['quick'] else 'full'}, {result['device']}, "
+        f"{result['threads']} torch threads)",
+        "",
+        f"Environment: `{result['environment_key']}`; {_versions(result['environment'])}",
+        f"Batch sizes: {', '.join(map(str, result['batch_sizes']))}. Bits compared; "
+        "`yes` = bit-identical everywhere checked.",
+        "Rows checked alone: every row, except for Triton rows in the interpreter (a sample: rows "
+        f"0-{shapes['alone_first'] - 1} for row ops, 0-{shapes['attention_alone_first'] - 1} for "
+        "attention, and each batch's last row).",
+        "`twin` rows are deliberately variant controls (reduction split chosen from the shape): "
+        "each check must catch them. A stock row that passes both checks is marked \"stock "
+        "invariant here\": stock numerics differ between machines, so that is a finding.",
+        "",
+        "| op | impl | dtype | claims | batch-invariant | first failing batch | max abs diff "
+        "| sequence check | sequence-invariant | first differing position | max abs diff | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        b, s = row["batch"], row["sequence"]
+        lines.append(
+            f"| {row['op']} | {row['impl']} | {row['dtype']} | {_claims(row['claims'])} "
+            f"| {'yes' if b['invariant'] else 'NO'} | {b['first_failing_batch'] or '-'} "
+            f"| {_diff(b['max_abs_diff'])} | {s['kind']} | {'yes' if s['invariant'] else 'NO'} "
+            f"| {'-' if s['first_differing_position'] is None else s['first_differing_position']} "
+            f"| {_diff(s['max_abs_diff'])} | {_verdict(row)} |")
+    lines.append("")
+    if result.get("stock_probes"):
+        lines += render_probes(result["stock_probes"]) + [""]
+    for item in result["skipped"]:
+        lines.append(f"Not run here: {item['op']} / {item['impl']} ({item['why']}).")
+    failed = "; ".join(f"{r['op']} / {r['impl']} / {r['dtype']}" for r in result["rows"] if not r["ok"])
+    lines.append("Result: " + ("ok: every implementation that claims invariance is invariant, and "
+                               "every variant twin was caught." if result["ok"] else
+                               f"FAILED (claimed invariance broken, or a twin not caught): {failed}"))
+    lines.append(f"Duration: {result['duration_s']:.1f} s.")
+    return "\n".join(lines) + "\n"
+
+
+def write_result(result: dict, reports) -> Path:
+    """File a comparison as <reports>/<environment key>/kernels.json and kernels.md; the .md path."""
+    folder = Path(reports) / result["environment_key"]
+    return write_files({"json": (folder / "kernels.json", json.dumps(result, indent=1)),
+                        "markdown": (folder / "kernels.md", render_table(result) + "\n")}
+                       )["markdown"]

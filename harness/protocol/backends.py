@@ -1,0 +1,197 @@
+"""Stacks: attention backend + precision + batch-invariant mode + device + threads, as one context.
+
+A `Stack` is data (frozen, hashable, serializable to the ledger). `Stack.activate(model)` returns
+the model's module prepared for that stack and restores everything it changed on exit: the torch
+thread count, the module's attention implementation, the batch-invariant op overrides. Attention
+backends live in a registry so a new one (our Triton kernel) joins without the protocol knowing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from harness.errors import Unavailable
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
+                                  "fp32": torch.float32}
+
+
+class StackUnavailable(Unavailable, EnvironmentError):
+    """A device or attention implementation this machine cannot run (exit 3)."""
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """A named attention implementation; `implementation()` registers it if needed and returns
+    the name transformers knows it by."""
+
+    name: str
+    description: str
+    implementation: Callable[[], str]
+
+
+_BACKENDS: dict[str, AttentionBackend] = {}
+
+
+def register_backend(backend: AttentionBackend) -> None:
+    _BACKENDS[backend.name] = backend
+
+
+def backend_names() -> list[str]:
+    return list(_BACKENDS)
+
+
+def _user_implementation(spec: str, function: Callable) -> Callable[[], str]:
+    def register() -> str:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(spec, function)
+        AttentionMaskInterface.register(spec, sdpa_mask)  # else the causal/padding mask is dropped
+        return spec
+    return register
+
+
+def attention_backend(name: str) -> AttentionBackend:
+    """The backend called `name`: a registered one (sdpa, eager, triton, twin); `module:function`,
+    a user's attention function with transformers' AttentionInterface signature (module, query,
+    key, value, attention_mask, scaling=..., dropout=..., **kwargs) -> (output [B, T, H, D], weights);
+    or another implementation transformers has registered (e.g. `flex_attention`)."""
+    if name in _BACKENDS:
+        return _BACKENDS[name]
+    if ":" in name:
+        module_name, _, attribute = name.partition(":")
+        try:
+            function = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ValueError(f"backend {name!r}: cannot load {attribute!r} from module "
+                             f"{module_name!r} ({err})") from None
+        if not callable(function):
+            raise ValueError(f"backend {name!r}: {attribute} is not callable")
+        return AttentionBackend(name, f"user attention function {name}", _user_implementation(name, function))
+    from transformers import AttentionInterface
+
+    if name in AttentionInterface().valid_keys() and "|" not in name:
+        return AttentionBackend(name, f"transformers' {name}", lambda: name)
+    raise ValueError(f"unknown backend {name!r}; valid: {', '.join(backend_names())}, "
+                     "a module:function, or an implementation transformers registered")
+
+
+def _triton_implementation() -> str:
+    from kernels import hf  # imported late: sets TRITON_INTERPRET on CPU before triton loads
+
+    return hf.register()
+
+
+register_backend(AttentionBackend("sdpa", "PyTorch scaled_dot_product_attention", lambda: "sdpa"))
+register_backend(AttentionBackend("eager", "transformers' eager matmul + softmax", lambda: "eager"))
+register_backend(AttentionBackend("triton", "kvfid Triton batch-invariant attention",
+                                  _triton_implementation))
+
+
+def _twin_implementation() -> str:
+    from harness.environment import twins
+
+    return twins.register_hf()
+
+
+# The negative control: correct attention whose split-KV count follows the call's shape, so live,
+# prefill and batched constructions differ on every machine (harness.environment.twins).
+register_backend(AttentionBackend("twin", "deliberately shape-variant attention (negative control)",
+                                  _twin_implementation))
+
+
+@dataclass(frozen=True)
+class Stack:
+    """(attention backend, precision, batch-invariant mode, device, threads): one measurement's
+    numerical environment."""
+
+    backend: str = "sdpa"
+    dtype: str = "bf16"
+    batch_invariant: bool = False
+    device: str = "cpu"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        attention_backend(self.backend)  # raises ValueError naming the valid ones
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be positive, got {self.threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def batch_invariant_impl(self) -> str | None:
+        """Which batch-invariant ops run: Triton kernels on CUDA; on CPU, where the Triton
+        interpreter is far too slow for a whole model, the row-at-a-time PyTorch mode (same
+        invariance tests). `KVFID_BI_IMPL=triton|rowwise` overrides."""
+        if not self.batch_invariant:
+            return None
+        default = "triton" if self.device.startswith("cuda") else "rowwise"
+        return os.environ.get("KVFID_BI_IMPL", default)
+
+    @property
+    def label(self) -> str:
+        """Short name, e.g. `sdpa/bf16`, `triton/fp32+bi`, or `sdpa/bf16@t1` when the stack sets
+        the thread count (on CPU the thread count changes numerics, so it names the stack)."""
+        return (f"{self.backend}/{self.dtype}" + ("+bi" if self.batch_invariant else "")
+                + (f"@t{self.threads}" if self.threads is not None else ""))
+
+    def describe(self) -> dict:
+        """The stack as the ledger stores it."""
+        return {**asdict(self), "label": self.label,
+                "batch_invariant_impl": self.batch_invariant_impl}
+
+    def with_dtype(self, dtype: str) -> "Stack":
+        return Stack(self.backend, dtype, self.batch_invariant, self.device, self.threads)
+
+    @contextlib.contextmanager
+    def activate(self, model) -> Iterator[torch.nn.Module]:
+        """Set this stack on entry, yield the prepared module, restore what was found on exit."""
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise StackUnavailable(f"stack {self.label} wants {self.device}, no CUDA device here")
+        module = model.cast(self.torch_dtype, self.device)
+        previous_impl = module.config._attn_implementation
+        previous_threads = torch.get_num_threads()
+        with contextlib.ExitStack() as restore:
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)
+                restore.callback(torch.set_num_threads, previous_threads)
+            name = attention_backend(self.backend).implementation()
+            try:
+                module.set_attn_implementation(name)
+            except (ImportError, ValueError) as err:
+                first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise StackUnavailable(f"backend {self.backend} is not available here: {first_line}") from err
+            restore.callback(module.set_attn_implementation, previous_impl)
+            if self.batch_invariant:
+                from kernels.mode import set_batch_invariant_mode
+
+                restore.enter_context(set_batch_invariant_mode(True,
+                                                               impl=self.batch_invariant_impl))
+            restore.enter_context(torch.inference_mode())
+            yield module
+
+
+def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> Stack:
+    """`sdpa/bf16`, `triton/fp32+bi`, `sdpa/bf16@t1` -> Stack (a label's `@tN` wins over `threads`)."""
+    body, _, thread_text = text.partition("@t")
+    if thread_text:
+        if not thread_text.isdigit():
+            raise ValueError(f"stack {text!r}: expected @tN with N a thread count, e.g. sdpa/bf16@t1")
+        threads = int(thread_text)
+    batch_invariant = body.endswith("+bi")
+    body = body[:-3] if batch_invariant else body
+    if body.count("/") != 1:
+        raise ValueError(f"stack {text!r}: expected BACKEND/DTYPE[+bi][@tN], e.g. sdpa/bf16")
+    backend, dtype = body.split("/")
+    return Stack(backend, dtype, batch_invariant, device, threads)

@@ -1,0 +1,93 @@
+"""Construction and transplant names: what `--arms`, case files and transplant specs may say.
+
+`parse_construction` and `parse_transplant` turn the vocabulary's spellings (`prefill`,
+`chunked:16`, `batched:2`, `cobatched:4`, `cobatched:4+decode`, `live<-prefill:keys`) into frozen
+specs, or raise `ProtocolError` naming what is allowed, before any compute. The protocol module
+runs them; this one only names them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from harness.protocol import cache as kv
+from harness.errors import BadInput
+
+CONSTRUCTION_HELP = ("live, prefill, incremental, incremental-1, chunked:N, batched:N (N >= 1), "
+                     "cobatched:N, cobatched:N+decode (N >= 2)")
+_NUMBERED = r"(?:chunked|batched):\d+|cobatched:\d+(?:\+decode)?"
+
+
+class ProtocolError(BadInput, ValueError):
+    """Bad protocol input, raised before any compute."""
+
+
+@dataclass(frozen=True)
+class Construction:
+    """How a boundary state over P is built (see DESIGN.md, 'construction')."""
+
+    kind: str
+    n: int | None = None
+    decode_in_batch: bool = False  # cobatched only: the suffix is decoded in the co-batch too
+
+    @property
+    def label(self) -> str:
+        if self.n is None:
+            return self.kind
+        return f"{self.kind}:{self.n}" + ("+decode" if self.decode_in_batch else "")
+
+    def chunk_sizes(self, prompt_length: int, prefix_length: int) -> list[int]:
+        """The forward-call sizes that feed P (not used by `live`)."""
+        if self.kind in ("prefill", "batched"):
+            return [prefix_length]
+        if self.kind == "incremental":
+            return [prompt_length] + [1] * (prefix_length - prompt_length)
+        if self.kind == "incremental-1":
+            return [1] * prefix_length
+        if self.kind == "chunked":
+            full, rest = divmod(prefix_length, self.n)
+            return [self.n] * full + ([rest] if rest else [])
+        raise ProtocolError(f"{self.label} has no chunk sizes")
+
+
+def parse_construction(text: str) -> Construction:
+    """`prefill`, `chunked:16`, `batched:2`, `cobatched:4+decode`, ... -> Construction;
+    ProtocolError otherwise."""
+    text = text.strip()
+    if text in ("live", "prefill", "incremental", "incremental-1"):
+        return Construction(text)
+    match = re.fullmatch(r"(chunked|batched|cobatched):(\d+)(\+decode)?", text)
+    if match and int(match[2]) >= (2 if match[1] == "cobatched" else 1) and (
+            match[3] is None or match[1] == "cobatched"):
+        return Construction(match[1], int(match[2]), match[3] is not None)
+    raise ProtocolError(f"unknown arm {text!r}; valid: {CONSTRUCTION_HELP}")
+
+
+@dataclass(frozen=True)
+class TransplantSpec:
+    """`recipient<-donor:selection`."""
+
+    recipient: str
+    donor: str
+    selection: kv.Selection
+
+    @property
+    def label(self) -> str:
+        return f"{self.recipient}<-{self.donor}:{self.selection.label}"
+
+
+def parse_transplant(text: str) -> TransplantSpec:
+    """`live<-prefill`, `prefill<-live:keys`, `live<-chunked:16:layers=0-4+values`,
+    `live<-cobatched:4+decode:values`."""
+    recipient, arrow, rest = text.strip().partition("<-")
+    match = re.fullmatch(rf"({_NUMBERED}|[\w-]+)(?::([\w=+-]+))?", rest.strip())
+    if not arrow or not match or not recipient.strip():
+        raise ProtocolError(f"bad transplant {text!r}; expected RECIPIENT<-DONOR[:SELECTION], "
+                            f"selection: {kv.SELECTION_HELP}")
+    recipient, donor = parse_construction(recipient).label, parse_construction(match[1]).label
+    try:
+        selection = kv.parse_selection(match[2] or "all")
+    except ValueError as err:
+        raise ProtocolError(str(err)) from None
+    return TransplantSpec(recipient, donor, selection)

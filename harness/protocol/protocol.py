@@ -1,0 +1,314 @@
+"""The protocol: constructions (arms), suffixes, replicas, the bridge, transplants, the crossing.
+
+`run_item` measures one item on one stack and returns a JSON-able record; `run_crossing` runs the
+fixed-prefix precision crossing. Both take a `Model` and `Stack`s and never look inside either:
+which attention backend or precision runs is the stack's business. Every forward call goes through
+a `Runner`, so each arm reports its wall time, forward calls and forward time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from harness.protocol import cache as kv
+from harness.protocol import cobatch
+from harness.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
+                                   TransplantSpec, parse_construction, parse_transplant)
+from harness.protocol.decode import Greedy, Runner, feed_chunks, greedy, new_cache, as_batch
+
+# --------------------------------------------------------------------------- arms
+
+@dataclass
+class Arm:
+    """One construction's boundary state and the suffix decoded from it, with its costs."""
+
+    label: str
+    state: kv.BoundaryState | None
+    suffix: Greedy
+    wall_s: float
+    forward_calls: int
+    forward_s: float
+    generated: Greedy | None = None      # live only: the B tokens and their margins
+    rows_identical: bool | None = None   # batched only: every row's state equals row 0's
+    cobatch: dict | None = None          # cobatched only: the co-batch's rows (cobatch.CoBatch)
+
+    def record(self, codec, prompt_length: int, answer, matcher) -> dict:
+        text = codec.decode(list(self.state.prefix[prompt_length:]) + self.suffix.tokens) \
+            if self.state else None
+        out = {"construction": self.label, "suffix": self.suffix.tokens,
+               "suffix_margins": self.suffix.margins, "suffix_eos": self.suffix.eos,
+               "suffix_sha": kv.sha_ids(self.suffix.tokens),
+               "cache_sha": kv.sha_cache(self.state) if self.state else None,
+               "logits_sha": kv.sha_tensor(self.state.logits) if self.state else None,
+               "answer_text": text,
+               "correct": matcher(text, answer) if text is not None else None,
+               "wall_s": self.wall_s, "forward_calls": self.forward_calls,
+               "forward_s": self.forward_s}
+        if self.generated is not None:
+            out["live_margins"] = self.generated.margins
+        if self.rows_identical is not None:
+            out["rows_identical"] = self.rows_identical
+        if self.cobatch is not None:
+            out["cobatch"] = self.cobatch
+        return out
+
+
+def decode_suffix(runner: Runner, state: kv.BoundaryState, steps: int, eos_ids) -> Greedy:
+    """`steps` greedy tokens from a boundary state, by the batch-1 suffix decoder."""
+    cache = state.to_cache(runner.module)
+    suffix, _ = greedy(runner, cache, state.logits, steps, eos_ids, feed_last=False)
+    return suffix
+
+
+def run_live(module, prompt: list[int], B: int, S: int, eos_ids) -> Arm:
+    """Prefill the prompt, generate and feed B greedy tokens, then continue S suffix tokens.
+
+    The live run's own continuation is its suffix: nothing is decoded twice. If EOS comes among
+    the B tokens the arm has no state (the item is `short`).
+    """
+    start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
+    logits = runner.forward(as_batch(prompt), cache)[0]
+    generated, logits = greedy(runner, cache, logits, B, eos_ids, feed_last=True)
+    if generated.eos:
+        return Arm("live", None, Greedy(), time.perf_counter() - start, runner.calls,
+                   runner.seconds, generated=generated)
+    state = kv.snapshot(cache, prompt + generated.tokens, logits[None])
+    suffix, _ = greedy(runner, cache, logits, S, eos_ids, feed_last=False)
+    return Arm("live", state, suffix, time.perf_counter() - start, runner.calls, runner.seconds,
+               generated=generated)
+
+
+def run_construction(module, construction: Construction, prompt_length: int,
+                     prefix: list[int], S: int, eos_ids) -> Arm:
+    """Build the boundary state over `prefix` the given way and decode its suffix."""
+    start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
+    rows = construction.n if construction.kind == "batched" else 1
+    sizes = construction.chunk_sizes(prompt_length, len(prefix))
+    logits = feed_chunks(runner, cache, prefix, sizes, rows)          # [rows, V]
+    state = kv.snapshot(cache, prefix, logits)
+    rows_identical = kv.rows_identical(cache, logits) if rows > 1 else None
+    del cache
+    suffix = decode_suffix(runner, state, S, eos_ids)
+    return Arm(construction.label, state, suffix, time.perf_counter() - start, runner.calls,
+               runner.seconds, rows_identical=rows_identical)
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    """Whom a co-batched item may be batched with: (item id, prompt ids) of its item set, and the
+    longest row the context leaves room for."""
+
+    item_id: str
+    pool: tuple[tuple[str, list[int]], ...]
+    max_length: int
+
+
+def run_cobatched(module, construction: Construction, prefix: list[int], S: int, eos_ids,
+                  neighbours: Neighbours) -> Arm:
+    """P built in one left-padded batch with other items; the item's row (padding dropped) is the
+    state. `+decode`: the suffix is decoded in the same co-batch, else by the batch-1 decoder."""
+    start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
+    batch = cobatch.choose(prefix, neighbours.item_id, neighbours.pool, construction.n,
+                           neighbours.max_length)
+    logits, mask = cobatch.prefill(runner, cache, batch)             # [N, V], [N, W]
+    state = kv.snapshot(cache, prefix, logits, batch.row, batch.pads[batch.row])
+    if construction.decode_in_batch:
+        suffix = cobatch.decode(runner, cache, batch, logits, mask, S, eos_ids)
+    else:
+        del cache
+        suffix = decode_suffix(runner, state, S, eos_ids)
+    return Arm(construction.label, state, suffix, time.perf_counter() - start, runner.calls,
+               runner.seconds, cobatch=batch.describe())
+
+
+def build_arm(module, construction: Construction, prompt: list[int], prefix: list[int], S: int,
+              eos_ids, neighbours: Neighbours | None = None) -> Arm:
+    """`live` regenerates P itself; every other construction is built over the given P."""
+    if construction.kind == "live":
+        return run_live(module, prompt, len(prefix) - len(prompt), S, eos_ids)
+    if construction.kind == "cobatched":
+        return run_cobatched(module, construction, prefix, S, eos_ids, neighbours)
+    return run_construction(module, construction, len(prompt), prefix, S, eos_ids)
+
+
+def compare_arms(a: Arm, b: Arm, kind: str) -> dict:
+    """Cache, boundary logits and suffix comparison of two arms (a is the reference)."""
+    out = {"a": a.label, "b": b.label, "kind": kind,
+           "prefix_identical": a.state.prefix == b.state.prefix}
+    if out["prefix_identical"]:
+        out["cache"] = kv.compare_states(a.state, b.state)
+        out["logits"] = kv.compare_logits(a.state.logits, b.state.logits)
+    out["suffix"] = kv.compare_suffixes(a.suffix.tokens, b.suffix.tokens, a.suffix.margins,
+                                        b.suffix.margins)
+    return out
+
+
+def run_transplant(module, spec: TransplantSpec, arms: dict[str, Arm], prompt_length: int,
+                   S: int, eos_ids) -> dict:
+    """Decode the suffix of recipient-with-donor's-cache and classify it."""
+    recipient, donor = arms[spec.recipient], arms[spec.donor]
+    out = {"label": spec.label, "recipient": spec.recipient, "donor": spec.donor,
+           "selection": spec.selection.label,
+           "recipient_equals_donor": recipient.suffix.tokens == donor.suffix.tokens}
+    if kv.compare_logits(recipient.state.logits, donor.state.logits)["argmax_agree"] is False:
+        return {**out, "outcome": "boundary", "suffix": None, "forward_calls": 0}
+    state = kv.transplant(recipient.state, donor.state, spec.selection, prompt_length)
+    runner = Runner(module)
+    suffix = decode_suffix(runner, state, S, eos_ids)
+    if suffix.tokens == recipient.suffix.tokens:
+        outcome = "recipient"
+    elif suffix.tokens == donor.suffix.tokens:
+        outcome = "donor"
+    else:
+        outcome = "third"
+    return {**out, "outcome": outcome, "suffix": suffix.tokens,
+            "suffix_sha": kv.sha_ids(suffix.tokens), "forward_calls": runner.calls,
+            "forward_s": runner.seconds}
+
+
+# --------------------------------------------------------------------------- one item
+
+@dataclass(frozen=True)
+class ItemPlan:
+    """What to measure on one item: B, S, arms, replicas, transplants (all validated)."""
+
+    B: int
+    S: int
+    arms: tuple[str, ...] = ("live", "prefill", "incremental")
+    replicas: tuple[str, ...] = ()
+    transplants: tuple[TransplantSpec, ...] = ()
+    transplant_rows: str = "all"   # "divergent": only where recipient and donor suffixes differ
+    ignore_eos: bool = False       # generate B and S tokens whatever the model emits
+
+    def __post_init__(self) -> None:
+        if self.B < 1 or self.S < 1:
+            raise ProtocolError(f"B and S must be positive (got B={self.B}, S={self.S})")
+        if self.transplant_rows not in ("all", "divergent"):
+            raise ProtocolError(f"transplant_rows {self.transplant_rows!r}; valid: all, divergent")
+        arms = [parse_construction(a).label for a in self.arms]
+        for spec in self.transplants:
+            arms += [spec.recipient, spec.donor]
+        arms += [parse_construction(r).label for r in self.replicas]
+        ordered = ["live"] + [a for a in dict.fromkeys(arms) if a != "live"]
+        object.__setattr__(self, "arms", tuple(ordered))
+
+    def check_fits(self, prompt_length: int, context_length: int) -> None:
+        """Refuse before any compute when prompt + B + S exceeds the model's context."""
+        need = prompt_length + self.B + self.S
+        if need > context_length:
+            raise ProtocolError(f"prompt ({prompt_length} tokens) + B ({self.B}) + S ({self.S}) "
+                                f"= {need} exceeds the model's context of {context_length}")
+
+
+def run_item(model, stack, item, plan: ItemPlan, matcher=None, neighbours: Sequence = ()) -> dict:
+    """Measure one item on one stack: every arm, comparisons vs live, replicas, transplants.
+    `neighbours`: the item set that co-batched arms draw from (default: the built-in arith set)."""
+    start = time.perf_counter()
+    codec, eos = model.codec, frozenset() if plan.ignore_eos else model.codec.eos_ids
+    prompt = codec.prompt_ids(item.prompt)
+    plan.check_fits(len(prompt), model.context_length)
+    matcher = matcher or (lambda text, answer: None)
+    others = None
+    if any(label.startswith("cobatched") for label in plan.arms):
+        pool = neighbours or cobatch.default_pool()
+        others = Neighbours(item.id, tuple((i.id, codec.prompt_ids(i.prompt)) for i in pool),
+                            model.context_length - plan.S)
+    record = {"item": {"id": item.id, "prompt": item.prompt, "answer": item.answer},
+              "model": model.name, "stack": stack.describe(), "B": plan.B, "S": plan.S,
+              "ignore_eos": plan.ignore_eos,
+              "prompt_length": len(prompt), "arms": {}, "comparisons": [], "transplants": []}
+    with stack.activate(model) as module:
+        # Casting the model to this stack's dtype (once per process) is set-up, not protocol.
+        record["setup_s"], start = time.perf_counter() - start, time.perf_counter()
+        live = run_live(module, prompt, plan.B, plan.S, eos)
+        if live.state is None:
+            record.update(status="short", arms={"live": {
+                "construction": "live", "generated": live.generated.tokens,
+                "wall_s": live.wall_s, "forward_calls": live.forward_calls,
+                "forward_s": live.forward_s}},
+                note=f"EOS after {len(live.generated.tokens)} of B={plan.B} live tokens")
+            return _finish(record, [live], start)
+        prefix = list(live.state.prefix)
+        arms = {"live": live}
+        for label in plan.arms[1:]:
+            arms[label] = build_arm(module, parse_construction(label), prompt, prefix, plan.S,
+                                    eos, others)
+        for label in plan.arms[1:]:
+            kind = "bridge" if label == "incremental" else "arm"
+            record["comparisons"].append(compare_arms(live, arms[label], kind))
+        spent = list(arms.values())
+        for label in plan.replicas:
+            replica = build_arm(module, parse_construction(label), prompt, prefix, plan.S, eos,
+                                others)
+            replica.label = label + "'"
+            comparison = compare_arms(arms[label], replica, "replica")
+            comparison["replica_fingerprints"] = _fingerprints(replica)
+            record["comparisons"].append(comparison)
+            spent.append(replica)
+        for spec in plan.transplants:
+            same = arms[spec.recipient].suffix.tokens == arms[spec.donor].suffix.tokens
+            if plan.transplant_rows == "divergent" and same:
+                continue   # an exact row outside the control sample: no forward calls spent
+            record["transplants"].append(run_transplant(module, spec, arms, len(prompt),
+                                                        plan.S, eos))
+    record["status"] = "ok"
+    record["prefix"] = prefix
+    record["prefix_sha"] = kv.sha_ids(prefix)
+    record["arms"] = {label: arm.record(codec, len(prompt), item.answer, matcher)
+                      for label, arm in arms.items()}
+    return _finish(record, spent, start)
+
+
+def _fingerprints(arm: Arm) -> dict:
+    return {"cache_sha": kv.sha_cache(arm.state), "logits_sha": kv.sha_tensor(arm.state.logits),
+            "suffix_sha": kv.sha_ids(arm.suffix.tokens),
+            "prefix_sha": kv.sha_ids(arm.state.prefix)}
+
+
+def _finish(record: dict, arms: list[Arm], start: float) -> dict:
+    calls = sum(a.forward_calls for a in arms) + sum(t.get("forward_calls", 0)
+                                                     for t in record["transplants"])
+    forward_s = sum(a.forward_s for a in arms) + sum(t.get("forward_s", 0.0)
+                                                     for t in record["transplants"])
+    wall = time.perf_counter() - start
+    record["timing"] = {"wall_s": wall, "forward_calls": calls, "forward_s": forward_s,
+                        "overhead": wall / forward_s if forward_s else None}
+    return record
+
+
+# --------------------------------------------------------------------------- precision crossing
+
+def run_crossing(model, item, reference, stacks, B: int, S: int,
+                 constructions=("incremental", "prefill")) -> dict:
+    """Fixed-prefix crossing: freeze P from the reference stack's live run, then build each
+    construction in each stack over that same P and compare suffixes."""
+    codec, eos = model.codec, model.codec.eos_ids
+    prompt = codec.prompt_ids(item.prompt)
+    ItemPlan(B, S).check_fits(len(prompt), model.context_length)
+    with reference.activate(model) as module:
+        live = run_live(module, prompt, B, S, eos)
+    out = {"item": {"id": item.id, "prompt": item.prompt, "answer": item.answer},
+           "reference": reference.describe(), "B": B, "S": S, "cells": {},
+           "comparisons": []}
+    if live.state is None:
+        return {**out, "status": "short"}
+    prefix = list(live.state.prefix)
+    out.update(status="ok", prefix_sha=kv.sha_ids(prefix), reference_suffix=live.suffix.tokens)
+    cells: dict[str, Arm] = {}
+    for stack in stacks:
+        with stack.activate(model) as module:
+            for name in constructions:
+                arm = run_construction(module, parse_construction(name), len(prompt), prefix, S,
+                                       eos)
+                cells[f"{stack.label}|{name}"] = arm
+        first, second = (cells[f"{stack.label}|{c}"] for c in constructions[:2])
+        comparison = compare_arms(first, second, "crossing")
+        comparison["stack"] = stack.label
+        out["comparisons"].append(comparison)
+    for key, arm in cells.items():
+        out["cells"][key] = {**_fingerprints(arm), "suffix": arm.suffix.tokens,
+                             "same_as_reference_live": arm.suffix.tokens == live.suffix.tokens,
+                             "forward_calls": arm.forward_calls, "wall_s": arm.wall_s}
+    return out

@@ -1,0 +1,272 @@
+"""Replay of supplied trajectories: per-token logprob mismatch of a re-scoring against generation.
+
+A **supplied trajectory** is token ids given by the user (a prompt and a recorded continuation,
+e.g. an RL rollout sampled by an inference engine) instead of a live greedy run. Its reference is
+what a generator computes: the prompt in one call, then one token at a time over the cache, each
+step's next-token logits at one position (`incremental`, the construction the bridge shows equal
+to live). Each other construction re-scores the whole trajectory the way a trainer does:
+`prefill` (one forward over prompt + continuation, logits at every position), `chunked:N` (the
+same through the cache in chunks of N), `batched:N` (the prefill with N identical rows).
+
+Per trajectory and construction: the fraction of continuation tokens whose log-probability bits
+differ from the reference, max and mean |delta logprob|, the per-token KL(reference || other)
+between the two next-token distributions (computed in fp64), and the first differing position.
+Log-probabilities are taken in fp32 from the model's logits, as a trainer takes them.
+
+`sample_trajectories()` makes such files: temperature sampling, seeded, from any model preset.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from harness.protocol.cache import bits
+from harness.protocol.decode import Runner, as_batch, new_cache
+from harness.errors import BadInput
+from harness.protocol.protocol import parse_construction
+
+CONSTRUCTIONS = ("prefill", "chunked", "batched")
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """A prompt (token ids, chat template applied) and its recorded continuation."""
+
+    id: str
+    prompt_ids: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+
+def load_trajectories(path: str | Path, codec=None) -> list[Trajectory]:
+    """Read JSONL lines `{"id"?, "prompt_ids": [...] | "prompt": "...", "tokens": [...]}` (a text
+    prompt needs `codec` for its chat template). Raises ValueError naming the file and line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot read the trajectories ({err})") from None
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: not JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected an object with prompt_ids or prompt, and tokens")
+        if "prompt_ids" in row:
+            prompt = _ids(row["prompt_ids"], where, "prompt_ids")
+        elif isinstance(row.get("prompt"), str) and row["prompt"] and codec is not None:
+            prompt = tuple(codec.prompt_ids(row["prompt"]))
+        else:
+            raise ValueError(f"{where}: needs prompt_ids (a non-empty list of token ids) or a "
+                             "non-empty prompt text")
+        out.append(Trajectory(str(row.get("id", f"line-{number}")), prompt,
+                              _ids(row.get("tokens"), where, "tokens")))
+    if not out:
+        raise ValueError(f"{path}: no trajectories")
+    return out
+
+
+def _ids(value, where: str, key: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        raise ValueError(f"{where}: {key} must be a non-empty list of token ids (integers >= 0)")
+    return tuple(value)
+
+
+def check_fits(trajectories: list[Trajectory], vocab_size: int, context_length: int) -> None:
+    """Refuse token ids outside the vocabulary and trajectories longer than the context."""
+    for t in trajectories:
+        if max(t.prompt_ids + t.tokens) >= vocab_size:
+            raise ValueError(f"trajectory {t.id}: a token id >= the vocabulary size {vocab_size}")
+        if len(t.prompt_ids) + len(t.tokens) > context_length:
+            raise ValueError(f"trajectory {t.id}: {len(t.prompt_ids) + len(t.tokens)} tokens exceed "
+                             f"the context of {context_length}")
+
+
+# --------------------------------------------------------------------------- scoring
+
+def reference_logits(runner: Runner, t: Trajectory) -> torch.Tensor:
+    """The generator's next-token logits for each continuation token: [len(tokens), V]."""
+    cache = new_cache(runner.module)
+    rows = [runner.forward(as_batch(t.prompt_ids), cache)[0]]
+    for token in t.tokens[:-1]:
+        rows.append(runner.forward(as_batch([token]), cache)[0])
+    return torch.stack(rows)
+
+
+def rescored_logits(runner: Runner, t: Trajectory, construction: str) -> torch.Tensor:
+    """A trainer's logits for each continuation token under `construction`: [len(tokens), V]."""
+    c = parse_construction(construction)
+    if c.kind not in CONSTRUCTIONS:
+        raise ValueError(f"replay re-scores by {', '.join(CONSTRUCTIONS)}; got {construction!r}")
+    ids = list(t.prompt_ids + t.tokens)
+    if c.kind == "chunked":
+        cache, parts, start = new_cache(runner.module), [], 0
+        for size in c.chunk_sizes(len(t.prompt_ids), len(ids)):
+            parts.append(runner.forward_all(as_batch(ids[start:start + size]), cache)[0])
+            start += size
+        logits = torch.cat(parts)  # [T, V]
+    else:
+        rows = c.n if c.kind == "batched" else 1
+        logits = runner.forward_all(as_batch(ids, rows), None)[0]
+    first = len(t.prompt_ids) - 1  # position whose logits predict the first continuation token
+    return logits[first:first + len(t.tokens)]
+
+
+def mismatch(reference: torch.Tensor, other: torch.Tensor, tokens) -> dict:
+    """Per-token logprob mismatch of `other` against `reference` (both [T, V] logits)."""
+    index = torch.tensor(list(tokens))
+    lp_ref = torch.log_softmax(reference.float(), -1)
+    lp = torch.log_softmax(other.float(), -1)
+    picked_ref, picked = lp_ref[range(len(index)), index], lp[range(len(index)), index]
+    differs = bits(picked_ref) != bits(picked)
+    delta = (picked.double() - picked_ref.double()).abs()
+    ref64, other64 = torch.log_softmax(reference.double(), -1), torch.log_softmax(other.double(), -1)
+    kl = (ref64.exp() * (ref64 - other64)).sum(-1).clamp_min(0.0)  # KL(reference || other)
+    n = int(differs.sum())
+    return {"tokens": len(index), "differ": n, "fraction": n / len(index),
+            "max_abs": float(delta.max()), "mean_abs": float(delta.mean()),
+            "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+            "first_position": int(differs.nonzero()[0, 0]) if n else None,
+            "abs_deltas": [float(d) for d in delta]}
+
+
+def replay(model, stack, trajectories: list[Trajectory], constructions=("prefill",), progress=None) -> dict:
+    """Every trajectory re-scored by every construction on `stack`, against the generator's
+    step-by-step reference. Returns a JSON-ready dict: per item, and aggregated per construction."""
+    check_fits(trajectories, model.config.vocab_size, model.context_length)
+    for construction in constructions:
+        if parse_construction(construction).kind not in CONSTRUCTIONS:
+            raise ValueError(f"replay re-scores by {', '.join(CONSTRUCTIONS)}; got {construction!r}")
+    items = []
+    with stack.activate(model) as module:
+        runner = Runner(module)
+        for t in trajectories:
+            if progress:
+                progress(t.id)
+            reference = reference_logits(runner, t)
+            items.append({"id": t.id, "prompt_tokens": len(t.prompt_ids), "constructions": {
+                c: mismatch(reference, rescored_logits(runner, t, c), t.tokens) for c in constructions}})
+    return {"stack": stack.label, "model": model.name, "items": items,
+            "aggregate": {c: aggregate([i["constructions"][c] for i in items]) for c in constructions}}
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """Over items: tokens, tokens whose bits differ, max and mean |delta|, mean KL, items exact."""
+    deltas = [d for r in rows for d in r["abs_deltas"]]
+    tokens = sum(r["tokens"] for r in rows)
+    differ = sum(r["differ"] for r in rows)
+    firsts = [r["first_position"] for r in rows if r["first_position"] is not None]
+    return {"items": len(rows), "items_exact": sum(r["differ"] == 0 for r in rows),
+            "tokens": tokens, "differ": differ, "fraction": differ / tokens if tokens else 0.0,
+            "max_abs": max(deltas, default=0.0), "mean_abs": statistics.fmean(deltas) if deltas else 0.0,
+            "p99_abs": _quantile(deltas, 0.99), "kl_mean": statistics.fmean(r["kl_mean"] for r in rows),
+            "first_position_median": statistics.median(firsts) if firsts else None}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def render(result: dict) -> str:
+    """Per item and aggregated, one line each; says so when the stack is exactly zero."""
+    lines = [f"kvfid replay  model {result['model']}  stack {result['stack']}  "
+             f"(reference: step-by-step generation)"]
+    for item in result["items"]:
+        for c, m in item["constructions"].items():
+            first = "-" if m["first_position"] is None else m["first_position"]
+            lines.append(f"  {item['id']:<14} {c:<11} {m['differ']:>4}/{m['tokens']:<4} tokens differ  "
+                         f"max |dlogp| {m['max_abs']:.3g}  mean {m['mean_abs']:.3g}  "
+                         f"KL {m['kl_mean']:.3g}  first at {first}")
+    for c, a in result["aggregate"].items():
+        verdict = ("exactly zero: every logprob bit-identical to generation" if a["differ"] == 0 else
+                   f"{a['differ']}/{a['tokens']} tokens ({a['fraction']:.1%}) differ")
+        lines.append(f"{c}: {verdict}; max |dlogp| {a['max_abs']:.3g}, mean {a['mean_abs']:.3g}, "
+                     f"p99 {a['p99_abs']:.3g}, mean KL {a['kl_mean']:.3g}, items exact "
+                     f"{a['items_exact']}/{a['items']}")
+    return "\n".join(lines)
+
+
+def replay_command(trajectories: str, model_name: str, backend: str, dtype: str, batch_invariant: bool,
+                   device: str, threads: int | None, constructions: str, progress=None) -> dict:
+    """`kvfid replay`: the options and the file checked before compute (exit 2 / 3), then `replay`."""
+    from harness.runs import repro
+    from harness.protocol.models import load_model
+
+    repro.check_model_name(model_name)
+    stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads)
+    chosen = tuple(c for c in constructions.split(",") if c)
+    for c in chosen:
+        try:
+            kind = parse_construction(c).kind
+        except ValueError as err:
+            raise BadInput(f"--constructions: {err}") from None
+        if kind not in CONSTRUCTIONS:
+            raise BadInput(f"--constructions = {c!r} is not allowed; allowed: prefill, chunked:N, batched:N")
+    model = load_model(model_name)
+    try:
+        loaded = load_trajectories(trajectories, model.codec)
+        return replay(model, stack, loaded, chosen, progress)
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+
+
+def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, temperature: float,
+                     seed: int, out: str) -> tuple[list[dict], str]:
+    """`kvfid rollouts`: sample on sdpa/fp32 (one thread) and write the JSONL atomically."""
+    from harness.protocol import items
+    from harness.runs import repro
+    from harness.protocol.backends import Stack
+    from harness.protocol.models import load_model
+    from harness.outputs import write_files
+
+    repro.check_model_name(model_name)
+    try:
+        chosen = items.load_item_set(item_set, count)
+    except ValueError as err:
+        raise BadInput(f"--item-set {item_set}: {err}") from None
+    model = load_model(model_name)
+    prompts = [(i.id, model.codec.prompt_ids(i.prompt)) for i in chosen]
+    rows = sample_trajectories(model, Stack("sdpa", "fp32", threads=1), prompts, tokens, temperature, seed)
+    write_files({"rollouts": (Path(out), "".join(json.dumps(r) + "\n" for r in rows))})
+    return rows, out
+
+
+# --------------------------------------------------------------------------- sampling
+
+def sample_trajectories(model, stack, prompts: list[tuple[str, list[int]]], tokens: int,
+                        temperature: float, seed: int) -> list[dict]:
+    """Sample a continuation of `tokens` ids per (id, prompt ids) with temperature (seeded, one
+    generator per trajectory), stopping after an end-of-turn token. JSONL-ready rows."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    rows = []
+    with stack.activate(model) as module:
+        runner = Runner(module)
+        for index, (item_id, prompt) in enumerate(prompts):
+            generator = torch.Generator().manual_seed(seed * 100003 + index)
+            cache, out = new_cache(module), []
+            logits = runner.forward(as_batch(prompt), cache)[0]
+            while len(out) < tokens:
+                probs = torch.softmax(logits.double() / temperature, -1).cpu()
+                token = int(torch.multinomial(probs, 1, generator=generator))
+                out.append(token)
+                if token in model.codec.eos_ids or len(out) == tokens:
+                    break
+                logits = runner.forward(as_batch([token]), cache)[0]
+            rows.append({"id": item_id, "prompt_ids": list(prompt), "tokens": out,
+                         "model": model.name, "stack": stack.label, "temperature": temperature,
+                         "seed": seed})
+    return rows

@@ -1,0 +1,200 @@
+"""Kernel speed results: store pytest-benchmark JSON per environment, compare runs, render.
+
+`save_bench()` files a `--benchmark-json` result under `reports/<environment key>/bench/`, named
+by the run's timestamp; `latest_previous()` finds the run before it; `compare_bench()` compares
+medians per benchmark and flags regressions (median slower by more than the threshold);
+`render_bench()` is the Markdown. The environment key comes from the record the bench conftest
+put into pytest-benchmark's `machine_info` (see tests/bench/conftest.py), so a result is filed
+with the machine it was measured on, not the one that files it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+
+from harness.environment import envinfo
+from harness.errors import BadInput
+
+MACHINE_INFO_KEY = "kvfid"  # machine_info[MACHINE_INFO_KEY] = {"environment": ..., "environment_key": ...}
+
+
+class BenchInputError(BadInput, ValueError):
+    """A benchmark result that cannot be read."""
+
+
+def load_bench(source) -> dict:
+    """A pytest-benchmark JSON result from a path, or the dict itself."""
+    if isinstance(source, dict):
+        return source
+    try:
+        with open(source, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:
+        raise BenchInputError(f"{source}: cannot read a pytest-benchmark JSON result ({err})"
+                              ) from None
+    if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
+        raise BenchInputError(f"{source}: not a pytest-benchmark JSON result (no 'benchmarks' list)")
+    return data
+
+
+def bench_environment_key(data: dict) -> str:
+    """The environment key recorded with the result; computed here if the run lacked the hook."""
+    recorded = (data.get("machine_info") or {}).get(MACHINE_INFO_KEY) or {}
+    return recorded.get("environment_key") or envinfo.environment_key(envinfo.collect())
+
+
+def _timestamp(data: dict) -> str:
+    """The run's start time as `YYYYmmddTHHMMSSZ` (UTC), from pytest-benchmark's `datetime`."""
+    text = data.get("datetime")
+    try:
+        moment = datetime.fromisoformat(text) if text else datetime.now(timezone.utc)
+    except ValueError:
+        moment = datetime.now(timezone.utc)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.astimezone(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def save_bench(json_path, reports_dir="reports") -> Path:
+    """Copy a pytest-benchmark JSON file to `reports/<environment key>/bench/<timestamp>.json`."""
+    data = load_bench(json_path)
+    folder = Path(reports_dir) / bench_environment_key(data) / "bench"
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = _timestamp(data)
+    target, n = folder / f"{stem}.json", 1
+    while target.exists():  # two runs in one second: keep both
+        n += 1
+        target = folder / f"{stem}-{n}.json"
+    shutil.copyfile(json_path, target)
+    return target
+
+
+def file_bench(json_path, reports_dir="reports", threshold: float = 0.10) -> tuple[Path, dict]:
+    """File a result (`save_bench`) and compare it with the previous one of its key."""
+    saved = save_bench(json_path, reports_dir)
+    return saved, compare_bench(saved, latest_previous(saved.parent, exclude=saved), threshold)
+
+
+def latest_previous(key_dir, exclude=None) -> Path | None:
+    """The newest stored result in `key_dir` (an environment's folder or its `bench/`), other
+    than `exclude`; None when there is none."""
+    folder = Path(key_dir)
+    if (folder / "bench").is_dir():
+        folder = folder / "bench"
+    excluded = Path(exclude).resolve() if exclude else None
+    candidates = [p for p in folder.glob("*.json") if p.resolve() != excluded]
+    return max(candidates, key=_run_order) if candidates else None
+
+
+def _run_order(path: Path) -> tuple[str, int]:
+    """Names are UTC timestamps, so name order is time order; `-N` marks the N-th in one second."""
+    stem, _, n = path.stem.partition("-")
+    return stem, int(n) if n.isdigit() else 1
+
+
+def _medians(data: dict) -> dict[str, dict]:
+    """fullname -> {name, group, median (s), extra_info} for each benchmark that has stats."""
+    out = {}
+    for bench in data["benchmarks"]:
+        stats = bench.get("stats") or {}
+        if stats.get("median") is None:
+            continue
+        key = bench.get("fullname") or bench["name"]
+        out[key] = {"name": bench["name"], "group": bench.get("group"), "median": stats["median"],
+                    "extra_info": bench.get("extra_info") or {}}
+    return out
+
+
+def _describe(data: dict | None, source) -> dict | None:
+    if data is None:
+        return None
+    return {"path": None if isinstance(source, dict) else str(source), "datetime": data.get("datetime"),
+            "environment_key": bench_environment_key(data)}
+
+
+def compare_bench(new, previous, threshold: float = 0.10) -> dict:
+    """Compare medians per benchmark (keyed by pytest's full name). `regression`: new median more
+    than `threshold` (a fraction) above the previous one; `improvement`: more than it below.
+    `previous` may be None (a first run: every benchmark is `new`). `ok` is False on a regression."""
+    if threshold < 0:
+        raise ValueError(f"threshold must be >= 0, got {threshold}")
+    new_data = load_bench(new)
+    old_data = load_bench(previous) if previous is not None else None
+    now, before = _medians(new_data), _medians(old_data) if old_data else {}
+    rows = []
+    for key, bench in now.items():
+        old = before.get(key)
+        ratio = bench["median"] / old["median"] if old and old["median"] > 0 else None
+        if old is None:
+            status = "new"
+        elif ratio is None:
+            status = "unchanged" if bench["median"] == 0 else "regression"
+        elif ratio > 1 + threshold:
+            status = "regression"
+        elif ratio < 1 - threshold:
+            status = "improvement"
+        else:
+            status = "unchanged"
+        rows.append({"fullname": key, "name": bench["name"], "group": bench["group"],
+                     "median_s": bench["median"], "previous_median_s": old["median"] if old else None,
+                     "ratio": ratio, "status": status, "extra_info": bench["extra_info"]})
+    new_env, old_env = _describe(new_data, new), _describe(old_data, previous)
+    return {
+        "ok": not any(r["status"] == "regression" for r in rows),
+        "threshold": threshold,
+        "rows": rows,
+        "removed": sorted(before[k]["name"] for k in set(before) - set(now)),
+        "regressions": [r["name"] for r in rows if r["status"] == "regression"],
+        "new": new_env,
+        "previous": old_env,
+        "same_environment": old_env is None or new_env["environment_key"] == old_env["environment_key"],
+    }
+
+
+def _time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def _rate(extra: dict) -> str:
+    parts = []
+    if extra.get("gbps") is not None:
+        parts.append(f"{extra['gbps']:.3g} GB/s")
+    if extra.get("gflops") is not None:
+        parts.append(f"{extra['gflops']:.3g} GFLOP/s")
+    return ", ".join(parts) or "-"
+
+
+def render_bench(comparison: dict) -> str:
+    """The comparison as Markdown: one row per benchmark, regressions marked."""
+    new, old = comparison["new"], comparison["previous"]
+    lines = ["# Kernel benchmarks", "",
+             f"Environment: `{new['environment_key']}`; run {new['datetime']}"
+             + (f" ({new['path']})" if new["path"] else ""),
+             ("Compared with: none (first run here)" if old is None else
+              f"Compared with: run {old['datetime']}" + (f" ({old['path']})" if old["path"] else "")
+              + ("" if comparison["same_environment"] else
+                 f" - ANOTHER environment, `{old['environment_key']}`")),
+             f"Regression: median more than {comparison['threshold']:.0%} above the previous one.", "",
+             "| benchmark | group | median | previous | ratio | rate | status |",
+             "|---|---|---|---|---|---|---|"]
+    for row in comparison["rows"]:
+        status = "**REGRESSION**" if row["status"] == "regression" else row["status"]
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
+        lines.append(f"| {row['name']} | {row['group'] or '-'} | {_time(row['median_s'])} "
+                     f"| {_time(row['previous_median_s'])} | {ratio} | {_rate(row['extra_info'])} "
+                     f"| {status} |")
+    lines.append("")
+    if comparison["removed"]:
+        lines.append("Not in this run: " + ", ".join(comparison["removed"]) + ".")
+    lines.append("Result: " + ("ok, no regression." if comparison["ok"] else
+                               f"{len(comparison['regressions'])} regression(s): "
+                               + ", ".join(comparison["regressions"])))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,347 @@
+"""Run reports: Markdown, one self-contained HTML page, summary.json.
+
+The report is one document (headings, tables, figures) built from a run's aggregates
+(harness.runs.aggregate) and rendered twice: Markdown without the figures, HTML with them as inline SVG
+(harness.reports.figures). This module owns that document, its two renderers, the headline table that
+`show` prints, the `kvfid repro` command of a unit, and `write_report`. `aggregate`, `svg_lines`
+and `svg_bars` are re-exported here for callers that reach them as `report.X`.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import shlex
+from pathlib import Path
+
+from harness.runs.aggregate import OUTCOMES, ROLES, aggregate  # noqa: F401 (re-exported)
+from harness.environment.envinfo import describe as describe_environment
+from harness.reports.figures import PALETTE, svg_bars, svg_lines  # noqa: F401 (re-exported)
+from harness.outputs import write_files
+
+
+# --------------------------------------------------------------------------- formatting
+
+def percent(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def interval_text(r: dict | None) -> str:
+    """`k/n (rate) [lo, hi]`."""
+    if not r:
+        return "-"
+    return f"{r['k']}/{r['n']} ({percent(r['rate'])}) [{percent(r['ci'][0])}, {percent(r['ci'][1])}]"
+
+
+def _num(x, spec: str = ".3g") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def headline_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """The headline table: one row per (stack, construction) compared with live."""
+    head = ["stack", "construction", "ok/short", "suffix ≠ live [95% CI]", "replica floor",
+            "cache bit-exact", "accuracy live → arm", "McNemar p"]
+    rows = []
+    for stack, s in summary["stacks"].items():
+        for label, c in s["constructions"].items():
+            paired = c["correctness"]
+            accuracy = "-" if not paired else (f"{percent(paired['accuracy_a'])} → "
+                                               f"{percent(paired['accuracy_b'])}")
+            floor = c["replica_floor"]
+            rows.append([stack, label + (" (bridge)" if c["kind"] == "bridge" else ""),
+                         f"{s['ok']}/{len(s['short'])}", interval_text(c["suffix_disagree"]),
+                         "-" if not floor else f"{floor['k']}/{floor['n']}",
+                         f"{c['cache_bit_exact']['k']}/{c['cache_bit_exact']['n']}", accuracy,
+                         "-" if not paired else _num(paired["mcnemar_p"])])
+    return head, rows
+
+
+def text_table(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def headline(summary: dict) -> str:
+    """The headline table, and the crossing's 2x2 under it when the run has one."""
+    text = text_table(*headline_rows(summary))
+    x = summary["crossing"]
+    if x and x["cells"]:
+        constructions = list(next(iter(x["cells"].values())))
+        rows = [[stack] + [interval_text(cells.get(c)) for c in constructions]
+                for stack, cells in x["cells"].items()]
+        text += (f"\n\nprecision crossing, P frozen from {x['reference']} live "
+                 f"({x['ok']} items; cells: suffix equals the reference live suffix)\n"
+                 + text_table(["precision"] + constructions, rows))
+    return text
+
+
+def repro_command(case, stack_label: str, item_index: int, prompt: str) -> str:
+    """The `kvfid repro` command that measures one unit of `case` again."""
+    crossing = stack_label == "crossing"
+    stack = case.crossing.reference if crossing else case.stack(stack_label)
+    plan = case.plan(item_index)
+    args = ["kvfid", "repro", "--model", case.model]
+    if case.items.seed == 0:
+        args += ["--item-set", case.items.set, "--item", str(item_index)]
+    else:   # `repro --item-set` draws with seed 0 only; give the prompt itself
+        args += ["--prompt", prompt]
+    args += ["--backend", stack.backend, "--dtype", stack.dtype]
+    args += ["--batch-invariant"] if stack.batch_invariant else []
+    args += ["--device", stack.device]
+    args += ["--threads", str(stack.threads)] if stack.threads else []
+    args += ["-B", str(case.B), "-S", str(case.S), "--arms", ",".join(case.constructions)]
+    args += ["--ignore-eos"] if case.ignore_eos else []
+    args += ["--replicas", ",".join(plan.replicas)] if plan.replicas else []
+    for spec in plan.transplants:
+        args += ["--transplant", spec.label]
+    args += ["--cross", ",".join(case.crossing.dtypes)] if crossing else []
+    return shlex.join(args)
+
+
+def repro_template(case, stack_label: str) -> str:
+    """`repro_command` with the item left open: `--item <INDEX>` (or `--prompt <PROMPT>`)."""
+    return repro_command(case, stack_label, 0, "<PROMPT>").replace("--item 0", "--item <INDEX>")
+
+
+# --------------------------------------------------------------------------- the document
+
+def _table(head, rows) -> tuple:
+    return ("table", [str(h) for h in head], [[str(c) for c in r] for r in rows])
+
+
+def document(run, case, summary: dict, units, raw_environment: bool = True) -> list[tuple]:
+    """The report as blocks: (h1|h2|h3|p|pre, text), (table, head, rows), (figure, svg, caption),
+    (details, title, block): a block the HTML folds away.
+    `raw_environment` adds the environment record as JSON after its description."""
+    prompts = {u.item_index: u.record["item"]["prompt"] for u in units
+               if isinstance(u.record.get("item"), dict)}
+    planned = run.design["units"]
+    doc = [("h1", f"kvfid run {run.id}: {case.name}"),
+           ("p", case.description or "(no description)"),
+           _table(["run", run.id], [
+               ["case", f"{run.case_source} (sha256 {run.case_sha[:16]})"],
+               ["model", case.model],
+               ["items", f"{case.items.set}, n={run.item_count}, seed={case.items.seed}"],
+               ["B, S", f"{case.B}, {case.S}"],
+               ["constructions", ", ".join(case.constructions)],
+               ["status", f"{run.status}: {len(units)}/{planned} units stored"],
+               ["started / finished", f"{run.started} / {run.finished or '-'}"],
+               ["environment", run.environment_key],
+               ["git revision", run.git_revision or "none"]]),
+           ("h2", "Headline"), _table(*headline_rows(summary)),
+           ("p", "Rates count items whose boundary state exists (short items, where EOS came "
+                 "within the B live tokens, are counted apart). Intervals are 95% Wilson; the "
+                 "replica floor is the same construction run twice.")]
+    for label, s in summary["stacks"].items():
+        doc += _stack_blocks(label, s, case, units, prompts)
+    if summary["crossing"]:
+        doc += _crossing_blocks(summary["crossing"], case)
+    doc += [("h2", "Environment"), ("pre", describe_environment(run.environment))]
+    if raw_environment:
+        doc.append(("details", "the environment record (JSON)",
+                    ("pre", json.dumps(run.environment, indent=1))))
+    return doc
+
+
+def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple]:
+    cons = s["constructions"]
+    short = f"; short: {', '.join(s['short'])}" if s["short"] else ""
+    out = [("h2", f"Stack {label}"), ("p", f"{s['items']} item(s), {s['ok']} with a boundary "
+                                            f"state{short}. B={s['B']}, S={s['S']}.")]
+    out += [("h3", "Suffix and cache against live"), _table(
+        ["construction", "suffix ≠ live [95% CI]", "replica floor (arm)", "replica floor (live)",
+         "cache bit-exact", "logits bit-exact", "boundary argmax differs", "median d_rel"],
+        [[c, interval_text(x["suffix_disagree"]), interval_text(x["replica_floor"]),
+          interval_text(x["live_replica_floor"]), interval_text(x["cache_bit_exact"]),
+          f"{x['logits_bit_exact']}/{x['cache_comparable']}", x["boundary_argmax_differs"],
+          _num(x["d_rel_median"])] for c, x in cons.items()])]
+    out += [("h3", "First bad layer"), _table(
+        ["construction", "distribution (first layer whose K or V differs)"],
+        [[c, ", ".join(f"{k}: {n}" if k == "exact" else f"L{k}: {n}"
+                       for k, n in x["first_bad_layer"].items()) or "-"]
+         for c, x in cons.items()])]
+    layers = max((len(x["d_rel_per_layer"]["k"]) for x in cons.values()), default=0)
+    series = [(f"{c} {kv.upper()}", x["d_rel_per_layer"][kv]) for c, x in cons.items()
+              for kv in ("k", "v")]
+    if layers and not any(v for _, ys in series for v in ys):
+        out += [("h3", "Median d_rel per layer"),
+                ("p", "0 at every layer, K and V, for every construction: the median item's "
+                      "cache is bit-exact layer by layer.")]
+    elif layers:
+        out += [("h3", "Median d_rel per layer"),
+                ("figure", svg_lines(series, "layer", "median d_rel (log scale)"),
+                 f"Median over items of ||a-b||_F/||a||_F per layer, K and V apart, {label}; "
+                 f"hollow marks on the 0 line are bit-exact layers."),
+                ("details", "the figure's numbers", _table(
+                    ["layer"] + [name for name, _ in series],
+                    [[i] + [_num(ys[i]) if i < len(ys) else "-" for _, ys in series]
+                     for i in range(layers)]))]
+    out += [("h3", "First divergence and margins"), _table(
+        ["construction", "diverging", "first divergence median [q1, q3]",
+         "live margin at divergence median [q1, q3]", "live margin at other steps median [q1, q3]"],
+        [[c, x["first_divergence"]["n"], _quartiles(x["first_divergence"]),
+          _quartiles(x["margin_at_divergence"]), _quartiles(x["margin_elsewhere"])]
+         for c, x in cons.items()])]
+    if any(x["first_divergence"]["histogram"] for x in cons.values()):
+        out.append(("figure", svg_bars({c: x["first_divergence"]["histogram"]
+                                        for c, x in cons.items()}, "first divergence index"),
+                    f"First-divergence index of suffixes that differ from live, {label}."))
+    out += [("h3", "Correctness"), _table(
+        ["arm", "correct [95% CI]"], [[a, interval_text(r)] for a, r in s["correctness"].items()])]
+    paired = [(c, x["correctness"]) for c, x in cons.items() if x["correctness"]]
+    if paired:
+        out.append(_table(
+            ["live vs", "n", "live", "arm", "difference [95% CI]", "live right, arm wrong",
+             "live wrong, arm right", "McNemar p"],
+            [[c, p["n"], percent(p["accuracy_a"]), percent(p["accuracy_b"]),
+              f"{percent(p['difference'])} [{percent(p['ci_low'])}, {percent(p['ci_high'])}]",
+              p["a_right_b_wrong"], p["a_wrong_b_right"], _num(p["mcnemar_p"])]
+             for c, p in paired]))
+    if s["batched_rows_identical"]:
+        out.append(_table(["batched arm", "every row's state equals row 0's"],
+                          [[a, interval_text(r)] for a, r in s["batched_rows_identical"].items()]))
+    if s["transplants"]:
+        out += [("h3", "Transplants"),
+                ("p", "Rows: divergent (recipient and donor suffixes differ), control (exact rows "
+                      "among the item sample fixed before the run: "
+                      f"{_controls(case)}), unsampled (other exact rows, measured but outside "
+                      "the design)."),
+                _table(["recipient <- donor : selection", "rows", "n"] + list(OUTCOMES),
+                       [[t, role, r["n"]] + [interval_text(r["outcomes"][o]) if r["n"] else "-"
+                                             for o in OUTCOMES]
+                        for t, roles in s["transplants"].items() for role, r in roles.items()])]
+    rows = []
+    for u in units:
+        if u.stack != label or u.record["status"] != "ok":
+            continue
+        for c in u.record["comparisons"]:
+            if c["kind"] != "replica" and not c["suffix"]["identical"]:
+                rows.append([u.record["item"]["id"], c["b"], c["suffix"]["first_divergence"],
+                             _num(c["suffix"]["margin_a_at_divergence"]),
+                             repro_command(case, label, u.item_index,
+                                           prompts.get(u.item_index, ""))])
+    out += [("h3", "Reproduce"),
+            ("pre", repro_template(case, label))]
+    if rows:
+        shown = rows[:20]
+        out += [("p", f"Rows whose suffix differs from live ({len(rows)}"
+                      f"{', first 20 shown' if len(rows) > 20 else ''}):"),
+                _table(["item", "construction", "first divergence", "live margin there",
+                        "command"], shown)]
+    return out
+
+
+def _controls(case) -> str:
+    if not case.transplants:
+        return "none"
+    return ", ".join(map(str, case.transplants.control_indices(case.items.n))) or "none"
+
+
+def _quartiles(x: dict) -> str:
+    if not x["n"]:
+        return "-"
+    return f"{_num(x['median'])} [{_num(x['q1'])}, {_num(x['q3'])}] (n={x['n']})"
+
+
+def _crossing_blocks(x: dict, case) -> list[tuple]:
+    constructions = list(case.crossing.constructions)
+    rows = []
+    for stack, cells in x["cells"].items():
+        within = x["within"][stack]
+        rows.append([stack] + [interval_text(cells.get(c)) for c in constructions]
+                    + [interval_text(within["suffix_disagree"]),
+                       f"{within['cache_bit_exact']}/{within['suffix_disagree']['n']}"])
+    pair = "~".join(constructions)
+    return [("h2", "Precision crossing (fixed prefix)"),
+            ("p", f"P frozen from the live run of {x['reference']}; every cell builds its state "
+                  f"over that same P. {x['ok']} of {x['items']} items have a boundary"
+                  f"{' (short: ' + ', '.join(x['short']) + ')' if x['short'] else ''}. Cells: "
+                  "suffix equal to the reference live suffix."),
+            _table(["precision"] + constructions + [f"{pair} suffix differs", f"{pair} cache "
+                                                    "bit-exact"], rows),
+            ("pre", repro_template(case, "crossing"))]
+
+
+# --------------------------------------------------------------------------- renderers
+
+def markdown(doc: list[tuple]) -> str:
+    """Markdown for terminals and pull requests (figures are in the HTML; their data is here)."""
+    cell = lambda text: text.replace("|", "\\|").replace("\n", " ")
+    out = []
+    for block in doc:
+        if block[0] == "details":
+            block = block[2]
+        kind = block[0]
+        if kind in ("h1", "h2", "h3"):
+            out.append("#" * int(kind[1]) + " " + block[1])
+        elif kind == "p":
+            out.append(block[1])
+        elif kind == "pre":
+            out.append("```\n" + block[1] + "\n```")
+        elif kind == "table":
+            head, rows = block[1], block[2]
+            out.append("\n".join(["| " + " | ".join(map(cell, head)) + " |",
+                                  "|" + "---|" * len(head)]
+                                 + ["| " + " | ".join(map(cell, r)) + " |" for r in rows]))
+    return "\n\n".join(out) + "\n"
+
+
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:24px auto;padding:0 16px;
+color:#222}table{border-collapse:collapse;margin:8px 0 16px;font-size:13px}
+td,th{border:1px solid #ccc;padding:3px 7px;text-align:left;vertical-align:top}
+th{background:#f3f3f3}pre{background:#f7f7f7;padding:8px;overflow-x:auto;font-size:12px;
+white-space:pre-wrap;word-break:break-all}h2{border-bottom:1px solid #ddd;margin-top:32px}
+figure{margin:8px 0 16px}figcaption{font-size:12px;color:#555}
+summary{cursor:pointer;color:#555;font-size:13px;margin:4px 0}"""
+
+
+def to_html(doc: list[tuple]) -> str:
+    """One self-contained page: inline CSS and SVG, no external resource."""
+    title = next((b[1] for b in doc if b[0] == "h1"), "kvfid report")
+    out = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>"
+           f"{html.escape(title)}</title><style>{_CSS}</style></head><body>"]
+    for block in doc:
+        out.append(_html_block(block))
+    return "\n".join(out) + "\n</body></html>\n"
+
+
+def _html_block(block: tuple) -> str:
+    kind = block[0]
+    if kind == "details":
+        return (f"<details><summary>{html.escape(block[1])}</summary>{_html_block(block[2])}"
+                f"</details>")
+    if kind in ("h1", "h2", "h3", "p"):
+        return f"<{kind}>{html.escape(block[1])}</{kind}>"
+    if kind == "pre":
+        return f"<pre>{html.escape(block[1])}</pre>"
+    if kind == "table":
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in block[1])
+        rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>"
+                       for r in block[2])
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
+    if kind == "figure":
+        return f"<figure>{block[1]}<figcaption>{html.escape(block[2])}</figcaption></figure>"
+    raise ValueError(f"unknown report block {kind!r}")
+
+
+def write_report(ledger, run_id: str, root: str | Path = "reports") -> dict[str, Path]:
+    """Write report.md, report.html and summary.json to <root>/<environment key>/<run id>/."""
+    from harness.runs.case import stored_case
+
+    run = ledger.run(run_id)
+    units = ledger.units(run.id)
+    case = stored_case(run)
+    summary = aggregate(units, run.design)
+    doc = document(run, case, summary, units)
+    folder = Path(root) / run.environment_key / run.id
+    meta = {"run": run.id, "case": run.case_name, "case_sha": run.case_sha,
+            "status": run.status, "started": run.started, "finished": run.finished,
+            "environment_key": run.environment_key,
+            "environment": run.environment, "git_revision": run.git_revision,
+            "units": len(units), "planned_units": run.design["units"],
+            "repro": {label: repro_template(case, label) for label in case.unit_labels}}
+    return write_files({"markdown": (folder / "report.md", markdown(doc)),
+                        "html": (folder / "report.html", to_html(doc)),
+                        "summary": (folder / "summary.json",
+                                    json.dumps({**meta, **summary}, indent=1))})

@@ -1,0 +1,123 @@
+"""`make bench` / `kvfid bench`: what a user runs on each machine of a fleet.
+
+In order: the environment record, the kernel comparison table, the speed benches (filed under
+reports/<environment key>/bench/ and compared with the previous result of that key), the default
+fidelity case into the ledger, its run report, and an update of reports/index.md; then a short
+headline. A claimed invariance that fails is the verdict (exit 1); speed changes are flagged in
+the headline, since one run on a shared CPU is too noisy to fail a build on.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class BenchOutcome:
+    """What `run_bench` did: the headline lines, the files written, and the verdict."""
+
+    lines: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+    invariance_ok: bool = True
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def text(self, total_s: float) -> str:
+        """What `kvfid bench` prints on stdout: the headline lines and the time per step."""
+        steps = ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
+        return "\n".join(self.lines + [f"bench took {total_s:.0f} s ({steps})"])
+
+
+def _log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
+              case: str = "default", *, kernels_quick: bool = False, speed: bool = True,
+              items: int | None = None) -> BenchOutcome:
+    """Run every `make bench` step; return the headline and the files written."""
+    from harness.environment import envinfo, invariance
+    from harness.reports import index, report
+    from harness.runs import matrix
+    from harness.runs.case import load_case
+    from harness.runs.ledger import Ledger
+
+    reports = Path(reports)
+    db = Path(db) if db else reports / "ledger.sqlite"
+    out = BenchOutcome()
+    environment = envinfo.collect()
+    key = envinfo.environment_key(environment)
+    _log(f"environment {key}")
+    folder = reports / key
+    folder.mkdir(parents=True, exist_ok=True)
+
+    start = time.perf_counter()
+    kernels = invariance.compare_kernels(quick=kernels_quick, threads=1,
+                                         device="cuda" if environment["cuda_available"]
+                                         else "cpu", progress=_log)
+    out.files["kernels"] = str(invariance.write_result(kernels, reports))
+    out.seconds["kernels"] = time.perf_counter() - start
+    out.invariance_ok = kernels["ok"]
+    claimed = [r for r in kernels["rows"] if r["claims"]["batch"] or r["claims"]["sequence"]]
+    out.lines.append(f"kernels: {'all' if kernels['ok'] else 'NOT all'} of {len(claimed)} "
+                     f"implementation rows that claim invariance are bit-invariant")
+
+    if speed:
+        start = time.perf_counter()
+        out.lines.append(_speed(reports, out))
+        out.seconds["speed"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    chosen = load_case(matrix.default_case_path() if case == "default" else case)
+    result = matrix.run_case(chosen, db, items=items, progress=True)
+    with Ledger(db, readonly=True) as ledger:
+        run = ledger.run(result.run_id)
+        summary = report.aggregate(ledger.units(run.id), run.design)
+        paths = report.write_report(ledger, run.id, reports)
+    out.files.update({name: str(path) for name, path in paths.items()})
+    out.seconds["fidelity"] = time.perf_counter() - start
+    out.files["index"] = str(index.update_index(reports, ledgers=[db]))
+    out.lines += [f"fidelity: run {result.run_id} of {chosen.name} ({result.status}), "
+                  f"report {paths['markdown']}", report.headline(summary)]
+    return out
+
+
+def bench_command(json_path: Path, quick: bool = False) -> list[str]:
+    """The pytest-benchmark run of tests/bench writing `json_path`; `quick`: fp32 decode cases,
+    one round each (a rehearsal, not a measurement)."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/bench",
+               "--benchmark-only", f"--benchmark-json={json_path}"]
+    if quick:
+        command += ["--benchmark-min-rounds=1", "--benchmark-max-time=0.001",
+                    "--benchmark-warmup=off", "-k", "decode and fp32"]
+    return command
+
+
+def _speed(reports: Path, out: BenchOutcome) -> str:
+    """Run the pytest-benchmark suite, file it, compare with the previous result of this key."""
+    from harness.reports import benchreport
+
+    raw = ROOT / ".benchmarks" / "latest.json"
+    raw.parent.mkdir(exist_ok=True)
+    command = bench_command(raw)
+    _log("speed benches: " + " ".join(command[2:]))
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0 or not raw.is_file():
+        return f"speed: the bench suite failed (exit {done.returncode}): " + \
+            " ".join(done.stdout.strip().splitlines()[-1:])
+    saved = benchreport.save_bench(raw, reports)
+    previous = benchreport.latest_previous(saved.parent, exclude=saved)
+    comparison = benchreport.compare_bench(saved, previous, 0.10)
+    (saved.with_suffix(".md")).write_text(benchreport.render_bench(comparison) + "\n")
+    out.files["bench"] = str(saved)
+    if previous is None:
+        return f"speed: {len(comparison['rows'])} benchmarks filed ({saved}); no previous result " \
+               f"of this environment to compare with"
+    slower = comparison["regressions"]
+    return (f"speed: {len(comparison['rows'])} benchmarks vs {previous.name}: {len(slower)} "
+            f"slower by >10% on the median" + (f" ({', '.join(slower[:4])}...)" if slower else ""))

@@ -1,0 +1,266 @@
+"""Case files: one matrix run's design as data (TOML -> frozen dataclasses), validated on load.
+
+A case names the model, the item set, B and S, the stacks, the constructions, replicas, the
+precision crossing and the transplants (`[[stacks]]`: several products of stacks, each on its
+first `items` items). `load_case(path)` refuses a bad file before any compute with a `CaseError` naming the file, the key, the bad value and the allowed ones; `parse_case`
+does the same for case text stored in the ledger. `Case.plan(index)` gives the `ItemPlan` for
+one item, so the run loop never reads TOML.
+
+Transplants are measured on every item (the protocol runs them with the arms); which rows count
+is fixed before any result: all divergent rows, plus as controls the exact rows among a seeded
+sample of item indices (`Transplants.control_indices`), which the run records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+import tomllib
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from harness.protocol.backends import DTYPES, Stack, backend_names, parse_stack
+from harness.runs.case_fields import CaseError, Validator
+from harness.runs.case_stacks import stack_groups, stack_tables
+from harness.runs.checks import construction_reason, count_reason
+from harness.protocol.models import PRESETS, model_names
+from harness.protocol.protocol import (CONSTRUCTION_HELP, ItemPlan, ProtocolError, TransplantSpec,
+                              parse_transplant)
+
+
+@dataclass(frozen=True)
+class ItemSpec:
+    """Which items: an item-set spec (`arith`, `jsonl:<path>`), how many, and the seed."""
+
+    set: str
+    n: int
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """Arms run twice, on the first `items` items (None: all)."""
+
+    arms: tuple[str, ...] = ()
+    items: int | None = None
+
+    def applies(self, index: int) -> bool:
+        return bool(self.arms) and (self.items is None or index < self.items)
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """Fixed-prefix precision crossing: P frozen from `reference`'s live run, then each
+    construction built over it in the reference stack at each dtype."""
+
+    reference: Stack
+    dtypes: tuple[str, ...]
+    constructions: tuple[str, ...] = ("incremental", "prefill")
+    items: int | None = None
+
+    @property
+    def stacks(self) -> tuple[Stack, ...]:
+        return tuple(self.reference.with_dtype(d) for d in self.dtypes)
+
+    def applies(self, index: int) -> bool:
+        return self.items is None or index < self.items
+
+
+@dataclass(frozen=True)
+class Transplants:
+    """Transplant specs (pairs x selections) and the rule that picks exact control rows."""
+
+    specs: tuple[TransplantSpec, ...]
+    controls: int = 0
+    seed: int = 0
+
+    def control_indices(self, n_items: int) -> tuple[int, ...]:
+        """A seeded sample of item indices, fixed before any result; the exact rows among
+        them are the controls (divergent ones count as divergent)."""
+        k = min(self.controls, n_items)
+        return tuple(sorted(random.Random(self.seed).sample(range(n_items), k)))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One matrix run's design. `text` and `sha` are the file as written (stored with the run)."""
+
+    name: str
+    description: str
+    model: str
+    items: ItemSpec
+    B: int
+    S: int
+    constructions: tuple[str, ...]
+    stacks: tuple[Stack, ...]
+    replicas: Replicas = Replicas()
+    crossing: Crossing | None = None
+    transplants: Transplants | None = None
+    ignore_eos: bool = False
+    source: str = ""
+    text: str = ""
+    sha: str = ""
+    stack_items: tuple[int | None, ...] = ()  # per stack: only the first N items (None: all)
+
+    def stack(self, label: str) -> Stack:
+        """The stack with this label. A label stored before the thread count joined stack labels
+        (`sdpa/bf16` for `sdpa/bf16@t1`) names the same stack; KeyError when none matches."""
+        for exact in (True, False):
+            for stack in self.stacks:
+                if label == (stack.label if exact else stack.label.partition("@t")[0]):
+                    return stack
+        raise KeyError(label)
+
+    def plan(self, index: int) -> ItemPlan:
+        """The protocol plan for item `index`."""
+        control = bool(self.transplants) and index in self.transplants.control_indices(
+            self.items.n)
+        return ItemPlan(self.B, self.S, self.constructions,
+                        self.replicas.arms if self.replicas.applies(index) else (),
+                        self.transplants.specs if self.transplants else (),
+                        transplant_rows="all" if control else "divergent", ignore_eos=self.ignore_eos)
+
+    def takes(self, stack: Stack, index: int) -> bool:
+        """Whether the matrix measures item `index` on `stack`."""
+        limit = self.stack_items[self.stacks.index(stack)] if self.stack_items else None
+        return limit is None or index < limit
+
+    def with_item_count(self, n: int) -> "Case":
+        """The same case on its first `n` items (`kvfid run --items N`)."""
+        if count_reason(n) is not None:
+            raise CaseError(f"{self.source}: --items = {n} is not allowed; {count_reason(n)}")
+        return replace(self, items=replace(self.items, n=n))
+
+    @property
+    def unit_labels(self) -> tuple[str, ...]:
+        """The stack labels of the matrix, plus `crossing` when the case has one."""
+        return tuple(s.label for s in self.stacks) + (("crossing",) if self.crossing else ())
+
+    def design(self) -> dict:
+        """What the run fixes before any result: counts and the transplant control sample."""
+        n = self.items.n
+        crossing_items = 0
+        if self.crossing:
+            crossing_items = n if self.crossing.items is None else min(n, self.crossing.items)
+        stack_units = sum(sum(self.takes(s, i) for i in range(n)) for s in self.stacks)
+        out = {"items": n, "stacks": [s.label for s in self.stacks],
+               "crossing_items": crossing_items,
+               "units": stack_units + crossing_items, "control_indices": []}
+        if self.transplants:
+            out["control_indices"] = list(self.transplants.control_indices(self.items.n))
+        return out
+
+
+# --------------------------------------------------------------------------- loading
+
+_TOP = {"name", "description", "model", "B", "S", "constructions", "items", "stacks",
+        "replicas", "crossing", "transplants", "ignore_eos"}
+_TABLES = {
+    "items": {"set", "n", "seed"},
+    "stacks": {"backends", "dtypes", "batch_invariant", "device", "threads", "items"},
+    "replicas": {"arms", "items"},
+    "crossing": {"reference", "dtypes", "constructions", "items"},
+    "transplants": {"pairs", "selections", "controls", "seed"},
+}
+
+
+def load_case(path: str | Path) -> Case:
+    """Read and validate a case file; CaseError names the file, key, value and what is allowed."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise CaseError(f"{path}: cannot read the case file ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise CaseError(f"{path}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset "
+                        f"{err.start}); a case file is UTF-8 TOML") from None
+    return parse_case(text, str(path))
+
+
+def parse_case(text: str, source: str = "<case>") -> Case:
+    """Validate case TOML text (a file's, or one stored in the ledger)."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise CaseError(f"{source}: not valid TOML ({err})") from None
+    v = Validator(source, _TABLES)
+    v.keys(data, _TOP, "")
+    for table, allowed in _TABLES.items():
+        if table in data:
+            for t in stack_tables(v, data) if table == "stacks" else [v.table(data, table)]:
+                v.keys(t, allowed, table)
+
+    model = v.required(data, "", "model", str)
+    if model not in PRESETS and not (model.startswith("hf:") and len(model) > 3):
+        v.fail("", "model", model, ", ".join(model_names()))
+    B, S = v.positive(data, "", "B"), v.positive(data, "", "S")
+    constructions = v.constructions(data, "", "constructions", ["live", "prefill", "incremental"])
+
+    items_table = v.table(data, "items")
+    item_set = v.required(items_table, "items", "set", str)
+    if item_set != "arith" and not (item_set.startswith("jsonl:") and len(item_set) > 6):
+        v.fail("items", "set", item_set, "arith, jsonl:<path>")
+    n = v.check("items", "n", v.positive(items_table, "items", "n"), count_reason)
+    items = ItemSpec(item_set, n, v.integer(items_table, "items", "seed", 0))
+
+    stacks, stack_items = stack_groups(v, data)
+    replicas = Replicas()
+    if "replicas" in data:
+        t = data["replicas"]
+        replicas = Replicas(v.constructions(t, "replicas", "arms", None),
+                            v.item_count(t, "replicas", "items"))
+    crossing = _crossing(v, data["crossing"], stacks[0]) if "crossing" in data else None
+    transplants = _transplants(v, data["transplants"]) if "transplants" in data else None
+
+    name = v.optional(data, "", "name", str, Path(source).stem)
+    return Case(name, v.optional(data, "", "description", str, ""), model, items, B, S,
+                constructions, stacks, replicas, crossing, transplants,
+                ignore_eos=v.optional(data, "", "ignore_eos", bool, False), source=source, text=text,
+                sha=hashlib.sha256(text.encode()).hexdigest(), stack_items=stack_items)
+
+
+def _crossing(v: "Validator", t: dict, like: Stack) -> Crossing:
+    """The crossing's reference stack runs on the matrix's device and thread count."""
+    text = v.required(t, "crossing", "reference", str)
+    try:
+        reference = parse_stack(text, like.device, like.threads)
+    except ValueError as err:
+        v.fail("crossing", "reference", text, f"BACKEND/DTYPE[+bi] with BACKEND in "
+               f"{', '.join(backend_names())} and DTYPE in {', '.join(DTYPES)} ({err})")
+    constructions = v.constructions(t, "crossing", "constructions", ["incremental", "prefill"])
+    if len(constructions) != 2 or any(c == "live" or c.startswith("cobatched") for c in constructions):
+        v.fail("crossing", "constructions", list(constructions),
+               'exactly two constructions other than live and cobatched, e.g. ["incremental", "prefill"]')
+    return Crossing(reference, v.choices(t, "crossing", "dtypes", list(DTYPES), None),
+                    constructions, v.item_count(t, "crossing", "items"))
+
+
+def _transplants(v: "Validator", t: dict) -> Transplants:
+    """Every pair with every selection; each pair and selection checked on its own."""
+    pairs = v.strings(t, "transplants", "pairs", None)
+    selections = v.strings(t, "transplants", "selections", ["all"])
+    for pair in pairs:
+        try:
+            spec = parse_transplant(f"{pair}:all")
+        except ProtocolError as err:
+            v.fail("transplants", "pairs", pair, f"RECIPIENT<-DONOR, each one of "
+                   f"{CONSTRUCTION_HELP} (selections go in `selections`) ({err})")
+        for arm in (spec.recipient, spec.donor):
+            v.check("transplants", "pairs", arm, construction_reason)
+    for selection in selections:
+        try:
+            parse_transplant(f"live<-prefill:{selection}")
+        except ProtocolError as err:
+            v.fail("transplants", "selections", selection, str(err))
+    specs = [parse_transplant(f"{pair}:{selection}")
+             for pair, selection in itertools.product(pairs, selections)]
+    return Transplants(tuple(dict.fromkeys(specs)),
+                       v.integer(t, "transplants", "controls", 0, minimum=0),
+                       v.integer(t, "transplants", "seed", 0))
+
+
+def stored_case(run) -> Case:
+    """The case a ledger run ran: its stored text, on its stored item count."""
+    case = parse_case(run.case_text, f"{run.case_source} (as stored with run {run.id})")
+    return case.with_item_count(run.item_count)

@@ -1,0 +1,49 @@
+"""The stacks of a case file: `[stacks]` (one product of backends x dtypes x batch-invariant
+modes on one device and thread count) or `[[stacks]]` (several such tables, the union of their
+products, each optionally on only its first `items` items, so an expensive stack can run on a few
+items beside the others). Reads through the case loader's validator, so every refusal names the
+file, the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from harness.protocol.backends import DTYPES, Stack, backend_names
+from harness.runs.checks import device_reason, threads_reason
+
+
+def stack_tables(v, data: dict) -> list[dict]:
+    """`[stacks]` (one table) or `[[stacks]]` (a non-empty list of tables)."""
+    tables = data.get("stacks")
+    ok = isinstance(tables, list) and tables and all(isinstance(t, dict) for t in tables)
+    return tables if ok else [v.table(data, "stacks")]
+
+
+def stack_groups(v, data: dict) -> tuple[tuple[Stack, ...], tuple[int | None, ...]]:
+    """The union of the stack tables' products, and each stack's item limit (() when none has
+    one; None: all items)."""
+    groups = [(product_stacks(v, t), v.item_count(t, "stacks", "items"))
+              for t in stack_tables(v, data)]
+    stacks = tuple(s for group, _ in groups for s in group)
+    for s in stacks:
+        if stacks.count(s) > 1:
+            v.fail("stacks", "backends", s.label, "each stack in one [[stacks]] table only")
+    limits = tuple(n for group, n in groups for _ in group)
+    return stacks, limits if any(n is not None for n in limits) else ()
+
+
+def product_stacks(v, t: dict) -> tuple[Stack, ...]:
+    """backends x dtypes x batch-invariant modes, on one device and thread count."""
+    backends = v.choices(t, "stacks", "backends", backend_names(), None)
+    dtypes = v.choices(t, "stacks", "dtypes", list(DTYPES), None)
+    modes = t.get("batch_invariant", [False])
+    if not isinstance(modes, list) or not modes or not all(isinstance(m, bool) for m in modes):
+        v.fail("stacks", "batch_invariant", modes, "a non-empty list of true/false")
+    device = v.optional(t, "stacks", "device", str, "cpu")
+    v.check("stacks", "device", device, device_reason)
+    threads = t.get("threads")
+    if threads is not None:
+        v.check("stacks", "threads", threads, threads_reason)
+    return tuple(Stack(b, d, bi, device, threads)
+                 for b, d, bi in itertools.product(backends, dtypes, dict.fromkeys(modes)))

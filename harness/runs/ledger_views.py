@@ -1,0 +1,79 @@
+"""What the reading commands show of a ledger: `runs`, `show`, `report`. Each opens the ledger
+read-only (harness.runs.ledger_file), so reading a ledger never changes its bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness.errors import BadInput
+from harness.runs.lease import shown_status
+from harness.runs.ledger import Ledger, default_db_path
+
+
+def db_path(db: str | Path | None) -> Path:
+    """The ledger a command uses: `--db`, else $KVFID_DB, else reports/ledger.sqlite."""
+    return Path(db) if db else default_db_path()
+
+
+def list_runs(db: str | Path | None) -> list[dict]:
+    """Every run with its unit counts; `status` is `died` for a run whose processes are gone."""
+    with Ledger(db_path(db), readonly=True) as ledger:
+        return [{"id": r.id, "case": r.case_name, "status": shown_status(r.status,
+                                                                        ledger.leases(r.id)),
+                 "units": n, "planned": r.design["units"], "environment": r.environment_key,
+                 "git": r.git_revision, "started": r.started, "finished": r.finished}
+                for r, n in ledger.runs()]
+
+
+def runs_text(rows: list[dict]) -> str:
+    """`kvfid runs` as a table."""
+    from harness.reports.report import text_table
+
+    return text_table(["run", "case", "status", "units", "started", "environment"],
+                      [[r["id"], r["case"], r["status"], f"{r['units']}/{r['planned']}",
+                        r["started"], r["environment"]] for r in rows])
+
+
+def headline(db: str | Path | None, run_id: str) -> str:
+    """The headline table of a run (what `kvfid run` prints when it ends)."""
+    from harness.reports import report
+
+    with Ledger(db_path(db), readonly=True) as ledger:
+        stored = ledger.run(run_id)
+        return report.headline(report.aggregate(ledger.units(stored.id), stored.design))
+
+
+def show_run(db: str | Path | None, run_id: str, fmt: str = "text") -> str:
+    """A run's aggregates: JSON, or the Markdown document `kvfid show` prints."""
+    from harness.reports import report
+    from harness.runs.case import stored_case
+
+    with Ledger(db_path(db), readonly=True) as ledger:
+        stored = ledger.run(run_id)
+        units = ledger.units(stored.id)
+    summary = report.aggregate(units, stored.design)
+    if fmt == "json":
+        return json.dumps(summary, indent=1)
+    doc = report.document(stored, stored_case(stored), summary, units, raw_environment=False)
+    return report.markdown(doc)
+
+
+def merge_runs(db: str | Path | None, run_ids: list[str], into: str | None):
+    """`Ledger.merge` in an existing ledger: (merged run, units copied, conflicts)."""
+    path = db_path(db)
+    if not path.is_file():
+        raise BadInput(f"no ledger at {path} (run `kvfid run CASE` first, or give --db)")
+    with Ledger(path) as ledger:
+        return ledger.merge(run_ids, into)
+
+
+def report_run(db: str | Path | None, run_id: str, out: str | Path = "reports") -> dict[str, Path]:
+    """Write a run's report files and the reports index; {name: path}."""
+    from harness.reports import report
+    from harness.reports.index import update_index
+
+    with Ledger(db_path(db), readonly=True) as ledger:
+        paths = report.write_report(ledger, ledger.run(run_id).id, out)
+    return {**paths, "index": update_index(out)}

@@ -1,0 +1,262 @@
+"""The run loop: a case's matrix of units, measured into the ledger, and the audit that re-runs it.
+
+A unit is one (item, stack) measurement (`run_item`), or one item's precision crossing
+(`run_crossing`, stack `crossing`). `run_case` checks everything it can before any compute
+(environment, items, context lengths), loads the model once, then for each stack and each item
+measures a unit and writes it in one transaction, holding a lease on the run (harness.runs.lease) so
+that a killed run shows as `died`. `--resume` skips stored units; `--shard I/N` takes every N-th
+item, so processes given the same run id fill one run. harness.runs.audit re-checks a stored run.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from harness.environment import envinfo
+from harness.runs.case import Case, CaseError
+from harness.runs.checks import check_cuda, selection_reason
+from harness.errors import BadInput, Unavailable
+from harness.protocol.items import load_item_set, match_answer
+from harness.runs.ledger import Ledger, LedgerError, new_run_id
+from harness.runs.ledger_file import probe
+from harness.protocol.models import ModelUnavailable, load_model
+from harness.protocol.protocol import ProtocolError, run_crossing, run_item
+
+CASES = Path(__file__).resolve().parents[2] / "cases"
+GPU_DEFAULT_CASE = CASES / "gpu-qwen2.5-shape.toml"
+CPU_DEFAULT_CASE = CASES / "smollm2-cpu.toml"
+
+
+class EnvironmentUnavailable(Unavailable, RuntimeError):
+    """The case needs something this machine lacks (a CUDA device, a model package)."""
+
+
+class ShardError(BadInput, ValueError):
+    """A `--shard` that is not I/N with 0 <= I < N."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run; what was measured is stored and `run_id` can be resumed."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(run_id)
+        self.run_id = run_id
+
+
+def default_case_path() -> Path:
+    """The `make bench` case: the GPU shape case when CUDA is present, the SmolLM2 CPU case
+    otherwise."""
+    return GPU_DEFAULT_CASE if torch.cuda.is_available() else CPU_DEFAULT_CASE
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Every `count`-th item, starting at `index`."""
+
+    index: int = 0
+    count: int = 1
+
+    def takes(self, item_index: int) -> bool:
+        return item_index % self.count == self.index
+
+
+def parse_shard(text: str) -> Shard:
+    """`I/N` with 0 <= I < N."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise ShardError(f"bad shard {text!r}; expected I/N, e.g. 0/2") from None
+    if not 0 <= index < count:
+        raise ShardError(f"bad shard {text!r}; need 0 <= I < N")
+    return Shard(index, count)
+
+
+@dataclass(frozen=True)
+class Unit:
+    item_index: int
+    stack: str          # a stack label, or `crossing`
+
+
+def plan_units(case: Case, shard: Shard = Shard()) -> list[Unit]:
+    """Every unit of the case in run order: for each stack, for each item; then the crossing."""
+    items = [i for i in range(case.items.n) if shard.takes(i)]
+    units = [Unit(i, stack.label) for stack in case.stacks for i in items if case.takes(stack, i)]
+    if case.crossing:
+        units += [Unit(i, "crossing") for i in items if case.crossing.applies(i)]
+    return units
+
+
+class Matrix:
+    """A case bound to its items and model: measures one unit at a time."""
+
+    def __init__(self, case: Case, model=None) -> None:
+        self.case = case
+        _check_devices(case)
+        try:
+            self.items = load_item_set(case.items.set, case.items.n, case.items.seed)
+        except (OSError, ValueError) as err:
+            raise CaseError(f"{case.source}: [items] set = {case.items.set!r}: {err}") from None
+        if model is None:
+            try:
+                model = load_model(case.model)
+            except ModelUnavailable as err:
+                raise EnvironmentUnavailable(f"{case.source}: model = {case.model!r}: {err}"
+                                             ) from None
+        self.model = model
+        for index, item in enumerate(self.items):   # refuse before any compute
+            try:
+                prompt = len(model.codec.prompt_ids(item.prompt))
+                case.plan(index).check_fits(prompt, model.context_length)
+                match_answer("", item.answer)       # a reference that is not a number raises
+            except (ProtocolError, ValueError) as err:
+                raise CaseError(f"{case.source}: item {item.id}: {err}") from None
+            self._check_transplants(item, prompt + case.B)
+
+    def _check_transplants(self, item, prefix_length: int) -> None:
+        """Every transplant selection fits the model's layers and this item's boundary prefix."""
+        layers = int(self.model.config.num_hidden_layers)
+        for spec in self.case.transplants.specs if self.case.transplants else ():
+            reason = selection_reason(spec.selection, layers, prefix_length)
+            if reason is not None:
+                raise CaseError(f"{self.case.source}: [transplants] selections = "
+                                f"{spec.selection.label!r} on item {item.id}: {reason}")
+
+    def measure(self, unit: Unit) -> dict:
+        """Measure one unit; the record `run_item` (or `run_crossing`) returns."""
+        item = self.items[unit.item_index]
+        if unit.stack == "crossing":
+            c = self.case.crossing
+            return run_crossing(self.model, item, c.reference, c.stacks, self.case.B, self.case.S,
+                                c.constructions)
+        return run_item(self.model, self.case.stack(unit.stack), item, self.case.plan(unit.item_index),
+                        matcher=match_answer, neighbours=self.items)
+
+
+def _check_devices(case: Case) -> None:
+    wanted = {s.device for s in case.stacks}
+    if any(d.startswith("cuda") for d in wanted) and not torch.cuda.is_available():
+        raise EnvironmentUnavailable(f"{case.source}: its stacks run on {', '.join(sorted(wanted))}"
+                                     f" and no CUDA device is available here")
+    for device in sorted(wanted):           # cuda:7 on a machine with fewer devices
+        check_cuda(device, f"{case.source}: [stacks] device", EnvironmentUnavailable)
+
+
+# --------------------------------------------------------------------------- runs
+
+@dataclass
+class RunResult:
+    run_id: str
+    status: str
+    measured: int
+    skipped: int
+    planned: int
+
+
+def run_case(case: Case, db: str | Path, *, items: int | None = None, run_id: str | None = None,
+             resume: str | None = None, shard: Shard = Shard(), model=None,
+             progress: bool = True) -> RunResult:
+    """Measure the case's units (its first `items` items, if given) into the ledger at `db`.
+
+    `resume` continues a stored run of the same case (on its item count unless `items` says
+    otherwise); `run_id` names the run, joining it if it exists (shards). Ctrl-C marks the run
+    `interrupted`, an error `crashed`; both stay resumable.
+    """
+    if resume and run_id and resume != run_id:
+        raise CaseError("give --resume RUN or --run-id RUN, not two different runs")
+    probe(Path(db))                       # a file that is not a ledger: refused, untouched
+    existing = _existing_run(db, resume or run_id, must_exist=bool(resume))
+    count = items or (existing.item_count if existing else case.items.n)
+    if count != case.items.n:
+        case = case.with_item_count(count)
+    matrix = Matrix(case, model)          # every check that needs no compute happens here
+    environment = envinfo.collect()
+    key = envinfo.environment_key(environment)
+    if existing:
+        _check_continues(existing, case, key)
+    with Ledger(db) as ledger:
+        run = existing or _create_or_join(ledger, run_id, case, environment, key)
+        stored = ledger.stored_units(run.id)
+        units = plan_units(case, shard)
+        todo = [u for u in units if (u.item_index, u.stack) not in stored]
+        ledger.set_status(run.id, "running")
+        ledger.hold(run.id)
+        if progress:
+            print(f"kvfid run {run.id}: {case.name} on {key}; {len(todo)} units to measure, "
+                  f"{len(units) - len(todo)} already stored", file=sys.stderr)
+        measured = 0
+        bar = progress_bar(len(todo), case.name, progress)
+        try:
+            for unit in todo:
+                item = matrix.items[unit.item_index]
+                bar.set_postfix_str(f"{unit.stack} {item.id}")
+                record = matrix.measure(unit)
+                measured += ledger.write_unit(run.id, unit.item_index, item.id, unit.stack,
+                                              record, key)
+                ledger.hold(run.id)       # the heartbeat `runs` reads
+                bar.update()
+        except KeyboardInterrupt:
+            ledger.set_status(run.id, "interrupted")
+            raise RunInterrupted(run.id) from None
+        except Exception as err:
+            ledger.set_status(run.id, "crashed", f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            bar.close()
+            ledger.release(run.id)
+        status = ledger.finish(run.id)
+    return RunResult(run.id, status, measured, len(units) - len(todo), len(units))
+
+
+def _existing_run(db: str | Path, run_id: str | None, must_exist: bool):
+    """The stored run to continue or join, None to start one (the file is not created here)."""
+    if run_id is None:
+        return None
+    if not Path(db).is_file():
+        if must_exist:
+            raise LedgerError(f"{db}: no run {run_id!r} (no ledger file yet)")
+        return None
+    with Ledger(db) as ledger:
+        if not (must_exist or ledger.has_run(run_id)):
+            return None
+        run = ledger.run(run_id)
+        leases = ledger.leases(run.id)
+    live = [lease for lease in leases if lease.alive()]
+    if must_exist and run.status == "running" and live:
+        raise LedgerError(f"run {run.id} is still being measured ({live[0].text()}); "
+                          f"wait for it, or stop that process first")
+    if must_exist and run.status == "running" and leases:
+        print(f"kvfid: run {run.id} died ({leases[0].text()}); resuming it", file=sys.stderr)
+    return run
+
+
+def _create_or_join(ledger: Ledger, run_id: str | None, case: Case, environment: dict, key: str):
+    """A new run; when another shard created the same run id first, that run."""
+    try:
+        return ledger.create_run(run_id or new_run_id(), case, environment, key)
+    except sqlite3.IntegrityError:
+        run = ledger.run(run_id)
+        _check_continues(run, case, key)
+        return run
+
+
+def _check_continues(run, case: Case, key: str) -> None:
+    if (run.case_sha, run.item_count) != (case.sha, case.items.n):
+        raise CaseError(f"run {run.id} stored another case ({run.case_source}, "
+                        f"{run.item_count} items); {case.source} with {case.items.n} items "
+                        f"cannot continue it")
+    if run.environment_key != key:
+        raise LedgerError(f"run {run.id} was measured on {run.environment_key}; this machine is "
+                          f"{key}. Start a new run here and compare the two")
+
+
+def progress_bar(total: int, name: str, enabled: bool):
+    """A tqdm bar on stderr (disabled when `enabled` is false)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=name, unit="unit", file=sys.stderr, disable=not enabled,
+                dynamic_ncols=True)
