@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import LAUNCH_OPTIONS, gpu_arch, triton_runs_on, uses_tl_dot
+from . import FLOAT_DTYPES, LAUNCH_OPTIONS, gpu_arch, triton_runs_on, uses_tl_dot
 from .dot import mma
 
 BLOCK_M = 16  # query positions per tile (per query head of the group), on every path
@@ -78,9 +78,7 @@ _HALF = {"sm_80": AttentionConfig(block_n=64, max_tile_rows=64, num_warps=8, num
 _FP32 = {arch: AttentionConfig(block_n=16, max_tile_rows=32, num_warps=8,
                                num_stages=1 if arch == "sm_80" else 2) for arch in _HALF}
 CONFIGS = {(arch, dtype): _FP32[arch] if dtype == torch.float32 else _HALF[arch]
-           for arch in _HALF for dtype in (torch.bfloat16, torch.float16, torch.float32)}
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+           for arch in _HALF for dtype in FLOAT_DTYPES}
 
 
 @triton.jit
@@ -224,8 +222,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if not triton_runs_on(q.device):
         raise ValueError(f"attention: tensors on {q.device} need CUDA or the Triton interpreter "
                          "(TRITON_INTERPRET=1 set before triton is imported)")
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"attention supports {_DTYPES} with one dtype for q, k, v; got "
+    if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"attention supports {FLOAT_DTYPES} with one dtype for q, k, v; got "
                         f"{q.dtype}, {k.dtype}, {v.dtype}")
 
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import LAUNCH_OPTIONS, gpu_arch, triton_runs_on, uses_tl_dot
+from . import FLOAT_DTYPES, LAUNCH_OPTIONS, gpu_arch, triton_runs_on, uses_tl_dot
 from .dot import mma
 
 
@@ -44,9 +44,7 @@ _HALF = MatmulConfig(128, 64, 64, num_warps=4, num_stages=3)
 _FP32 = MatmulConfig(64, 64, 32, num_warps=8, num_stages=3)  # 4 warps / 2 stages spilled on triton 3.6
 CONFIGS = {(arch, dtype): _FP32 if dtype == torch.float32 else _HALF
            for arch in ("sm_80", "sm_90", "sm_100")
-           for dtype in (torch.bfloat16, torch.float16, torch.float32)}
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+           for dtype in FLOAT_DTYPES}
 
 
 @triton.jit
@@ -122,8 +120,8 @@ def _check_operands(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
     if not triton_runs_on(a.device):
         raise ValueError(f"{name}: tensors on {a.device} need CUDA or the Triton interpreter "
                          "(TRITON_INTERPRET=1 set before triton is imported)")
-    if a.dtype not in _DTYPES or b.dtype != a.dtype:
-        raise TypeError(f"{name} supports {_DTYPES} with one dtype for both operands; got {a.dtype}, {b.dtype}")
+    if a.dtype not in FLOAT_DTYPES or b.dtype != a.dtype:
+        raise TypeError(f"{name} supports {FLOAT_DTYPES} with one dtype for both operands; got {a.dtype}, {b.dtype}")
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,

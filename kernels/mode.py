@@ -33,7 +33,7 @@ import torch
 from . import matmul as _matmul
 from . import norm as _norm
 from . import softmax as _softmax
-from . import triton_runs_on
+from . import FLOAT_DTYPES, triton_runs_on
 
 IMPLS = ("triton", "rowwise")
 DISPATCH_KEYS = ("CPU", "CUDA")
@@ -44,8 +44,6 @@ OVERRIDDEN_OPS = ("mm", "addmm", "bmm", "mean.dim", "_softmax", "_log_softmax")
 # the mode does not invent one.
 WHERE_STOCK_OPS = ("mm.dtype",)
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 _lock = threading.RLock()
 _requests: list[tuple[object, str | None]] = []  # (token, impl or None), innermost last
 _installed: tuple[str, torch.library.Library] | None = None
@@ -53,7 +51,7 @@ _installed: tuple[str, torch.library.Library] | None = None
 
 def _dense_float(*tensors: torch.Tensor) -> bool:
     first = tensors[0].dtype
-    return all(t.layout == torch.strided and t.dtype == first for t in tensors) and first in _FLOAT_DTYPES
+    return all(t.layout == torch.strided and t.dtype == first for t in tensors) and first in FLOAT_DTYPES
 
 
 def _reduced_last(x: torch.Tensor, dim) -> tuple[torch.Tensor, list[int]]:
@@ -98,7 +96,7 @@ def _mm(impl: str, original) -> Callable:
 
 def _mm_dtype(impl: str, original) -> Callable:
     def mm_dtype(keys, a, b, out_dtype):
-        if not _dense_float(a, b) or out_dtype not in _FLOAT_DTYPES or a.shape[0] == 0:
+        if not _dense_float(a, b) or out_dtype not in FLOAT_DTYPES or a.shape[0] == 0:
             return original.call_boxed(keys, a, b, out_dtype)
         if _triton(impl, a):
             return _matmul.matmul(a, b, out_dtype=out_dtype)
@@ -140,7 +138,7 @@ def _mean_dim(impl: str, original) -> Callable:
     row's reduction, computed alone (rowwise) or by the row kernel (triton)."""
     def mean_dim(keys, x, dim, keepdim=False, *, dtype=None):
         covered = _dense_float(x) and x.dim() > 0 and x.numel() > 0
-        if not covered or (dtype is not None and dtype not in _FLOAT_DTYPES):
+        if not covered or (dtype is not None and dtype not in FLOAT_DTYPES):
             return original.call_boxed(keys, x, dim, keepdim, dtype=dtype)
         rows, dims = _reduced_last(x, dim)  # [*kept, n]
         if _triton(impl, x):

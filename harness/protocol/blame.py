@@ -26,12 +26,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from harness.protocol.cache import ulp_ordered, bits_equal
 from harness.errors import BadInput
 from harness.protocol.decode import Runner, as_batch, new_cache
+from harness.protocol.optrace import trace
 from harness.protocol.protocol import parse_construction, run_live
 
 
@@ -93,71 +92,6 @@ class BlameResult:
 
 def _op_json(op: OpVerdict) -> dict:
     return {**asdict(op), "kind": op.kind}
-
-
-class _Tracer(TorchDispatchMode):
-    """Records (module path, op name, float inputs, float outputs) of every aten op."""
-
-    def __init__(self, where: list[str], on_op):
-        super().__init__()
-        self.where, self.on_op = where, on_op
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket.__name__ not in _SKIPPED and not _is_view(func):
-            self.on_op(self.where[-1] if self.where else "", str(func.overloadpacket.__name__),
-                       _floats(tree_flatten((args, kwargs or {}))[0]), _floats(tree_flatten(out)[0]))
-        return out
-
-
-# Ops that only allocate, describe or move memory; their outputs carry no computed bits.
-_SKIPPED = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like",
-            "full", "full_like", "arange", "detach", "detach_", "set_", "lift_fresh", "_local_scalar_dense", "sym_size",
-            "sym_stride", "is_same_size", "new_empty", "new_zeros", "new_ones", "scalar_tensor"}
-
-
-def _is_view(func) -> bool:
-    """A view (transpose, reshape, select, ...) computes nothing: its bits are its input's. Views
-    are not recorded, also because a view of a buffer that a kernel fills later would be compared
-    before it is written."""
-    returns = func._schema.returns
-    alias = returns[0].alias_info if returns else None
-    return alias is not None and not alias.is_write
-
-
-def _floats(values) -> list[torch.Tensor]:
-    return [v.detach().cpu().clone() for v in values
-            if isinstance(v, torch.Tensor) and v.is_floating_point()]
-
-
-def _module_hooks(module: torch.nn.Module, where: list[str]) -> list:
-    """Hooks that keep `where` the stack of module paths being run (hooks return None: a forward
-    hook's return value would replace the module's output)."""
-    def enter(name):
-        def hook(_module, _args):
-            where.append(name)
-        return hook
-
-    def leave(_module, _args, _out):
-        where.pop()
-
-    handles = []
-    for name, sub in module.named_modules():
-        if name:
-            handles += [sub.register_forward_pre_hook(enter(name)), sub.register_forward_hook(leave)]
-    return handles
-
-
-def _trace(module: torch.nn.Module, run, on_op) -> None:
-    """Run `run()` (one forward) with every aten op reported to on_op(module, op, inputs, outputs)."""
-    where: list[str] = []
-    handles = _module_hooks(module, where)
-    try:
-        with _Tracer(where, on_op):
-            run()
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @dataclass(frozen=True)
@@ -290,7 +224,7 @@ def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
         side_a[key] = Side([tuple(t.shape) for t in inputs], inputs, outputs)
         order_a.append(key)
 
-    _trace(module, lambda: runner.forward(as_batch(prefix[span_a[0]:span_a[1]]), cache_a), record_a)
+    trace(module, lambda: runner.forward(as_batch(prefix[span_a[0]:span_a[1]]), cache_a), record_a)
 
     kind_a = "prompt prefill" if span_a[0] == 0 and span_a[1] > 1 else "decode step"
     result = BlameResult(f"incremental ({kind_a})", parse_construction(against).label, len(prefix), p)
@@ -311,7 +245,7 @@ def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
             verdict.n_diff, verdict.max_abs, verdict.max_ulp = _diff(a.outputs, outputs, spans)
         result.ops.append(verdict)
 
-    _trace(module, lambda: runner.forward(as_batch(prefix[span_b[0]:span_b[1]]), cache_b), record_b)
+    trace(module, lambda: runner.forward(as_batch(prefix[span_b[0]:span_b[1]]), cache_b), record_b)
     result.only_a = [f"{w} {o}" for (w, o, _) in order_a if (w, o, _) not in matched]
     return result
 

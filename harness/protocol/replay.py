@@ -19,6 +19,7 @@ Log-probabilities are taken in fp32 from the model's logits, as a trainer takes 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,7 +171,28 @@ def aggregate(rows: list[dict]) -> dict:
             "tokens": tokens, "differ": differ, "fraction": differ / tokens if tokens else 0.0,
             "max_abs": max(deltas, default=0.0), "mean_abs": statistics.fmean(deltas) if deltas else 0.0,
             "p99_abs": _quantile(deltas, 0.99), "kl_mean": statistics.fmean(r["kl_mean"] for r in rows),
-            "first_position_median": statistics.median(firsts) if firsts else None}
+            "first_position_median": statistics.median(firsts) if firsts else None,
+            "abs_delta_decades": delta_decades(deltas)}
+
+
+DECADES = tuple(range(-9, 1))   # |delta| bins: 0 exactly, then [1e-9, 1e-8) ... [1, inf)
+
+
+def delta_decades(deltas: list[float]) -> list[tuple[str, int]]:
+    """|delta logprob| counted by decade: ("0", n exact), ("<1e-9", n), ("1e-9", n) for
+    [1e-9, 1e-8), ..., ("1e0", n) for [1, inf). Every token falls in exactly one bin."""
+    counts = {"0": 0, "<1e-9": 0, **{f"1e{d}": 0 for d in DECADES}}
+    for d in deltas:
+        if d == 0:
+            counts["0"] += 1
+        elif d < 10.0 ** DECADES[0]:
+            counts["<1e-9"] += 1
+        else:
+            exponent = min(DECADES[-1], math.floor(math.log10(d)))
+            # log10 rounds: 1e-5 * (1 - eps) may land in the 1e-5 bin; the bound decides.
+            exponent -= d < 10.0 ** exponent
+            counts[f"1e{max(DECADES[0], exponent)}"] += 1
+    return list(counts.items())
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -196,6 +218,8 @@ def render(result: dict) -> str:
         lines.append(f"{c}: {verdict}; max |dlogp| {a['max_abs']:.3g}, mean {a['mean_abs']:.3g}, "
                      f"p99 {a['p99_abs']:.3g}, mean KL {a['kl_mean']:.3g}, items exact "
                      f"{a['items_exact']}/{a['items']}")
+        shown = [f"{label}: {n}" for label, n in a["abs_delta_decades"] if n]
+        lines.append(f"  |dlogp| by decade ({c}): " + ", ".join(shown))
     return "\n".join(lines)
 
 
