@@ -69,6 +69,7 @@ def collect_entries(root: Path, ledgers=()) -> list[dict]:
     for entry in entries:
         key_dir = root / entry["environment_key"]
         entry["kernels"] = _beside(key_dir / "kernels.json", "kernels.md", root)
+        entry["kernels_html"] = _beside(key_dir / "kernels.json", "kernels.html", root)
     return entries
 
 
@@ -210,5 +211,6 @@ def index_document(entries: list[dict]) -> list:
     doc += [Heading("Runs shown", 2),
             Table(["environment key", "case", "run", "report", "kernel table"],
                   [[e["environment_key"], e["case"], e["run"], _report_link(e),
-                    Link("kernels.md", e["kernels"]) if e["kernels"] else "-"] for e in shown])]
+                    Link("kernels", e["kernels"], e["kernels_html"]) if e["kernels"] else "-"]
+                   for e in shown])]
     return doc
