@@ -43,7 +43,9 @@ test-compat: install-compat
 
 # Environment record, kernel invariance table, speed benches, the default fidelity case (the GPU
 # shape case with CUDA, else SmolLM2 on CPU) into reports/ledger.sqlite, its report under
-# reports/<environment key>/<run id>/, reports/index.md, and a headline.
+# reports/<environment key>/<run id>/, reports/index.md, and a headline. Speed bench results live
+# in one store only: pytest-benchmark writes its JSON into reports/<environment key>/bench/
+# (no .benchmarks/ autosave); `kvfid bench-report FILE` files one measured elsewhere there.
 .PHONY: bench
 bench: install
 	$(BIN)/kvfid bench --reports reports

@@ -1,10 +1,12 @@
-"""`kvfid bench --quick` on the smoke case: every step writes its file and the index lists it."""
+"""`kvfid bench --quick` on the smoke case: every step writes its file and the index lists it; the
+speed benches' JSON goes only into reports/<environment key>/bench/."""
 
 import json
 
 from click.testing import CliRunner
 
 from harness.cli import main
+from harness.runs.bench import bench_command as real_command
 
 
 def test_quick_bench_writes_kernels_report_and_index(tmp_path):
@@ -17,3 +19,28 @@ def test_quick_bench_writes_kernels_report_and_index(tmp_path):
     assert len(list(tmp_path.rglob("report.html"))) == 1
     index = (tmp_path / "index.md").read_text()
     assert kernels["environment_key"].split("/")[0] in index
+
+
+def test_speed_benches_write_their_json_only_into_the_reports_store(tmp_path, monkeypatch):
+    """pytest-benchmark writes straight into reports/<key>/bench/; nothing lands in .benchmarks/;
+    a second result is compared with the first."""
+    from harness.environment import envinfo
+    from harness.runs import bench
+
+    monkeypatch.setattr(bench, "bench_command", lambda path: real_command(path, quick=True))
+    stray = bench.ROOT / ".benchmarks"     # pytest-benchmark's own store, no longer used
+    files = lambda: {p: p.stat().st_mtime_ns for p in stray.rglob("*")} if stray.exists() else None
+    before = files()
+    first, second = bench.BenchOutcome(), bench.BenchOutcome()
+    assert "no previous result" in bench._speed(tmp_path, first)
+    assert "benchmarks vs " in bench._speed(tmp_path, second)
+    folder = tmp_path / envinfo.environment_key(envinfo.collect()) / "bench"
+    stored = sorted(folder.glob("*.json"))
+    assert [str(p) for p in stored] == [first.files["bench"], second.files["bench"]]
+    data = json.loads(stored[0].read_text())
+    assert data["benchmarks"] and data["machine_info"]["kvfid"]["environment_key"] == \
+        envinfo.environment_key(envinfo.collect())
+    assert all(p.with_suffix(".md").is_file() for p in stored)
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == \
+        sorted(n for p in stored for n in (p.name, p.with_suffix(".md").name))
+    assert files() == before

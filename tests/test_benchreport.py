@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from harness.reports.benchreport import (MACHINE_INFO_KEY, compare_bench, latest_previous, render_bench,
-                                 save_bench)
+from harness.reports.benchreport import (MACHINE_INFO_KEY, compare_bench, latest_previous,
+                                         new_result_path, render_bench, save_bench)
 
 KEY = "cpu-Test-CPU/none/none/2.13.0+cpu/3.9.0"
 
@@ -114,3 +114,18 @@ def test_render_marks_regressions_and_rates():
 def test_not_a_benchmark_file_is_refused(tmp_path):
     with pytest.raises(ValueError, match="pytest-benchmark"):
         save_bench(write(tmp_path / "x.json", {"rows": []}), reports_dir=tmp_path)
+
+
+def test_a_result_written_into_its_store_stays_there(tmp_path):
+    """`kvfid bench` has pytest-benchmark write into reports/<key>/bench/ directly: filing it
+    copies nothing; a result whose record names another key is filed under that key."""
+    reports = tmp_path / "reports"
+    there = new_result_path(reports, KEY)
+    assert there.parent == reports / KEY / "bench" and not there.exists()
+    write(there, bench_json({"a": 1.0}))
+    assert save_bench(there, reports_dir=reports) == there
+    assert list((reports / KEY / "bench").iterdir()) == [there]
+    other = new_result_path(reports, KEY)
+    write(other, bench_json({"a": 1.0}, key="NVIDIA-H100/x/y/z/w"))
+    moved = save_bench(other, reports_dir=reports)
+    assert moved.parent == reports / "NVIDIA-H100/x/y/z/w" / "bench"

@@ -1,6 +1,7 @@
 """`reports/index.md`: one row per environment key per case, the newest run of each winning, GPU,
 driver, CUDA, torch and triton as columns, built from summary.json alone; ledgers add runs that
-have no report yet; the HTML is self-contained."""
+have no report yet; each run links its report (report.html from the HTML page, which is
+self-contained otherwise and shows no Markdown marks)."""
 
 import copy
 import re
@@ -71,6 +72,16 @@ def table(text: str, heading: str) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+LINK = re.compile(r"\[([^\]]+)\]\(([^)]+)\)")
+
+
+def link(cell: str) -> tuple[str, str]:
+    """(text, target) of a Markdown link cell."""
+    found = LINK.fullmatch(cell)
+    assert found, cell
+    return found[1], found[2]
+
+
 def test_one_row_per_environment_key_from_the_summaries_alone(reports):
     root, _, ids = reports
     path = update_index(root)
@@ -86,7 +97,9 @@ def test_one_row_per_environment_key_from_the_summaries_alone(reports):
     assert set(by_driver) == {"-", "570.86.15", "575.51.03"}
     assert by_driver["570.86.15"]["GPU"] == "NVIDIA H200"
     assert by_driver["-"]["GPU"].startswith("none (CPU")
-    assert by_driver["570.86.15"]["run"] == ids["570"]       # the newer of the two 570 runs
+    text, target = link(by_driver["570.86.15"]["run"])
+    assert text == ids["570"]                                # the newer of the two 570 runs
+    assert target.endswith(f"/{ids['570']}/report.md") and (root / target).is_file()
     # The newest 570 run's prefill broke: the row says so, the others do not.
     assert by_driver["570.86.15"]["sdpa/bf16@t1: prefill bit-exact"].startswith("0/")
     assert by_driver["575.51.03"]["eager/bf16@t1: prefill bit-exact"] == \
@@ -104,16 +117,24 @@ def test_ledgers_add_runs_without_a_report(reports):
     assert ids["580"] in text and "not written" in text
     # A run with a report is taken from it, not recomputed from the ledger.
     _, shown = table(text, "## Runs shown")
-    assert [r for r in shown if r[2] == ids["575"]][0][3].endswith(f"{ids['575']}/report.md")
+    text, target = link([r for r in shown if r[2] == ids["575"]][0][3])
+    assert text == "report" and target.endswith(f"{ids['575']}/report.md")
+    assert [r for r in shown if r[2] == ids["580"]][0][3].startswith("not written")
 
 
-def test_index_html_is_self_contained(reports):
+def test_index_html_links_each_report_and_is_otherwise_self_contained(reports):
     root, _, ids = reports
     update_index(root)
     page = (root / "index.html").read_text()
     assert ids["575"] in page and "<table>" in page
-    assert not re.search(r"\b(src|href)\s*=", page) and "<script" not in page \
+    assert not re.search(r"\bsrc\s*=", page) and "<script" not in page \
         and "<link" not in page and "url(" not in page
+    targets = re.findall(r'href="([^"]+)"', page)
+    for run in ("cpu", "570", "575"):
+        assert any(t.endswith(f"/{ids[run]}/report.html") for t in targets), run
+    assert all(not t.startswith(("/", "http:", "https:")) and (root / t).is_file()
+               for t in targets), targets
+    assert "`" not in page and "<code>kvfid compare KEY_A KEY_B</code>" in page
 
 
 def test_an_empty_reports_folder_gives_an_index_that_says_so(tmp_path):

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 import kernels
 from harness.environment import invariance, probes, twins
-from harness.environment.invariance import IMPLEMENTATIONS, OPS, bits_equal, compare_kernels, render_table
+from harness.environment.invariance import IMPLEMENTATIONS, OPS, bits_equal, compare_kernels
+from harness.reports import invariance_table
+from harness.reports.invariance_table import render_table, write_result
 from kernels.attention import attention_ref
 
 # The comparison runs on CPU tensors; Triton takes them only through its interpreter (always set
@@ -89,12 +91,22 @@ def test_stock_rows_are_findings_never_failures(quick):
     for row in stock:
         assert row["ok"], row
         both = row["batch"]["invariant"] and row["sequence"]["invariant"]
-        assert invariance._verdict(row) == ("stock invariant here" if both else "-")
+        assert invariance_table._verdict(row) == ("stock invariant here" if both else "-")
     probes = {(p["op"], p["dtype"]) for p in quick["stock_probes"]}
     assert probes == {(op, d) for op in ("mm", "sdpa") for d in ("bf16", "fp32")}
     for p in quick["stock_probes"]:
         assert p["witness"] is None or p["witness"]["max_abs_diff"] > 0, p
     assert "Stock probes" in render_table(quick)
+
+
+def test_filed_result_is_json_markdown_and_html_of_one_document(quick, tmp_path):
+    path = write_result(quick, tmp_path)
+    folder = tmp_path / quick["environment_key"]
+    assert path == folder / "kernels.md" and path.read_text() == render_table(quick)
+    assert json.loads((folder / "kernels.json").read_text())["rows"] == quick["rows"]
+    page = (folder / "kernels.html").read_text()
+    assert page.count("<tr>") == 1 + len(quick["rows"]) and "<li>" in page  # head + rows; probes
+    assert f"<code>{quick['environment_key']}</code>" in page and "`" not in page
 
 
 def test_result_carries_its_environment_and_is_json(quick):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from harness.environment.compile_plan import Target
 from harness.environment.roofline import Work, roofline
+from harness.reports.document import Bullets, Paragraph, Table, plain_text
 
 ROOT = Path(__file__).resolve().parents[2]
 # Maximum shared memory per block (CUDA C++ Programming Guide, "Technical Specifications per
@@ -211,31 +212,40 @@ def _floors(row: dict) -> str:
     return ", ".join(f"{r['gpu']} {r['floor_us']:g} us ({r['bound'][:3]})" for r in row["roofline"])
 
 
-def render_table(report: dict) -> str:
-    """The report as a text table: resources, instruction mix, roofline floors, verdicts."""
-    header = (f"{'config':<42} {'w/s':>4} {'regs':>4} {'stack':>5} {'shared':>7} {'MMA':>4} "
-              f"{'FFMA':>5} {'atom':>4} {'STL/LDL':>7}  roofline floor per launch")
-    lines = [header, "-" * len(header)]
+def compile_document(report: dict) -> list:
+    """The report as blocks of harness.reports.document: resources, instruction mix, roofline
+    floors, then each problem, each arch's count and the verdict."""
+    rows, found = [], []
     for row in report["configs"]:
         if "error" in row:
-            lines.append(f"{row['name']:<42} FAILED  {row['error']}")
-            continue
-        lines.append(f"{row['name']:<42} {row['num_warps']}/{row['num_stages']:<2} "
-                     f"{row['registers']:>4} {row['stack']:>5} {row['shared']:>7} {row['mma']:>4} "
-                     f"{row['ffma']:>5} {row['atomics']:>4} {row['stl']:>3}/{row['ldl']:<3}  "
-                     f"{row['roofline'][0]['shape'] if row['roofline'] else ''}: {_floors(row)}")
-        lines += [f"{'':<42} ^ {problem}" for problem in row["problems"]]
-    lines.append("")
+            rows.append([row["name"], "FAILED"] + ["-"] * 8)
+        else:
+            shape = row["roofline"][0]["shape"] if row["roofline"] else ""
+            rows.append([row["name"], f"{row['num_warps']}/{row['num_stages']}",
+                         row["registers"], row["stack"], row["shared"], row["mma"], row["ffma"],
+                         row["atomics"], f"{row['stl']}/{row['ldl']}",
+                         f"{shape}: {_floors(row)}"])
+        found += [f"{row['name']}: {problem}" for problem in row["problems"]]
+    doc = [Table(["config", "w/s", "regs", "stack", "shared", "MMA", "FFMA", "atom", "STL/LDL",
+                  "roofline floor per launch"], rows)]
+    if found:
+        doc.append(Bullets(found))
+    counts = []
     for arch in dict.fromkeys(r["arch"] for r in report["configs"]):
-        rows = [r for r in report["configs"] if r["arch"] == arch]
-        bad = [r for r in rows if r["problems"]]
-        line = f"{arch}: {len(rows) - len(bad)} of {len(rows)} configs pass"
-        if rows and all("error" in r for r in rows):
-            line += f"; cannot compile for {arch} here: {rows[0]['error']}"
-        lines.append(line)
-    lines.append(f"triton {report['triton']}, {report['jobs']} workers, {report['seconds']} s; "
-                 f"{'ok' if report['ok'] else 'FAILED'}")
-    return "\n".join(lines)
+        of_arch = [r for r in report["configs"] if r["arch"] == arch]
+        bad = [r for r in of_arch if r["problems"]]
+        line = f"{arch}: {len(of_arch) - len(bad)} of {len(of_arch)} configs pass"
+        if of_arch and all("error" in r for r in of_arch):
+            line += f"; cannot compile for {arch} here: {of_arch[0]['error']}"
+        counts.append(line)
+    return doc + [Bullets(counts),
+                  Paragraph(f"triton {report['triton']}, {report['jobs']} workers, "
+                            f"{report['seconds']} s; {'ok' if report['ok'] else 'FAILED'}")]
+
+
+def render_table(report: dict) -> str:
+    """The report for a terminal: aligned columns, then problems, counts per arch, the verdict."""
+    return plain_text(compile_document(report)).rstrip("\n")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

@@ -3,8 +3,9 @@
 This module owns `compare_kernels()`, which runs every implementation of every op (attention
 decode and prefill, matmul, RMSNorm, softmax, log-softmax; stock torch, SDPA and eager as
 transformers calls them, the Triton kernels, and the batch-invariant modes) through two bitwise
-checks, and `render_table()`, its Markdown table. The implementations and their claims live in
-harness.environment.implementations (re-exported here).
+checks. The implementations and their claims live in harness.environment.implementations; the
+table (`render_table`) and the filed result (`write_result`) in harness.reports.invariance_table
+(both re-exported here).
 
 * **batch**: rows computed alone against the same rows inside batches of 2 ... 128 (each batch
   size its own call); for attention a row is a sequence (the batch axis), for the row ops a row of
@@ -24,12 +25,10 @@ stock row that passes a check is a finding, "stock invariant here", never an err
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -39,7 +38,7 @@ from harness.environment.implementations import (  # noqa: F401 (re-exported)
     ATTENTION_OPS, IMPLEMENTATIONS, OPS, Implementation, attention_eager, attention_sdpa,
     attention_triton, log_softmax_triton, matmul_stock, matmul_triton, rms_norm_stock,
     rms_norm_triton, softmax_triton)
-from harness.outputs import write_files
+from harness.reports.invariance_table import render_table, write_result  # noqa: F401 (re-exported)
 
 BATCH_SIZES = (2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 64, 128)
 # quick: tile edges (7/8, 16/17), two tiles (33) and the size where stock fp32 mm differs (7).
@@ -170,7 +169,8 @@ def row_sequence_check(call: Callable, pool: torch.Tensor, length: int,
 
 # ---- inputs ------------------------------------------------------------------------------------
 
-def _randn(gen: torch.Generator, *shape, scale: float = 1.0) -> torch.Tensor:
+def randn(gen: torch.Generator, *shape, scale: float = 1.0) -> torch.Tensor:
+    """Seeded normal inputs (fp32, on the CPU), scaled."""
     return torch.randn(*shape, generator=gen) * scale
 
 
@@ -178,12 +178,12 @@ def _row_op_inputs(op: str, shapes: Shapes, pool_rows: int, gen: torch.Generator
     """(pool [rows, K] in fp32, params in fp32 or plain numbers) for a row op."""
     if op == "matmul":
         # Weights scaled like a trained projection's, so outputs are of order one.
-        return (_randn(gen, pool_rows, shapes.hidden),
-                (_randn(gen, shapes.matmul_out, shapes.hidden, scale=shapes.hidden ** -0.5),))
+        return (randn(gen, pool_rows, shapes.hidden),
+                (randn(gen, shapes.matmul_out, shapes.hidden, scale=shapes.hidden ** -0.5),))
     if op == "rms-norm":
-        return _randn(gen, pool_rows, shapes.hidden), (1 + 0.1 * _randn(gen, shapes.hidden), 1e-5)
+        return randn(gen, pool_rows, shapes.hidden), (1 + 0.1 * randn(gen, shapes.hidden), 1e-5)
     width = shapes.softmax_width if op == "softmax" else shapes.log_softmax_width
-    return _randn(gen, pool_rows, width, scale=3.0), ()
+    return randn(gen, pool_rows, width, scale=3.0), ()
 
 
 def _cast(t, dtype, device):
@@ -200,11 +200,11 @@ def _run_one(impl: Implementation, dtype: torch.dtype, device: torch.device, sha
         h_q, h_kv, d = shapes.n_q_heads, shapes.n_kv_heads, shapes.head_dim
         kv_len = shapes.decode_context if impl.op == "attention-decode" else shapes.prefill_len
         q_len = 1 if impl.op == "attention-decode" else kv_len
-        pool = [_randn(gen, pool_rows, h_q, q_len, d).to(device, dtype),  # q: the last q_len positions
-                *(_randn(gen, pool_rows, h_kv, kv_len, d).to(device, dtype) for _ in "kv")]
+        pool = [randn(gen, pool_rows, h_q, q_len, d).to(device, dtype),  # q: the last q_len positions
+                *(randn(gen, pool_rows, h_kv, kv_len, d).to(device, dtype) for _ in "kv")]
         rows = alone_rows(batch_sizes, shapes.attention_alone_first if sampled else pool_rows, pool_rows)
         batch, _ = batch_check(impl.run, pool, batch_sizes, rows)
-        seq = [_randn(gen, 1, h, shapes.sequence_len, d).to(device, dtype) for h in (h_q, h_kv, h_kv)]
+        seq = [randn(gen, 1, h, shapes.sequence_len, d).to(device, dtype) for h in (h_q, h_kv, h_kv)]
         sequence = attention_sequence_check(impl.op, impl.run, *seq, shapes.chunkings)
     else:
         pool, params = _row_op_inputs(impl.op, shapes, max(pool_rows, shapes.row_sequence_len), gen)
@@ -302,85 +302,3 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
         "environment": environment,
         "environment_key": envinfo.environment_key(environment),
     }
-
-
-# ---- rendering ---------------------------------------------------------------------------------
-
-def _diff(value: float) -> str:
-    return "0" if value == 0 else f"{value:.3g}"
-
-
-def _claims(claims: dict) -> str:
-    text = "+".join(name for name in ("batch", "sequence") if claims[name])
-    return text or "none"
-
-
-def _verdict(row: dict) -> str:
-    if row.get("control"):
-        return "control caught" if row["ok"] else "**CONTROL MISSED**"
-    if not row["ok"]:
-        return "**FAIL**"
-    if row["claims"]["batch"] or row["claims"]["sequence"]:
-        return "ok"
-    return "stock invariant here" if row["batch"]["invariant"] and row["sequence"]["invariant"] else "-"
-
-
-def _versions(record: dict) -> str:
-    v, git = record.get("versions", {}), record.get("git")
-    revision = "no git checkout" if git is None else \
-        f"git {git['revision'][:12]}{' (dirty)' if git['dirty'] else ''}"
-    return (f"torch {v.get('torch')}, triton {v.get('triton')}, transformers {v.get('transformers')}, "
-            f"Python {v.get('python')}, {revision}")
-
-
-def render_table(result: dict) -> str:
-    """The comparison as Markdown: one table row per op x implementation x dtype, then the stock
-    probes."""
-    from harness.environment.probes import render_probes  # imports this module
-
-    shapes = result["shapes"]
-    lines = [
-        f"# Kernel invariance ({'quick' if result['quick'] else 'full'}, {result['device']}, "
-        f"{result['threads']} torch threads)",
-        "",
-        f"Environment: `{result['environment_key']}`; {_versions(result['environment'])}",
-        f"Batch sizes: {', '.join(map(str, result['batch_sizes']))}. Bits compared; "
-        "`yes` = bit-identical everywhere checked.",
-        "Rows checked alone: every row, except for Triton rows in the interpreter (a sample: rows "
-        f"0-{shapes['alone_first'] - 1} for row ops, 0-{shapes['attention_alone_first'] - 1} for "
-        "attention, and each batch's last row).",
-        "`twin` rows are deliberately variant controls (reduction split chosen from the shape): "
-        "each check must catch them. A stock row that passes both checks is marked \"stock "
-        "invariant here\": stock numerics differ between machines, so that is a finding.",
-        "",
-        "| op | impl | dtype | claims | batch-invariant | first failing batch | max abs diff "
-        "| sequence check | sequence-invariant | first differing position | max abs diff | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in result["rows"]:
-        b, s = row["batch"], row["sequence"]
-        lines.append(
-            f"| {row['op']} | {row['impl']} | {row['dtype']} | {_claims(row['claims'])} "
-            f"| {'yes' if b['invariant'] else 'NO'} | {b['first_failing_batch'] or '-'} "
-            f"| {_diff(b['max_abs_diff'])} | {s['kind']} | {'yes' if s['invariant'] else 'NO'} "
-            f"| {'-' if s['first_differing_position'] is None else s['first_differing_position']} "
-            f"| {_diff(s['max_abs_diff'])} | {_verdict(row)} |")
-    lines.append("")
-    if result.get("stock_probes"):
-        lines += render_probes(result["stock_probes"]) + [""]
-    for item in result["skipped"]:
-        lines.append(f"Not run here: {item['op']} / {item['impl']} ({item['why']}).")
-    failed = "; ".join(f"{r['op']} / {r['impl']} / {r['dtype']}" for r in result["rows"] if not r["ok"])
-    lines.append("Result: " + ("ok: every implementation that claims invariance is invariant, and "
-                               "every variant twin was caught." if result["ok"] else
-                               f"FAILED (claimed invariance broken, or a twin not caught): {failed}"))
-    lines.append(f"Duration: {result['duration_s']:.1f} s.")
-    return "\n".join(lines) + "\n"
-
-
-def write_result(result: dict, reports) -> Path:
-    """File a comparison as <reports>/<environment key>/kernels.json and kernels.md; the .md path."""
-    folder = Path(reports) / result["environment_key"]
-    return write_files({"json": (folder / "kernels.json", json.dumps(result, indent=1)),
-                        "markdown": (folder / "kernels.md", render_table(result) + "\n")}
-                       )["markdown"]

@@ -5,7 +5,8 @@ step the bits of the prefill, depends on the machine (instruction set, BLAS code
 measured, stock bf16 mm at [64, 576] x [576, 1536] differed by batch on an Intel Xeon (AMX) and
 not on an AMD EPYC (AVX-512). So these are findings per machine, never test assumptions. Each
 probe walks its grid in a fixed order and stops at the first witness: the shape, batch size or
-position, and the max abs difference. No witness anywhere is reported as "stock invariant here".
+position, and the max abs difference. No witness anywhere is reported as "stock invariant here"
+(harness.reports.invariance_table renders them).
 """
 
 from __future__ import annotations
@@ -15,16 +16,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from harness.environment.invariance import BATCH_SIZES, DTYPES, bits_equal, max_abs_diff
+from harness.environment.invariance import BATCH_SIZES, DTYPES, bits_equal, max_abs_diff, randn
 
 # (K, N): SmolLM2's k/v projection, its MLP up projection, the down projection, a small odd one.
 MATMUL_GRID = ((576, 192), (576, 1536), (1536, 576), (96, 80))
 # (query heads, kv heads, head dim, length): SmolLM2, a small GQA, head dim 128, Qwen2.5-0.5B.
 ATTENTION_GRID = ((9, 3, 64, 130), (4, 2, 64, 64), (2, 1, 128, 40), (14, 2, 64, 96))
-
-
-def _randn(gen: torch.Generator, *shape, scale: float = 1.0) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen) * scale
 
 
 def mm_batch_witness(mm: Callable, dtype: torch.dtype, device: torch.device,
@@ -33,8 +30,8 @@ def mm_batch_witness(mm: Callable, dtype: torch.dtype, device: torch.device,
     """First (K, N, batch) where some row of `mm(x[:n], w)` differs from `mm(x[i:i+1], w)`."""
     gen = torch.Generator().manual_seed(0)
     for k, n in grid:
-        x = _randn(gen, max(batch_sizes), k).to(device, dtype)
-        w = _randn(gen, n, k, scale=k ** -0.5).to(device, dtype)
+        x = randn(gen, max(batch_sizes), k).to(device, dtype)
+        w = randn(gen, n, k, scale=k ** -0.5).to(device, dtype)
         alone = [mm(x[i:i + 1].clone(), w) for i in range(max(batch_sizes))]
         for size in batch_sizes:
             out = mm(x[:size].clone(), w)
@@ -55,7 +52,7 @@ def attention_decode_witness(attention: Callable, dtype: torch.dtype, device: to
     from the prefill of the same positions. `attention(q, k, v)`: q the last positions of k, v."""
     gen = torch.Generator().manual_seed(0)
     for n_q, n_kv, head_dim, length in grid:
-        q, k, v = (_randn(gen, 1, h, length, head_dim).to(device, dtype) for h in (n_q, n_kv, n_kv))
+        q, k, v = (randn(gen, 1, h, length, head_dim).to(device, dtype) for h in (n_q, n_kv, n_kv))
         prefill = attention(q, k, v)  # [1, Hq, T, D]
         bad = [t for t in range(length) if not bits_equal(
             attention(q[:, :, t:t + 1].clone(), k[:, :, :t + 1].clone(), v[:, :, :t + 1].clone()),
@@ -79,17 +76,3 @@ def probe_stock(dtypes: Sequence[str], device: str = "cpu") -> list[dict]:
             rows.append({"op": "sdpa", "check": "decode vs prefill", "dtype": dtype,
                          "witness": attention_decode_witness(_sdpa, DTYPES[dtype], torch_device)})
     return rows
-
-
-def render_probes(rows: list[dict]) -> list[str]:
-    """Markdown lines: one per probe, the witness or "stock invariant here"."""
-    lines = ["Stock probes (a fixed grid of shapes searched for a witness; findings of this machine):", ""]
-    for row in rows:
-        w = row["witness"]
-        if w is None:
-            found = "stock invariant here (no witness in the grid)"
-        else:
-            where = f"batch {w['batch']}" if "batch" in w else f"position {w['position']}"
-            found = f"varies: {w['shape']}, first at {where}, max abs diff {w['max_abs_diff']:.3g}"
-        lines.append(f"- {row['op']} / {row['dtype']} / {row['check']}: {found}")
-    return lines

@@ -1,11 +1,14 @@
-"""Kernel speed results: store pytest-benchmark JSON per environment, compare runs, render.
+"""Kernel speed results: the one store of pytest-benchmark JSON per environment, comparisons, render.
 
-`save_bench()` files a `--benchmark-json` result under `reports/<environment key>/bench/`, named
-by the run's timestamp; `latest_previous()` finds the run before it; `compare_bench()` compares
-medians per benchmark and flags regressions (median slower by more than the threshold);
-`render_bench()` is the Markdown. The environment key comes from the record the bench conftest
-put into pytest-benchmark's `machine_info` (see tests/bench/conftest.py), so a result is filed
-with the machine it was measured on, not the one that files it.
+`reports/<environment key>/bench/<UTC timestamp>.json` is the only place bench results live:
+`kvfid bench` has pytest-benchmark write its `--benchmark-json` there directly
+(`new_result_path`; no `.benchmarks/` autosave), and `save_bench()` files a result written
+elsewhere (`kvfid bench-report`) by its own key. `latest_previous()` finds the run before one;
+`compare_bench()` compares medians per benchmark and flags regressions (median slower by more than
+the threshold); `render_bench()` is its Markdown (harness.reports.document). The environment key
+comes from the record the bench conftest put into pytest-benchmark's `machine_info` (see
+tests/bench/conftest.py), so a result is filed with the machine it was measured on, not the one
+that files it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 from harness.environment import envinfo
 from harness.errors import BadInput
+from harness.reports.document import Heading, Paragraph, Table, markdown, ratio, seconds
 
 MACHINE_INFO_KEY = "kvfid"  # machine_info[MACHINE_INFO_KEY] = {"environment": ..., "environment_key": ...}
 
@@ -46,9 +50,10 @@ def bench_environment_key(data: dict) -> str:
     return recorded.get("environment_key") or envinfo.environment_key(envinfo.collect())
 
 
-def _timestamp(data: dict) -> str:
-    """The run's start time as `YYYYmmddTHHMMSSZ` (UTC), from pytest-benchmark's `datetime`."""
-    text = data.get("datetime")
+def _timestamp(data: dict | None = None) -> str:
+    """A run's start time as `YYYYmmddTHHMMSSZ` (UTC), from pytest-benchmark's `datetime`; now
+    without one."""
+    text = (data or {}).get("datetime")
     try:
         moment = datetime.fromisoformat(text) if text else datetime.now(timezone.utc)
     except ValueError:
@@ -58,16 +63,26 @@ def _timestamp(data: dict) -> str:
     return moment.astimezone(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
-def save_bench(json_path, reports_dir="reports") -> Path:
-    """Copy a pytest-benchmark JSON file to `reports/<environment key>/bench/<timestamp>.json`."""
-    data = load_bench(json_path)
-    folder = Path(reports_dir) / bench_environment_key(data) / "bench"
+def new_result_path(reports_dir, environment_key: str, stem: str | None = None) -> Path:
+    """A free name for the next result of a key: `reports/<key>/bench/<stem or now>[-N].json`."""
+    folder = Path(reports_dir) / environment_key / "bench"
     folder.mkdir(parents=True, exist_ok=True)
-    stem = _timestamp(data)
+    stem = stem or _timestamp()
     target, n = folder / f"{stem}.json", 1
     while target.exists():  # two runs in one second: keep both
         n += 1
         target = folder / f"{stem}-{n}.json"
+    return target
+
+
+def save_bench(json_path, reports_dir="reports") -> Path:
+    """File a pytest-benchmark JSON file under `reports/<its environment key>/bench/`: one already
+    there stays as it is; one from elsewhere is copied in as `<its start time>.json`."""
+    data = load_bench(json_path)
+    key = bench_environment_key(data)
+    if Path(json_path).resolve().parent == (Path(reports_dir) / key / "bench").resolve():
+        return Path(json_path)
+    target = new_result_path(reports_dir, key, _timestamp(data))
     shutil.copyfile(json_path, target)
     return target
 
@@ -154,16 +169,7 @@ def compare_bench(new, previous, threshold: float = 0.10) -> dict:
     }
 
 
-def _time(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns"
-
-
-def _rate(extra: dict) -> str:
+def _throughput(extra: dict) -> str:
     parts = []
     if extra.get("gbps") is not None:
         parts.append(f"{extra['gbps']:.3g} GB/s")
@@ -172,29 +178,34 @@ def _rate(extra: dict) -> str:
     return ", ".join(parts) or "-"
 
 
+def bench_document(comparison: dict) -> list:
+    """The comparison as blocks of harness.reports.document: one row per benchmark."""
+    new, old = comparison["new"], comparison["previous"]
+    where = lambda side: f" ({side['path']})" if side["path"] else ""
+    against = ("none (first run here)" if old is None else
+               f"run {old['datetime']}{where(old)}" + ("" if comparison["same_environment"] else
+               f" - ANOTHER environment, `{old['environment_key']}`"))
+    if comparison["ok"]:
+        result = "ok, no regression."
+    else:
+        result = (f"{len(comparison['regressions'])} regression(s): "
+                  + ", ".join(comparison["regressions"]))
+    doc = [Heading("Kernel benchmarks"),
+           Paragraph(f"Environment: `{new['environment_key']}`; run {new['datetime']}{where(new)}"),
+           Paragraph(f"Compared with: {against}"),
+           Paragraph(f"Regression: median more than {comparison['threshold']:.0%} above the "
+                     f"previous one."),
+           Table(["benchmark", "group", "median", "previous", "ratio", "rate", "status"],
+                 [[row["name"], row["group"] or "-", seconds(row["median_s"]),
+                   seconds(row["previous_median_s"]), ratio(row["ratio"]),
+                   _throughput(row["extra_info"]),
+                   "**REGRESSION**" if row["status"] == "regression" else row["status"]]
+                  for row in comparison["rows"]])]
+    if comparison["removed"]:
+        doc.append(Paragraph("Not in this run: " + ", ".join(comparison["removed"]) + "."))
+    return doc + [Paragraph(f"Result: {result}")]
+
+
 def render_bench(comparison: dict) -> str:
     """The comparison as Markdown: one row per benchmark, regressions marked."""
-    new, old = comparison["new"], comparison["previous"]
-    lines = ["# Kernel benchmarks", "",
-             f"Environment: `{new['environment_key']}`; run {new['datetime']}"
-             + (f" ({new['path']})" if new["path"] else ""),
-             ("Compared with: none (first run here)" if old is None else
-              f"Compared with: run {old['datetime']}" + (f" ({old['path']})" if old["path"] else "")
-              + ("" if comparison["same_environment"] else
-                 f" - ANOTHER environment, `{old['environment_key']}`")),
-             f"Regression: median more than {comparison['threshold']:.0%} above the previous one.", "",
-             "| benchmark | group | median | previous | ratio | rate | status |",
-             "|---|---|---|---|---|---|---|"]
-    for row in comparison["rows"]:
-        status = "**REGRESSION**" if row["status"] == "regression" else row["status"]
-        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
-        lines.append(f"| {row['name']} | {row['group'] or '-'} | {_time(row['median_s'])} "
-                     f"| {_time(row['previous_median_s'])} | {ratio} | {_rate(row['extra_info'])} "
-                     f"| {status} |")
-    lines.append("")
-    if comparison["removed"]:
-        lines.append("Not in this run: " + ", ".join(comparison["removed"]) + ".")
-    lines.append("Result: " + ("ok, no regression." if comparison["ok"] else
-                               f"{len(comparison['regressions'])} regression(s): "
-                               + ", ".join(comparison["regressions"])))
-    return "\n".join(lines) + "\n"
+    return markdown(bench_document(comparison))

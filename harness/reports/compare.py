@@ -2,26 +2,31 @@
 
 `compare()` resolves each side, A and B, to a stored run: a run id (or unique prefix, or `latest`),
 or an environment key (its latest finished run, of the other side's case when it has one); each
-side may live in its own ledger file (a committed baseline against a user's GPU ledger). Then, per
-stack stored in both runs, on the items stored in both (harness.reports.compare_stack): bit-exact verdicts
-that flipped item by item, rates whose 95% Wilson intervals no longer overlap, and fingerprints
-that differ per item and arm, with each run's own first bad layer against live. Kernel invariance
-results (`harness.environment.invariance.compare_kernels`) and kernel benchmarks (pytest-benchmark JSON) are
-optional inputs per side, compared here. The result is plain JSON-able data with `regressed` and
-its reasons; harness.reports.compare_render presents it (`render_markdown`, `render_html` and
-`write_comparison`, re-exported here).
+side may live in its own ledger file (a committed baseline against a user's GPU ledger). It
+compares like with like: runs that differ in case, model, B/S, items or thread count are refused
+(`UnlikeRuns`, exit 2) unless `allow_different`, and then the report leads with what differs.
+Then, per stack stored in both runs, on the items stored in both (harness.reports.compare_stack):
+bit-exact verdicts that flipped item by item, rates whose 95% Wilson intervals no longer overlap,
+and fingerprints that differ per item and arm, with each run's own first bad layer against live.
+Kernel invariance results and kernel benchmarks are optional inputs per side
+(harness.reports.compare_inputs). The environment table names each variable that changes numerics
+(harness.environment.cpu.NUMERICS_ENV) that either run set. The result is plain JSON-able data
+with `regressed` and its reasons; harness.reports.compare_render presents it (`render_markdown`,
+`render_html` and `write_comparison`, re-exported here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 from harness.runs.aggregate import aggregate
-from harness.reports.compare_render import (SHOWN, number_text, seconds_text, document,  # noqa: F401 (re-exported)
-                                    render_html, render_markdown, svg_intervals, write_comparison)
+from harness.reports.compare_render import (SHOWN, document,  # noqa: F401 (re-exported)
+                                            render_html, render_markdown, svg_intervals,
+                                            write_comparison)
 from harness.reports.compare_stack import compare_stack, rate_change  # noqa: F401 (re-exported)
+from harness.reports.compare_inputs import (compare_bench_inputs, compare_kernel_inputs,
+                                            stored_inputs)
 from harness.errors import BadInput
 from harness.runs.ledger import Ledger, LedgerError
 
@@ -110,13 +115,46 @@ def _resolve(ledger_a: Ledger, a: str, ledger_b: Ledger, b: str):
     return (run_a, how("A")), (run_b, how("B"))
 
 
+# --------------------------------------------------------------------------- like with like
+
+class UnlikeRuns(BadInput, ValueError):
+    """A and B differ in what a comparison holds fixed (case, model, B/S, items, threads)."""
+
+
+def differences(side_a: dict, side_b: dict) -> list[dict]:
+    """What makes two runs unlike: [{what, a, b}] for case, model, B/S, items and threads."""
+    def fixed(side):
+        run, case = side["run"], side["case"]
+        unknown = "unknown (stored case unreadable)"
+        if case is None:
+            return {"case": run.case_name, "model": unknown, "B/S": unknown, "items": unknown,
+                    "threads": unknown}
+        threads = sorted({f"t{s.threads}" if s.threads else "unset" for s in case.stacks})
+        return {"case": run.case_name, "model": case.model, "B/S": f"B={case.B}, S={case.S}",
+                "items": f"{case.items.set}, n={run.item_count}, seed {case.items.seed}",
+                "threads": ", ".join(threads)}
+    fa, fb = fixed(side_a), fixed(side_b)
+    return [{"what": k, "a": fa[k], "b": fb[k]} for k in fa if fa[k] != fb[k]]
+
+
+def _refuse_unlike(found: list[dict], run_a, run_b) -> None:
+    if found:
+        named = "; ".join(f"{d['what']} {d['a']} vs {d['b']}" for d in found)
+        raise UnlikeRuns(f"A (run {run_a.id}) and B (run {run_b.id}) are not like runs: {named}. "
+                         f"Compare runs of one case and thread count, or pass --allow-different "
+                         f"to compare them anyway.")
+
+
 # --------------------------------------------------------------------------- the comparison
 
 def compare(ledger_or_paths, a: str, b: str, *, kernels_a=None, kernels_b=None, bench_a=None,
-            bench_b=None, threshold: float = 0.10, reports=None) -> dict:
+            bench_b=None, threshold: float = 0.10, reports=None,
+            allow_different: bool = False) -> dict:
     """Compare run (or environment key) A with B. `ledger_or_paths`: a Ledger or ledger path for
     both sides, or a pair (A's, B's). Kernel and bench inputs are paths or loaded dicts; with
-    `reports` (a reports folder), a side's missing ones are what `kvfid bench` filed for its key."""
+    `reports` (a reports folder), a side's missing ones are what `kvfid bench` filed for its key.
+    Runs that differ in case, model, B/S, items or threads raise `UnlikeRuns` unless
+    `allow_different`; then `differences` lists what differs."""
     pair = (ledger_or_paths if isinstance(ledger_or_paths, (tuple, list))
             else (ledger_or_paths, ledger_or_paths))
     if len(pair) != 2:
@@ -125,7 +163,11 @@ def compare(ledger_or_paths, a: str, b: str, *, kernels_a=None, kernels_b=None, 
         opened: dict = {}
         ledger_a, ledger_b = (_open(source, opened, stack) for source in pair)
         (run_a, how_a), (run_b, how_b) = _resolve(ledger_a, a, ledger_b, b)
-        side_a, side_b = _load(ledger_a, run_a), _load(ledger_b, run_b)
+        heads = [{"run": run, "case": _stored_case(run)} for run in (run_a, run_b)]
+        unlike = differences(*heads)
+        if not allow_different:
+            _refuse_unlike(unlike, run_a, run_b)
+        side_a, side_b = _load(ledger_a, heads[0]), _load(ledger_b, heads[1])
     same_key = run_a.environment_key == run_b.environment_key
     if reports is not None:
         filed_a, filed_b = (stored_inputs(reports, r.environment_key) for r in (run_a, run_b))
@@ -136,6 +178,7 @@ def compare(ledger_or_paths, a: str, b: str, *, kernels_a=None, kernels_b=None, 
         "a": _describe(side_a, a, how_a), "b": _describe(side_b, b, how_b),
         "environment": _environment_parts(run_a, run_b),
         "same_environment": same_key, "same_case": run_a.case_sha == run_b.case_sha,
+        "differences": unlike,
         "threshold": threshold,
         "rules": {"intervals": INTERVAL_RULE, "invariance": INVARIANCE_RULE,
                   "fingerprints": FINGERPRINT_RULE},
@@ -151,44 +194,34 @@ def compare(ledger_or_paths, a: str, b: str, *, kernels_a=None, kernels_b=None, 
         entry, reasons = compare_stack(label, side_a, side_b, must_reproduce)
         result["stacks"][label] = entry
         result["regressions"] += reasons
-    result["kernels"], reasons = _compare_kernels(kernels_a, kernels_b)
+    result["kernels"], reasons = compare_kernel_inputs(kernels_a, kernels_b)
     result["regressions"] += reasons
-    result["bench"], reasons = _compare_bench(bench_a, bench_b, threshold)
+    result["bench"], reasons = compare_bench_inputs(bench_a, bench_b, threshold)
     result["regressions"] += reasons
     result["regressed"] = bool(result["regressions"])
     return result
 
 
-def stored_inputs(reports, environment_key: str) -> dict:
-    """What `kvfid bench` filed for a key: reports/<key>/kernels.json and the newest
-    reports/<key>/bench/*.json (None where absent)."""
-    folder = Path(reports) / environment_key
-    kernels, bench = folder / "kernels.json", None
-    if (folder / "bench").is_dir():
-        from harness.reports.benchreport import latest_previous
-
-        bench = latest_previous(folder / "bench")
-    return {"kernels": kernels if kernels.is_file() else None, "bench": bench}
-
-
-def _load(ledger: Ledger, run) -> dict:
+def _load(ledger: Ledger, head: dict) -> dict:
+    run, case = head["run"], head["case"]
     units = ledger.units(run.id)
     names = {(u.item_index, u.stack): u.item_id for u in units}
     prints = {}
     for (index, stack), rows in ledger.stored_fingerprints(run.id).items():
         prints[(names.get((index, stack), f"#{index}"), stack)] = rows
     stacks = list(dict.fromkeys(u.stack for u in units))
-    return {"run": run, "path": str(ledger.path), "model": _case_model(run),
+    return {"run": run, "case": case, "path": str(ledger.path),
+            "model": case.model if case else None,
             "units": {(u.item_id, u.stack): u for u in units}, "prints": prints,
             "stacks": stacks, "summary": aggregate(units, run.design)}
 
 
-def _case_model(run) -> str | None:
+def _stored_case(run):
     from harness.runs.case import stored_case
 
     try:
-        return stored_case(run).model
-    except Exception:   # an older stored case that no longer validates: the model is unknown
+        return stored_case(run)
+    except Exception:   # an older stored case that no longer validates: its fields are unknown
         return None
 
 
@@ -215,11 +248,18 @@ def _environment_parts(run_a, run_b) -> list[dict]:
                 "Python": versions.get("python"), "CPU": cpu.get("model"),
                 "CPU capability": cpu.get("capability"), "BLAS": cpu.get("mkl") or cpu.get("blas"),
                 "oneDNN": cpu.get("onednn"),
-                "numerics env": ", ".join(f"{k}={v}" for k, v in (env.get("numerics_env") or {}).items()
-                                          if v is not None) or None,
                 "Triton launch options": str(env.get("triton_launch_options")),
                 "git revision": run.git_revision}
     pa, pb = parts(run_a), parts(run_b)
+    # Numerics-changing variables (harness.environment.cpu.numerics_env): one row each that
+    # either run set, so a change is named, not folded into one cell.
+    env_a, env_b = ((r.environment.get("numerics_env") or {}) for r in (run_a, run_b))
+    named = [k for k in dict.fromkeys([*env_a, *env_b])
+             if env_a.get(k) is not None or env_b.get(k) is not None]
+    for k in named:
+        pa[f"env {k}"], pb[f"env {k}"] = env_a.get(k), env_b.get(k)
+    if not named:   # n/a: an older record that did not read them
+        pa["numerics env"], pb["numerics env"] = ("none set" if e else None for e in (env_a, env_b))
     return [{"part": k, "a": pa[k], "b": pb[k], "changed": pa[k] != pb[k]} for k in pa]
 
 
@@ -240,84 +280,3 @@ def _notes(side_a: dict, side_b: dict) -> list[str]:
         if run.status != "finished":
             notes.append(f"run {name} ({run.id}) is {run.status}, not finished.")
     return notes
-
-
-# --------------------------------------------------------------------------- kernels
-
-class CompareInputError(BadInput, ValueError):
-    """A kernels or bench input of `compare` that cannot be read."""
-
-
-def _load_json(source, what: str, key: str) -> dict:
-    if isinstance(source, dict):
-        data = source
-    else:
-        try:
-            with open(source, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError) as err:
-            raise CompareInputError(f"{source}: cannot read the {what} ({err})") from None
-    if not isinstance(data, dict) or not isinstance(data.get(key), list):
-        raise CompareInputError(f"{source if not isinstance(source, dict) else 'the given dict'}: "
-                         f"not a {what} (no {key!r} list)")
-    return data
-
-
-def _compare_kernels(kernels_a, kernels_b) -> tuple[dict | None, list[str]]:
-    """Kernel invariance verdicts per (op, impl, dtype, check) that changed between A and B."""
-    if kernels_a is None and kernels_b is None:
-        return None, []
-    if kernels_a is None or kernels_b is None:
-        return {"note": f"kernel results given for {'A' if kernels_a else 'B'} only: not "
-                        f"compared", "rows": [], "only_a": [], "only_b": []}, []
-    ka = _load_json(kernels_a, "kernel comparison", "rows")
-    kb = _load_json(kernels_b, "kernel comparison", "rows")
-    key = lambda r: (r["op"], r["impl"], r["dtype"])
-    rows_a, rows_b = {key(r): r for r in ka["rows"]}, {key(r): r for r in kb["rows"]}
-    rows, reasons = [], []
-    for k, ra in rows_a.items():
-        rb = rows_b.get(k)
-        if rb is None:
-            continue
-        for check in ("batch", "sequence"):
-            held_a, held_b = ra[check]["invariant"], rb[check]["invariant"]
-            claimed = bool((rb.get("claims") or {}).get(check))
-            status = ("same" if held_a == held_b else "better" if held_b else
-                      "regression" if claimed else "worse")
-            detail = "" if held_b else _kernel_failure(check, rb[check])
-            rows.append({"op": k[0], "impl": k[1], "dtype": k[2], "check": check,
-                         "claimed": claimed, "a": held_a, "b": held_b, "status": status,
-                         "detail": detail})
-            if status == "regression":
-                reasons.append(f"kernel {' / '.join(k)}: claimed {check} invariance held in A and "
-                               f"fails in B ({detail})")
-    return {"a_environment_key": ka.get("environment_key"),
-            "b_environment_key": kb.get("environment_key"), "rows": rows,
-            "only_a": [" / ".join(k) for k in rows_a if k not in rows_b],
-            "only_b": [" / ".join(k) for k in rows_b if k not in rows_a]}, reasons
-
-
-def _kernel_failure(check: str, verdict: dict) -> str:
-    if check == "batch":
-        return (f"first failing batch {verdict.get('first_failing_batch')}, max abs diff "
-                f"{number_text(verdict.get('max_abs_diff'))}")
-    return (f"first differing position {verdict.get('first_differing_position')}, max abs diff "
-            f"{number_text(verdict.get('max_abs_diff'))}")
-
-
-def _compare_bench(bench_a, bench_b, threshold: float) -> tuple[dict | None, list[str]]:
-    """Kernel medians B against A (harness.reports.benchreport's rule: slower by more than threshold)."""
-    if bench_a is None and bench_b is None:
-        return None, []
-    if bench_a is None or bench_b is None:
-        return {"note": f"benchmarks given for {'A' if bench_a else 'B'} only: not compared",
-                "rows": []}, []
-    from harness.reports.benchreport import compare_bench, load_bench
-
-    result = compare_bench(load_bench(bench_b), load_bench(bench_a), threshold)
-    reasons = [f"kernel benchmark {r['name']}: median {seconds_text(r['previous_median_s'])} in A, "
-               f"{seconds_text(r['median_s'])} in B (x{r['ratio']:.2f}, threshold "
-               f"+{threshold:.0%})" if r["ratio"] is not None else
-               f"kernel benchmark {r['name']}: median 0 in A, {seconds_text(r['median_s'])} in B"
-               for r in result["rows"] if r["status"] == "regression"]
-    return result, reasons

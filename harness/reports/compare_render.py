@@ -1,10 +1,10 @@
 """Presenting a regression comparison: report blocks, Markdown, one HTML page, files.
 
-`document(result)` turns harness.reports.compare's result into the report blocks harness.reports.report renders
-(headings, tables, the interval figure `svg_intervals` draws as inline SVG); `render_markdown`,
-`render_html` and `write_comparison` (comparison.md, comparison.html, comparison.json) present it.
-The small formatters here (`number_text`, `seconds_text`) are shared with the comparison's
-reasons; rates print with the run report's `interval_text`.
+`document(result)` turns harness.reports.compare's result into blocks of the document engine
+(harness.reports.document: headings, tables, the interval figure `svg_intervals` draws as inline
+SVG); `render_markdown`, `render_html` and `write_comparison` (comparison.md, comparison.html,
+comparison.json) present it. What makes A and B unlike runs leads the page when the comparison
+was allowed anyway.
 """
 
 from __future__ import annotations
@@ -14,21 +14,11 @@ import json
 from pathlib import Path
 
 from harness.outputs import write_files
-from harness.reports.report import interval_text, markdown, to_html
+from harness.reports.document import (Code, Figure, Heading, Paragraph, Table, interval_text,
+                                      markdown, ratio, seconds, to_html)
+from harness.reports.document import number as number_text  # noqa: F401 (compare_stack's name)
 
 SHOWN = 40          # rows of a long list shown in the Markdown (the JSON has them all)
-
-
-def number_text(x) -> str:
-    return "n/a" if x is None else format(x, ".3g")
-
-
-def seconds_text(x) -> str:
-    return "-" if x is None else f"{x * 1e3:.3g} ms"
-
-
-def _table(head, rows) -> tuple:
-    return ("table", [str(h) for h in head], [[str(c) for c in r] for r in rows])
 
 
 def _items(flips: list[dict]) -> str:
@@ -36,128 +26,147 @@ def _items(flips: list[dict]) -> str:
     return shown + (f"; {len(flips) - 5} more" if len(flips) > 5 else "")
 
 
-def document(result: dict) -> list[tuple]:
-    """The comparison as report blocks (see harness.reports.report.document)."""
+def document(result: dict) -> list:
+    """The comparison as blocks of harness.reports.document."""
     a, b = result["a"], result["b"]
-    verdict = (f"REGRESSED: {len(result['regressions'])} regression(s)." if result["regressed"]
-               else "No regression.")
-    doc = [("h1", f"kvfid compare: A {a['run']} vs B {b['run']}"), ("p", verdict),
-           _table(["", "A", "B"], [
-               ["given as"] + [f"{s['spec']} ({s['resolved_by']})" for s in (a, b)],
-               ["run", a["run"], b["run"]], ["ledger", a["ledger"], b["ledger"]],
-               ["case"] + [f"{s['case']} ({s['case_sha'][:12]})" for s in (a, b)],
-               ["model", a["model"] or "unknown", b["model"] or "unknown"],
-               ["status", f"{a['status']}: {a['units']}/{a['planned_units']} units",
-                f"{b['status']}: {b['units']}/{b['planned_units']} units"],
-               ["finished", a["finished"] or "-", b["finished"] or "-"],
-               ["environment key", a["environment_key"], b["environment_key"]]]),
-           ("h2", "Environment"),
-           _table(["", "A", "B", "changed"],
-                  [[p["part"], _none(p["a"]), _none(p["b"]), "CHANGED" if p["changed"] else ""]
+    verdict = (f"**REGRESSED**: {len(result['regressions'])} regression(s)."
+               if result["regressed"] else "No regression.")
+    doc = [Heading(f"kvfid compare: A {a['run']} vs B {b['run']}"), Paragraph(verdict)]
+    doc += _unlike_blocks(result.get("differences") or [])
+    doc += [Table(["", "A", "B"], [
+                ["given as"] + [f"{s['spec']} ({s['resolved_by']})" for s in (a, b)],
+                ["run", a["run"], b["run"]], ["ledger", a["ledger"], b["ledger"]],
+                ["case"] + [f"{s['case']} ({s['case_sha'][:12]})" for s in (a, b)],
+                ["model", a["model"] or "unknown", b["model"] or "unknown"],
+                ["status", f"{a['status']}: {a['units']}/{a['planned_units']} units",
+                 f"{b['status']}: {b['units']}/{b['planned_units']} units"],
+                ["finished", a["finished"] or "-", b["finished"] or "-"],
+                ["environment key", a["environment_key"], b["environment_key"]]]),
+            Heading("Environment", 2),
+            Paragraph("Environment variables that change numerics (which kernels run, with how "
+                      "many threads, in what precision) have a row each, `env NAME`, where either "
+                      "run set one; otherwise the row `numerics env` says none was set."),
+            Table(["", "A", "B", "changed"],
+                  [[p["part"], _none(p["a"]), _none(p["b"]), "**CHANGED**" if p["changed"] else ""]
                    for p in result["environment"]])]
     if result["regressions"]:
-        doc += [("h2", "Regressions"), ("pre", "\n".join(result["regressions"]))]
-    doc += [("h2", "Rules"), ("p", result["rules"]["invariance"]),
-            ("p", result["rules"]["intervals"]), ("p", result["rules"]["fingerprints"])]
+        doc += [Heading("Regressions", 2), Code("\n".join(result["regressions"]))]
+    doc += [Heading("Rules", 2), Paragraph(result["rules"]["invariance"]),
+            Paragraph(result["rules"]["intervals"]), Paragraph(result["rules"]["fingerprints"])]
     if result["notes"]:
-        doc += [("h2", "Notes"), ("pre", "\n".join(result["notes"]))]
+        doc += [Heading("Notes", 2), Code("\n".join(result["notes"]))]
     for label, entry in result["stacks"].items():
         doc += _stack_blocks(label, entry)
     if result["only_a"] or result["only_b"]:
-        doc += [("h2", "Stacks in one run only (not compared)"),
-                _table(["run", "stacks"], [["A", ", ".join(result["only_a"]) or "-"],
-                                           ["B", ", ".join(result["only_b"]) or "-"]])]
+        doc += [Heading("Stacks in one run only (not compared)", 2),
+                Table(["run", "stacks"], [["A", ", ".join(result["only_a"]) or "-"],
+                                          ["B", ", ".join(result["only_b"]) or "-"]])]
     doc += (_kernel_blocks(result["kernels"], result["inputs"])
             + _bench_blocks(result["bench"], result["inputs"]))
     return doc
+
+
+def _unlike_blocks(differences: list[dict]) -> list:
+    """What makes A and B unlike runs, first on the page (they were compared anyway)."""
+    if not differences:
+        return []
+    return [Heading("A and B are not like runs", 2),
+            Paragraph("**Compared although they differ** (`--allow-different`) in "
+                      f"{', '.join(d['what'] for d in differences)}: a verdict below compares "
+                      "unlike things, and items or stacks the runs do not share are not compared."),
+            Table(["differs", "A", "B"], [[d["what"], d["a"], d["b"]] for d in differences])]
 
 
 def _none(x) -> str:
     return "n/a" if x is None else str(x)
 
 
-def _stack_blocks(label: str, entry: dict) -> list[tuple]:
+def _stack_blocks(label: str, entry: dict) -> list:
     items = entry["items"]
-    out = [("h2", f"Stack {label}" + (" (regressed)" if entry["regressed"] else "")),
-           ("p", f"{len(items['compared'])} item(s) with a boundary state in both runs."
-                 + "".join(f" {name.replace('_', ' ')}: {', '.join(map(str, ids))}."
-                           for name, ids in (("only in A", items["only_a"]),
-                                             ("only in B", items["only_b"]),
-                                             ("not comparable", items["not_comparable"])) if ids)
-                 + "".join(f" {s['item']}: {s['a']} in A, {s['b']} in B."
-                           for s in items["status_changed"]))]
+    out = [Heading(f"Stack {label}" + (" (regressed)" if entry["regressed"] else ""), 2),
+           Paragraph(f"{len(items['compared'])} item(s) with a boundary state in both runs."
+                     + "".join(f" {name.replace('_', ' ')}: {', '.join(map(str, ids))}."
+                               for name, ids in (("only in A", items["only_a"]),
+                                                 ("only in B", items["only_b"]),
+                                                 ("not comparable", items["not_comparable"]))
+                               if ids)
+                     + "".join(f" {s['item']}: {s['a']} in A, {s['b']} in B."
+                               for s in items["status_changed"]))]
     if entry["verdicts"]:
-        out += [("h3", "Bit-exact verdicts, item by item"), _table(
+        out += [Heading("Bit-exact verdicts, item by item", 3), Table(
             ["check", "construction", "A", "B", "status", "items that flipped"],
             [[v["check"], v["construction"], f"{v['a']['k']}/{v['a']['n']}",
-              f"{v['b']['k']}/{v['b']['n']}",
-              v["status"].upper() if v["status"] == "regression" else v["status"],
+              f"{v['b']['k']}/{v['b']['n']}", _status(v["status"], "regression"),
               _items(v["broke"] + v["fixed"]) or "-"] for v in entry["verdicts"]])]
     if entry["rates"]:
-        out += [("h3", "Rates with 95% Wilson intervals"), _table(
+        out += [Heading("Rates with 95% Wilson intervals", 3), Table(
             ["measure", "construction", "A", "B", "change"],
             [[r["measure"], r["construction"], interval_text(r["a"]), interval_text(r["b"]),
-              r["status"].upper() if r["status"] == "worse" else r["status"]]
-             for r in entry["rates"]]),
-            ("figure", svg_intervals(entry["rates"]),
-             f"Rates of {label}, A above B on each line, with 95% Wilson intervals.")]
+              _status(r["status"], "worse")] for r in entry["rates"]]),
+            Figure(svg_intervals(entry["rates"]),
+                   f"Rates of {label}, A above B on each line, with 95% Wilson intervals.")]
     prints = entry["fingerprints"]
-    out.append(("h3", "Fingerprints"))
+    out.append(Heading("Fingerprints", 3))
     if not entry["fingerprints_compared"]:
-        out.append(("p", "not compared (the runs measured different models)."))
+        out.append(Paragraph("not compared (the runs measured different models)."))
     elif not prints:
-        out.append(("p", "identical on every item stored in both runs."))
+        out.append(Paragraph("identical on every item stored in both runs."))
     else:
         items_hit = sorted({d["item"] for d in prints})
-        out += [("p", f"{len(prints)} row(s) on {len(items_hit)} item(s) differ"
-                      f"{f' (first {SHOWN} shown)' if len(prints) > SHOWN else ''}."),
-                _table(["item", "row", "fields that differ", "what the records say"],
-                       [[d["item"], f"{d['kind']} {d['label']}", ", ".join(d["fields"]),
-                         d["detail"] or "-"] for d in prints[:SHOWN]])]
+        out += [Paragraph(f"{len(prints)} row(s) on {len(items_hit)} item(s) differ"
+                          f"{f' (first {SHOWN} shown)' if len(prints) > SHOWN else ''}."),
+                Table(["item", "row", "fields that differ", "what the records say"],
+                      [[d["item"], f"{d['kind']} {d['label']}", ", ".join(d["fields"]),
+                        d["detail"] or "-"] for d in prints[:SHOWN]])]
     return out
 
 
-def _kernel_blocks(kernels: dict | None, inputs: dict) -> list[tuple]:
+def _status(status: str, bad: str) -> str:
+    """A status word, shouted when it is the bad one."""
+    return f"**{status.upper()}**" if status == bad else status
+
+
+def _kernel_blocks(kernels: dict | None, inputs: dict) -> list:
     if kernels is None:
         return []
-    out = [("h2", "Kernel invariance"),
-           ("p", f"A: {inputs['kernels_a'] or 'none'}; B: {inputs['kernels_b'] or 'none'}.")]
+    out = [Heading("Kernel invariance", 2),
+           Paragraph(f"A: {inputs['kernels_a'] or 'none'}; B: {inputs['kernels_b'] or 'none'}.")]
     if "note" in kernels:
-        return out + [("p", kernels["note"])]
+        return out + [Paragraph(kernels["note"])]
     changed = [r for r in kernels["rows"] if r["status"] != "same"]
-    out.append(("p", f"A measured on {kernels['a_environment_key']}, B on "
-                     f"{kernels['b_environment_key']}; {len(kernels['rows'])} verdicts compared, "
-                     f"{len(changed)} changed. A claimed invariance that held in A and fails in B "
-                     f"is a regression; an unclaimed one (a stock path) that changes is listed."))
+    out.append(Paragraph(
+        f"A measured on {kernels['a_environment_key']}, B on {kernels['b_environment_key']}; "
+        f"{len(kernels['rows'])} verdicts compared, {len(changed)} changed. A claimed invariance "
+        f"that held in A and fails in B is a regression; an unclaimed one (a stock path) that "
+        f"changes is listed."))
     if changed:
-        out.append(_table(["op", "impl", "dtype", "check", "claimed", "A", "B", "status",
-                           "B's failure"],
-                          [[r["op"], r["impl"], r["dtype"], r["check"], r["claimed"],
-                            "invariant" if r["a"] else "NOT", "invariant" if r["b"] else "NOT",
-                            r["status"].upper() if r["status"] == "regression" else r["status"],
-                            r["detail"] or "-"] for r in changed]))
+        out.append(Table(["op", "impl", "dtype", "check", "claimed", "A", "B", "status",
+                          "B's failure"],
+                         [[r["op"], r["impl"], r["dtype"], r["check"], r["claimed"],
+                           "invariant" if r["a"] else "NOT", "invariant" if r["b"] else "NOT",
+                           _status(r["status"], "regression"), r["detail"] or "-"]
+                          for r in changed]))
     for name, rows in (("A", kernels["only_a"]), ("B", kernels["only_b"])):
         if rows:
-            out.append(("p", f"Only in {name}: {', '.join(rows)}."))
+            out.append(Paragraph(f"Only in {name}: {', '.join(rows)}."))
     return out
 
 
-def _bench_blocks(bench: dict | None, inputs: dict) -> list[tuple]:
+def _bench_blocks(bench: dict | None, inputs: dict) -> list:
     if bench is None:
         return []
-    out = [("h2", "Kernel time"),
-           ("p", f"A: {inputs['bench_a'] or 'none'}; B: {inputs['bench_b'] or 'none'}.")]
+    out = [Heading("Kernel time", 2),
+           Paragraph(f"A: {inputs['bench_a'] or 'none'}; B: {inputs['bench_b'] or 'none'}.")]
     if "note" in bench:
-        return out + [("p", bench["note"])]
-    out += [("p", f"Median of each benchmark, B against A; slower by more than "
-                  f"{bench['threshold']:.0%} is a regression."),
-            _table(["benchmark", "A median", "B median", "B / A", "status"],
-                   [[r["name"], seconds_text(r["previous_median_s"]), seconds_text(r["median_s"]),
-                     "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
-                     r["status"].upper() if r["status"] == "regression" else r["status"]]
-                    for r in bench["rows"]])]
+        return out + [Paragraph(bench["note"])]
+    out += [Paragraph(f"Median of each benchmark, B against A; slower by more than "
+                      f"{bench['threshold']:.0%} is a regression."),
+            Table(["benchmark", "A median", "B median", "B / A", "status"],
+                  [[r["name"], seconds(r["previous_median_s"]), seconds(r["median_s"]),
+                    ratio(r["ratio"]), _status(r["status"], "regression")]
+                   for r in bench["rows"]])]
     if bench.get("removed"):
-        out.append(("p", f"Only in A: {', '.join(bench['removed'])}."))
+        out.append(Paragraph(f"Only in A: {', '.join(bench['removed'])}."))
     return out
 
 

@@ -7,7 +7,9 @@ case), and writes `reports/index.md` and `reports/index.html`. Per case, one row
 key: GPU, driver, CUDA, torch and triton as columns, then per stack the headline construction's
 (prefill's) cache bit-exact rate against live and suffix divergence rate with its 95% Wilson
 interval, the replica floor and the bridge's bit-exact count, then the run, its date and git
-revision. Reading down a column shows what a driver or CUDA upgrade changed.
+revision. Reading down a column shows what a driver or CUDA upgrade changed. Each run links its
+report (report.md from the Markdown, report.html from the HTML) and each environment key its
+kernel table; both pages go through harness.reports.document.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import json
 import re
 from pathlib import Path
 
-from harness.runs.ledger import Ledger, LedgerError
 from harness.outputs import write_files
-from harness.reports.report import aggregate, interval_text, markdown, percent, to_html
+from harness.reports.document import (Heading, Link, Paragraph, Table, fraction, interval_text,
+                                      markdown, to_html)
+from harness.runs.aggregate import aggregate
+from harness.runs.ledger import Ledger, LedgerError
 
 HEADLINE = "prefill"    # the construction whose figures a row shows (else the case's first one)
 
@@ -46,10 +50,9 @@ def collect_entries(root: Path, ledgers=()) -> list[dict]:
         if not isinstance(summary, dict) or not {"run", "environment_key",
                                                  "stacks"} <= set(summary):
             continue    # another JSON file called summary.json, not a run report's
-        report = path.parent / "report.md"
         entries.append({**_meta(summary), "stacks": summary["stacks"],
-                        "report": report.relative_to(root).as_posix() if report.is_file()
-                        else None})
+                        "report": _beside(path, "report.md", root),
+                        "report_html": _beside(path, "report.html", root)})
     for db in ledgers:
         if not Path(db).is_file():
             raise LedgerError(f"{db}: no ledger file")
@@ -61,8 +64,19 @@ def collect_entries(root: Path, ledgers=()) -> list[dict]:
                                          "environment": run.environment,
                                          "git_revision": run.git_revision,
                                          "started": run.started}),
-                                "stacks": None, "report": None, "ledger": str(db)})
+                                "stacks": None, "report": None, "report_html": None,
+                                "ledger": str(db)})
+    for entry in entries:
+        key_dir = root / entry["environment_key"]
+        entry["kernels"] = _beside(key_dir / "kernels.json", "kernels.md", root)
+        entry["kernels_html"] = _beside(key_dir / "kernels.json", "kernels.html", root)
     return entries
+
+
+def _beside(path: Path, name: str, root: Path) -> str | None:
+    """`name` in `path`'s folder, relative to `root` (a link from the index), if it exists."""
+    found = Path(path).parent / name
+    return found.relative_to(root).as_posix() if found.is_file() else None
 
 
 def _meta(summary: dict) -> dict:
@@ -136,19 +150,12 @@ def stack_cells(s: dict | None) -> list[str]:
     label = HEADLINE if HEADLINE in cons else (arms[0] if arms else None)
     bridge = next((c for c in cons.values() if c.get("kind") == "bridge"), None)
     if label is None:
-        return ["-", "-", "-", _fraction(bridge and bridge["cache_bit_exact"])]
+        return ["-", "-", "-", fraction(bridge and bridge["cache_bit_exact"])]
     c = cons[label]
     named = "" if label == HEADLINE else f" ({label})"
     floor = c.get("replica_floor") or next(iter((s.get("replicas") or {}).values()), None)
-    return [_fraction(c["cache_bit_exact"], rate=True) + named, interval_text(c["suffix_disagree"]),
-            _fraction(floor), _fraction(bridge and bridge["cache_bit_exact"])]
-
-
-def _fraction(r: dict | None, rate: bool = False) -> str:
-    if not r:
-        return "-"
-    text = f"{r['k']}/{r['n']}"
-    return text + (f" ({percent(r['rate'])})" if rate and r.get("rate") is not None else "")
+    return [fraction(c["cache_bit_exact"], rate=True) + named, interval_text(c["suffix_disagree"]),
+            fraction(floor), fraction(bridge and bridge["cache_bit_exact"])]
 
 
 def _natural(text: str) -> list:
@@ -162,17 +169,26 @@ def _git(revision: str | None) -> str:
     return revision[:12] + ("+dirty" if revision.endswith("+dirty") else "")
 
 
-def index_document(entries: list[dict]) -> list[tuple]:
-    """The index as report blocks: one table per case, one row per environment key."""
-    doc = [("h1", "kvfid reports index"),
-           ("p", "The newest run of each case on each environment key (finished runs first). Per "
-                 f"stack: the cache bit-exact rate of {HEADLINE} against live, its suffix "
-                 "divergence rate with the 95% Wilson interval, the replica floor (the same "
-                 "construction run twice: runs whose suffixes differ), and the bridge (live vs "
-                 "incremental) cache bit-exact count. `kvfid compare KEY_A KEY_B` reports what "
-                 "changed between two rows.")]
+def _report_link(entry: dict, text: str | None = None):
+    """The run's report as a link (report.md; report.html from the HTML page), else plain text."""
+    if not entry["report"]:
+        return text or f"not written (from {entry.get('ledger', 'a ledger')})"
+    return Link(text or "report", entry["report"], entry.get("report_html"))
+
+
+def index_document(entries: list[dict]) -> list:
+    """The index as blocks of harness.reports.document: one table per case, one row per
+    environment key; each run links its report."""
+    doc = [Heading("kvfid reports index"),
+           Paragraph("The newest run of each case on each environment key (finished runs first). "
+                     f"Per stack: the cache bit-exact rate of {HEADLINE} against live, its suffix "
+                     "divergence rate with the 95% Wilson interval, the replica floor (the same "
+                     "construction run twice: runs whose suffixes differ), and the bridge (live "
+                     "vs incremental) cache bit-exact count. A run links its report. "
+                     "`kvfid compare KEY_A KEY_B` reports what changed between two rows of one "
+                     "case.")]
     if not entries:
-        return doc + [("p", "No run reports yet: `kvfid report RUN` writes one.")]
+        return doc + [Paragraph("No run reports yet: `kvfid report RUN` writes one.")]
     for case in sorted({e["case"] for e in entries}):
         rows = sorted((e for e in entries if e["case"] == case),
                       key=lambda e: [_natural(c) for c in environment_columns(e["environment"])])
@@ -187,12 +203,14 @@ def index_document(entries: list[dict]) -> list[tuple]:
             cells = environment_columns(e["environment"])
             for s in stacks:
                 cells += stack_cells(e["stacks"].get(s))
-            body.append(cells + [e["run"], (e["date"] or "-")[:16].replace("T", " "),
+            run = _report_link(e, e["run"]) if e["report"] else e["run"]
+            body.append(cells + [run, (e["date"] or "-")[:16].replace("T", " "),
                                  _git(e["git_revision"]), e["status"] or "-"])
-        doc += [("h2", f"Case {case}"), ("table", head, body)]
-    doc += [("h2", "Runs shown"),
-            ("table", ["environment key", "case", "run", "report"],
-             [[e["environment_key"], e["case"], e["run"],
-               e["report"] or f"not written (from {e.get('ledger', 'a ledger')})"]
-              for e in sorted(entries, key=lambda e: (e["case"], _natural(e["environment_key"])))])]
+        doc += [Heading(f"Case {case}", 2), Table(head, body)]
+    shown = sorted(entries, key=lambda e: (e["case"], _natural(e["environment_key"])))
+    doc += [Heading("Runs shown", 2),
+            Table(["environment key", "case", "run", "report", "kernel table"],
+                  [[e["environment_key"], e["case"], e["run"], _report_link(e),
+                    Link("kernels", e["kernels"], e["kernels_html"]) if e["kernels"] else "-"]
+                   for e in shown])]
     return doc

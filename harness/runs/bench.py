@@ -99,18 +99,24 @@ def bench_command(json_path: Path, quick: bool = False) -> list[str]:
 
 
 def _speed(reports: Path, out: BenchOutcome) -> str:
-    """Run the pytest-benchmark suite, file it, compare with the previous result of this key."""
+    """Run the pytest-benchmark suite with its JSON written straight into
+    reports/<environment key>/bench/ (the one store of bench results; nothing in .benchmarks/),
+    and compare it with the previous result of this key."""
+    from harness.environment import envinfo
     from harness.reports import benchreport
 
-    raw = ROOT / ".benchmarks" / "latest.json"
-    raw.parent.mkdir(exist_ok=True)
+    key = envinfo.environment_key(envinfo.collect())
+    raw = benchreport.new_result_path(reports, key).resolve()  # pytest runs from ROOT
     command = bench_command(raw)
     _log("speed benches: " + " ".join(command[2:]))
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0 or not raw.is_file():
+        raw.unlink(missing_ok=True)     # a failed suite leaves no result in the store
         return f"speed: the bench suite failed (exit {done.returncode}): " + \
             " ".join(done.stdout.strip().splitlines()[-1:])
-    saved = benchreport.save_bench(raw, reports)
+    saved = benchreport.save_bench(raw, reports)  # stays, unless its record names another key
+    if saved.resolve() != raw:
+        raw.unlink()
     previous = benchreport.latest_previous(saved.parent, exclude=saved)
     comparison = benchreport.compare_bench(saved, previous, 0.10)
     (saved.with_suffix(".md")).write_text(benchreport.render_bench(comparison) + "\n")
