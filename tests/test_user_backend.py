@@ -92,7 +92,12 @@ def test_a_sliding_window_shorter_than_the_run_is_refused_on_triton_only():
     check_supports(Stack("triton", "fp32"), load_model("tiny-mistral"))  # no window: served
 
 
-def test_repro_of_a_softcapped_model_on_triton_exits_3_in_one_line(tmp_path):
+@pytest.mark.parametrize("command", [
+    ["repro", "--prompt", "hi", "-B", "2", "-S", "2"],
+    ["blame", "--prompt", "hi", "-B", "2"],
+    ["replay", "TRAJECTORIES"],
+])
+def test_a_softcapped_model_on_triton_exits_3_in_one_line(tmp_path, command):
     import transformers
     from click.testing import CliRunner
 
@@ -100,8 +105,10 @@ def test_repro_of_a_softcapped_model_on_triton_exits_3_in_one_line(tmp_path):
 
     folder = tmp_path / "gemma2"
     transformers.Gemma2ForCausalLM(gemma2_config(attn_logit_softcapping=50.0)).save_pretrained(folder)
-    result = CliRunner().invoke(main, ["repro", "--model", f"hf:{folder}", "--prompt", "hi",
-                                       "--backend", "triton", "-B", "2", "-S", "2"])
+    trajectories = tmp_path / "t.jsonl"
+    trajectories.write_text('{"prompt_ids": [1, 2], "tokens": [3, 4]}\n')
+    command = [str(trajectories) if arg == "TRAJECTORIES" else arg for arg in command]
+    result = CliRunner().invoke(main, command + ["--model", f"hf:{folder}", "--backend", "triton"])
     assert result.exit_code == 3, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "softcapping (50.0)" in errors[0]    # transformers' bar aside

@@ -57,7 +57,8 @@ def kernels(dtypes, device, quick, threads, out, fmt) -> None:
 @click.command(name="compile")
 @click.option("--arch", "archs", default="sm_80,sm_90,sm_100", show_default=True,
               help="Comma-separated GPU archs.")
-@click.option("--dtypes", default="bf16,fp16,fp32", show_default=True, help="Comma-separated.")
+@click.option("--dtypes", default="bf16,fp16,fp32", show_default=True,
+              help=f"Comma-separated: {', '.join(DTYPE_NAMES)}.")
 @click.option("--kernels", "kernel_names", help="Comma-separated (default: all): attention, "
               "matmul, mean, rms_norm, softmax, log_softmax.")
 @click.option("--quick", is_flag=True, help="Attention at the GPU default case's shape only.")

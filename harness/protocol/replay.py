@@ -219,7 +219,8 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
     model = load_model(model_name)
     try:
         loaded = load_trajectories(trajectories, model.codec)
-        check_supports(stack, model, max((len(t.prompt) + len(t.tokens) for t in loaded), default=0))
+        longest = max((len(t.prompt_ids) + len(t.tokens) for t in loaded), default=0)
+        check_supports(stack, model, longest)
         return replay(model, stack, loaded, chosen, progress)
     except ValueError as err:
         raise BadInput(str(err)) from None
