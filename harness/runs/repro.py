@@ -38,9 +38,8 @@ def prepare(model_name: str, prompt: str | None, item_set: str | None, item_inde
             ignore_eos: bool = False) -> Repro:
     """Check every option, then load the model and check what needs it (layers, context)."""
     check_model_name(model_name)
-    checks.device_and_threads(device, threads)
+    stack = checked_stack(backend, dtype, batch_invariant, device, threads)
     try:
-        stack = Stack(backend, dtype, batch_invariant, device, threads)
         plan = ItemPlan(boundary, suffix, tuple(a for a in arms.split(",") if a),
                         tuple(r for r in replicas.split(",") if r),
                         tuple(parse_transplant(t) for t in transplants), ignore_eos=ignore_eos)
