@@ -1,7 +1,7 @@
 """The one error hierarchy of kvfid, and the exit code of each kind.
 
 Every error a user can cause or meet is a `KvfidError` carrying a one-line message and its exit
-code; `cli.py` maps them to exit codes in one place (0 ok, 1 a verdict failed, 2 usage or bad
+code; `cli.py` turns them into that line and exit code in one place (0 ok, 1 a verdict failed, 2 usage or bad
 input, 3 environment unavailable). Library modules keep their own names for their errors
 (`CaseError`, `ProtocolError`, `LedgerError`, ...) by subclassing one of the kinds here, so a
 caller may catch either the specific error or the kind.
@@ -17,6 +17,7 @@ class KvfidError(Exception):
     """Base of every error kvfid reports as one line."""
 
     exit_code = EXIT_USAGE
+    prefix = "error"        # the word before the one line on stderr
 
     def __str__(self) -> str:  # one line, whatever the cause carried
         return " ".join(super().__str__().split())
@@ -42,3 +43,11 @@ class OutputError(KvfidError):
     def __init__(self, message: str, exit_code: int = EXIT_USAGE) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class Interrupted(KvfidError):
+    """Ctrl-C during a run: what was measured is stored; the message says how to resume. Exit 130,
+    the shell's code for a SIGINT."""
+
+    exit_code = 130
+    prefix = "interrupted"

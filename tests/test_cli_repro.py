@@ -7,6 +7,8 @@ from click.testing import CliRunner
 
 from harness.protocol.backends import Stack
 from harness.cli import main
+from harness.environment import envinfo
+from harness.runs.repro import verdict
 from harness.protocol.protocol import ItemPlan, parse_transplant, run_item
 from protocol_fixtures import tiny
 from harness.protocol.items import Item, match_answer
@@ -30,6 +32,9 @@ def test_repro_json_matches_the_library_record():
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     from_cli = json.loads(result.stdout)
+    environment, key = from_cli.pop("environment"), from_cli.pop("environment_key")
+    assert key == envinfo.environment_key(environment) and environment["versions"]["torch"]
+    assert from_cli.pop("verdict") == verdict(from_cli)
     plan = ItemPlan(6, 5, ("live", "prefill", "chunked:4"), ("prefill",),
                     (parse_transplant("live<-prefill:keys"),))
     from_library = run_item(tiny(), Stack("sdpa", "bf16"), Item("prompt", "What is 2+2?"), plan,
@@ -92,3 +97,38 @@ def test_models_lists_every_preset_with_availability():
     assert {"tiny-llama", "tiny-qwen2", "tiny-mistral", "smollm2-135m",
             "qwen2.5-0.5b-shape", "llama-3.2-1b-shape"} <= set(rows)
     assert rows["tiny-llama"]["available"] is True
+
+
+REPRO = ["repro", "--model", "tiny-llama", "--prompt", "What is 2+2?", "-B", "4", "-S", "4"]
+
+
+@pytest.mark.parametrize("options, expect, code", [
+    # incremental decoding is live's own construction: same bits, whatever the machine
+    (["--arms", "live,incremental"], "bit-exact", 0),
+    (["--arms", "live,incremental"], "diverges", 1),
+    # the twin's split-KV count follows the call's shape: prefill differs on every machine
+    (["--backend", "twin", "--arms", "live,prefill"], "diverges", 0),
+    (["--backend", "twin", "--arms", "live,prefill"], "bit-exact", 1),
+    (["--arms", "live"], "bit-exact", 1),                   # nothing compared: no verdict
+])
+def test_expect_exits_1_when_the_verdict_is_otherwise(options, expect, code):
+    result = CliRunner().invoke(main, REPRO + options + ["--expect", expect, "--format", "json"])
+    assert result.exit_code == code, result.output
+    record = json.loads(result.stdout)
+    assert (record["verdict"] == expect) == (code == 0)
+
+
+def test_repro_text_ends_with_the_verdict():
+    result = CliRunner().invoke(main, REPRO + ["--arms", "live,incremental"])
+    assert result.exit_code == 0 and result.output.rstrip().endswith("verdict: bit-exact")
+
+
+def test_verdict_counts_only_comparisons_with_live():
+    same = {"prefix_identical": True, "cache": {"bit_exact": True}, "suffix": {"identical": True}}
+    differ = {**same, "suffix": {"identical": False}}
+    record = {"status": "ok", "comparisons": [{"a": "live", **same},
+                                              {"a": "prefill", **differ}]}  # a replica pair
+    assert verdict(record) == "bit-exact"
+    record["comparisons"].append({"a": "live", **differ})
+    assert verdict(record) == "diverges"
+    assert verdict({"status": "short", "comparisons": []}) is None

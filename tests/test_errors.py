@@ -39,3 +39,15 @@ def test_a_bug_is_one_line_exit_70_and_debug_shows_it(monkeypatch):
     monkeypatch.setenv("KVFID_DEBUG", "1")
     debug = CliRunner().invoke(main, ["runs"])
     assert isinstance(debug.exception, KeyError)     # raised through: Python prints it
+
+
+def test_an_interrupted_run_is_one_line_and_exit_130(monkeypatch):
+    from harness.errors import Interrupted
+
+    def stop(db):
+        raise Interrupted("`kvfid run smoke --resume r1` continues run r1")
+
+    monkeypatch.setattr(ledger_views, "list_runs", stop)
+    result = CliRunner().invoke(main, ["runs"])
+    assert result.exit_code == 130
+    assert result.output == "interrupted: `kvfid run smoke --resume r1` continues run r1\n"

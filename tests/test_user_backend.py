@@ -57,3 +57,59 @@ def test_a_transformers_implementation_that_is_not_installed_is_an_environment_e
     with pytest.raises(EnvironmentError, match="not available here"):
         with stack.activate(load_model("tiny-llama")):
             pass
+
+
+def gemma2_config(**overrides):
+    """A tiny Gemma2 config built in code (no hub): attention-logit softcapping, sliding layers."""
+    from transformers import Gemma2Config
+
+    return Gemma2Config(**{**dict(vocab_size=300, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=2,
+                                  num_key_value_heads=1, head_dim=16, sliding_window=64,
+                                  max_position_embeddings=256), **overrides})
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton", "twin"])
+def test_softcapping_is_refused_before_compute_where_the_backend_cannot_apply_it(backend):
+    from harness.protocol.backends import StackUnavailable, check_supports
+
+    config = gemma2_config(attn_logit_softcapping=50.0)
+    with pytest.raises(StackUnavailable, match="softcapping"):
+        check_supports(Stack(backend, "fp32"), config, length=32)
+    check_supports(Stack("eager", "fp32"), config, length=32)     # eager applies it
+
+
+def test_a_sliding_window_shorter_than_the_run_is_refused_on_triton_only():
+    from harness.protocol.backends import StackUnavailable, check_supports
+
+    config = gemma2_config(attn_logit_softcapping=None)
+    check_supports(Stack("triton", "fp32"), config, length=64)    # the window covers every key
+    with pytest.raises(StackUnavailable, match="sliding-window attention"):
+        check_supports(Stack("triton", "fp32"), config, length=65)
+    with pytest.raises(StackUnavailable, match="window 64 < 256"):
+        check_supports(Stack("triton", "fp32"), config)           # default: the whole context
+    check_supports(Stack("sdpa", "fp32"), config, length=200)     # sdpa masks the window
+    check_supports(Stack("triton", "fp32"), load_model("tiny-mistral"))  # no window: served
+
+
+@pytest.mark.parametrize("command", [
+    ["repro", "--prompt", "hi", "-B", "2", "-S", "2"],
+    ["blame", "--prompt", "hi", "-B", "2"],
+    ["replay", "TRAJECTORIES"],
+])
+def test_a_softcapped_model_on_triton_exits_3_in_one_line(tmp_path, command):
+    import transformers
+    from click.testing import CliRunner
+
+    from harness.cli import main
+
+    folder = tmp_path / "gemma2"
+    transformers.Gemma2ForCausalLM(gemma2_config(attn_logit_softcapping=50.0)).save_pretrained(folder)
+    trajectories = tmp_path / "t.jsonl"
+    trajectories.write_text('{"prompt_ids": [1, 2], "tokens": [3, 4]}\n')
+    command = [str(trajectories) if arg == "TRAJECTORIES" else arg for arg in command]
+    result = CliRunner().invoke(main, command + ["--model", f"hf:{folder}", "--backend", "triton"])
+    assert result.exit_code == 3, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "softcapping (50.0)" in errors[0]    # transformers' bar aside
+    assert "Traceback" not in result.output

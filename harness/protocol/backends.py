@@ -17,9 +17,10 @@ from typing import Callable, Iterator
 import torch
 
 from harness.errors import Unavailable
+from harness.names import BACKENDS, DTYPE_NAMES
 
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
-                                  "fp32": torch.float32}
+DTYPES: dict[str, torch.dtype] = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float16,
+                                                        torch.float32)))
 
 
 class StackUnavailable(Unavailable, EnvironmentError):
@@ -89,22 +90,18 @@ def _triton_implementation() -> str:
     return hf.register()
 
 
-register_backend(AttentionBackend("sdpa", "PyTorch scaled_dot_product_attention", lambda: "sdpa"))
-register_backend(AttentionBackend("eager", "transformers' eager matmul + softmax", lambda: "eager"))
-register_backend(AttentionBackend("triton", "kvfid Triton batch-invariant attention",
-                                  _triton_implementation))
-
-
 def _twin_implementation() -> str:
     from harness.environment import twins
 
     return twins.register_hf()
 
 
-# The negative control: correct attention whose split-KV count follows the call's shape, so live,
-# prefill and batched constructions differ on every machine (harness.environment.twins).
-register_backend(AttentionBackend("twin", "deliberately shape-variant attention (negative control)",
-                                  _twin_implementation))
+# twin is the negative control: correct attention whose split-KV count follows the call's shape,
+# so live, prefill and batched constructions differ on every machine (harness.environment.twins).
+_IMPLEMENTATIONS = {"sdpa": lambda: "sdpa", "eager": lambda: "eager",
+                    "triton": _triton_implementation, "twin": _twin_implementation}
+for _name, _description in BACKENDS.items():
+    register_backend(AttentionBackend(_name, _description, _IMPLEMENTATIONS[_name]))
 
 
 @dataclass(frozen=True)
@@ -195,3 +192,43 @@ def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> S
         raise ValueError(f"stack {text!r}: expected BACKEND/DTYPE[+bi][@tN], e.g. sdpa/bf16")
     backend, dtype = body.split("/")
     return Stack(backend, dtype, batch_invariant, device, threads)
+
+
+# Built-in backends that cannot honour attention-logit softcapping (Gemma2): sdpa raises mid-run,
+# triton refuses, twin would silently ignore it. eager and flex_attention apply it.
+_NO_SOFTCAP = ("sdpa", "triton", "twin")
+
+
+def sliding_window(config) -> int | None:
+    """The model's attention window in tokens, None when every layer attends to all earlier keys
+    (Qwen2 without use_sliding_window, tiny-mistral; Gemma2 has sliding layers)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window else None
+
+
+def check_supports(stack: Stack, model_or_config, length: int | None = None) -> None:
+    """Refuse, before any compute, a model this stack's attention backend cannot serve
+    (StackUnavailable, exit 3): attention-logit softcapping on sdpa, triton or twin; on triton, an
+    encoder-decoder model or a sliding window shorter than `length` tokens (default: the model's
+    context), which its kernel refuses mid-run. Padding the triton kernel cannot take (right
+    padding, custom masks) never comes from a config: kvfid's constructions pad on the left."""
+    config = getattr(model_or_config, "config", model_or_config)   # a Model, a module, a config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    refuse = f"model {getattr(config, 'model_type', '?')} cannot run on stack {stack.label}"
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None and stack.backend in _NO_SOFTCAP:
+        raise StackUnavailable(f"{refuse}: backend {stack.backend} does not apply its attention "
+                               f"logit softcapping ({softcap}); use --backend eager")
+    if stack.backend != "triton":
+        return
+    if getattr(config, "is_encoder_decoder", False):
+        raise StackUnavailable(f"{refuse}: the triton kernel is causal decoder attention only")
+    window = sliding_window(config)
+    need = length or int(getattr(config, "max_position_embeddings", 0) or 0)
+    if window is not None and window < need:
+        raise StackUnavailable(f"{refuse}: sliding-window attention (window {window} < {need} "
+                               "tokens); the triton kernel attends to every earlier position")

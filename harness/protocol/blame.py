@@ -290,6 +290,7 @@ def blame_command(model_name: str, prompt: str | None, item_set: str | None, ite
                   boundary: int, against: str, position: int | None) -> BlameOutcome:
     """`kvfid blame`: every option checked before compute (exit 2 / 3), then `blame_item`."""
     from harness.runs import repro
+    from harness.protocol.backends import check_supports
     from harness.protocol.models import load_model
 
     repro.check_model_name(model_name)
@@ -304,6 +305,7 @@ def blame_command(model_name: str, prompt: str | None, item_set: str | None, ite
     if len(prompt_ids) + boundary > model.context_length:
         raise BadInput(f"-B = {boundary}: the prompt ({len(prompt_ids)} tokens) and B exceed the "
                        f"context of {model.context_length}")
+    check_supports(stack, model, len(prompt_ids) + boundary)
     if position is not None and not 0 <= position < len(prompt_ids) + boundary:
         raise BadInput(f"--position = {position} is not allowed; P has positions 0 to "
                        f"{len(prompt_ids) + boundary - 1}")

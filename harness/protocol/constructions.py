@@ -13,9 +13,7 @@ from dataclasses import dataclass
 
 from harness.protocol import cache as kv
 from harness.errors import BadInput
-
-CONSTRUCTION_HELP = ("live, prefill, incremental, incremental-1, chunked:N, batched:N (N >= 1), "
-                     "cobatched:N, cobatched:N+decode (N >= 2)")
+from harness.names import CONSTRUCTION_HELP
 _NUMBERED = r"(?:chunked|batched):\d+|cobatched:\d+(?:\+decode)?"
 
 

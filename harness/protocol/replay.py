@@ -227,6 +227,7 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
                    device: str, threads: int | None, constructions: str, progress=None) -> dict:
     """`kvfid replay`: the options and the file checked before compute (exit 2 / 3), then `replay`."""
     from harness.runs import repro
+    from harness.protocol.backends import check_supports
     from harness.protocol.models import load_model
 
     repro.check_model_name(model_name)
@@ -242,6 +243,8 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
     model = load_model(model_name)
     try:
         loaded = load_trajectories(trajectories, model.codec)
+        longest = max((len(t.prompt_ids) + len(t.tokens) for t in loaded), default=0)
+        check_supports(stack, model, longest)
         return replay(model, stack, loaded, chosen, progress)
     except ValueError as err:
         raise BadInput(str(err)) from None

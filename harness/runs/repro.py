@@ -4,8 +4,9 @@
 input with `BadInput` (exit 2: the option, the value, what is allowed) and what this machine
 cannot do with `Unavailable` (exit 3): unknown models, devices, thread counts, prompts that are
 empty or not UTF-8, item sets that cannot be read, item indices out of range, transplant
-selections outside the model's layers or the boundary prefix, prompts that do not fit.
-`measure` runs what `prepare` checked.
+selections outside the model's layers or the boundary prefix, prompts that do not fit, models
+the stack's attention backend cannot serve. `measure` runs what `prepare` checked; `repro` is the
+whole command: prepare, measure, the verdict and the environment record.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.runs import checks
-from harness.protocol.backends import Stack
+from harness.protocol.backends import Stack, check_supports
 from harness.errors import BadInput
-from harness.protocol.models import PRESETS, load_model, model_names
+from harness.names import BIT_EXACT, DIVERGES, MODEL_NAMES, PRESET_NAMES
+from harness.protocol.models import load_model
 from harness.protocol.protocol import ItemPlan, parse_transplant
 
 
@@ -36,9 +38,8 @@ def prepare(model_name: str, prompt: str | None, item_set: str | None, item_inde
             ignore_eos: bool = False) -> Repro:
     """Check every option, then load the model and check what needs it (layers, context)."""
     check_model_name(model_name)
-    checks.device_and_threads(device, threads)
+    stack = checked_stack(backend, dtype, batch_invariant, device, threads)
     try:
-        stack = Stack(backend, dtype, batch_invariant, device, threads)
         plan = ItemPlan(boundary, suffix, tuple(a for a in arms.split(",") if a),
                         tuple(r for r in replicas.split(",") if r),
                         tuple(parse_transplant(t) for t in transplants), ignore_eos=ignore_eos)
@@ -51,6 +52,8 @@ def prepare(model_name: str, prompt: str | None, item_set: str | None, item_inde
     model = load_model(model_name)
     prompt_length = len(model.codec.prompt_ids(item.prompt))
     plan.check_fits(prompt_length, model.context_length)
+    for each in [stack, *cross_stacks]:
+        check_supports(each, model, prompt_length + boundary + suffix)
     layers = int(model.config.num_hidden_layers)
     for spec in plan.transplants:
         checks.require(checks.selection_reason(spec.selection, layers, prompt_length + boundary),
@@ -60,8 +63,8 @@ def prepare(model_name: str, prompt: str | None, item_set: str | None, item_inde
 
 def check_model_name(model_name: str) -> None:
     """Refuse a model that is neither a preset nor hf:<folder> (exit 2), before any loading."""
-    if model_name not in PRESETS and not (model_name.startswith("hf:") and len(model_name) > 3):
-        raise BadInput(f"--model: unknown model {model_name!r}; valid: {', '.join(model_names())}")
+    if model_name not in PRESET_NAMES and not (model_name.startswith("hf:") and len(model_name) > 3):
+        raise BadInput(f"--model: unknown model {model_name!r}; valid: {', '.join(MODEL_NAMES)}")
 
 
 def checked_stack(backend: str, dtype: str, batch_invariant: bool, device: str,
@@ -106,3 +109,53 @@ def measure(repro: Repro) -> dict:
         record["crossing"] = run_crossing(repro.model, repro.item, repro.stack,
                                           repro.cross_stacks, repro.plan.B, repro.plan.S)
     return record
+
+
+def verdict(record: dict) -> str | None:
+    """`bit-exact` or `diverges` (harness.names.VERDICT_HELP); None when nothing was compared
+    with live (live ended before B tokens, or live was the only arm)."""
+    against_live = [c for c in record.get("comparisons", []) if c["a"] == "live"]
+    if record.get("status") != "ok" or not against_live:
+        return None
+    exact = all(c["prefix_identical"] and c["cache"]["bit_exact"] and c["suffix"]["identical"]
+                for c in against_live)
+    return BIT_EXACT if exact else DIVERGES
+
+
+@dataclass
+class ReproOutcome:
+    """What `kvfid repro` prints, and whether the verdict is the expected one."""
+
+    record: dict
+    codec: object
+    environment: dict
+    environment_key: str
+
+    @property
+    def verdict(self) -> str | None:
+        return verdict(self.record)
+
+    def passed(self, expect: str | None) -> bool:
+        return expect is None or self.verdict == expect
+
+    def to_json(self) -> dict:
+        return {**self.record, "verdict": self.verdict, "environment": self.environment,
+                "environment_key": self.environment_key}
+
+    def text(self) -> str:
+        from harness.reports import render
+
+        shown = self.verdict or "none (nothing was compared with live)"
+        return f"{render.item_text(self.record, self.codec)}\n\nverdict: {shown}"
+
+
+def repro(**options) -> ReproOutcome:
+    """`kvfid repro`: every option checked (exit 2 / 3), the item measured, the verdict and the
+    environment it was measured in."""
+    from harness.environment import envinfo
+
+    checked = prepare(**options)
+    record = measure(checked)
+    environment = envinfo.collect()
+    return ReproOutcome(record, checked.model.codec, environment,
+                        envinfo.environment_key(environment))

@@ -1,0 +1,106 @@
+"""Commands that look closely at one item or one set of trajectories: `repro`, `blame`, `replay`,
+`rollouts`."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from harness.commands.options import exit_with, fmt_option, item_options, stack_options
+from harness.names import BIT_EXACT, CONSTRUCTION_HELP, DIVERGES, VERDICT_HELP
+
+
+@click.command()
+@item_options
+@stack_options
+@click.option("-B", "boundary", type=int, default=32, show_default=True,
+              help="Live-generated tokens in the boundary prefix.")
+@click.option("-S", "suffix", type=int, default=48, show_default=True,
+              help="Greedy suffix tokens decoded from each boundary state.")
+@click.option("--arms", default="live,prefill,incremental", show_default=True,
+              help=f"Comma-separated constructions: {CONSTRUCTION_HELP}.")
+@click.option("--replicas", default="", help="Comma-separated arms to run twice (replica floor).")
+@click.option("--transplant", "transplants", multiple=True,
+              help="RECIPIENT<-DONOR[:SELECTION], e.g. live<-prefill:keys (repeatable).")
+@click.option("--ignore-eos", is_flag=True, help="Generate all B and S tokens even past an "
+              "end-of-turn token (tiny random models end early otherwise).")
+@click.option("--cross", help="Also run the fixed-prefix precision crossing over these dtypes "
+                              "(comma-separated), P frozen from this stack's live run.")
+@click.option("--expect", type=click.Choice([BIT_EXACT, DIVERGES]),
+              help=f"Exit 1 unless the verdict is this one (or when nothing was compared with "
+                   f"live). {VERDICT_HELP}")
+@fmt_option
+def repro(fmt, expect, **options) -> None:
+    """Reproduce one item on one stack: every arm against live, cache and suffix verdicts, and
+    the environment it ran in (in --format json)."""
+    from harness.runs.repro import repro as run_repro
+
+    outcome = run_repro(**options)
+    click.echo(json.dumps(outcome.to_json(), indent=1) if fmt == "json" else outcome.text())
+    exit_with(outcome.passed(expect))
+
+
+@click.command()
+@item_options
+@stack_options
+@click.option("-B", "boundary", type=click.IntRange(1, 100000), default=8, show_default=True,
+              help="Live tokens generated after the prompt: P is the prompt plus these.")
+@click.option("--against", default="prefill", show_default=True,
+              help="The construction traced against incremental decoding: prefill or chunked:N.")
+@click.option("--position", type=int, help="The position of P to blame (default: the first whose "
+                                            "cache differs between the two constructions).")
+@fmt_option
+def blame(fmt, **options) -> None:
+    """Name the op that first gives a position of P other bits in incremental decoding than in a
+    prefill (or a chunk): a culprit has bit-equal inputs on both sides and a differing output."""
+    from harness.protocol.blame import blame_command
+
+    outcome = blame_command(**options)
+    click.echo(json.dumps(outcome.to_json(), indent=1) if fmt == "json" else outcome.text())
+
+
+@click.command()
+@click.argument("trajectories", type=click.Path(dir_okay=False))
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+              help="A preset (see `kvfid models`) or hf:<folder>; the one the trajectories are for.")
+@stack_options
+@click.option("--constructions", default="prefill", show_default=True,
+              help="Comma-separated re-scorings: prefill, chunked:N, batched:N.")
+@click.option("--expect-exact", is_flag=True, help="Exit 1 unless every logprob is bit-identical.")
+@fmt_option
+def replay(fmt, expect_exact, **options) -> None:
+    """Re-score supplied trajectories (JSONL: prompt_ids or prompt, and tokens) the way a trainer
+    does and report, per token, how its logprob differs from step-by-step generation."""
+    from harness.protocol import replay as replay_lib
+
+    result = replay_lib.replay_command(progress=lambda i: click.echo(f"replay {i}", err=True),
+                                       **options)
+    click.echo(json.dumps(result, indent=1) if fmt == "json" else replay_lib.render(result))
+    exit_with(not expect_exact or not any(a["differ"] for a in result["aggregate"].values()))
+
+
+@click.command()
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+              help="A preset (see `kvfid models`) or hf:<folder>.")
+@click.option("--item-set", default="arith", show_default=True,
+              help="Prompts: arith | jsonl:<path>.")
+@click.option("-n", "count", type=click.IntRange(1, 10000), default=8, show_default=True,
+              help="Trajectories (the first n items).")
+@click.option("--tokens", type=click.IntRange(1, 100000), default=32, show_default=True,
+              help="Continuation length (shorter when an end-of-turn token is sampled).")
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=0.8,
+              show_default=True, help="Sampling temperature (> 0).")
+@click.option("--seed", type=int, default=0, show_default=True, help="The sampler's seed.")
+@click.option("--out", type=click.Path(dir_okay=False), required=True,
+              help="The JSONL file to write.")
+def rollouts(**options) -> None:
+    """Sample trajectories with temperature (sdpa/fp32, seeded): a real input for `kvfid replay`."""
+    from harness.protocol.replay import rollouts_command
+
+    rows, out = rollouts_command(**options)
+    click.echo(f"{len(rows)} trajectories, {sum(len(r['tokens']) for r in rows)} tokens -> {out}",
+               err=True)
+
+
+COMMANDS = [repro, blame, replay, rollouts]

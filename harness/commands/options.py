@@ -1,0 +1,57 @@
+"""Options several commands share. Light: click and `harness.names`, nothing that loads torch."""
+
+from __future__ import annotations
+
+import click
+
+from harness.names import BACKENDS, CONSTRUCTION_HELP, DTYPE_NAMES, MODEL_NAMES  # noqa: F401
+
+FORMAT_HELP = "text for people, json for programs."
+
+
+def options(*decorators):
+    """One decorator for a group of click options."""
+    def decorate(command):
+        for option in reversed(decorators):
+            command = option(command)
+        return command
+    return decorate
+
+
+fmt_option = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
+                          show_default=True, help=FORMAT_HELP)
+
+db_option = click.option("--db", type=click.Path(), default=None,
+                         help="Ledger file (default: $KVFID_DB, else reports/ledger.sqlite).")
+
+reports_option = click.option("--reports", default="reports", show_default=True,
+                              type=click.Path(file_okay=False),
+                              help="The reports folder (files go under <environment key>/).")
+
+# --model, --prompt, --item-set, --item: one model and one item.
+item_options = options(
+    click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+                 help=f"One of {', '.join(MODEL_NAMES)} (see `kvfid models`)."),
+    click.option("--prompt", help="The prompt text (a one-turn chat)."),
+    click.option("--item-set", help="Take the prompt from an item set: arith | jsonl:<path>."),
+    click.option("--item", "item_index", type=int, help="Index of the item in --item-set."))
+
+# --backend, --dtype, --batch-invariant, --device, --threads: the options of one stack.
+stack_options = options(
+    click.option("--backend", default="sdpa", show_default=True,
+                 help=f"Attention backend: {', '.join(BACKENDS)}, module:function, or an "
+                      "implementation transformers registered."),
+    click.option("--dtype", default="bf16", show_default=True,
+                 help=f"Precision: {', '.join(DTYPE_NAMES)}."),
+    click.option("--batch-invariant", is_flag=True,
+                 help="Swap in batch-invariant matmul/norm/softmax."),
+    click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N."),
+    click.option("--threads", type=int,
+                 help="torch thread count (default: torch's); part of the stack."))
+
+
+def exit_with(ok: bool) -> None:
+    """Exit 1 when a verdict failed (0 otherwise): harness.errors.EXIT_VERDICT."""
+    from harness.errors import EXIT_OK, EXIT_VERDICT
+
+    raise SystemExit(EXIT_OK if ok else EXIT_VERDICT)

@@ -1,0 +1,185 @@
+"""Commands over cases, runs and the ledger: `run`, `runs`, `show`, `audit`, `report`, `merge`,
+`compare`, `bench`, `bench-report`."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from harness.commands.options import db_option, exit_with, fmt_option, reports_option
+
+
+@click.command()
+@click.argument("case_name", metavar="CASE")
+@click.option("--items", "item_count", type=int, help="Only the first N items of the case.")
+@db_option
+@click.option("--resume", metavar="RUN_ID", help="Continue a stored run of this case: units "
+              "already stored are skipped.")
+@click.option("--run-id", metavar="RUN_ID", help="Name the run; processes given the same id "
+              "(with different --shard) fill one run.")
+@click.option("--shard", default="0/1", show_default=True, metavar="I/N",
+              help="Run every N-th item, starting at item I.")
+@click.option("--report", "write_report", is_flag=True, help="Also write the run report.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def run(**options) -> None:
+    """Run a case into the ledger; prints the run id and the headline table. CASE: a name in
+    cases/ (`smoke` is cases/smoke.toml), a TOML path, or `default` (the GPU case with CUDA, else
+    the CPU one).
+
+    Under `torchrun --nproc-per-node N -m harness.cli run CASE`, each rank runs its shard of
+    the items into one run and rank 0 closes it and prints the headline."""
+    from harness.runs.launch import launch
+
+    launched = launch(**options)
+    for line in launched.lines:
+        click.echo(line)
+    for name, file in launched.files.items():
+        click.echo(f"{name}: {file}", err=True)
+
+
+@click.command()
+@db_option
+@fmt_option
+def runs(db, fmt) -> None:
+    """List the runs in the ledger (a run whose processes died shows as `died`)."""
+    from harness.runs.ledger_views import list_runs, runs_text
+
+    rows = list_runs(db)
+    click.echo(json.dumps(rows, indent=1) if fmt == "json" else runs_text(rows))
+
+
+@click.command()
+@click.argument("run_id", metavar="RUN")
+@db_option
+@fmt_option
+def show(run_id, db, fmt) -> None:
+    """Print a run's aggregates (RUN: an id, a unique prefix, or `latest`)."""
+    from harness.runs.ledger_views import show_run
+
+    click.echo(show_run(db, run_id, fmt))
+
+
+@click.command()
+@click.argument("run_id", metavar="RUN")
+@db_option
+@click.option("--items", "item_count", type=int, help="Audit only the first N items.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def audit(run_id, db, item_count, quiet) -> None:
+    """Check a stored run against its plan and its record checksums, then re-run it and check
+    every fingerprint; exit 1 when anything is missing, changed or does not reproduce."""
+    from harness.runs.audit import audit_run
+    from harness.runs.ledger_views import db_path
+
+    result = audit_run(db_path(db), run_id, items=item_count, progress=not quiet)
+    click.echo(result.text())
+    exit_with(result.passed)
+
+
+@click.command(name="report")
+@click.argument("run_id", metavar="RUN")
+@db_option
+@click.option("--out", default="reports", show_default=True, type=click.Path(file_okay=False),
+              help="Reports folder; files go to OUT/<environment key>/<run id>/.")
+def report_command(run_id, db, out) -> None:
+    """Write a run's report: report.md, report.html (self-contained) and summary.json."""
+    from harness.runs.ledger_views import report_run
+
+    for name, path in report_run(db, run_id, out).items():
+        click.echo(f"{name}: {path}")
+
+
+@click.command()
+@click.argument("run_ids", metavar="RUN RUN...", nargs=-1, required=True)
+@db_option
+@click.option("--into", metavar="RUN_ID", help="Id of the merged run (default: a new id).")
+def merge(run_ids, db, into) -> None:
+    """Merge runs of one case (e.g. shards) into a new run; exit 1 if a unit stored twice has
+    different fingerprints."""
+    from harness.runs.ledger_views import merge_runs
+
+    merged, copied, conflicts = merge_runs(db, list(run_ids), into)
+    click.echo(f"run {merged.id} {merged.status}: {copied} units from {len(run_ids)} runs")
+    for source, index, stack in conflicts:
+        click.echo(f"conflict: item #{index} stack {stack} differs in run {source} "
+                   f"(kept the first run's)", err=True)
+    exit_with(not conflicts)
+
+
+def _path_option(name: str, help: str):
+    return click.option(name, type=click.Path(exists=True, dir_okay=False), help=help)
+
+
+@click.command(name="compare")
+@click.argument("a", metavar="A")
+@click.argument("b", metavar="B")
+@db_option
+@click.option("--db-a", type=click.Path(), help="A's ledger (default: --db).")
+@click.option("--db-b", type=click.Path(), help="B's ledger (default: --db).")
+@_path_option("--kernels-a", "A's kernel invariance result (JSON of `kvfid kernels --format json`).")
+@_path_option("--kernels-b", "B's kernel invariance result.")
+@_path_option("--bench-a", "A's kernel benchmarks (pytest-benchmark JSON).")
+@_path_option("--bench-b", "B's kernel benchmarks.")
+@click.option("--reports", default="reports", show_default=True, type=click.Path(file_okay=False),
+              help="Where `kvfid bench` filed kernels.json and bench/*.json per environment key "
+                   "(used for a side whose --kernels/--bench is not given).")
+@click.option("--threshold", type=click.FloatRange(min=0), default=0.10, show_default=True,
+              help="A kernel whose median is slower than A's by more than this fraction regresses.")
+@click.option("--allow-different", is_flag=True, help="Compare runs that differ in case, model, "
+              "B/S, items or thread count (refused by default, exit 2).")
+@click.option("--out", type=click.Path(file_okay=False),
+              help="Also write comparison.md, comparison.html and comparison.json here.")
+@fmt_option
+def compare_command(fmt, **options) -> None:
+    """What changed from A to B. A and B: run ids (unique prefixes, `latest`) or environment keys
+    (the latest finished run there, of the other side's case when it has one). Exit 1 when B
+    regressed against A."""
+    from harness.reports.compare import render_markdown
+    from harness.reports.compare_command import compare_command as run_compare
+
+    result, files = run_compare(**options)
+    for name, path in files.items():
+        click.echo(f"{name}: {path}", err=True)
+    click.echo(json.dumps(result, indent=1) if fmt == "json" else render_markdown(result))
+    exit_with(not result["regressed"])
+
+
+@click.command()
+@reports_option
+@click.option("--db", help="Ledger path (default: REPORTS/ledger.sqlite).")
+@click.option("--case", "case_path", default="default", show_default=True,
+              help="The fidelity case (default: the GPU case with CUDA, else smollm2-cpu).")
+@click.option("--items", type=int, help="Only the first N items of the case.")
+@click.option("--quick", is_flag=True, help="Quick kernel comparison and no speed benches.")
+def bench(reports, db, case_path, items, quick) -> None:
+    """Everything `make bench` does: environment, kernel table, speed benches, the default
+    fidelity case, its report and reports/index.md; exit 1 if a claimed invariance fails."""
+    from harness.runs.bench import run_bench
+
+    start = time.perf_counter()
+    outcome = run_bench(reports, db, case_path, kernels_quick=quick, speed=not quick,
+                        items=items)
+    for name, path in outcome.files.items():
+        click.echo(f"{name}: {path}", err=True)
+    click.echo(outcome.text(time.perf_counter() - start))
+    exit_with(outcome.invariance_ok)
+
+
+@click.command(name="bench-report")
+@click.argument("bench_json", type=click.Path(exists=True, dir_okay=False))
+@reports_option
+@click.option("--threshold", type=float, default=0.10, show_default=True,
+              help="A median slower by more than this fraction is a regression.")
+def bench_report(bench_json, reports, threshold) -> None:
+    """File a pytest-benchmark JSON under reports/<environment key>/bench/ and compare its
+    medians with the previous result of the same key; exit 1 on a regression."""
+    from harness.reports import benchreport
+
+    saved, comparison = benchreport.file_bench(bench_json, reports, threshold)
+    click.echo(f"bench: {saved}", err=True)
+    click.echo(benchreport.render_bench(comparison))
+    exit_with(comparison["ok"])
+
+
+COMMANDS = [run, runs, show, audit, report_command, merge, compare_command, bench, bench_report]

@@ -1,0 +1,42 @@
+"""What `kvfid kernels` and `kvfid compile` run: options checked (exit 2 / 3), then the library.
+
+Bad names (dtypes, archs, kernels) are `BadInput` and a missing device `Unavailable` here, so the
+command line maps one error hierarchy and nothing else.
+"""
+
+from __future__ import annotations
+
+from harness.errors import BadInput
+
+
+def _split(text: str | None) -> tuple[str, ...] | None:
+    return tuple(x for x in text.split(",") if x) if text else None
+
+
+def kernel_verdicts(dtypes: str, device: str | None, quick: bool, threads: int, out=None,
+                    progress=None) -> tuple[dict, object]:
+    """The batch-invariance and prefill-vs-decode verdicts (`invariance.compare_kernels`) and,
+    with `out`, the file they were written to."""
+    from harness.environment import invariance
+    from harness.runs import checks
+
+    device = checks.device_and_threads(device, threads)
+    try:
+        result = invariance.compare_kernels(_split(dtypes) or (), device, quick, threads=threads,
+                                            progress=progress)
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+    return result, (invariance.write_result(result, out) if out else None)
+
+
+def compile_report(archs: str, dtypes: str, kernels: str | None, quick: bool, jobs: int | None,
+                   out=None) -> dict:
+    """Compile every planned kernel config for the archs and judge the cubins."""
+    from harness.environment.compile import compile_targets
+    from harness.environment.compile_plan import plan
+
+    try:
+        targets = plan(_split(archs), _split(dtypes), _split(kernels), quick)
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+    return compile_targets(targets, out, jobs)

@@ -1,0 +1,73 @@
+"""`kvfid run`: a case, by name or path, run into the ledger, in one process or under torchrun.
+
+Everything the command decides lives here, so the command only prints: which case a name means
+(`smoke` is cases/smoke.toml), the item count and shard checked before anything runs, torchrun's
+ranks each taking their shard (rank 0 closes the run and reports), and Ctrl-C turned into an
+`Interrupted` error that says how to resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.errors import BadInput, Interrupted
+from harness.names import CASES, case_names
+
+
+def resolve_case(name: str) -> Path:
+    """`default` (the GPU case with CUDA, else the CPU one), a name in cases/ (no `/`, no
+    `.toml`), or a path; an unknown name is refused naming the cases there (exit 2)."""
+    from harness.runs import matrix
+
+    if name == "default":
+        return matrix.default_case_path()
+    if "/" in name or name.endswith(".toml"):
+        return Path(name)
+    path = CASES / f"{name}.toml"
+    if not path.is_file():
+        raise BadInput(f"unknown case {name!r}; give a .toml path or one of: default, "
+                       f"{', '.join(case_names())}")
+    return path
+
+
+@dataclass
+class Launched:
+    """What `kvfid run` prints: the run line and headline (stdout), report files (stderr).
+    `lines` is empty on a torchrun rank other than 0."""
+
+    lines: list[str] = field(default_factory=list)
+    files: dict = field(default_factory=dict)
+
+
+def launch(case_name: str, item_count: int | None = None, db=None, resume: str | None = None,
+           run_id: str | None = None, shard: str = "0/1", write_report: bool = False,
+           quiet: bool = False) -> Launched:
+    """Run the case into the ledger (see the module docstring)."""
+    from harness.runs import distributed, matrix
+    from harness.runs.case import load_case
+    from harness.runs.ledger_views import db_path, headline, report_run
+
+    case = load_case(resolve_case(case_name))
+    if item_count is not None:
+        case.with_item_count(item_count)        # refuse a bad count before anything runs
+    shard_spec = matrix.parse_shard(shard)
+    path = db_path(db)
+    ranked = distributed.torchrun_rank()
+    if ranked and (resume or shard != "0/1"):
+        raise BadInput("under torchrun each rank takes its shard itself; drop --shard/--resume")
+    try:
+        if ranked:
+            result = distributed.run_ranked(case, path, ranked, items=item_count, run_id=run_id,
+                                            progress=not quiet)
+            if ranked.rank != 0:
+                return Launched()
+        else:
+            result = matrix.run_case(case, path, items=item_count, run_id=run_id,
+                                     resume=resume, shard=shard_spec, progress=not quiet)
+    except matrix.RunInterrupted as stop:
+        raise Interrupted(f"what was measured is stored; `kvfid run {case_name} --resume "
+                          f"{stop.run_id}` continues run {stop.run_id}") from None
+    lines = [f"run {result.run_id} {result.status}: {result.measured} units measured, "
+             f"{result.skipped} already stored", headline(path, result.run_id)]
+    return Launched(lines, report_run(path, result.run_id) if write_report else {})
