@@ -10,7 +10,6 @@ def compare_command(a: str, b: str, db=None, db_a=None, db_b=None, out=None,
     from harness.reports import compare
     from harness.runs.ledger_views import db_path
 
-    if allow_different:     # passed only when asked, so a compare without the keyword still runs
-        inputs["allow_different"] = True
-    result = compare.compare((db_path(db_a or db), db_path(db_b or db)), a, b, **inputs)
+    result = compare.compare((db_path(db_a or db), db_path(db_b or db)), a, b,
+                             allow_different=allow_different, **inputs)
     return result, (compare.write_comparison(result, out) if out else {})
