@@ -1,6 +1,6 @@
 """The GPU branch (`tl.dot`, the GPU tile configs) run in the Triton interpreter against fp64.
 
-Not bitwise: the interpreter's `tl.dot` is a NumPy BLAS product (DESIGN.md, "Known hazards"); the
+Not bitwise: the interpreter's `tl.dot` is a NumPy BLAS product (docs/hazards.md); the
 bit-invariance of the GPU path is checked on a GPU (test_kernel_gpu.py). These catch an indexing,
 masking or casting error of the tensor-core branch here, before any GPU.
 
