@@ -181,3 +181,20 @@ def test_plans_replicas_stacks_and_controls():
     assert case.design()["control_indices"] == list(controls)
     assert case.with_item_count(3).design()["units"] == 12
     assert case.sha == parse_case(case.text, "elsewhere.toml").sha
+
+
+def test_items_n_is_optional_for_a_jsonl_set_only(tmp_path):
+    lines = tmp_path / "items.jsonl"
+    lines.write_text("".join(f'{{"prompt": "p{i}", "answer": {i}}}\n\n' for i in range(3)))
+    jsonl = edited('set = "arith"\nn = 5\n', f'set = "jsonl:{lines}"\n')
+    assert parse_case(jsonl, "cases/x.toml").items.n == 3      # every item of the file
+    assert parse_case(jsonl.replace("\n[stacks]", "n = 2\n[stacks]")).items.n == 2
+    lines.unlink()          # a stored run is not counted again from its file
+    assert parse_case(jsonl, "stored", item_count=3).items.n == 3
+    with pytest.raises(CaseError, match=r"cases/x.toml: \[items\] set = 'jsonl:.*cannot read"):
+        parse_case(jsonl, "cases/x.toml")
+    with pytest.raises(CaseError, match=r"cases/x.toml: missing key \[items\] n \(.*generated"):
+        parse_case(edited("n = 5\n", ""), "cases/x.toml")
+    lines.write_text("")
+    with pytest.raises(CaseError, match=r"\[items\] n = 0 is not allowed"):
+        parse_case(jsonl, "cases/x.toml")

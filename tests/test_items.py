@@ -147,8 +147,19 @@ def test_load_item_set_jsonl(tmp_path):
 
 @pytest.mark.parametrize("spec", ["gsm8k", "jsonl:", "Arith", "json:x.jsonl", ""])
 def test_load_item_set_unknown_spec_lists_valid_forms(spec):
-    with pytest.raises(ValueError, match=r"valid forms: 'arith', 'jsonl:<path>'"):
+    with pytest.raises(ValueError, match=r"valid forms: arith, arith-easy, jsonl:<path>"):
         load_item_set(spec)
+
+
+def test_arith_easy_is_one_digit_addition_and_a_prefix_set():
+    items = load_item_set("arith-easy", n=20, seed=3)
+    assert items[:5] == load_item_set("arith-easy", n=5, seed=3)
+    assert len({it.prompt for it in items}) == 20
+    for it in items:
+        a, b = (int(w) for w in it.prompt.split() if w.isdigit())
+        assert 2 <= a <= 9 and 2 <= b <= 9 and it.answer == str(a + b)
+        assert it.id.startswith("arith-easy-") and it.prompt.endswith("have now?")
+    assert {it.prompt for it in items}.isdisjoint(it.prompt for it in arith_items(20, seed=3))
 
 
 # --- matcher ------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest_kernels import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref,
-                              bits_equal, device)
+from helpers import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref,
+                     bits_equal, device, randn)
 
 from harness.environment.twins import attention_twin
 from kernels.attention import BLOCK_M, attention, attention_ref, config_for
@@ -14,7 +14,7 @@ from kernels.attention import BLOCK_M, attention, attention_ref, config_for
 def make_qkv(batch, n_q_heads, n_kv_heads, length, head_dim, dtype, seed=0):
     """q [B, Hq, T, D], k and v [B, Hkv, T, D] (q for every position; slice for fewer queries)."""
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(batch, h, length, head_dim, generator=gen).to(dtype).to(device())
+    q, k, v = (randn(batch, h, length, head_dim, dtype=dtype, gen=gen)
                for h in (n_q_heads, n_kv_heads, n_kv_heads))
     return q, k, v
 

@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from conftest_kernels import DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal, device, max_abs_diff
+from helpers import DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal, device, max_abs_diff, randn
 
 from kernels.attention import attention_into, attention_ref, config_for
 
@@ -32,10 +32,6 @@ SHORT = 48
 # among the probe's pad positions), then 6 decode steps.
 SCHEDULES = {"prefill": [0, WIDTH],
              "chunks-then-decode": [0, 107, 114, 121, 128, 135] + list(range(136, WIDTH + 1))}
-
-
-def randn(*shape, dtype, gen):
-    return torch.randn(*shape, generator=gen).to(dtype).to(device())
 
 
 def probe_qkv(dtype):

@@ -8,9 +8,11 @@ a finding of `kvfid kernels` (its stock probes), not a test assumption.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from conftest_kernels import BATCH_SIZES, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal
+from helpers import BATCH_SIZES, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal, randn
 
 from harness.environment.twins import attention_twin, matmul_twin
 from kernels.attention import attention, attention_ref
@@ -19,9 +21,7 @@ from kernels.matmul import matmul
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def randn(*shape, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen).to(dtype).to("cuda")
+randn = partial(randn, on="cuda")  # the GPU tests' inputs live on the GPU
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

@@ -1,6 +1,6 @@
 """The GPU branch (`tl.dot`, the GPU tile configs) run in the Triton interpreter against fp64.
 
-Not bitwise: the interpreter's `tl.dot` is a NumPy BLAS product (DESIGN.md, "Known hazards"); the
+Not bitwise: the interpreter's `tl.dot` is a NumPy BLAS product (docs/hazards.md); the
 bit-invariance of the GPU path is checked on a GPU (test_kernel_gpu.py). These catch an indexing,
 masking or casting error of the tensor-core branch here, before any GPU.
 
@@ -13,10 +13,12 @@ accumulation computes up to the order of the sums.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
-from conftest_kernels import DTYPE_IDS, DTYPES, assert_close_to_ref
+from helpers import DTYPE_IDS, DTYPES, assert_close_to_ref, randn
 
 from kernels import attention as attn
 from kernels import matmul as mm
@@ -44,9 +46,7 @@ def bf16_dot_in_fp32(monkeypatch):
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
-def randn(*shape, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen).to(dtype)
+randn = partial(randn, on="cpu")  # inputs the interpreter runs, on the CPU
 
 
 ATTENTION_SHAPES = [  # (Hq, Hkv, Tq, Tk, D)

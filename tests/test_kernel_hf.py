@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest_kernels import assert_bitwise_equal, bits_equal, cache_keyword, device, tiny_model
+from helpers import assert_bitwise_equal, bits_equal, cache_keyword, device, tiny_model
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 

@@ -5,17 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest_kernels import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal, device,
-                              max_abs_diff)
+from helpers import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal, max_abs_diff,
+                     randn)
 
 from harness.environment.twins import matmul_twin
 from kernels.matmul import bmm, matmul, matmul_ref
 from kernels.mode import set_batch_invariant_mode
-
-
-def randn(*shape, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen).to(dtype).to(device())
 
 
 # ---- correctness -------------------------------------------------------------------------------

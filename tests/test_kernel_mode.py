@@ -7,7 +7,7 @@ import collections
 
 import pytest
 import torch
-from conftest_kernels import assert_bitwise_equal, device, tiny_model
+from helpers import assert_bitwise_equal, device, tiny_model, randn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import matmul, norm
@@ -17,11 +17,6 @@ from kernels.mode import (IMPLS, OVERRIDDEN_OPS, batch_invariant_mode, set_batch
 def dispatch_state() -> dict[str, str]:
     """The dispatcher's registration table of every overridden op (text, comparable)."""
     return {op: torch._C._dispatch_dump(f"aten::{op}") for op in OVERRIDDEN_OPS}
-
-
-def randn(*shape, seed=0, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen).to(dtype).to(device())
 
 
 # ---- the ops a model reaches -------------------------------------------------------------------

@@ -5,18 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest_kernels import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref,
-                              bits_equal, device, max_abs_diff)
+from helpers import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref,
+                     bits_equal, max_abs_diff, randn)
 
 from kernels.mode import set_batch_invariant_mode
 from kernels.norm import mean_last_dim, mean_last_dim_ref, rms_norm, rms_norm_ref
 
 EPS = 1e-6
-
-
-def randn(*shape, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen).to(dtype).to(device())
 
 
 # ---- correctness -------------------------------------------------------------------------------

@@ -1,14 +1,25 @@
-"""The `kernels` package must not pass for Hugging Face's hub-kernels package (DESIGN.md hazards)."""
+"""The `kernels` package: not mistaken for Hugging Face's hub-kernels, and it selects the Triton
+interpreter itself when there is no CUDA device.
+
+The interpreter check runs in a child process with TRITON_INTERPRET removed from its environment:
+this process's conftest sets the variable before any test runs, so checking it here would pass
+whether or not the package sets it.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import transformers.utils
 
 import kernels
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_transformers_reports_hub_kernels_unavailable():
@@ -22,6 +33,14 @@ def test_package_has_no_version_attribute():
     assert not hasattr(kernels, "__version__")
 
 
-def test_interpreter_is_selected_without_cuda():
-    if not torch.cuda.is_available():
-        assert os.environ.get("TRITON_INTERPRET") == "1"
+def test_importing_kernels_selects_the_interpreter_without_cuda():
+    # A fresh interpreter started without the variable: it is unset before the import (the
+    # control) and "1" after importing a kernel module (which pulls the package in before triton).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import os\nprint(os.environ.get('TRITON_INTERPRET', 'unset'))\n"
+            "import kernels.attention\nprint(os.environ.get('TRITON_INTERPRET', 'unset'))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    expected = "unset" if torch.cuda.is_available() else "1"
+    assert done.stdout.split() == ["unset", expected]

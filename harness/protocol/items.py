@@ -77,23 +77,39 @@ def _word(rng: random.Random) -> tuple[str, int]:
             f"How many groups are there?", groups)
 
 
-def arith_items(n: int, seed: int = 0) -> list[Item]:
+_THINGS = ("apples", "books", "pencils", "marbles", "stickers", "cards")
+
+
+def _easy(rng: random.Random) -> tuple[str, int]:
+    """One addition of two one-digit numbers in a sentence: SmolLM2-135M answers it in a sentence
+    of 15-28 tokens, so the answer falls after a boundary of about 12 tokens."""
+    name, things = rng.choice(_NAMES), rng.choice(_THINGS)
+    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    verb = rng.choice(("buys", "gets"))
+    return (f"{name} has {a} {things} and {verb} {b} more {things}. "
+            f"How many {things} does {name} have now?", a + b)
+
+
+def arith_items(n: int, seed: int = 0, easy: bool = False) -> list[Item]:
     """n arithmetic and two-step word problems with integer answers, deterministic in seed.
 
     Items are drawn one after another from random.Random(seed), skipping repeated prompts, so
-    arith_items(k, s) is a prefix of arith_items(n, s) for k <= n.
+    arith_items(k, s) is a prefix of arith_items(n, s) for k <= n. `easy`: one-step additions of
+    one-digit numbers only (the `arith-easy` set), which a 135M model gets right often enough
+    for correctness to be a signal.
     """
     if n < 0:
         raise ValueError(f"arith_items needs n >= 0, got {n}")
     rng = random.Random(seed)
     items, seen = [], set()
     while len(items) < n:
-        make = _word if rng.random() < 0.5 else _direct
+        make = _easy if easy else _word if rng.random() < 0.5 else _direct
         prompt, answer = make(rng)
         if prompt in seen:  # a repeated item would count twice in every rate
             continue
         seen.add(prompt)
-        items.append(Item(id=f"arith-{len(items):04d}", prompt=prompt, answer=str(answer)))
+        prefix = "arith-easy" if easy else "arith"
+        items.append(Item(id=f"{prefix}-{len(items):04d}", prompt=prompt, answer=str(answer)))
     return items
 
 
@@ -157,29 +173,41 @@ def _text_field(obj: dict, key: str, where: str, default: str | None) -> str | N
 
 # --- specs -------------------------------------------------------------------------------------
 
-def load_item_set(spec: str, n: int | None = None, seed: int = 0) -> list[Item]:
-    """Load an item set by spec: `arith` (seeded, n items) or `jsonl:<path>` (first n, or all).
+ITEM_SETS = ("arith", "arith-easy", "jsonl:<path>")
 
-    For `arith`, n defaults to ARITH_DEFAULT_N; a jsonl set with fewer than n items is an error.
+
+def item_set_reason(spec: str) -> str | None:
+    """Why spec names no item set (None when it names one): what case files and options check."""
+    if spec in ("arith", "arith-easy") or (spec.startswith("jsonl:") and spec[len("jsonl:"):]):
+        return None
+    return f"allowed: {', '.join(ITEM_SETS)}"
+
+
+def load_item_set(spec: str, n: int | None = None, seed: int = 0) -> list[Item]:
+    """Load an item set by spec: `arith`, `arith-easy` (seeded, n items) or `jsonl:<path>`
+    (the first n lines' items, or every item when n is None).
+
+    For the generated sets n defaults to ARITH_DEFAULT_N; a jsonl set with fewer than n items is
+    an error.
     """
     if n is not None and not 0 <= n <= MAX_ITEMS:
         raise ValueError(f"item count {n} is not allowed; allowed: 0 to {MAX_ITEMS}")
-    if spec == "arith":
-        return arith_items(ARITH_DEFAULT_N if n is None else n, seed)
-    if spec.startswith("jsonl:") and spec[len("jsonl:"):]:
-        path = spec[len("jsonl:"):]
-        try:
-            items = jsonl_items(path)
-        except OSError as err:
-            raise ValueError(f"{path}: cannot read the item set ({err.strerror})") from None
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{path}: not UTF-8 text (byte at offset {err.start})") from None
-        if n is None:
-            return items
-        if n > len(items):
-            raise ValueError(f"{path} has {len(items)} items, fewer than the {n} asked for")
-        return items[:n]
-    raise ValueError(f"unknown item set {spec!r}; valid forms: 'arith', 'jsonl:<path>'")
+    if item_set_reason(spec) is not None:
+        raise ValueError(f"unknown item set {spec!r}; valid forms: {', '.join(ITEM_SETS)}")
+    if spec in ("arith", "arith-easy"):
+        return arith_items(ARITH_DEFAULT_N if n is None else n, seed, easy=spec == "arith-easy")
+    path = spec[len("jsonl:"):]
+    try:
+        items = jsonl_items(path)
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read the item set ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text (byte at offset {err.start})") from None
+    if n is None:
+        return items
+    if n > len(items):
+        raise ValueError(f"{path} has {len(items)} items, fewer than the {n} asked for")
+    return items[:n]
 
 
 # --- matcher -----------------------------------------------------------------------------------

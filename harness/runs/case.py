@@ -2,8 +2,9 @@
 
 A case names the model, the item set, B and S, the stacks, the constructions, replicas, the
 precision crossing and the transplants (`[[stacks]]`: several products of stacks, each on its
-first `items` items). `load_case(path)` refuses a bad file before any compute with a `CaseError` naming the file, the key, the bad value and the allowed ones; `parse_case`
-does the same for case text stored in the ledger. `Case.plan(index)` gives the `ItemPlan` for
+first `items` items). `load_case(path)` refuses a bad file before any compute with a
+`CaseError` naming the file, the key, the bad value and the allowed ones; `parse_case` does the
+same for case text stored in the ledger. `Case.plan(index)` gives the `ItemPlan` for
 one item, so the run loop never reads TOML.
 
 Transplants are measured on every item (the protocol runs them with the arms); which rows count
@@ -24,6 +25,7 @@ from harness.protocol.backends import DTYPES, Stack, backend_names, parse_stack
 from harness.runs.case_fields import CaseError, Validator
 from harness.runs.case_stacks import stack_groups, stack_tables
 from harness.runs.checks import construction_reason, count_reason
+from harness.protocol.items import item_set_reason, load_item_set
 from harness.protocol.models import PRESETS, model_names
 from harness.protocol.protocol import (CONSTRUCTION_HELP, ItemPlan, ProtocolError, TransplantSpec,
                               parse_transplant)
@@ -31,7 +33,8 @@ from harness.protocol.protocol import (CONSTRUCTION_HELP, ItemPlan, ProtocolErro
 
 @dataclass(frozen=True)
 class ItemSpec:
-    """Which items: an item-set spec (`arith`, `jsonl:<path>`), how many, and the seed."""
+    """Which items: an item-set spec (`arith`, `arith-easy`, `jsonl:<path>`), how many, and the
+    seed. A jsonl set without `n` runs every item of its file, counted when the case loads."""
 
     set: str
     n: int
@@ -178,8 +181,9 @@ def load_case(path: str | Path) -> Case:
     return parse_case(text, str(path))
 
 
-def parse_case(text: str, source: str = "<case>") -> Case:
-    """Validate case TOML text (a file's, or one stored in the ledger)."""
+def parse_case(text: str, source: str = "<case>", item_count: int | None = None) -> Case:
+    """Validate case TOML text (a file's, or one stored in the ledger). `item_count`: the count a
+    stored run ran, so a jsonl set without `n` is not counted again from a file that may be gone."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
@@ -198,11 +202,9 @@ def parse_case(text: str, source: str = "<case>") -> Case:
     constructions = v.constructions(data, "", "constructions", ["live", "prefill", "incremental"])
 
     items_table = v.table(data, "items")
-    item_set = v.required(items_table, "items", "set", str)
-    if item_set != "arith" and not (item_set.startswith("jsonl:") and len(item_set) > 6):
-        v.fail("items", "set", item_set, "arith, jsonl:<path>")
-    n = v.check("items", "n", v.positive(items_table, "items", "n"), count_reason)
-    items = ItemSpec(item_set, n, v.integer(items_table, "items", "seed", 0))
+    item_set = v.check("items", "set", v.required(items_table, "items", "set", str), item_set_reason)
+    items = ItemSpec(item_set, _item_count(v, items_table, item_set, item_count),
+                     v.integer(items_table, "items", "seed", 0))
 
     stacks, stack_items = stack_groups(v, data)
     replicas = Replicas()
@@ -218,6 +220,22 @@ def parse_case(text: str, source: str = "<case>") -> Case:
                 constructions, stacks, replicas, crossing, transplants,
                 ignore_eos=v.optional(data, "", "ignore_eos", bool, False), source=source, text=text,
                 sha=hashlib.sha256(text.encode()).hexdigest(), stack_items=stack_items)
+
+
+def _item_count(v: "Validator", t: dict, item_set: str, stored: int | None) -> int:
+    """`[items] n`; without it a jsonl set counts its file's items (a generated set has no end)."""
+    if "n" not in t and not item_set.startswith("jsonl:"):
+        raise CaseError(f"{v.source}: missing key [items] n (how many items; a generated set has "
+                        f"no end, a jsonl set without n runs every item of its file)")
+    if "n" in t:
+        return v.check("items", "n", v.positive(t, "items", "n"), count_reason)
+    if stored is not None:
+        return stored
+    try:
+        n = len(load_item_set(item_set))
+    except ValueError as err:
+        raise CaseError(f"{v.source}: [items] set = {item_set!r}: {err}") from None
+    return v.check("items", "n", n, count_reason)
 
 
 def _crossing(v: "Validator", t: dict, like: Stack) -> Crossing:
@@ -262,5 +280,6 @@ def _transplants(v: "Validator", t: dict) -> Transplants:
 
 def stored_case(run) -> Case:
     """The case a ledger run ran: its stored text, on its stored item count."""
-    case = parse_case(run.case_text, f"{run.case_source} (as stored with run {run.id})")
+    case = parse_case(run.case_text, f"{run.case_source} (as stored with run {run.id})",
+                      run.item_count)
     return case.with_item_count(run.item_count)

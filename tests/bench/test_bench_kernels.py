@@ -19,13 +19,13 @@ import math
 import time
 from dataclasses import dataclass
 
+import helpers
 import pytest
 import torch
 
 import kernels  # noqa: F401  (selects the Triton interpreter without CUDA)
 from harness.environment.invariance import DTYPES, IMPLEMENTATIONS
 from kernels.mode import set_batch_invariant_mode
-from conftest_kernels import TOLERANCES
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -126,7 +126,7 @@ def inputs(case: Case) -> tuple:
     dtype = DTYPES[case.dtype]
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
+        return helpers.randn(*shape, dtype=dtype, scale=scale, gen=gen, on=DEVICE)
 
     if case.op.startswith("attention"):
         return (randn(case.batch, case.n_q_heads, case.q_len, case.head_dim),
@@ -187,7 +187,7 @@ def test_bench(benchmark, case, impl):
         out = impl.run(*args)
     with torch.inference_mode():
         expected = stock.run(*args)
-    atol, rtol = TOLERANCES[DTYPES[case.dtype]]
+    atol, rtol = helpers.TOLERANCES[DTYPES[case.dtype]]
     torch.testing.assert_close(out.double(), expected.double(), atol=atol, rtol=rtol)
     median = benchmark.stats.stats.median
     moved, flops = work(case)

@@ -1,7 +1,8 @@
-"""Shared pieces of the kernel tests (imported explicitly; not a pytest conftest).
+"""What the kernel tests share: seeded inputs, the test device, tolerances, the two checks.
 
-Two kinds of check, never mixed: `assert_close_to_ref` (tolerance, keyed by dtype, stated once
-here) and `assert_bitwise_equal` (fidelity: `torch.equal`, reporting the exact difference).
+Imported explicitly (`from helpers import ...`). Two kinds of check, never mixed:
+`assert_close_to_ref` (tolerance, keyed by dtype, stated once here) and `assert_bitwise_equal`
+(fidelity: `torch.equal`, reporting the exact difference).
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def randn(*shape, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 1.0,
+          gen: torch.Generator | None = None, on: torch.device | str | None = None) -> torch.Tensor:
+    """Seeded normal values, drawn in fp32 on the CPU (so every device and dtype sees the same
+    numbers), times `scale`, cast to `dtype`, on `on` (default: `device()`). `gen` continues a
+    generator the caller shares across tensors; else a fresh one is seeded with `seed`."""
+    x = torch.randn(*shape, generator=gen if gen is not None else torch.Generator().manual_seed(seed))
+    if scale != 1.0:
+        x = x * scale
+    return x.to(dtype).to(device() if on is None else on)
+
+
 def assert_close_to_ref(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     """Correctness: `out` (in `dtype`) against an fp64 reference, with the dtype's tolerance."""
     atol, rtol = TOLERANCES[dtype]
@@ -41,8 +53,6 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
-
-
 def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     """Fidelity: identical bits. On failure, say where and by exactly how much."""
     assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
@@ -51,7 +61,6 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     differ = bits(a) != bits(b)
     raise AssertionError(f"{what}: not bitwise equal: {int(differ.sum())} of {a.numel()} elements "
                          f"differ, max |diff| = {max_abs_diff(a, b)!r}, first at {differ.nonzero()[0].tolist()}")
-
 
 
 def tiny_model(kind: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
