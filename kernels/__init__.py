@@ -26,7 +26,7 @@ def triton_runs_on(device: torch.device) -> bool:
 def uses_tl_dot(device: torch.device) -> bool:
     """Products by `tl.dot` on a real GPU; by broadcast multiply and `tl.sum` in the interpreter,
     whose `tl.dot` is a NumPy BLAS call that can give a row bits depending on its place in the
-    tile (DESIGN.md, "Known hazards")."""
+    tile (docs/hazards.md)."""
     return device.type == "cuda" and not interpreting()
 
 

@@ -32,7 +32,7 @@ does; fp32 operands use IEEE fp32 (`input_precision="ieee"`, no TF32). The MMA c
 element from its row and column alone, in an order fixed by the compiled config, so this keeps the
 argument above: the config (tiles, warps, stages) comes from `CONFIGS` by (arch, dtype), never from
 the batch or a length. In the Triton interpreter `tl.dot` is a NumPy BLAS product whose bits for a
-row can depend on the row's place in the tile (DESIGN.md, "Known hazards"), so there the products
+row can depend on the row's place in the tile (docs/hazards.md), so there the products
 are fp32 broadcast multiplies reduced with `tl.sum`, whose order is the same for every row.
 """
 

@@ -10,7 +10,7 @@ tile is computed from its row of `a` and its column of `b` by the same MMA seque
 order the fixed config (tiles, warps, stages from `CONFIGS` by arch and dtype) decides, so a row's
 bits still do not depend on M or on its place in the tile. In the Triton interpreter a broadcast
 multiply reduced with `tl.sum`, because the interpreter's `tl.dot` (a NumPy BLAS call) can give a
-row different bits depending on its place in the tile (DESIGN.md, "Known hazards").
+row different bits depending on its place in the tile (docs/hazards.md).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def replay(fmt, expect_exact, **options) -> None:
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
               help="A preset (see `kvfid models`) or hf:<folder>.")
 @click.option("--item-set", default="arith", show_default=True,
-              help="Prompts: arith | jsonl:<path>.")
+              help="Prompts: arith | arith-easy | jsonl:<path>.")
 @click.option("-n", "count", type=click.IntRange(1, 10000), default=8, show_default=True,
               help="Trajectories (the first n items).")
 @click.option("--tokens", type=click.IntRange(1, 100000), default=32, show_default=True,

@@ -33,7 +33,7 @@ item_options = options(
     click.option("--model", "model_name", default="smollm2-135m", show_default=True,
                  help=f"One of {', '.join(MODEL_NAMES)} (see `kvfid models`)."),
     click.option("--prompt", help="The prompt text (a one-turn chat)."),
-    click.option("--item-set", help="Take the prompt from an item set: arith | jsonl:<path>."),
+    click.option("--item-set", help="Take the prompt from an item set: arith | arith-easy | jsonl:<path>."),
     click.option("--item", "item_index", type=int, help="Index of the item in --item-set."))
 
 # --backend, --dtype, --batch-invariant, --device, --threads: the options of one stack.

@@ -23,7 +23,7 @@ class ProtocolError(BadInput, ValueError):
 
 @dataclass(frozen=True)
 class Construction:
-    """How a boundary state over P is built (see DESIGN.md, 'construction')."""
+    """How a boundary state over P is built (docs/glossary.md, 'construction')."""
 
     kind: str
     n: int | None = None

@@ -90,7 +90,7 @@ def pick_item(prompt: str | None, item_set: str | None, item_index: int | None):
         raise BadInput(f"--item = {item_index!r} is not allowed; --item-set needs --item N with "
                        f"0 <= N < {checks.MAX_ITEMS}")
     try:
-        chosen = items.load_item_set(item_set, item_index + 1 if item_set == "arith" else None)
+        chosen = items.load_item_set(item_set, item_index + 1 if not item_set.startswith("jsonl:") else None)
     except ValueError as err:
         raise BadInput(f"--item-set {item_set}: {err}") from None
     if item_index >= len(chosen):
