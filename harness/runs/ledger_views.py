@@ -77,3 +77,13 @@ def report_run(db: str | Path | None, run_id: str, out: str | Path = "reports") 
     with Ledger(db_path(db), readonly=True) as ledger:
         paths = report.write_report(ledger, ledger.run(run_id).id, out)
     return {**paths, "index": update_index(out)}
+
+
+def run_and_publish(case, db: str | Path | None, *, report: bool = False,
+                    out: str | Path = "reports", **options):
+    """`kvfid run CASE [--report]`: the case run into the ledger (opened once), aggregated once,
+    and with `report` its report and the index written (harness.runs.publish.Published: `.result`,
+    `.headline()`, `.files`). `options`: items, run_id, resume, shard, model, progress."""
+    from harness.runs.publish import publish
+
+    return publish(case, db_path(db), reports=out, report=report, **options)

@@ -1,0 +1,435 @@
+"""The records the protocol produces and the ledger stores: typed, frozen, with a JSON round trip.
+
+A unit of a run is one `ItemRecord` (one item on one stack: its arms, their comparisons against
+live, replicas, transplants) or one `CrossingRecord` (one item's fixed-prefix precision
+crossing: a cell per (stack, construction) and a comparison within each stack). Every field name
+is spelled here only; readers use attributes. `to_json` / `from_json` are the one serialization:
+`{"schema": SCHEMA_VERSION, "kind": ..., fields...}`, decoded field by field from the type hints,
+so a new record kind is a frozen dataclass with a `KIND` added to `KINDS`. Records of schema 1-2
+(the untagged dicts of earlier ledgers) are read through `_from_untagged`; any other schema is
+refused with one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+
+from harness.errors import Unavailable
+
+SCHEMA_VERSION = 3
+
+
+class RecordRefused(Unavailable, ValueError):
+    """A stored record this kvfid cannot read (another schema, or not a record)."""
+
+
+# --------------------------------------------------------------------------- comparisons
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """One tensor against another, bit for bit (harness.protocol.cache.tensor_diff)."""
+
+    equal: bool = True
+    n_diff: int = 0
+    max_abs: float = 0.0
+    max_ulp: int = 0
+    max_abs_rel: float = 0.0
+    d_rel: float = 0.0
+    first_position: int | None = None
+
+
+@dataclass(frozen=True)
+class LayerDiff:
+    layer: int
+    k: TensorDiff = TensorDiff()
+    v: TensorDiff = TensorDiff()
+
+
+@dataclass(frozen=True)
+class CacheDiff:
+    """Two boundary caches over one P, per layer and K/V (harness.protocol.cache.compare_states)."""
+
+    bit_exact: bool = True
+    first_bad_layer: int | None = None
+    first_bad_kv: str | None = None
+    bad_layers: tuple[int, ...] = ()
+    n_diff: int = 0
+    max_abs: float = 0.0
+    max_ulp: int = 0
+    max_abs_rel: float = 0.0
+    d_rel: float = 0.0
+    d_rel_aggregation: str = ""
+    first_position: int | None = None
+    layers: tuple[LayerDiff, ...] = ()
+
+
+@dataclass(frozen=True)
+class LogitsDiff:
+    """Two boundary logits (harness.protocol.cache.compare_logits)."""
+
+    equal: bool = True
+    max_abs: float = 0.0
+    argmax_a: int | None = None
+    argmax_b: int | None = None
+    argmax_agree: bool = True
+    margin_a: float | None = None
+    margin_b: float | None = None
+
+
+@dataclass(frozen=True)
+class SuffixDiff:
+    """Two greedy suffixes (harness.protocol.cache.compare_suffixes)."""
+
+    identical: bool = True
+    first_divergence: int | None = None
+    common_prefix: int = 0
+    len_a: int = 0
+    len_b: int = 0
+    margin_a_at_divergence: float | None = None
+    margin_b_at_divergence: float | None = None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Arm `b` against arm `a` (the reference). kind: arm | bridge (b against live), replica (an
+    arm against its own second run), crossing (two constructions within one crossing stack).
+    `cache` and `logits` are None when the two prefixes differ."""
+
+    a: str
+    b: str
+    kind: str
+    suffix: SuffixDiff
+    prefix_identical: bool = True
+    cache: CacheDiff | None = None
+    logits: LogitsDiff | None = None
+
+    @property
+    def bit_exact(self) -> bool:
+        return bool(self.cache and self.cache.bit_exact)
+
+
+# --------------------------------------------------------------------------- what an item yields
+
+@dataclass(frozen=True)
+class Fingerprints:
+    """SHA-256 of a state's cache, boundary logits, suffix and prefix."""
+
+    cache_sha: str | None = None
+    logits_sha: str | None = None
+    suffix_sha: str | None = None
+    prefix_sha: str | None = None
+
+
+@dataclass(frozen=True)
+class ArmRecord:
+    """One construction's boundary state and suffix, with its costs. A live arm of a short item
+    has only `generated` and its costs."""
+
+    construction: str
+    suffix: tuple[int, ...] = ()
+    suffix_margins: tuple[float, ...] = ()
+    suffix_eos: bool = False
+    suffix_sha: str | None = None
+    cache_sha: str | None = None
+    logits_sha: str | None = None
+    answer_text: str | None = None
+    correct: bool | None = None
+    wall_s: float = 0.0
+    forward_calls: int = 0
+    forward_s: float = 0.0
+    generated: tuple[int, ...] | None = None       # live of a short item: the tokens before EOS
+    live_margins: tuple[float, ...] | None = None  # live: the margins of the B generated tokens
+    rows_identical: bool | None = None             # batched: every row's state equals row 0's
+    cobatch: dict | None = None                    # cobatched: harness.protocol.cobatch describe()
+
+
+@dataclass(frozen=True)
+class Replica:
+    """An arm built again from scratch: its own fingerprints and its comparison with the first
+    run (kind `replica`, a = b = the construction)."""
+
+    construction: str
+    fingerprints: Fingerprints
+    comparison: Comparison
+
+
+@dataclass(frozen=True)
+class TransplantRecord:
+    """recipient <- donor: the recipient's suffix decoded over (a selection of) the donor's
+    cache. outcome: donor | recipient | third | boundary (argmax already differs: not decoded)."""
+
+    label: str
+    recipient: str
+    donor: str
+    selection: str
+    recipient_equals_donor: bool
+    outcome: str
+    suffix: tuple[int, ...] | None = None
+    suffix_sha: str | None = None
+    forward_calls: int = 0
+    forward_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Timing:
+    wall_s: float = 0.0
+    forward_calls: int = 0
+    forward_s: float = 0.0
+    overhead: float | None = None
+
+
+@dataclass(frozen=True)
+class ItemRef:
+    id: str
+    prompt: str | None = None
+    answer: str | None = None
+
+
+# --------------------------------------------------------------------------- the crossing
+
+@dataclass(frozen=True)
+class CrossingCell:
+    """One (stack, construction) cell: the state built over the reference's P in that stack."""
+
+    stack: str
+    construction: str
+    fingerprints: Fingerprints
+    suffix: tuple[int, ...] = ()
+    same_as_reference_live: bool = False
+    forward_calls: int = 0
+    wall_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class StackComparison:
+    """The crossing's two constructions compared within one stack."""
+
+    stack: str
+    comparison: Comparison
+
+
+@dataclass(frozen=True)
+class CrossingRecord:
+    """One item's fixed-prefix precision crossing: P frozen from the reference stack's live run,
+    every construction built over it in every stack."""
+
+    KIND: typing.ClassVar[str] = "crossing"
+    UNIT: typing.ClassVar[str] = "crossing"   # the name the ledger stores a crossing unit under
+
+    item: ItemRef
+    reference: dict                           # the reference stack (Stack.describe())
+    B: int
+    S: int
+    status: str
+    prefix_sha: str | None = None
+    reference_suffix: tuple[int, ...] = ()
+    cells: tuple[CrossingCell, ...] = ()
+    within: tuple[StackComparison, ...] = ()
+
+    @property
+    def reference_label(self) -> str:
+        return self.reference.get("label", "?")
+
+    def cell(self, stack: str, construction: str) -> CrossingCell | None:
+        return next((c for c in self.cells if (c.stack, c.construction) == (stack, construction)),
+                    None)
+
+    def to_json(self, indent: int | None = None) -> str:
+        return to_json(self, indent)
+
+
+# --------------------------------------------------------------------------- one item
+
+@dataclass(frozen=True)
+class ItemRecord:
+    """One item on one stack: every arm, each compared with live (the `incremental` one is the
+    bridge), replicas, transplants; `status` short when EOS came within the B live tokens."""
+
+    KIND: typing.ClassVar[str] = "item"
+
+    item: ItemRef
+    model: str
+    stack: dict                               # Stack.describe()
+    B: int
+    S: int
+    status: str
+    prompt_length: int = 0
+    ignore_eos: bool = False
+    setup_s: float = 0.0
+    warmup_s: float = 0.0                     # the untimed warm-up forward before the arms
+    arms: dict[str, ArmRecord] = field(default_factory=dict)
+    comparisons: tuple[Comparison, ...] = ()
+    replicas: tuple[Replica, ...] = ()
+    transplants: tuple[TransplantRecord, ...] = ()
+    prefix: tuple[int, ...] = ()
+    prefix_sha: str | None = None
+    note: str | None = None
+    timing: Timing = Timing()
+    crossing: CrossingRecord | None = None    # `kvfid repro --cross`: this item's crossing
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def stack_label(self) -> str:
+        return self.stack.get("label", "?")
+
+    @property
+    def device(self) -> str:
+        return self.stack.get("device", "?")
+
+    @property
+    def bridge(self) -> Comparison | None:
+        return next((c for c in self.comparisons if c.kind == "bridge"), None)
+
+    def against_live(self, arm: str) -> Comparison | None:
+        """The comparison of `arm` with live (None for live itself)."""
+        return next((c for c in self.comparisons if c.b == arm), None)
+
+    def to_json(self, indent: int | None = None) -> str:
+        return to_json(self, indent)
+
+
+Record = typing.Union[ItemRecord, CrossingRecord]
+KINDS: dict[str, type] = {ItemRecord.KIND: ItemRecord, CrossingRecord.KIND: CrossingRecord}
+
+
+# --------------------------------------------------------------------------- JSON
+
+def to_dict(record) -> dict:
+    """The record as plain JSON-able data, tagged with its schema and kind."""
+    return {"schema": SCHEMA_VERSION, "kind": record.KIND, **_plain(record)}
+
+
+def to_json(record, indent: int | None = None) -> str:
+    separators = None if indent is not None else (",", ":")
+    return json.dumps(to_dict(record), indent=indent, separators=separators)
+
+
+def from_json(text: str):
+    """The record stored as `text`; RecordRefused for another schema or something else."""
+    try:
+        data = json.loads(text)
+    except (TypeError, ValueError):
+        raise RecordRefused("stored record is not JSON") from None
+    return from_dict(data)
+
+
+def from_dict(data: dict):
+    if not isinstance(data, dict):
+        raise RecordRefused(f"a record is a JSON object, not {type(data).__name__}")
+    if "schema" not in data:
+        return _from_untagged(data)
+    if data["schema"] != SCHEMA_VERSION:
+        raise RecordRefused(f"record schema {data['schema']!r} is not this kvfid's "
+                            f"({SCHEMA_VERSION}); read it with the kvfid that wrote it")
+    kind = KINDS.get(data.get("kind"))
+    if kind is None:
+        raise RecordRefused(f"unknown record kind {data.get('kind')!r}; known: "
+                            f"{', '.join(KINDS)}")
+    return decode(kind, {k: v for k, v in data.items() if k not in ("schema", "kind")})
+
+
+def _plain(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def decode(kind, value):
+    """`value` (plain JSON data) as the type `kind`, following its type hints."""
+    if value is None:
+        return None
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        if len(options) != 1:
+            raise TypeError(f"record fields take one type or None, not {kind}")
+        return decode(options[0], value)
+    if origin is tuple:
+        return tuple(decode(args[0], v) for v in value)
+    if origin is dict:
+        return {k: decode(args[1], v) for k, v in value.items()}
+    if dataclasses.is_dataclass(kind):
+        hints = _hints(kind)
+        unknown = set(value) - set(hints)
+        if unknown:
+            raise RecordRefused(f"{kind.__name__} has no field(s) {', '.join(sorted(unknown))}")
+        return kind(**{name: decode(hints[name], v) for name, v in value.items()})
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+_HINTS: dict[type, dict] = {}
+
+
+def _hints(kind: type) -> dict:
+    if kind not in _HINTS:
+        hints = typing.get_type_hints(kind)
+        _HINTS[kind] = {f.name: hints[f.name] for f in dataclasses.fields(kind)}
+    return _HINTS[kind]
+
+
+# --------------------------------------------------------------------------- schema 1-2
+
+def _from_untagged(data: dict):
+    """A record as ledgers of schema 1-2 stored it (a dict without `schema`)."""
+    try:
+        return _crossing_v2(data) if "cells" in data else _item_v2(data)
+    except (KeyError, TypeError, AttributeError, ValueError) as err:
+        raise RecordRefused(f"not a kvfid record of schema 1-2 ({type(err).__name__}: {err})"
+                            ) from None
+
+
+def _comparison_v2(c: dict) -> Comparison:
+    plain = {k: v for k, v in c.items()
+             if k in ("a", "b", "kind", "suffix", "prefix_identical", "cache", "logits")}
+    if plain.get("kind") == "replica":
+        plain["b"] = plain["b"].rstrip("'")
+    return decode(Comparison, plain)
+
+
+def _item_v2(data: dict) -> ItemRecord:
+    data = dict(data)
+    comparisons, replicas = [], []
+    for c in data.pop("comparisons", []):
+        if c["kind"] == "replica":
+            replicas.append(Replica(c["a"], decode(Fingerprints, c.get("replica_fingerprints",
+                                                                      {})), _comparison_v2(c)))
+        else:
+            comparisons.append(_comparison_v2(c))
+    item = data.pop("item")
+    data["item"] = item if isinstance(item, dict) else {"id": item}
+    record = decode(ItemRecord, {k: v for k, v in data.items() if k != "crossing"})
+    crossing = data.get("crossing")
+    return dataclasses.replace(record, comparisons=tuple(comparisons), replicas=tuple(replicas),
+                               crossing=_crossing_v2(crossing) if crossing else None)
+
+
+def _crossing_v2(data: dict) -> CrossingRecord:
+    cells = []
+    for key, cell in data.get("cells", {}).items():
+        stack, construction = key.split("|")
+        prints = {k: cell[k] for k in ("cache_sha", "logits_sha", "suffix_sha", "prefix_sha")
+                  if k in cell}
+        cells.append(CrossingCell(stack, construction, decode(Fingerprints, prints),
+                                  tuple(cell.get("suffix", ())),
+                                  cell["same_as_reference_live"], cell.get("forward_calls", 0),
+                                  float(cell.get("wall_s", 0.0))))
+    within = tuple(StackComparison(c["stack"], _comparison_v2(c))
+                   for c in data.get("comparisons", []))
+    item = data["item"]
+    return CrossingRecord(decode(ItemRef, item if isinstance(item, dict) else {"id": item}),
+                          data["reference"], data["B"], data["S"], data["status"],
+                          data.get("prefix_sha"), tuple(data.get("reference_suffix", ())),
+                          tuple(cells), within)
