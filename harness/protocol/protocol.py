@@ -17,6 +17,7 @@ from typing import Sequence
 from harness.protocol import cache as kv
 from harness.protocol import cobatch
 from harness.protocol import record as rec
+from harness.protocol.plain import decode
 from harness.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
                                    TransplantSpec, parse_construction, parse_transplant)
 from harness.protocol.decode import Greedy, Runner, as_batch, feed_chunks, greedy, new_cache, top2
@@ -139,9 +140,9 @@ def compare_arms(a: Arm, b: Arm, kind: str) -> rec.Comparison:
                                  b.suffix.margins)
     same = a.state.prefix == b.state.prefix
     return rec.Comparison(
-        a.label, b.label, kind, rec.decode(rec.SuffixDiff, suffix), same,
-        rec.decode(rec.CacheDiff, kv.compare_states(a.state, b.state)) if same else None,
-        rec.decode(rec.LogitsDiff, kv.compare_logits(a.state.logits, b.state.logits))
+        a.label, b.label, kind, decode(rec.SuffixDiff, suffix), same,
+        decode(rec.CacheDiff, kv.compare_states(a.state, b.state)) if same else None,
+        decode(rec.LogitsDiff, kv.compare_logits(a.state.logits, b.state.logits))
         if same else None)
 
 

@@ -4,21 +4,20 @@ A unit of a run is one `ItemRecord` (one item on one stack: its arms, their comp
 live, replicas, transplants) or one `CrossingRecord` (one item's fixed-prefix precision
 crossing: a cell per (stack, construction) and a comparison within each stack). Every field name
 is spelled here only; readers use attributes. `to_json` / `from_json` are the one serialization:
-`{"schema": SCHEMA_VERSION, "kind": ..., fields...}`, decoded field by field from the type hints,
-so a new record kind is a frozen dataclass with a `KIND` added to `KINDS`. Records of schema 1-2
-(the untagged dicts of earlier ledgers) are read through `_from_untagged`; any other schema is
-refused with one line.
+`{"schema": SCHEMA_VERSION, "kind": ..., fields...}`, decoded field by field from the type hints
+(harness.protocol.plain), so a new record kind is a frozen dataclass with a `KIND` added to `KINDS`. Records of schema 1-2
+(the untagged dicts of earlier ledgers) are read through harness.protocol.record_legacy; any other
+schema is refused with one line.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import types
 import typing
 from dataclasses import dataclass, field
 
 from harness.errors import Unavailable
+from harness.protocol.plain import as_plain, decode
 
 SCHEMA_VERSION = 3
 
@@ -295,7 +294,6 @@ class ItemRecord:
         return to_json(self, indent)
 
 
-Record = typing.Union[ItemRecord, CrossingRecord]
 KINDS: dict[str, type] = {ItemRecord.KIND: ItemRecord, CrossingRecord.KIND: CrossingRecord}
 
 
@@ -303,7 +301,7 @@ KINDS: dict[str, type] = {ItemRecord.KIND: ItemRecord, CrossingRecord.KIND: Cros
 
 def to_dict(record) -> dict:
     """The record as plain JSON-able data, tagged with its schema and kind."""
-    return {"schema": SCHEMA_VERSION, "kind": record.KIND, **_plain(record)}
+    return {"schema": SCHEMA_VERSION, "kind": record.KIND, **as_plain(record)}
 
 
 def to_json(record, indent: int | None = None) -> str:
@@ -324,7 +322,9 @@ def from_dict(data: dict):
     if not isinstance(data, dict):
         raise RecordRefused(f"a record is a JSON object, not {type(data).__name__}")
     if "schema" not in data:
-        return _from_untagged(data)
+        from harness.protocol.record_legacy import from_untagged
+
+        return from_untagged(data)
     if data["schema"] != SCHEMA_VERSION:
         raise RecordRefused(f"record schema {data['schema']!r} is not this kvfid's "
                             f"({SCHEMA_VERSION}); read it with the kvfid that wrote it")
@@ -332,104 +332,7 @@ def from_dict(data: dict):
     if kind is None:
         raise RecordRefused(f"unknown record kind {data.get('kind')!r}; known: "
                             f"{', '.join(KINDS)}")
-    return decode(kind, {k: v for k, v in data.items() if k not in ("schema", "kind")})
-
-
-def _plain(value):
-    if dataclasses.is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def decode(kind, value):
-    """`value` (plain JSON data) as the type `kind`, following its type hints."""
-    if value is None:
-        return None
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin in (typing.Union, types.UnionType):
-        options = [a for a in args if a is not type(None)]
-        if len(options) != 1:
-            raise TypeError(f"record fields take one type or None, not {kind}")
-        return decode(options[0], value)
-    if origin is tuple:
-        return tuple(decode(args[0], v) for v in value)
-    if origin is dict:
-        return {k: decode(args[1], v) for k, v in value.items()}
-    if dataclasses.is_dataclass(kind):
-        hints = _hints(kind)
-        unknown = set(value) - set(hints)
-        if unknown:
-            raise RecordRefused(f"{kind.__name__} has no field(s) {', '.join(sorted(unknown))}")
-        return kind(**{name: decode(hints[name], v) for name, v in value.items()})
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value
-
-
-_HINTS: dict[type, dict] = {}
-
-
-def _hints(kind: type) -> dict:
-    if kind not in _HINTS:
-        hints = typing.get_type_hints(kind)
-        _HINTS[kind] = {f.name: hints[f.name] for f in dataclasses.fields(kind)}
-    return _HINTS[kind]
-
-
-# --------------------------------------------------------------------------- schema 1-2
-
-def _from_untagged(data: dict):
-    """A record as ledgers of schema 1-2 stored it (a dict without `schema`)."""
     try:
-        return _crossing_v2(data) if "cells" in data else _item_v2(data)
-    except (KeyError, TypeError, AttributeError, ValueError) as err:
-        raise RecordRefused(f"not a kvfid record of schema 1-2 ({type(err).__name__}: {err})"
-                            ) from None
-
-
-def _comparison_v2(c: dict) -> Comparison:
-    plain = {k: v for k, v in c.items()
-             if k in ("a", "b", "kind", "suffix", "prefix_identical", "cache", "logits")}
-    if plain.get("kind") == "replica":
-        plain["b"] = plain["b"].rstrip("'")
-    return decode(Comparison, plain)
-
-
-def _item_v2(data: dict) -> ItemRecord:
-    data = dict(data)
-    comparisons, replicas = [], []
-    for c in data.pop("comparisons", []):
-        if c["kind"] == "replica":
-            replicas.append(Replica(c["a"], decode(Fingerprints, c.get("replica_fingerprints",
-                                                                      {})), _comparison_v2(c)))
-        else:
-            comparisons.append(_comparison_v2(c))
-    item = data.pop("item")
-    data["item"] = item if isinstance(item, dict) else {"id": item}
-    record = decode(ItemRecord, {k: v for k, v in data.items() if k != "crossing"})
-    crossing = data.get("crossing")
-    return dataclasses.replace(record, comparisons=tuple(comparisons), replicas=tuple(replicas),
-                               crossing=_crossing_v2(crossing) if crossing else None)
-
-
-def _crossing_v2(data: dict) -> CrossingRecord:
-    cells = []
-    for key, cell in data.get("cells", {}).items():
-        stack, construction = key.split("|")
-        prints = {k: cell[k] for k in ("cache_sha", "logits_sha", "suffix_sha", "prefix_sha")
-                  if k in cell}
-        cells.append(CrossingCell(stack, construction, decode(Fingerprints, prints),
-                                  tuple(cell.get("suffix", ())),
-                                  cell["same_as_reference_live"], cell.get("forward_calls", 0),
-                                  float(cell.get("wall_s", 0.0))))
-    within = tuple(StackComparison(c["stack"], _comparison_v2(c))
-                   for c in data.get("comparisons", []))
-    item = data["item"]
-    return CrossingRecord(decode(ItemRef, item if isinstance(item, dict) else {"id": item}),
-                          data["reference"], data["B"], data["S"], data["status"],
-                          data.get("prefix_sha"), tuple(data.get("reference_suffix", ())),
-                          tuple(cells), within)
+        return decode(kind, {k: v for k, v in data.items() if k not in ("schema", "kind")})
+    except (TypeError, ValueError) as err:
+        raise RecordRefused(f"not a kvfid {kind.KIND} record ({err})") from None
