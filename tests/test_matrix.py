@@ -201,3 +201,15 @@ def test_publish_opens_the_ledger_once_and_aggregates_once(model, tmp_path, monk
     assert done.result.status == "finished" and "sdpa/bf16@t1" in done.headline()
     assert set(done.files) == {"markdown", "html", "summary", "index"}
     assert all(path.is_file() for path in done.files.values())
+
+
+def test_a_stored_run_is_published_once_more_from_its_result(smoke_copy, tmp_path):
+    """What rank 0 of a torchrun launch does with the run the ranks measured."""
+    from harness.runs.ledger_views import publish_result
+
+    db, run_id = smoke_copy
+    result = matrix.RunResult(run_id, "finished", 0, 9, 9)
+    done = publish_result(db, result, report=True, out=tmp_path / "reports")
+    assert set(done.summary["stacks"]) == {"sdpa/bf16@t1", "eager/bf16@t1"}
+    assert done.summary["crossing"]["items"] == 3
+    assert done.files["html"].parent.name == run_id

@@ -87,3 +87,13 @@ def run_and_publish(case, db: str | Path | None, *, report: bool = False,
     from harness.runs.publish import publish
 
     return publish(case, db_path(db), reports=out, report=report, **options)
+
+
+def publish_result(db: str | Path | None, result, *, report: bool = False,
+                   out: str | Path = "reports"):
+    """Rank 0 of a torchrun launch: the run the ranks measured (`result`, a RunResult),
+    aggregated once and, with `report`, reported and indexed, on one open ledger."""
+    from harness.runs.publish import publish_run
+
+    with Ledger(db_path(db)) as ledger:
+        return publish_run(ledger, result, reports=out, report=report)
