@@ -1,10 +1,11 @@
 """The protocol: constructions (arms), suffixes, replicas, the bridge, transplants, the crossing.
 
-`run_item` measures one item on one stack and returns its `ItemRecord`; `run_crossing` runs the
-fixed-prefix precision crossing into a `CrossingRecord` (harness.protocol.record). Both take a `Model` and `Stack`s and never look inside either:
-which attention backend or precision runs is the stack's business. Every forward call goes through
+`run_item` measures one item on one stack into an `ItemRecord`; `run_crossing` runs the
+fixed-prefix precision crossing into a `CrossingRecord` (harness.protocol.record). Both take a
+`Model` and `Stack`s and never look inside either: which attention backend or precision runs is
+the stack's business. Every forward call goes through
 a `Runner`, so each arm reports its wall time, forward calls and forward time; one untimed warm-up
-forward comes first, so the first arm does not pay for lazy initialization.
+forward comes first, so the first arm does not pay for lazy initialization (`warm_up`).
 """
 
 from __future__ import annotations
