@@ -278,6 +278,8 @@ def test_a_record_survives_its_json_round_trip_and_other_schemas_are_refused():
         record.from_json(json.dumps({**data, "kind": "nonsense"}))
     with pytest.raises(record.RecordRefused, match="no field"):
         record.from_json(json.dumps({**data, "extra": 1}))
+    placed = dataclasses.replace(item, environment={"key": "cpu-x", "versions": {"torch": "2"}})
+    assert record.from_json(placed.to_json()) == placed
     # A changed field is a different record: the round trip is not vacuous.
     changed = dataclasses.replace(item, B=item.B + 1)
     assert record.from_json(changed.to_json()) != item
@@ -289,7 +291,7 @@ def test_an_untagged_schema_2_record_reads_as_a_typed_record():
     plan = ItemPlan(4, 3, arms=("live", "prefill"), replicas=("prefill",))
     item = run_item(tiny(), Stack("sdpa", "fp32"), PROMPT, plan)
     old = json.loads(item.to_json())
-    for name in ("schema", "kind", "warmup_s", "crossing", "replicas"):
+    for name in ("schema", "kind", "warmup_s", "crossing", "replicas", "environment"):
         del old[name]
     replica = json.loads(item.to_json())["replicas"][0]
     old["comparisons"].append({**replica["comparison"], "b": "prefill'",

@@ -269,6 +269,8 @@ class ItemRecord:
     note: str | None = None
     timing: Timing = Timing()
     crossing: CrossingRecord | None = None    # `kvfid repro --cross`: this item's crossing
+    environment: dict | None = None           # `kvfid repro`: where it ran (a run's units: None,
+                                              # the run carries it)
 
     @property
     def ok(self) -> bool:
