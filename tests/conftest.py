@@ -1,6 +1,10 @@
-"""Shared test set-up: Triton runs through its interpreter when there is no CUDA device."""
+"""Shared test set-up: Triton runs through its interpreter when there is no CUDA device; one
+smoke run per session (`smoke_run`, `smoke_copy`) for every test that reads a real run."""
 
 import os
+import sqlite3
+from contextlib import closing
+from pathlib import Path
 
 import torch
 
@@ -22,3 +26,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+SMOKE_CASE = Path(__file__).resolve().parent.parent / "cases" / "smoke.toml"
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """One finished run of cases/smoke.toml, measured once per test session: (ledger path, run
+    id). Only read it; a test that writes to a ledger takes `smoke_copy`."""
+    from harness.runs.case import load_case
+    from harness.runs.matrix import run_case
+
+    db = tmp_path_factory.mktemp("smoke") / "ledger.sqlite"
+    result = run_case(load_case(SMOKE_CASE), db, progress=False)
+    assert result.status == "finished"
+    return db, result.run_id
+
+
+@pytest.fixture
+def smoke_copy(smoke_run, tmp_path):
+    """A private copy of the session's smoke ledger: (ledger path, run id)."""
+    db, run_id = smoke_run
+    copy = tmp_path / "smoke.sqlite"
+    with closing(sqlite3.connect(db)) as source, closing(sqlite3.connect(copy)) as target:
+        source.backup(target)
+    return copy, run_id

@@ -22,15 +22,21 @@ def kvfid(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-@pytest.fixture(scope="module")
-def ledger_with_run(tmp_path_factory):
-    """A ledger holding one finished smoke run made through the CLI: (db, run id)."""
-    db = tmp_path_factory.mktemp("cli") / "ledger.sqlite"
-    result = kvfid("run", SMOKE, "--db", db, "--quiet")
+@pytest.fixture
+def ledger_with_run(smoke_run):
+    """The session's smoke run (read only): (db, run id)."""
+    return smoke_run
+
+
+def test_run_with_report_prints_the_headline_and_the_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)     # `kvfid run --report` writes under ./reports
+    result = kvfid("run", SMOKE, "--db", tmp_path / "l.sqlite", "--quiet", "--items", "2",
+                   "--report")
     assert result.exit_code == 0, result.output
-    run_id = re.match(r"run (\S+) finished: 9 units measured", result.stdout)[1]
+    run_id = re.match(r"run (\S+) finished: 6 units measured", result.stdout)[1]
     assert "suffix ≠ live" in result.stdout and "sdpa/bf16@t1" in result.stdout
-    return db, run_id
+    assert (tmp_path / "reports" / "index.md").is_file()
+    assert len(list((tmp_path / "reports").rglob(f"{run_id}/report.html"))) == 1
 
 
 def test_runs_and_show(ledger_with_run):
@@ -79,12 +85,12 @@ def test_a_row_reproduces_with_its_repro_command(ledger_with_run):
         unit = next(u for u in ledger.units(run_id) if u.stack == "eager/bf16@t1"
                     and u.status == "ok")
     command = repro_command(load_case(SMOKE), "eager/bf16@t1", unit.item_index, "")
-    result = kvfid(*shlex.split(command)[1:], "--format", "json")
+    result = kvfid(*shlex.split(command)[1:])
     assert result.exit_code == 0, result.output
-    record = json.loads(result.stdout)
-    assert record["prefix_sha"] == unit.record["prefix_sha"]
-    assert {a: r["cache_sha"] for a, r in record["arms"].items()} == \
-        {a: r["cache_sha"] for a, r in unit.record["arms"].items()}
+    assert f"sha256 {unit.record.prefix_sha[:16]}" in result.stdout
+    for label, arm in unit.record.arms.items():
+        assert re.search(rf"^  {re.escape(label)} .* cache {arm.cache_sha[:12]} ", result.stdout,
+                         re.M), label
 
 
 def test_shards_then_merge(tmp_path):

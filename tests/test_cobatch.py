@@ -71,12 +71,12 @@ def test_cobatched_is_bit_exact_with_live_on_the_triton_stack(dtype):
                     transplants=(parse_transplant("live<-cobatched:4"),))
     record = run_item(tiny("tiny-qwen2"), Stack("triton", dtype, True, threads=1), PROMPT, plan,
                       neighbours=POOL)
-    assert [c["b"] for c in record["comparisons"]] == list(COBATCHED)
-    for c in record["comparisons"]:
-        assert c["cache"]["bit_exact"] and c["logits"]["equal"], (c["b"], c["cache"]["layers"])
-        assert c["suffix"]["identical"], c["b"]
-    assert record["arms"]["cobatched:4+decode"]["forward_calls"] == 1 + (4 - 1)
-    assert record["transplants"][0]["outcome"] == "recipient"
+    assert [c.b for c in record.comparisons] == list(COBATCHED)
+    for c in record.comparisons:
+        assert c.cache.bit_exact and c.logits.equal, (c.b, c.cache.layers)
+        assert c.suffix.identical, c.b
+    assert record.arms["cobatched:4+decode"].forward_calls == 1 + (4 - 1)
+    assert record.transplants[0].outcome == "recipient"
 
 
 def test_case_files_and_repro_take_the_cobatched_names():

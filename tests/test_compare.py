@@ -3,16 +3,16 @@ interval, a broken claimed kernel invariance and a slower kernel are regressions
 resolve to their latest runs (of the other side's case), across two ledger files; the HTML is
 self-contained."""
 
-import copy
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from fake_nvml import H200, FakeNVML  # tests/ is on sys.path (pytest's rootdir-less import mode)
 from harness.environment import envinfo
-from harness.runs.case import load_case
+from harness.runs.case import load_case, stored_case
 from harness.reports.compare import compare, render_html, render_markdown, write_comparison, rate_change
 from harness.runs.ledger import Ledger, LedgerError
 from harness.runs.matrix import run_case
@@ -49,47 +49,64 @@ def key_of(driver: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def ledgers(tmp_path_factory):
-    """A CPU ledger with one smoke run, and a "GPU" ledger with runs on two fake drivers:
-    570 (smoke), 575 (smoke), 570 again (smoke, newer), 570 (another case, newest)."""
+def ledgers(tmp_path_factory, smoke_run):
+    """A CPU ledger with the session's smoke run, and a "GPU" ledger with runs on two fake
+    drivers: 570 (smoke), 575 (smoke), 570 again (smoke, newer), 570 (another case, newest).
+    The smoke runs on fake drivers are the CPU run's units stored again (this CPU computes them
+    the same bits); the other case is measured."""
     folder = tmp_path_factory.mktemp("compare")
-    model = load_model(SMOKE.model)
     other_path = folder / "other.toml"
     other_path.write_text(OTHER)
     cpu_db, gpu_db = folder / "cpu.sqlite", folder / "gpu.sqlite"
-    runs = {"cpu": run_case(SMOKE, cpu_db, model=model, progress=False).run_id}
+    smoke_db, smoke_id = smoke_run
+    with Ledger(smoke_db, readonly=True) as source, Ledger(cpu_db) as target:
+        runs = {"cpu": store_again(source, smoke_id, target, smoke_id, REAL_COLLECT())}
+    with Ledger(smoke_db, readonly=True) as source, Ledger(gpu_db) as target:
+        for n, (name, driver) in enumerate((("570-old", "570.86.15"), ("575", "575.51.03"),
+                                            ("570", "570.86.15"))):
+            runs[name] = store_again(source, smoke_id, target, f"20260101-00000{n}-000{n}",
+                                     gpu_environment(driver))
     with pytest.MonkeyPatch.context() as patch:
-        for name, driver, case in (("570-old", "570.86.15", SMOKE), ("575", "575.51.03", SMOKE),
-                                   ("570", "570.86.15", SMOKE),
-                                   ("570-other", "570.86.15", load_case(other_path))):
-            patch.setattr(envinfo, "collect", lambda driver=driver: gpu_environment(driver))
-            runs[name] = run_case(case, gpu_db, model=model, progress=False).run_id
+        patch.setattr(envinfo, "collect", lambda: gpu_environment("570.86.15"))
+        runs["570-other"] = run_case(load_case(other_path), gpu_db,
+                                     model=load_model(SMOKE.model), progress=False).run_id
     return cpu_db, gpu_db, runs
+
+
+def store_again(source: Ledger, source_id: str, target: Ledger, new_id: str, environment: dict,
+                tamper=None) -> str:
+    """Run `source_id` of `source` stored in `target` as `new_id`, measured (says its record) in
+    `environment`; each unit's record passed through `tamper(unit) -> record`."""
+    key = envinfo.environment_key(environment)
+    run = source.run(source_id)
+    target.create_run(new_id, stored_case(run), environment, key)
+    for unit in source.units(run.id):
+        record = tamper(unit) if tamper else unit.record
+        target.write_unit(new_id, unit.item_index, unit.item_id, unit.stack, record, key)
+    target.finish(new_id)
+    return new_id
 
 
 def clone(db, source: str, new_id: str, tamper=None) -> str:
     """A copy of run `source` (same environment), each unit's record passed through `tamper`."""
     with Ledger(db) as ledger:
-        run = ledger.run(source)
-        ledger.create_run(new_id, SMOKE, run.environment, run.environment_key)
-        for unit in ledger.units(run.id):
-            record = copy.deepcopy(unit.record)
-            if tamper:
-                tamper(unit, record)
-            ledger.write_unit(new_id, unit.item_index, unit.item_id, unit.stack, record,
-                              run.environment_key)
-        ledger.finish(new_id)
-    return new_id
+        return store_again(ledger, source, ledger, new_id, ledger.run(source).environment,
+                           tamper)
 
 
-def break_bridge(unit, record, stack="sdpa/bf16@t1", item="arith-0002"):
+def break_bridge(unit, stack="sdpa/bf16@t1", item="arith-0002"):
     """In B: the bridge's cache differs from live on one item, from layer 1 (K) on."""
+    record = unit.record
     if unit.stack != stack or unit.item_id != item:
-        return
-    bridge = next(c for c in record["comparisons"] if c["kind"] == "bridge")
-    bridge["cache"].update(bit_exact=False, first_bad_layer=1, first_bad_kv="k", bad_layers=[1],
-                           n_diff=3, max_ulp=2, d_rel=1e-3)
-    record["arms"][bridge["b"]]["cache_sha"] = "0" * 64
+        return record
+    bridge = record.bridge
+    broken = replace(bridge, cache=replace(bridge.cache, bit_exact=False, first_bad_layer=1,
+                                           first_bad_kv="k", bad_layers=(1,), n_diff=3,
+                                           max_ulp=2, d_rel=1e-3))
+    return replace(record, comparisons=tuple(broken if c is bridge else c
+                                             for c in record.comparisons),
+                   arms={**record.arms, bridge.b: replace(record.arms[bridge.b],
+                                                          cache_sha="0" * 64)})
 
 
 def test_a_run_compared_with_itself_shows_no_difference(ledgers):

@@ -3,8 +3,10 @@ driver, CUDA, torch and triton as columns, built from summary.json alone; ledger
 have no report yet; each run links its report (report.html from the HTML page, which is
 self-contained otherwise and shows no Markdown marks)."""
 
-import copy
 import re
+import sqlite3
+from contextlib import closing
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,6 @@ from harness.environment import envinfo
 from harness.runs.case import load_case
 from harness.reports.index import update_index
 from harness.runs.ledger import Ledger
-from harness.runs.matrix import run_case
-from harness.protocol.models import load_model
 from harness.reports.report import write_report
 
 SMOKE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
@@ -28,29 +28,31 @@ def copy_run(db, source: str, new_id: str, environment: dict, tamper=None) -> st
     with Ledger(db) as ledger:
         ledger.create_run(new_id, SMOKE, environment, key)
         for unit in ledger.units(source):
-            record = copy.deepcopy(unit.record)
-            if tamper:
-                tamper(unit, record)
+            record = tamper(unit) if tamper else unit.record
             ledger.write_unit(new_id, unit.item_index, unit.item_id, unit.stack, record, key)
         ledger.finish(new_id)
     return new_id
 
 
-def break_prefill(unit, record):
+def break_prefill(unit):
     """sdpa/bf16@t1's prefill state differs from live on every item."""
-    if unit.stack == "sdpa/bf16@t1" and record["status"] == "ok":
-        for c in record["comparisons"]:
-            if c["b"] == "prefill" and c["kind"] == "arm":
-                c["cache"]["bit_exact"] = False
+    record = unit.record
+    if unit.stack != "sdpa/bf16@t1" or record.status != "ok":
+        return record
+    broken = lambda c: replace(c, cache=replace(c.cache, bit_exact=False)) \
+        if (c.b, c.kind) == ("prefill", "arm") else c
+    return replace(record, comparisons=tuple(broken(c) for c in record.comparisons))
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def reports(tmp_path_factory, smoke_run):
     """A reports folder with four run reports on three environment keys (CPU; H200 on driver
     570, twice; H200 on 575), and a ledger with a fourth key's run that has no report."""
     folder = tmp_path_factory.mktemp("index")
     db, root = folder / "ledger.sqlite", folder / "reports"
-    cpu = run_case(SMOKE, db, model=load_model(SMOKE.model), progress=False).run_id
+    with closing(sqlite3.connect(smoke_run[0])) as source, closing(sqlite3.connect(db)) as target:
+        source.backup(target)      # the session's smoke run (harness tests/conftest.py)
+    cpu = smoke_run[1]
     gpu = lambda driver: envinfo.collect(FakeNVML([H200], driver_version=driver))
     ids = {"cpu": cpu,
            "570-old": copy_run(db, cpu, "20260101-000000-0001", gpu("570.86.15")),

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.protocol import record as rec
 from harness.runs import ledger as ledger_module
 from harness.runs.case import load_case
 from harness.runs.ledger import Ledger, LedgerError, fingerprints, record_rows
@@ -14,22 +15,21 @@ CASE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml"
 ENV = {"git": {"revision": "abc", "dirty": True}, "gpus": []}
 
 
-def item_record(suffix=(1, 2, 3), cache="c0") -> dict:
+def item_record(suffix=(1, 2, 3), cache="c0") -> rec.ItemRecord:
     """A minimal `run_item` record with one arm pair, a replica and a transplant."""
-    arm = lambda label, c: {"construction": label, "suffix": list(suffix),
-                            "suffix_margins": [1.0] * len(suffix), "suffix_eos": False,
-                            "suffix_sha": f"s-{suffix}", "cache_sha": c, "logits_sha": "l",
-                            "correct": None, "wall_s": 0.1, "forward_calls": 3}
-    same = {"identical": True, "first_divergence": None, "margin_a_at_divergence": None}
-    return {"status": "ok", "item": {"id": "i0", "prompt": "p", "answer": None}, "B": 2,
-            "S": 3, "prefix": [5, 6, 7], "prefix_sha": "p-sha", "prompt_length": 1,
-            "arms": {"live": arm("live", cache), "prefill": arm("prefill", "c1")},
-            "comparisons": [{"a": "live", "b": "prefill", "kind": "arm",
-                             "prefix_identical": True, "suffix": same},
-                            {"a": "prefill", "b": "prefill'", "kind": "replica",
-                             "prefix_identical": True, "suffix": same}],
-            "transplants": [{"label": "live<-prefill:all", "recipient_equals_donor": True,
-                             "outcome": "recipient", "suffix_sha": "t"}]}
+    arm = lambda label, c: rec.ArmRecord(label, tuple(suffix), (1.0,) * len(suffix),
+                                         suffix_sha=f"s-{suffix}", cache_sha=c, logits_sha="l",
+                                         wall_s=0.1, forward_calls=3)
+    same = rec.SuffixDiff(identical=True)
+    return rec.ItemRecord(
+        rec.ItemRef("i0", "p"), "tiny", {"label": "sdpa/bf16"}, 2, 3, "ok", prompt_length=1,
+        prefix=(5, 6, 7), prefix_sha="p-sha",
+        arms={"live": arm("live", cache), "prefill": arm("prefill", "c1")},
+        comparisons=(rec.Comparison("live", "prefill", "arm", same),),
+        replicas=(rec.Replica("prefill", rec.Fingerprints(cache_sha="c1"),
+                              rec.Comparison("prefill", "prefill", "replica", same)),),
+        transplants=(rec.TransplantRecord("live<-prefill:all", "live", "prefill", "all", True,
+                                          "recipient", suffix_sha="t"),))
 
 
 @pytest.fixture
@@ -43,10 +43,12 @@ def test_rows_of_a_record_carry_every_fingerprint():
     assert prints[("prefix", "P")] == {"prefix_sha": "p-sha"}
     assert prints[("boundary", "live")] == {"cache_sha": "c0", "logits_sha": "l",
                                             "suffix_sha": "s-(1, 2, 3)"}
-    assert prints[("replica", "prefill~prefill'")]["verdict"].startswith("cache n/a")
+    assert prints[("replica", "prefill~prefill'")] == {
+        "verdict": "cache n/a, logits n/a, suffix identical", "cache_sha": "c1"}
     assert prints[("transplant", "live<-prefill:all")] == {"suffix_sha": "t",
                                                            "outcome": "recipient"}
-    short = {"status": "short", "arms": {"live": {"generated": [1, 2]}}, "note": "EOS"}
+    short = rec.ItemRecord(rec.ItemRef("i1"), "tiny", {}, 2, 3, "short", note="EOS",
+                           arms={"live": rec.ArmRecord("live", generated=(1, 2))})
     assert [r[:2] for r in record_rows(short)] == [("short", "live")]
 
 
@@ -59,7 +61,7 @@ def test_a_unit_is_written_once_with_its_rows(db):
     (rows,) = db.db.execute("SELECT COUNT(*) FROM rows").fetchone()
     assert rows == len(record_rows(item_record()))
     assert db.stored_units("r1") == {(0, "sdpa/bf16")}
-    assert db.units("r1")[0].record["arms"]["live"]["cache_sha"] == "c0"
+    assert db.units("r1")[0].record == item_record()
 
 
 def test_a_failing_row_insert_leaves_no_half_unit(db, monkeypatch):
@@ -123,3 +125,13 @@ def test_the_ledger_file_is_in_wal_mode(tmp_path):
     stored = sqlite3.connect(tmp_path / "x" / "l.sqlite").execute(
         "SELECT case_text, environment FROM runs").fetchone()
     assert stored[0] == CASE.text and json.loads(stored[1]) == ENV
+
+
+def test_a_record_of_another_schema_is_refused_in_one_line(db):
+    db.create_run("r1", CASE, ENV, "k")
+    db.write_unit("r1", 0, "i0", "sdpa/bf16", item_record(), "k")
+    text = json.dumps({**json.loads(rec.to_json(item_record())), "schema": 2})
+    db.db.execute("UPDATE units SET record = ?", (text,))
+    with pytest.raises(ledger_module.LedgerRefused,
+                       match=r"run r1 item #0 stack sdpa/bf16: record schema 2 is not this"):
+        db.units("r1")

@@ -23,12 +23,10 @@ def model():
     return load_model(SMOKE.model)
 
 
-@pytest.fixture(scope="module")
-def full(model, tmp_path_factory):
-    """One unsharded, uninterrupted smoke run: (db path, run id)."""
-    db = tmp_path_factory.mktemp("full") / "ledger.sqlite"
-    result = run_case(SMOKE, db, model=model, progress=False)
-    return db, result.run_id
+@pytest.fixture
+def full(smoke_run):
+    """The session's unsharded, uninterrupted smoke run (read only): (db path, run id)."""
+    return smoke_run
 
 
 def stored(db, run_id):
@@ -48,10 +46,11 @@ def test_smoke_run_lands_every_unit_and_its_rows(full):
     assert run.status == "finished" and run.finished and run.case_text == SMOKE.text
     assert run.environment["versions"]["torch"] == torch.__version__
     assert run.environment_key.startswith("cpu")
-    assert {(u.item_index, u.stack) for u in units} == {
-        (i, s) for i in range(3) for s in ("sdpa/bf16@t1", "eager/bf16@t1", "crossing")}
+    assert {(u.item_index, u.stack) for u in units if not u.is_crossing} == {
+        (i, s) for i in range(3) for s in ("sdpa/bf16@t1", "eager/bf16@t1")}
+    assert sorted(u.item_index for u in units if u.is_crossing) == [0, 1, 2]
     item = next(u for u in units if u.stack == "sdpa/bf16@t1" and u.status == "ok").record
-    assert {"live", "prefill", "incremental", "batched:2"} <= set(item["arms"])
+    assert {"live", "prefill", "incremental", "batched:2"} <= set(item.arms)
     prints, rows = stored(db, run_id)
     assert rows >= 9 and all(prints.values())
 
@@ -60,14 +59,14 @@ def test_units_run_stack_by_stack_then_the_crossing():
     units = plan_units(SMOKE)
     assert [(u.item_index, u.stack) for u in units[:4]] == [
         (0, "sdpa/bf16@t1"), (1, "sdpa/bf16@t1"), (2, "sdpa/bf16@t1"), (0, "eager/bf16@t1")]
-    assert units[-1].stack == "crossing"
+    assert units[-1].is_crossing and units[-1] == matrix.Unit.crossing(2)
     assert [u.item_index for u in plan_units(SMOKE, Shard(1, 2))] == [1, 1, 1]
 
 
 def test_units_of_a_stack_with_an_item_limit_stop_there():
     """The CPU default case's headline stack runs on its first item only; the others on all 8."""
     case = load_case(CASES / "smollm2-cpu.toml")
-    units = [(u.item_index, u.stack) for u in plan_units(case) if u.stack != "crossing"]
+    units = [(u.item_index, u.stack) for u in plan_units(case) if not u.is_crossing]
     assert [u for u in units if u[1] == "triton/bf16+bi@t1"] == [(0, "triton/bf16+bi@t1")]
     assert len(units) == 1 + 4 * 8 == case.design()["units"] - case.design()["crossing_items"]
 
@@ -106,8 +105,8 @@ def test_two_shards_into_one_run_equal_the_unsharded_run(full, model, tmp_path):
     assert stored(db, "sharded") == stored(*full)
 
 
-def test_resume_refuses_another_case(full, model):
-    db, run_id = full
+def test_resume_refuses_another_case(smoke_copy, model):
+    db, run_id = smoke_copy
     with pytest.raises(CaseError, match="cannot continue it"):
         run_case(SMOKE, db, items=2, resume=run_id, model=model, progress=False)
     changed = SMOKE.__class__(**{**SMOKE.__dict__, "B": 5, "sha": "another"})
@@ -183,3 +182,34 @@ def test_a_crash_marks_the_run_crashed_and_resumable(model, tmp_path, monkeypatc
     with Ledger(tmp_path / "l.sqlite") as ledger:
         (run, count), = ledger.runs()
     assert (run.status, run.error, count) == ("crashed", "RuntimeError: kernel fault", 0)
+
+
+def test_publish_opens_the_ledger_once_and_aggregates_once(model, tmp_path, monkeypatch):
+    """run -> aggregate -> report -> index on one open ledger (a new file: after the checks)."""
+    from harness.reports import report
+    from harness.runs import ledger as ledger_module, publish as publish_module
+
+    opened, aggregated = [], []
+    real_init, real_aggregate = ledger_module.Ledger.__init__, report.aggregate
+    monkeypatch.setattr(ledger_module.Ledger, "__init__",
+                        lambda self, *a, **k: (opened.append(a), real_init(self, *a, **k))[1])
+    monkeypatch.setattr(report, "aggregate",
+                        lambda *a, **k: (aggregated.append(1), real_aggregate(*a, **k))[1])
+    done = publish_module.publish(SMOKE, tmp_path / "l.sqlite", reports=tmp_path / "reports",
+                                  items=2, model=model, progress=False)
+    assert (len(opened), len(aggregated)) == (1, 1)
+    assert done.result.status == "finished" and "sdpa/bf16@t1" in done.headline()
+    assert set(done.files) == {"markdown", "html", "summary", "index"}
+    assert all(path.is_file() for path in done.files.values())
+
+
+def test_a_stored_run_is_published_once_more_from_its_result(smoke_copy, tmp_path):
+    """What rank 0 of a torchrun launch does with the run the ranks measured."""
+    from harness.runs.ledger_views import publish_result
+
+    db, run_id = smoke_copy
+    result = matrix.RunResult(run_id, "finished", 0, 9, 9)
+    done = publish_result(db, result, report=True, out=tmp_path / "reports")
+    assert set(done.summary["stacks"]) == {"sdpa/bf16@t1", "eager/bf16@t1"}
+    assert done.summary["crossing"]["items"] == 3
+    assert done.files["html"].parent.name == run_id

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from harness.protocol import cache as kv
+from harness.protocol import record
 from harness.protocol.backends import Stack
 from harness.protocol.decode import Runner
 from harness.protocol.models import ByteCodec
@@ -41,15 +42,17 @@ def test_forward_calls_are_at_the_protocol_floor():
     model = tiny()
     plan = ItemPlan(6, 5, arms=("live", "prefill", "incremental", "incremental-1", "chunked:4"))
     record = run_item(model, Stack("sdpa", "fp32"), PROMPT, plan)
-    prompt, B, S = record["prompt_length"], 6, 5
-    arms = record["arms"]
-    assert all(len(a["suffix"]) == S for a in arms.values())   # no EOS in these S tokens
-    assert arms["live"]["forward_calls"] == 1 + B + (S - 1)
-    assert arms["prefill"]["forward_calls"] == 1 + (S - 1)
-    assert arms["incremental"]["forward_calls"] == 1 + B + (S - 1)
-    assert arms["incremental-1"]["forward_calls"] == prompt + B + (S - 1)
-    assert arms["chunked:4"]["forward_calls"] == -(-(prompt + B) // 4) + (S - 1)
-    assert record["timing"]["forward_calls"] == sum(a["forward_calls"] for a in arms.values())
+    prompt, B, S = record.prompt_length, 6, 5
+    arms = record.arms
+    assert all(len(a.suffix) == S for a in arms.values())   # no EOS in these S tokens
+    assert arms["live"].forward_calls == 1 + B + (S - 1)
+    assert arms["prefill"].forward_calls == 1 + (S - 1)
+    assert arms["incremental"].forward_calls == 1 + B + (S - 1)
+    assert arms["incremental-1"].forward_calls == prompt + B + (S - 1)
+    assert arms["chunked:4"].forward_calls == -(-(prompt + B) // 4) + (S - 1)
+    # The warm-up forward is not counted: the item's calls are its arms' calls.
+    assert record.timing.forward_calls == sum(a.forward_calls for a in arms.values())
+    assert record.warmup_s > 0
 
 
 @pytest.mark.parametrize("stack", [Stack("sdpa", "bf16"), Stack("eager", "fp32")],
@@ -58,19 +61,21 @@ def test_replicas_are_bit_exact(stack):
     plan = ItemPlan(8, 8, arms=("live", "prefill", "chunked:3", "batched:2"),
                     replicas=("live", "prefill", "chunked:3", "batched:2"))
     record = run_item(tiny("tiny-qwen2"), stack, PROMPT, plan)
-    replicas = [c for c in record["comparisons"] if c["kind"] == "replica"]
-    assert len(replicas) == 4
-    for c in replicas:
-        assert c["prefix_identical"] and c["cache"]["bit_exact"], c["b"]
-        assert c["logits"]["equal"] and c["suffix"]["identical"], c["b"]
+    assert [r.construction for r in record.replicas] == ["live", "prefill", "chunked:3",
+                                                         "batched:2"]
+    for r in record.replicas:
+        c = r.comparison
+        assert (c.a, c.b, c.kind) == (r.construction, r.construction, "replica")
+        assert c.prefix_identical and c.cache.bit_exact, c.b
+        assert c.logits.equal and c.suffix.identical, c.b
+        assert r.fingerprints.cache_sha == record.arms[r.construction].cache_sha
 
 
 def test_bridge_live_vs_incremental_is_bit_exact_on_cpu():
     # The live run and teacher-forcing make the same calls with the same shapes.
     for dtype in ("bf16", "fp32"):
         record = run_item(tiny(), Stack("sdpa", dtype), PROMPT, ItemPlan(8, 8))
-        bridge = next(c for c in record["comparisons"] if c["kind"] == "bridge")
-        assert bridge["cache"]["bit_exact"] and bridge["suffix"]["identical"], dtype
+        assert record.bridge.cache.bit_exact and record.bridge.suffix.identical, dtype
 
 
 def test_transplant_of_identical_caches_gives_the_recipient_suffix():
@@ -78,8 +83,8 @@ def test_transplant_of_identical_caches_gives_the_recipient_suffix():
                     transplants=(parse_transplant("live<-incremental"),
                                  parse_transplant("incremental<-live:keys")))
     record = run_item(tiny(), Stack("sdpa", "fp32"), PROMPT, plan)
-    assert [t["outcome"] for t in record["transplants"]] == ["recipient", "recipient"]
-    assert record["transplants"][0]["suffix"] == record["arms"]["live"]["suffix"]
+    assert [t.outcome for t in record.transplants] == ["recipient", "recipient"]
+    assert record.transplants[0].suffix == record.arms["live"].suffix
 
 
 def test_transplant_outcome_donor_when_the_donor_cache_decides():
@@ -102,7 +107,7 @@ def test_transplant_outcome_donor_when_the_donor_cache_decides():
                              eos)
         back = run_transplant(module, parse_transplant("prefill<-live"), arms, len(prompt), 8,
                               eos)
-    assert out["outcome"] == "donor" and back["outcome"] == "donor"
+    assert out.outcome == "donor" and back.outcome == "donor"
     assert prefix == list(donor.state.prefix)
 
 
@@ -111,9 +116,11 @@ def test_crossing_uses_one_prefix_for_every_cell():
     out = run_crossing(model, PROMPT, Stack("sdpa", "bf16"),
                        [Stack("sdpa", "bf16"), Stack("sdpa", "fp16"), Stack("sdpa", "fp32")],
                        B=8, S=6)
-    assert out["status"] == "ok" and len(out["cells"]) == 6
-    assert {c["prefix_sha"] for c in out["cells"].values()} == {out["prefix_sha"]}
-    assert [c["stack"] for c in out["comparisons"]] == ["sdpa/bf16", "sdpa/fp16", "sdpa/fp32"]
+    assert out.status == "ok" and len(out.cells) == 6
+    assert {c.fingerprints.prefix_sha for c in out.cells} == {out.prefix_sha}
+    assert [w.stack for w in out.within] == ["sdpa/bf16", "sdpa/fp16", "sdpa/fp32"]
+    assert out.cell("sdpa/fp16", "prefill").construction == "prefill"
+    assert record.from_json(out.to_json()) == out
 
 
 def test_eos_before_b_live_tokens_marks_the_item_short():
@@ -126,14 +133,16 @@ def test_eos_before_b_live_tokens_marks_the_item_short():
     codec = ByteCodec()
     codec.eos_ids = frozenset({tokens[index]})
     short_model = dataclasses.replace(model, codec=codec)
-    record = run_item(short_model, Stack("sdpa", "fp32"), PROMPT, ItemPlan(16, 4))
-    assert record["status"] == "short"
-    assert f"EOS after {index + 1} of B=16" in record["note"]
-    assert record["comparisons"] == [] and "prefix" not in record
+    short = run_item(short_model, Stack("sdpa", "fp32"), PROMPT, ItemPlan(16, 4))
+    assert short.status == "short"
+    assert f"EOS after {index + 1} of B=16" in short.note
+    assert short.comparisons == () and short.prefix == ()
+    assert short.arms["live"].generated == tuple(tokens[:index + 1])
+    assert record.from_json(short.to_json()) == short
     # --ignore-eos: the same item generates all B and S tokens and is compared.
     full = run_item(short_model, Stack("sdpa", "fp32"), PROMPT, ItemPlan(16, 4, ignore_eos=True))
-    assert full["status"] == "ok" and full["ignore_eos"] and full["comparisons"]
-    assert len(full["arms"]["live"]["suffix"]) == 4
+    assert full.status == "ok" and full.ignore_eos and full.comparisons
+    assert len(full.arms["live"].suffix) == 4
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -185,8 +194,8 @@ from harness.protocol.backends import Stack
 from harness.protocol.protocol import ItemPlan, run_item
 from protocol_fixtures import PROMPT, tiny
 r = run_item(tiny(), Stack('sdpa', 'bf16'), PROMPT, ItemPlan(6, 6, arms=('live', 'prefill')))
-print(json.dumps({k: [a['cache_sha'], a['logits_sha'], a['suffix_sha']]
-                  for k, a in r['arms'].items()} | {'P': r['prefix_sha']}))
+print(json.dumps({k: [a.cache_sha, a.logits_sha, a.suffix_sha]
+                  for k, a in r.arms.items()} | {'P': r.prefix_sha}))
 """
 
 
@@ -196,7 +205,7 @@ def test_fingerprints_are_stable_across_processes():
     assert json.loads(runs[0]) == json.loads(runs[1])
     here = run_item(tiny(), Stack("sdpa", "bf16"), PROMPT,
                     ItemPlan(6, 6, arms=("live", "prefill")))
-    assert json.loads(runs[0])["P"] == here["prefix_sha"]
+    assert json.loads(runs[0])["P"] == here.prefix_sha
 
 
 def test_our_calls_raise_no_warnings_on_this_transformers():
@@ -223,8 +232,8 @@ def test_divergent_only_transplants_skip_exact_rows():
                     transplants=(parse_transplant("live<-incremental"),),
                     transplant_rows="divergent")
     record = run_item(tiny(), Stack("sdpa", "fp32"), PROMPT, plan)
-    assert record["arms"]["live"]["suffix"] == record["arms"]["incremental"]["suffix"]
-    assert record["transplants"] == []
+    assert record.arms["live"].suffix == record.arms["incremental"].suffix
+    assert record.transplants == ()
 
 
 def test_decoding_a_suffix_leaves_the_boundary_state_untouched():
@@ -247,9 +256,54 @@ def test_triton_stack_makes_every_construction_bit_exact_and_a_variant_twin_does
     plan = ItemPlan(16, 3, arms=("live", "prefill", "chunked:4", "batched:2"))
     model = tiny("tiny-qwen2")
     exact = run_item(model, Stack("triton", dtype, True, threads=1), PROMPT, plan)
-    for c in exact["comparisons"]:
-        assert c["cache"]["bit_exact"] and c["logits"]["equal"], (c["b"], c["cache"]["layers"])
+    for c in exact.comparisons:
+        assert c.cache.bit_exact and c.logits.equal, (c.b, c.cache.layers)
     twin = run_item(model, Stack("twin", dtype, True, threads=1), PROMPT, plan)
     for arm in ("prefill", "chunked:4", "batched:2"):
-        comparison = next(c for c in twin["comparisons"] if c["b"] == arm)
-        assert not comparison["cache"]["bit_exact"], arm
+        assert not twin.against_live(arm).cache.bit_exact, arm
+
+
+def test_a_record_survives_its_json_round_trip_and_other_schemas_are_refused():
+    plan = ItemPlan(6, 5, arms=("live", "prefill", "incremental", "batched:2", "cobatched:3"),
+                    replicas=("prefill",), transplants=(parse_transplant("live<-prefill:keys"),))
+    item = run_item(tiny(), Stack("sdpa", "bf16"), PROMPT, plan)
+    text = item.to_json()
+    assert record.from_json(text) == item
+    assert record.from_json(item.to_json(indent=1)) == item
+    data = json.loads(text)
+    assert (data["schema"], data["kind"]) == (record.SCHEMA_VERSION, "item")
+    with pytest.raises(record.RecordRefused, match="record schema 99 is not this kvfid's"):
+        record.from_json(json.dumps({**data, "schema": 99}))
+    with pytest.raises(record.RecordRefused, match="unknown record kind"):
+        record.from_json(json.dumps({**data, "kind": "nonsense"}))
+    with pytest.raises(record.RecordRefused, match="no field"):
+        record.from_json(json.dumps({**data, "extra": 1}))
+    placed = dataclasses.replace(item, environment={"key": "cpu-x", "versions": {"torch": "2"}})
+    assert record.from_json(placed.to_json()) == placed
+    # A changed field is a different record: the round trip is not vacuous.
+    changed = dataclasses.replace(item, B=item.B + 1)
+    assert record.from_json(changed.to_json()) != item
+
+
+def test_an_untagged_schema_2_record_reads_as_a_typed_record():
+    """What ledgers of schema 1-2 stored: a plain dict, replicas as comparisons with a primed
+    label, crossing cells under "stack|construction" keys."""
+    plan = ItemPlan(4, 3, arms=("live", "prefill"), replicas=("prefill",))
+    item = run_item(tiny(), Stack("sdpa", "fp32"), PROMPT, plan)
+    old = json.loads(item.to_json())
+    for name in ("schema", "kind", "warmup_s", "crossing", "replicas", "environment"):
+        del old[name]
+    replica = json.loads(item.to_json())["replicas"][0]
+    old["comparisons"].append({**replica["comparison"], "b": "prefill'",
+                               "replica_fingerprints": replica["fingerprints"]})
+    assert record.from_json(json.dumps(old)) == dataclasses.replace(item, warmup_s=0.0)
+
+    crossing = run_crossing(tiny(), PROMPT, Stack("sdpa", "fp32"), [Stack("sdpa", "fp32")], 4, 3)
+    old = json.loads(crossing.to_json())
+    old["cells"] = {f"{c['stack']}|{c['construction']}": {
+        **c["fingerprints"], "suffix": c["suffix"],
+        "same_as_reference_live": c["same_as_reference_live"],
+        "forward_calls": c["forward_calls"], "wall_s": c["wall_s"]} for c in old["cells"]}
+    old["comparisons"] = [{**w["comparison"], "stack": w["stack"]} for w in old.pop("within")]
+    del old["schema"], old["kind"]
+    assert record.from_json(json.dumps(old)) == crossing

@@ -32,13 +32,10 @@ def listing(folder):
     return sorted(p.name for p in folder.iterdir())
 
 
-@pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    """A schema-2 ledger holding one finished two-item smoke run (item 1 is not short)."""
-    db = tmp_path_factory.mktemp("good") / "ledger.sqlite"
-    made = invoke("run", SMOKE, "--db", db, "--items", "2", "--quiet")
-    assert made.exit_code == 0, made.output
-    return db
+@pytest.fixture
+def good(smoke_run):
+    """A schema-2 ledger holding the session's finished smoke run (read only; copy to change)."""
+    return smoke_run[0]
 
 
 def test_fuzzed_case_files_run_or_are_refused_naming_the_file(tmp_path):

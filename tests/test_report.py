@@ -9,8 +9,9 @@ import pytest
 from harness.runs import stats
 from harness.runs.case import load_case
 from harness.runs.ledger import Ledger, StoredUnit
-from harness.reports.report import aggregate, headline, markdown, repro_command, svg_bars, svg_lines, \
-    write_report
+from harness.protocol import record as rec
+from harness.reports.report import aggregate, crossing_repro_command, headline, markdown, \
+    repro_command, svg_bars, svg_lines, write_report
 
 CASE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
 STACK = "sdpa/bf16@t1"  # smoke.toml sets threads = 1
@@ -18,48 +19,51 @@ MARGINS = [1.0, 1.0, 0.5, 2.0, 2.0, 0.25, 3.0, 3.0]   # the live suffix's margin
 
 
 def comparison(a, b, kind, first=None, bad_layer=None, d_k=(0.0, 0.0), d_v=(0.0, 0.0)):
-    layers = [{"layer": i, "k": {"d_rel": d_k[i]}, "v": {"d_rel": d_v[i]}} for i in range(2)]
-    return {"a": a, "b": b, "kind": kind, "prefix_identical": True,
-            "cache": {"bit_exact": bad_layer is None, "first_bad_layer": bad_layer,
-                      "d_rel": max(d_k + d_v), "layers": layers},
-            "logits": {"equal": bad_layer is None, "argmax_agree": True},
-            "suffix": {"identical": first is None, "first_divergence": first,
-                       "margin_a_at_divergence": None if first is None else MARGINS[first]}}
+    layers = tuple(rec.LayerDiff(i, rec.TensorDiff(d_rel=d_k[i]), rec.TensorDiff(d_rel=d_v[i]))
+                   for i in range(2))
+    return rec.Comparison(
+        a, b, kind, rec.SuffixDiff(identical=first is None, first_divergence=first,
+                                   margin_a_at_divergence=None if first is None
+                                   else MARGINS[first]),
+        cache=rec.CacheDiff(bit_exact=bad_layer is None, first_bad_layer=bad_layer,
+                            d_rel=max(d_k + d_v), layers=layers),
+        logits=rec.LogitsDiff(equal=bad_layer is None, argmax_agree=True))
 
 
 def record(index, live_right, prefill_right, first, bad_layer, d_k, d_v, replica_first,
            transplant):
-    arm = lambda right: {"suffix": [0] * 8, "suffix_margins": MARGINS, "correct": right,
-                         "suffix_eos": False, "suffix_sha": "s", "cache_sha": "c",
-                         "logits_sha": "l", "wall_s": 0.0, "forward_calls": 1}
-    out = {"status": "ok", "item": {"id": f"i{index}", "prompt": f"p{index}", "answer": "1"},
-           "B": 4, "S": 8, "prefix": [1, 2], "prefix_sha": "p", "prompt_length": 1,
-           "arms": {"live": arm(live_right), "prefill": arm(prefill_right)},
-           "comparisons": [comparison("live", "prefill", "arm", first, bad_layer, d_k, d_v),
-                           comparison("prefill", "prefill'", "replica", replica_first)],
-           "transplants": []}
-    if transplant:
-        out["transplants"].append({"label": "live<-prefill:all", "recipient_equals_donor": first is None,
-                                   "outcome": transplant})
+    arm = lambda label, right: rec.ArmRecord(label, (0,) * 8, tuple(MARGINS), correct=right,
+                                             suffix_sha="s", cache_sha="c", logits_sha="l",
+                                             forward_calls=1)
+    transplants = () if not transplant else (rec.TransplantRecord(
+        "live<-prefill:all", "live", "prefill", "all", first is None, transplant),)
+    out = rec.ItemRecord(
+        rec.ItemRef(f"i{index}", f"p{index}", "1"), "tiny-llama", {"label": STACK}, 4, 8, "ok",
+        prompt_length=1, prefix=(1, 2), prefix_sha="p",
+        arms={"live": arm("live", live_right), "prefill": arm("prefill", prefill_right)},
+        comparisons=(comparison("live", "prefill", "arm", first, bad_layer, d_k, d_v),),
+        replicas=(rec.Replica("prefill", rec.Fingerprints(),
+                              comparison("prefill", "prefill", "replica", replica_first)),),
+        transplants=transplants)
     return StoredUnit(index, f"i{index}", STACK, "ok", out, "k")
 
 
 def crossing(index, same: dict, within_fp32_identical: bool):
-    cells = {f"sdpa/{d}|{c}": {"same_as_reference_live": same[(d, c)], "prefix_sha": "p",
-                               "suffix_sha": "s"}
-             for d in ("bf16", "fp32") for c in ("incremental", "prefill")}
-    identical = lambda ok: {"identical": ok, "first_divergence": None if ok else 1,
-                            "margin_a_at_divergence": None if ok else 0.5}
-    comparisons = [{"stack": "sdpa/bf16", "a": "incremental", "b": "prefill",
-                    "prefix_identical": True, "cache": {"bit_exact": True},
-                    "suffix": identical(True)},
-                   {"stack": "sdpa/fp32", "a": "incremental", "b": "prefill",
-                    "prefix_identical": True, "cache": {"bit_exact": False},
-                    "suffix": identical(within_fp32_identical)}]
-    return StoredUnit(index, f"i{index}", "crossing", "ok",
-                      {"status": "ok", "item": f"i{index}", "reference": {"label": "sdpa/bf16"},
-                       "cells": cells, "comparisons": comparisons, "prefix_sha": "p",
-                       "reference_suffix": [0]}, "k")
+    cells = tuple(rec.CrossingCell(f"sdpa/{d}", c, rec.Fingerprints(prefix_sha="p",
+                                                                    suffix_sha="s"),
+                                   same_as_reference_live=same[(d, c)])
+                  for d in ("bf16", "fp32") for c in ("incremental", "prefill"))
+    suffix = lambda ok: rec.SuffixDiff(identical=ok, first_divergence=None if ok else 1,
+                                       margin_a_at_divergence=None if ok else 0.5)
+    within = (rec.StackComparison("sdpa/bf16", rec.Comparison(
+                  "incremental", "prefill", "crossing", suffix(True),
+                  cache=rec.CacheDiff(bit_exact=True))),
+              rec.StackComparison("sdpa/fp32", rec.Comparison(
+                  "incremental", "prefill", "crossing", suffix(within_fp32_identical),
+                  cache=rec.CacheDiff(bit_exact=False))))
+    return StoredUnit(index, f"i{index}", rec.CrossingRecord.UNIT, "ok", rec.CrossingRecord(
+        rec.ItemRef(f"i{index}"), {"label": "sdpa/bf16"}, 4, 8, "ok", prefix_sha="p",
+        reference_suffix=(0,), cells=cells, within=within), "k")
 
 
 UNITS = [
@@ -67,9 +71,9 @@ UNITS = [
     record(1, True, False, None, 1, (0, 0.02), (0, 0.04), None, "recipient"),
     record(2, False, True, 2, 0, (0.01, 0.03), (0.02, 0.05), 4, "donor"),
     record(3, False, False, 5, 1, (0, 0.01), (0, 0.02), None, "third"),
-    StoredUnit(4, "i4", STACK, "short", {"status": "short", "item": {"id": "i4", "prompt": "p4"},
-                                          "B": 4, "S": 8, "arms": {"live": {"generated": [1]}}},
-               "k"),
+    StoredUnit(4, "i4", STACK, "short", rec.ItemRecord(
+        rec.ItemRef("i4", "p4"), "tiny-llama", {"label": STACK}, 4, 8, "short",
+        arms={"live": rec.ArmRecord("live", generated=(1,))}), "k"),
     crossing(0, {("bf16", "incremental"): True, ("bf16", "prefill"): True,
                  ("fp32", "incremental"): False, ("fp32", "prefill"): False}, True),
     crossing(1, {("bf16", "incremental"): True, ("bf16", "prefill"): True,
@@ -166,7 +170,8 @@ def test_repro_command_names_the_stack_plan_and_item():
     assert command.startswith("kvfid repro --model tiny-llama --item-set arith --item 1 "
                               "--backend eager --dtype bf16 --device cpu --threads 1 -B 6 -S 6 ")
     assert "--replicas prefill" in command and "--transplant 'live<-prefill:all'" in command
-    assert "--cross bf16,fp32" in repro_command(CASE, "crossing", 2, "What?")
+    assert "--cross bf16,fp32" in crossing_repro_command(CASE, 2, "What?")
+    assert "--cross" not in repro_command(CASE, "sdpa/bf16@t1", 2, "What?")
     assert "--replicas" not in repro_command(CASE, "sdpa/bf16@t1", 2, "What?")
 
 

@@ -33,9 +33,9 @@ def test_a_user_attention_function_runs_through_the_protocol(tmp_path, monkeypat
     assert calls and calls[0][2] > 1 and any(shape[2] == 1 for shape in calls)   # prefill and steps
     stock = run_item(model, Stack("sdpa", "fp32", threads=1), PROMPT, plan)
     # It delegates to SDPA, so every fingerprint is SDPA's.
-    for a, b in zip(user["arms"].values(), stock["arms"].values()):
-        assert (a["cache_sha"], a["suffix_sha"]) == (b["cache_sha"], b["suffix_sha"])
-    assert user["stack"]["label"] == "kvfid_user_attention:attention/fp32@t1"
+    for a, b in zip(user.arms.values(), stock.arms.values()):
+        assert (a.cache_sha, a.suffix_sha) == (b.cache_sha, b.suffix_sha)
+    assert user.stack_label == "kvfid_user_attention:attention/fp32@t1"
 
 
 @pytest.mark.parametrize("name,message", [("no_such_module_xyz:attention", "cannot load"),

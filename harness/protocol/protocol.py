@@ -1,22 +1,27 @@
 """The protocol: constructions (arms), suffixes, replicas, the bridge, transplants, the crossing.
 
-`run_item` measures one item on one stack and returns a JSON-able record; `run_crossing` runs the
-fixed-prefix precision crossing. Both take a `Model` and `Stack`s and never look inside either:
-which attention backend or precision runs is the stack's business. Every forward call goes through
-a `Runner`, so each arm reports its wall time, forward calls and forward time.
+`run_item` measures one item on one stack into an `ItemRecord`; `run_crossing` runs the
+fixed-prefix precision crossing into a `CrossingRecord` (harness.protocol.record). Both take a
+`Model` and `Stack`s and never look inside either: which attention backend or precision runs is
+the stack's business. Every forward call goes through
+a `Runner`, so each arm reports its wall time, forward calls and forward time; one untimed warm-up
+forward comes first, so the first arm does not pay for lazy initialization (`warm_up`).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 from harness.protocol import cache as kv
 from harness.protocol import cobatch
+from harness.protocol import record as rec
+from harness.protocol.plain import decode
 from harness.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
                                    TransplantSpec, parse_construction, parse_transplant)
-from harness.protocol.decode import Greedy, Runner, feed_chunks, greedy, new_cache, as_batch
+from harness.protocol.decode import Greedy, Runner, as_batch, feed_chunks, greedy, new_cache, top2
 
 # --------------------------------------------------------------------------- arms
 
@@ -34,25 +39,22 @@ class Arm:
     rows_identical: bool | None = None   # batched only: every row's state equals row 0's
     cobatch: dict | None = None          # cobatched only: the co-batch's rows (cobatch.CoBatch)
 
-    def record(self, codec, prompt_length: int, answer, matcher) -> dict:
+    def record(self, codec, prompt_length: int, answer, matcher) -> rec.ArmRecord:
         text = codec.decode(list(self.state.prefix[prompt_length:]) + self.suffix.tokens) \
             if self.state else None
-        out = {"construction": self.label, "suffix": self.suffix.tokens,
-               "suffix_margins": self.suffix.margins, "suffix_eos": self.suffix.eos,
-               "suffix_sha": kv.sha_ids(self.suffix.tokens),
-               "cache_sha": kv.sha_cache(self.state) if self.state else None,
-               "logits_sha": kv.sha_tensor(self.state.logits) if self.state else None,
-               "answer_text": text,
-               "correct": matcher(text, answer) if text is not None else None,
-               "wall_s": self.wall_s, "forward_calls": self.forward_calls,
-               "forward_s": self.forward_s}
-        if self.generated is not None:
-            out["live_margins"] = self.generated.margins
-        if self.rows_identical is not None:
-            out["rows_identical"] = self.rows_identical
-        if self.cobatch is not None:
-            out["cobatch"] = self.cobatch
-        return out
+        return rec.ArmRecord(
+            self.label, tuple(self.suffix.tokens), tuple(self.suffix.margins), self.suffix.eos,
+            kv.sha_ids(self.suffix.tokens),
+            kv.sha_cache(self.state) if self.state else None,
+            kv.sha_tensor(self.state.logits) if self.state else None,
+            text, matcher(text, answer) if text is not None else None,
+            self.wall_s, self.forward_calls, self.forward_s,
+            live_margins=tuple(self.generated.margins) if self.generated is not None else None,
+            rows_identical=self.rows_identical, cobatch=self.cobatch)
+
+    def fingerprints(self) -> rec.Fingerprints:
+        return rec.Fingerprints(kv.sha_cache(self.state), kv.sha_tensor(self.state.logits),
+                                kv.sha_ids(self.suffix.tokens), kv.sha_ids(self.state.prefix))
 
 
 def decode_suffix(runner: Runner, state: kv.BoundaryState, steps: int, eos_ids) -> Greedy:
@@ -133,27 +135,27 @@ def build_arm(module, construction: Construction, prompt: list[int], prefix: lis
     return run_construction(module, construction, len(prompt), prefix, S, eos_ids)
 
 
-def compare_arms(a: Arm, b: Arm, kind: str) -> dict:
+def compare_arms(a: Arm, b: Arm, kind: str) -> rec.Comparison:
     """Cache, boundary logits and suffix comparison of two arms (a is the reference)."""
-    out = {"a": a.label, "b": b.label, "kind": kind,
-           "prefix_identical": a.state.prefix == b.state.prefix}
-    if out["prefix_identical"]:
-        out["cache"] = kv.compare_states(a.state, b.state)
-        out["logits"] = kv.compare_logits(a.state.logits, b.state.logits)
-    out["suffix"] = kv.compare_suffixes(a.suffix.tokens, b.suffix.tokens, a.suffix.margins,
-                                        b.suffix.margins)
-    return out
+    suffix = kv.compare_suffixes(a.suffix.tokens, b.suffix.tokens, a.suffix.margins,
+                                 b.suffix.margins)
+    same = a.state.prefix == b.state.prefix
+    return rec.Comparison(
+        a.label, b.label, kind, decode(rec.SuffixDiff, suffix), same,
+        decode(rec.CacheDiff, kv.compare_states(a.state, b.state)) if same else None,
+        decode(rec.LogitsDiff, kv.compare_logits(a.state.logits, b.state.logits))
+        if same else None)
 
 
 def run_transplant(module, spec: TransplantSpec, arms: dict[str, Arm], prompt_length: int,
-                   S: int, eos_ids) -> dict:
+                   S: int, eos_ids) -> rec.TransplantRecord:
     """Decode the suffix of recipient-with-donor's-cache and classify it."""
     recipient, donor = arms[spec.recipient], arms[spec.donor]
-    out = {"label": spec.label, "recipient": spec.recipient, "donor": spec.donor,
-           "selection": spec.selection.label,
-           "recipient_equals_donor": recipient.suffix.tokens == donor.suffix.tokens}
-    if kv.compare_logits(recipient.state.logits, donor.state.logits)["argmax_agree"] is False:
-        return {**out, "outcome": "boundary", "suffix": None, "forward_calls": 0}
+    done = functools.partial(rec.TransplantRecord, spec.label, spec.recipient, spec.donor,
+                             spec.selection.label,
+                             recipient.suffix.tokens == donor.suffix.tokens)
+    if top2(recipient.state.logits)[0] != top2(donor.state.logits)[0]:
+        return done("boundary")
     state = kv.transplant(recipient.state, donor.state, spec.selection, prompt_length)
     runner = Runner(module)
     suffix = decode_suffix(runner, state, S, eos_ids)
@@ -163,9 +165,8 @@ def run_transplant(module, spec: TransplantSpec, arms: dict[str, Arm], prompt_le
         outcome = "donor"
     else:
         outcome = "third"
-    return {**out, "outcome": outcome, "suffix": suffix.tokens,
-            "suffix_sha": kv.sha_ids(suffix.tokens), "forward_calls": runner.calls,
-            "forward_s": runner.seconds}
+    return done(outcome, tuple(suffix.tokens), kv.sha_ids(suffix.tokens), runner.calls,
+                runner.seconds)
 
 
 # --------------------------------------------------------------------------- one item
@@ -202,7 +203,8 @@ class ItemPlan:
                                 f"= {need} exceeds the model's context of {context_length}")
 
 
-def run_item(model, stack, item, plan: ItemPlan, matcher=None, neighbours: Sequence = ()) -> dict:
+def run_item(model, stack, item, plan: ItemPlan, matcher=None,
+             neighbours: Sequence = ()) -> rec.ItemRecord:
     """Measure one item on one stack: every arm, comparisons vs live, replicas, transplants.
     `neighbours`: the item set that co-batched arms draw from (default: the built-in arith set)."""
     start = time.perf_counter()
@@ -215,100 +217,96 @@ def run_item(model, stack, item, plan: ItemPlan, matcher=None, neighbours: Seque
         pool = neighbours or cobatch.default_pool()
         others = Neighbours(item.id, tuple((i.id, codec.prompt_ids(i.prompt)) for i in pool),
                             model.context_length - plan.S)
-    record = {"item": {"id": item.id, "prompt": item.prompt, "answer": item.answer},
-              "model": model.name, "stack": stack.describe(), "B": plan.B, "S": plan.S,
-              "ignore_eos": plan.ignore_eos,
-              "prompt_length": len(prompt), "arms": {}, "comparisons": [], "transplants": []}
+    head = dict(item=rec.ItemRef(item.id, item.prompt, item.answer), model=model.name,
+                stack=stack.describe(), B=plan.B, S=plan.S, ignore_eos=plan.ignore_eos,
+                prompt_length=len(prompt))
     with stack.activate(model) as module:
         # Casting the model to this stack's dtype (once per process) is set-up, not protocol.
-        record["setup_s"], start = time.perf_counter() - start, time.perf_counter()
+        setup_s = time.perf_counter() - start
+        warmup_s = warm_up(module, prompt)
+        start = time.perf_counter()
         live = run_live(module, prompt, plan.B, plan.S, eos)
         if live.state is None:
-            record.update(status="short", arms={"live": {
-                "construction": "live", "generated": live.generated.tokens,
-                "wall_s": live.wall_s, "forward_calls": live.forward_calls,
-                "forward_s": live.forward_s}},
-                note=f"EOS after {len(live.generated.tokens)} of B={plan.B} live tokens")
-            return _finish(record, [live], start)
+            arm = rec.ArmRecord("live", generated=tuple(live.generated.tokens),
+                                wall_s=live.wall_s, forward_calls=live.forward_calls,
+                                forward_s=live.forward_s)
+            return rec.ItemRecord(**head, status="short", setup_s=setup_s, warmup_s=warmup_s,
+                                  arms={"live": arm}, timing=_timing([live], (), start),
+                                  note=f"EOS after {len(live.generated.tokens)} of B={plan.B} "
+                                       f"live tokens")
         prefix = list(live.state.prefix)
         arms = {"live": live}
         for label in plan.arms[1:]:
             arms[label] = build_arm(module, parse_construction(label), prompt, prefix, plan.S,
                                     eos, others)
-        for label in plan.arms[1:]:
-            kind = "bridge" if label == "incremental" else "arm"
-            record["comparisons"].append(compare_arms(live, arms[label], kind))
-        spent = list(arms.values())
+        comparisons = tuple(compare_arms(live, arms[label],
+                                         "bridge" if label == "incremental" else "arm")
+                            for label in plan.arms[1:])
+        spent, replicas, transplants = list(arms.values()), [], []
         for label in plan.replicas:
-            replica = build_arm(module, parse_construction(label), prompt, prefix, plan.S, eos,
-                                others)
-            replica.label = label + "'"
-            comparison = compare_arms(arms[label], replica, "replica")
-            comparison["replica_fingerprints"] = _fingerprints(replica)
-            record["comparisons"].append(comparison)
-            spent.append(replica)
+            again = build_arm(module, parse_construction(label), prompt, prefix, plan.S, eos,
+                              others)
+            replicas.append(rec.Replica(label, again.fingerprints(),
+                                        compare_arms(arms[label], again, "replica")))
+            spent.append(again)
         for spec in plan.transplants:
             same = arms[spec.recipient].suffix.tokens == arms[spec.donor].suffix.tokens
             if plan.transplant_rows == "divergent" and same:
                 continue   # an exact row outside the control sample: no forward calls spent
-            record["transplants"].append(run_transplant(module, spec, arms, len(prompt),
-                                                        plan.S, eos))
-    record["status"] = "ok"
-    record["prefix"] = prefix
-    record["prefix_sha"] = kv.sha_ids(prefix)
-    record["arms"] = {label: arm.record(codec, len(prompt), item.answer, matcher)
-                      for label, arm in arms.items()}
-    return _finish(record, spent, start)
+            transplants.append(run_transplant(module, spec, arms, len(prompt), plan.S, eos))
+    return rec.ItemRecord(
+        **head, status="ok", setup_s=setup_s, warmup_s=warmup_s,
+        arms={label: arm.record(codec, len(prompt), item.answer, matcher)
+              for label, arm in arms.items()},
+        comparisons=comparisons, replicas=tuple(replicas), transplants=tuple(transplants),
+        prefix=tuple(prefix), prefix_sha=kv.sha_ids(prefix),
+        timing=_timing(spent, transplants, start))
 
 
-def _fingerprints(arm: Arm) -> dict:
-    return {"cache_sha": kv.sha_cache(arm.state), "logits_sha": kv.sha_tensor(arm.state.logits),
-            "suffix_sha": kv.sha_ids(arm.suffix.tokens),
-            "prefix_sha": kv.sha_ids(arm.state.prefix)}
+def warm_up(module, prompt: list[int]) -> float:
+    """One untimed forward over the prompt and one decode step, so that no arm's wall time pays
+    for lazy initialization (kernel selection, allocator growth, Triton compiles); its seconds."""
+    start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
+    logits = runner.forward(as_batch(prompt), cache)[0]
+    runner.forward(as_batch([top2(logits)[0]]), cache)
+    return time.perf_counter() - start
 
 
-def _finish(record: dict, arms: list[Arm], start: float) -> dict:
-    calls = sum(a.forward_calls for a in arms) + sum(t.get("forward_calls", 0)
-                                                     for t in record["transplants"])
-    forward_s = sum(a.forward_s for a in arms) + sum(t.get("forward_s", 0.0)
-                                                     for t in record["transplants"])
+def _timing(arms: list[Arm], transplants, start: float) -> rec.Timing:
+    calls = sum(a.forward_calls for a in arms) + sum(t.forward_calls for t in transplants)
+    forward_s = sum(a.forward_s for a in arms) + sum(t.forward_s for t in transplants)
     wall = time.perf_counter() - start
-    record["timing"] = {"wall_s": wall, "forward_calls": calls, "forward_s": forward_s,
-                        "overhead": wall / forward_s if forward_s else None}
-    return record
+    return rec.Timing(wall, calls, forward_s, wall / forward_s if forward_s else None)
 
 
 # --------------------------------------------------------------------------- precision crossing
 
 def run_crossing(model, item, reference, stacks, B: int, S: int,
-                 constructions=("incremental", "prefill")) -> dict:
+                 constructions=("incremental", "prefill")) -> rec.CrossingRecord:
     """Fixed-prefix crossing: freeze P from the reference stack's live run, then build each
     construction in each stack over that same P and compare suffixes."""
     codec, eos = model.codec, model.codec.eos_ids
     prompt = codec.prompt_ids(item.prompt)
     ItemPlan(B, S).check_fits(len(prompt), model.context_length)
     with reference.activate(model) as module:
+        warm_up(module, prompt)
         live = run_live(module, prompt, B, S, eos)
-    out = {"item": {"id": item.id, "prompt": item.prompt, "answer": item.answer},
-           "reference": reference.describe(), "B": B, "S": S, "cells": {},
-           "comparisons": []}
+    head = dict(item=rec.ItemRef(item.id, item.prompt, item.answer),
+                reference=reference.describe(), B=B, S=S)
     if live.state is None:
-        return {**out, "status": "short"}
+        return rec.CrossingRecord(**head, status="short")
     prefix = list(live.state.prefix)
-    out.update(status="ok", prefix_sha=kv.sha_ids(prefix), reference_suffix=live.suffix.tokens)
-    cells: dict[str, Arm] = {}
+    cells, within = [], []
     for stack in stacks:
         with stack.activate(model) as module:
-            for name in constructions:
-                arm = run_construction(module, parse_construction(name), len(prompt), prefix, S,
-                                       eos)
-                cells[f"{stack.label}|{name}"] = arm
-        first, second = (cells[f"{stack.label}|{c}"] for c in constructions[:2])
-        comparison = compare_arms(first, second, "crossing")
-        comparison["stack"] = stack.label
-        out["comparisons"].append(comparison)
-    for key, arm in cells.items():
-        out["cells"][key] = {**_fingerprints(arm), "suffix": arm.suffix.tokens,
-                             "same_as_reference_live": arm.suffix.tokens == live.suffix.tokens,
-                             "forward_calls": arm.forward_calls, "wall_s": arm.wall_s}
-    return out
+            warm_up(module, prompt)
+            built = {name: run_construction(module, parse_construction(name), len(prompt),
+                                            prefix, S, eos) for name in constructions}
+        first, second = (built[c] for c in constructions[:2])
+        within.append(rec.StackComparison(stack.label, compare_arms(first, second, "crossing")))
+        cells += [rec.CrossingCell(stack.label, name, arm.fingerprints(), tuple(arm.suffix.tokens),
+                                   arm.suffix.tokens == live.suffix.tokens, arm.forward_calls,
+                                   arm.wall_s) for name, arm in built.items()]
+    return rec.CrossingRecord(**head, status="ok", prefix_sha=kv.sha_ids(prefix),
+                              reference_suffix=tuple(live.suffix.tokens), cells=tuple(cells),
+                              within=tuple(within))

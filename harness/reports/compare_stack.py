@@ -9,9 +9,11 @@ about where tokens part and each run's first bad layer against live (FINGERPRINT
 
 from __future__ import annotations
 
-from harness.runs import stats
+from harness.protocol.record import CrossingRecord, ItemRecord
+from harness.runs.aggregate import rate
 from harness.reports.compare_render import number_text
 from harness.reports.report import interval_text
+from harness.runs.rows import cell_label
 
 # --------------------------------------------------------------------------- one stack
 
@@ -22,15 +24,15 @@ def compare_stack(label: str, side_a: dict, side_b: dict, must_reproduce: bool):
     both = [i for i in units_a if i in units_b]
     comparable = [i for i in both if _comparable(units_a[i].record, units_b[i].record)]
     ok = [i for i in comparable
-          if units_a[i].record.get("status") == units_b[i].record.get("status") == "ok"]
+          if units_a[i].record.status == units_b[i].record.status == "ok"]
     entry = {"items": {"compared": ok,
                        "only_a": [i for i in units_a if i not in units_b],
                        "only_b": [i for i in units_b if i not in units_a],
                        "not_comparable": [i for i in both if i not in comparable],
-                       "status_changed": [{"item": i, "a": units_a[i].record.get("status"),
-                                           "b": units_b[i].record.get("status")}
-                                          for i in comparable if units_a[i].record.get("status")
-                                          != units_b[i].record.get("status")]}}
+                       "status_changed": [{"item": i, "a": units_a[i].record.status,
+                                           "b": units_b[i].record.status}
+                                          for i in comparable if units_a[i].record.status
+                                          != units_b[i].record.status]}}
     reasons = []
     entry["verdicts"] = _verdict_changes([(i, units_a[i].record, units_b[i].record) for i in ok])
     for v in entry["verdicts"]:
@@ -40,7 +42,8 @@ def compare_stack(label: str, side_a: dict, side_b: dict, must_reproduce: bool):
             reasons.append(f"{label}: {v['check']} of {v['construction']} held on all "
                            f"{v['a']['n']} items in A and fails in B on {items}{more}")
     summary_a, summary_b = side_a["summary"], side_b["summary"]
-    if label == "crossing":
+    crossing = any(u.is_crossing for u in units_a.values())
+    if crossing:
         entry["rates"] = _crossing_rates(summary_a["crossing"], summary_b["crossing"])
     else:
         entry["rates"] = _rate_changes(summary_a["stacks"][label], summary_b["stacks"][label])
@@ -63,61 +66,60 @@ def compare_stack(label: str, side_a: dict, side_b: dict, must_reproduce: bool):
     return entry, reasons
 
 
-def _comparable(ra: dict, rb: dict) -> bool:
-    """Same prompt, B and S: the two units measured the same thing."""
-    prompt = lambda r: r["item"].get("prompt") if isinstance(r.get("item"), dict) else r.get("item")
-    return (prompt(ra), ra.get("B"), ra.get("S")) == (prompt(rb), rb.get("B"), rb.get("S"))
+def _comparable(ra, rb) -> bool:
+    """Same kind of unit, prompt, B and S: the two units measured the same thing."""
+    return type(ra) is type(rb) and (ra.item.prompt, ra.B, ra.S) == (rb.item.prompt, rb.B, rb.S)
 
 
-def _verdicts(record: dict) -> dict[tuple, tuple[bool, str]]:
+def _verdicts(record: ItemRecord | CrossingRecord) -> dict[tuple, tuple[bool, str]]:
     """{(check, construction, invariance?): (holds, what it says)} of one unit's record."""
     out = {}
-    for c in record.get("comparisons", []):
-        cache, logits, suffix = c.get("cache"), c.get("logits") or {}, c["suffix"]
-        if "stack" in c:        # a crossing comparison, within one precision
-            where = f"{c['b']} vs {c['a']} at {c['stack']}"
-        elif c["kind"] == "bridge":
-            where = f"{c['b']} vs {c['a']} (bridge)"
-        else:
-            where = f"{c['b']} vs {c['a']}"
-        if c.get("kind") == "replica":
-            exact = bool(cache and cache.get("bit_exact")) and bool(logits.get("equal")) \
-                and suffix["identical"]
-            out[("replica bit-exact", c["a"], True)] = (exact, _state_text(c))
-            continue
-        if cache is not None:
-            out[("cache bit-exact", where, True)] = (bool(cache.get("bit_exact")), _state_text(c))
-        out[("suffix identical", where, False)] = (
-            suffix["identical"], "identical" if suffix["identical"]
-            else f"diverges at {suffix['first_divergence']}")
-    for label, arm in (record.get("arms") or {}).items():
-        if arm.get("rows_identical") is not None:
+    if isinstance(record, CrossingRecord):
+        for w in record.within:
+            c = w.comparison
+            _comparison_verdicts(out, c, f"{c.b} vs {c.a} at {w.stack}")
+        for cell in record.cells:
+            out[("suffix equals reference live", f"{cell.stack} {cell.construction}", False)] = (
+                cell.same_as_reference_live,
+                "equal" if cell.same_as_reference_live else "differs")
+        return out
+    for c in record.comparisons:
+        where = f"{c.b} vs {c.a}" + (" (bridge)" if c.kind == "bridge" else "")
+        _comparison_verdicts(out, c, where)
+    for r in record.replicas:
+        c = r.comparison
+        exact = c.bit_exact and bool(c.logits and c.logits.equal) and c.suffix.identical
+        out[("replica bit-exact", r.construction, True)] = (exact, _state_text(c))
+    for label, arm in record.arms.items():
+        if arm.rows_identical is not None:
             out[("batched rows identical", label, True)] = (
-                bool(arm["rows_identical"]), "every row's state equals row 0's"
-                if arm["rows_identical"] else "a row's state differs from row 0's")
-    for key, cell in (record.get("cells") or {}).items():
-        same = cell.get("same_as_reference_live")
-        if same is not None:
-            out[("suffix equals reference live", key.replace("|", " "), False)] = (
-                bool(same), "equal" if same else "differs")
+                arm.rows_identical, "every row's state equals row 0's"
+                if arm.rows_identical else "a row's state differs from row 0's")
     return out
 
 
-def _state_text(c: dict) -> str:
+def _comparison_verdicts(out: dict, c, where: str) -> None:
+    if c.cache is not None:
+        out[("cache bit-exact", where, True)] = (c.cache.bit_exact, _state_text(c))
+    out[("suffix identical", where, False)] = (
+        c.suffix.identical, "identical" if c.suffix.identical
+        else f"diverges at {c.suffix.first_divergence}")
+
+
+def _state_text(c) -> str:
     """One comparison's cache verdict: `bit-exact`, or its first bad layer and size."""
-    cache = c.get("cache")
+    cache = c.cache
     if not cache:
         return "no cache comparison"
-    if cache.get("bit_exact"):
+    if cache.bit_exact:
         text = "bit-exact"
     else:
-        kv = (cache.get("first_bad_kv") or "").upper()
-        bad = cache.get("bad_layers") or []
-        text = (f"first bad layer {cache.get('first_bad_layer')}{' ' + kv if kv else ''}"
-                f" ({len(bad)} layer(s) differ), max ULP {cache.get('max_ulp')} (through zero), "
-                f"d_rel {number_text(cache.get('d_rel'))}")
-    if c.get("kind") == "replica" and not c["suffix"]["identical"]:
-        text += f"; suffix diverges at {c['suffix']['first_divergence']}"
+        kv = (cache.first_bad_kv or "").upper()
+        text = (f"first bad layer {cache.first_bad_layer}{' ' + kv if kv else ''}"
+                f" ({len(cache.bad_layers)} layer(s) differ), max ULP {cache.max_ulp} (through "
+                f"zero), d_rel {number_text(cache.d_rel)}")
+    if c.kind == "replica" and not c.suffix.identical:
+        text += f"; suffix diverges at {c.suffix.first_divergence}"
     return text
 
 
@@ -156,17 +158,12 @@ def _verdict_changes(units: list[tuple[str, dict, dict]]) -> list[dict]:
 
 # --------------------------------------------------------------------------- rates
 
-def _rate(k: int, n: int) -> dict:
-    lo, hi = stats.wilson_interval(k, n)
-    return {"k": k, "n": n, "rate": k / n if n else None, "ci": [lo, hi]}
-
-
 def rate_change(measure: str, construction: str, ra: dict | None, rb: dict | None,
                  worse: str) -> dict | None:
     """`worse`: `higher` or `lower`; status same / within / worse / better (INTERVAL_RULE)."""
     if not ra or not rb:
         return None
-    ra, rb = _rate(ra["k"], ra["n"]), _rate(rb["k"], rb["n"])   # recomputed: one source of CI
+    ra, rb = rate(ra["k"], ra["n"]), rate(rb["k"], rb["n"])   # recomputed: one source of CI
     if (ra["k"], ra["n"]) == (rb["k"], rb["n"]):
         status = "same"
     elif ra["ci"][1] < rb["ci"][0]:
@@ -247,46 +244,41 @@ def _fingerprint_changes(label: str, items: list[str], side_a: dict, side_b: dic
     return out
 
 
-def _fingerprint_detail(kind: str, name: str, fields: list[str], ra: dict, rb: dict) -> str:
+def _fingerprint_detail(kind: str, name: str, fields: list[str], ra, rb) -> str:
     """What the stored records say about a differing row: where tokens part, each run's layers."""
     parts = []
-    if kind == "prefix":
-        at = _first_difference(ra.get("prefix") or [], rb.get("prefix") or [])
+    if kind == "prefix" and isinstance(ra, ItemRecord) and isinstance(rb, ItemRecord):
+        at = _first_difference(ra.prefix, rb.prefix)
         parts.append(f"P differs from token {at}: the live generation changed, so every state "
                      f"and suffix of this item is built over another prefix")
     if kind == "boundary":
-        arm_a, arm_b = (r.get("arms", {}).get(name) or {} for r in (ra, rb))
+        arm_a, arm_b = ra.arms.get(name), rb.arms.get(name)
         if "suffix_sha" in fields:
-            at = _first_difference(arm_a.get("suffix") or [], arm_b.get("suffix") or [])
+            at = _first_difference(arm_a.suffix if arm_a else (), arm_b.suffix if arm_b else ())
             parts.append(f"suffix differs from token {at}")
         if "cache_sha" in fields:
-            ca, cb = _against_live(ra, name), _against_live(rb, name)
+            ca, cb = ra.against_live(name), rb.against_live(name)
             if ca is None or cb is None:
                 parts.append("cache bytes differ (one hash per cache is stored, so the layers "
                              "where the two runs' states differ are not known)")
             else:
-                parts.append(f"cache bytes differ; against {ca['a']}: A {_state_text(ca)}, "
+                parts.append(f"cache bytes differ; against {ca.a}: A {_state_text(ca)}, "
                              f"B {_state_text(cb)}")
         if "logits_sha" in fields:
             parts.append("boundary logits differ")
     if kind == "crossing-cell":
-        cell_a, cell_b = (r.get("cells", {}).get(name) or {} for r in (ra, rb))
+        cell_a, cell_b = (next((c for c in r.cells if cell_label(c.stack, c.construction) == name),
+                               None) for r in (ra, rb))
         if "suffix_sha" in fields:
-            at = _first_difference(cell_a.get("suffix") or [], cell_b.get("suffix") or [])
+            at = _first_difference(cell_a.suffix if cell_a else (),
+                                   cell_b.suffix if cell_b else ())
             parts.append(f"suffix differs from token {at}")
     if kind == "replica" and "verdict" in fields:
         parts.append("the replica verdict changed")
     if kind == "transplant" and "outcome" in fields:
-        ta, tb = (next((t for t in r.get("transplants", []) if t.get("label") == name), {})
-                  for r in (ra, rb))
-        parts.append(f"outcome {ta.get('outcome')} in A, {tb.get('outcome')} in B")
+        ta, tb = (next((t for t in r.transplants if t.label == name), None) for r in (ra, rb))
+        parts.append(f"outcome {ta and ta.outcome} in A, {tb and tb.outcome} in B")
     return "; ".join(parts)
-
-
-def _against_live(record: dict, arm: str) -> dict | None:
-    """The stored comparison of `arm`'s state with the reference (live); None for live itself."""
-    return next((c for c in record.get("comparisons", [])
-                 if c.get("b") == arm and c.get("kind") != "replica"), None)
 
 
 def _first_difference(a: list, b: list) -> int | None:

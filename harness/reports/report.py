@@ -78,8 +78,15 @@ def headline(summary: dict) -> str:
 
 def repro_command(case, stack_label: str, item_index: int, prompt: str) -> str:
     """The `kvfid repro` command that measures one unit of `case` again."""
-    crossing = stack_label == "crossing"
-    stack = case.crossing.reference if crossing else case.stack(stack_label)
+    return _repro(case, case.stack(stack_label), item_index, prompt, crossing=False)
+
+
+def crossing_repro_command(case, item_index: int, prompt: str) -> str:
+    """The `kvfid repro --cross` command that measures one item's precision crossing again."""
+    return _repro(case, case.crossing.reference, item_index, prompt, crossing=True)
+
+
+def _repro(case, stack, item_index: int, prompt: str, crossing: bool) -> str:
     plan = case.plan(item_index)
     args = ["kvfid", "repro", "--model", case.model]
     if case.items.seed == 0:
@@ -101,7 +108,16 @@ def repro_command(case, stack_label: str, item_index: int, prompt: str) -> str:
 
 def repro_template(case, stack_label: str) -> str:
     """`repro_command` with the item left open: `--item <INDEX>` (or `--prompt <PROMPT>`)."""
-    return repro_command(case, stack_label, 0, "<PROMPT>").replace("--item 0", "--item <INDEX>")
+    return _open_item(repro_command(case, stack_label, 0, "<PROMPT>"))
+
+
+def crossing_repro_template(case) -> str:
+    """`crossing_repro_command` with the item left open."""
+    return _open_item(crossing_repro_command(case, 0, "<PROMPT>"))
+
+
+def _open_item(command: str) -> str:
+    return command.replace("--item 0", "--item <INDEX>")
 
 
 # --------------------------------------------------------------------------- the document
@@ -114,8 +130,7 @@ def document(run, case, summary: dict, units, raw_environment: bool = True) -> l
     """The report as blocks: (h1|h2|h3|p|pre, text), (table, head, rows), (figure, svg, caption),
     (details, title, block): a block the HTML folds away.
     `raw_environment` adds the environment record as JSON after its description."""
-    prompts = {u.item_index: u.record["item"]["prompt"] for u in units
-               if isinstance(u.record.get("item"), dict)}
+    prompts = {u.item_index: u.record.item.prompt for u in units}
     planned = run.design["units"]
     doc = [("h1", f"kvfid run {run.id}: {case.name}"),
            ("p", case.description or "(no description)"),
@@ -213,12 +228,12 @@ def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple
                         for t, roles in s["transplants"].items() for role, r in roles.items()])]
     rows = []
     for u in units:
-        if u.stack != label or u.record["status"] != "ok":
+        if u.stack != label or u.is_crossing or not u.record.ok:
             continue
-        for c in u.record["comparisons"]:
-            if c["kind"] != "replica" and not c["suffix"]["identical"]:
-                rows.append([u.record["item"]["id"], c["b"], c["suffix"]["first_divergence"],
-                             _num(c["suffix"]["margin_a_at_divergence"]),
+        for c in u.record.comparisons:
+            if not c.suffix.identical:
+                rows.append([u.record.item.id, c.b, c.suffix.first_divergence,
+                             _num(c.suffix.margin_a_at_divergence),
                              repro_command(case, label, u.item_index,
                                            prompts.get(u.item_index, ""))])
     out += [("h3", "Reproduce"),
@@ -260,7 +275,7 @@ def _crossing_blocks(x: dict, case) -> list[tuple]:
                   "suffix equal to the reference live suffix."),
             _table(["precision"] + constructions + [f"{pair} suffix differs", f"{pair} cache "
                                                     "bit-exact"], rows),
-            ("pre", repro_template(case, "crossing"))]
+            ("pre", crossing_repro_template(case))]
 
 
 # --------------------------------------------------------------------------- renderers
@@ -325,14 +340,16 @@ def _html_block(block: tuple) -> str:
     raise ValueError(f"unknown report block {kind!r}")
 
 
-def write_report(ledger, run_id: str, root: str | Path = "reports") -> dict[str, Path]:
-    """Write report.md, report.html and summary.json to <root>/<environment key>/<run id>/."""
+def write_report(ledger, run_id: str, root: str | Path = "reports", *, units=None,
+                 summary: dict | None = None) -> dict[str, Path]:
+    """Write report.md, report.html and summary.json to <root>/<environment key>/<run id>/;
+    `units` and `summary`, when the caller has them, are the run's stored units and aggregates."""
     from harness.runs.case import stored_case
 
     run = ledger.run(run_id)
-    units = ledger.units(run.id)
+    units = ledger.units(run.id) if units is None else units
     case = stored_case(run)
-    summary = aggregate(units, run.design)
+    summary = aggregate(units, run.design) if summary is None else summary
     doc = document(run, case, summary, units)
     folder = Path(root) / run.environment_key / run.id
     meta = {"run": run.id, "case": run.case_name, "case_sha": run.case_sha,
@@ -340,7 +357,8 @@ def write_report(ledger, run_id: str, root: str | Path = "reports") -> dict[str,
             "environment_key": run.environment_key,
             "environment": run.environment, "git_revision": run.git_revision,
             "units": len(units), "planned_units": run.design["units"],
-            "repro": {label: repro_template(case, label) for label in case.unit_labels}}
+            "repro": {**{s.label: repro_template(case, s.label) for s in case.stacks},
+                      **({"crossing": crossing_repro_template(case)} if case.crossing else {})}}
     return write_files({"markdown": (folder / "report.md", markdown(doc)),
                         "html": (folder / "report.html", to_html(doc)),
                         "summary": (folder / "summary.json",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 
+from harness.protocol.record import CrossingRecord, ItemRecord
 from harness.runs import stats
 
 OUTCOMES = ("donor", "recipient", "third", "boundary")
@@ -21,7 +22,8 @@ ROLES = ("divergent", "control", "unsampled")
 
 # --------------------------------------------------------------------------- aggregates
 
-def _rate(k: int, n: int) -> dict:
+def rate(k: int, n: int) -> dict:
+    """k of n with its 95% Wilson interval."""
     lo, hi = stats.wilson_interval(k, n)
     return {"k": k, "n": n, "rate": k / n if n else None, "ci": [lo, hi]}
 
@@ -33,49 +35,50 @@ def _spread(xs: list[float]) -> dict:
 
 def aggregate(units, design: dict | None = None) -> dict:
     """Per-stack aggregates (and the crossing) of stored units (`.item_index`, `.stack`,
-    `.record`); `design` is the run's design (its transplant control sample)."""
+    `.record`: harness.protocol.record); `design` is the run's design (its transplant control
+    sample)."""
     design = design or {}
     controls = set(design.get("control_indices", []))
     by_stack: dict[str, list] = defaultdict(list)
+    crossing = []
     for unit in units:
-        by_stack[unit.stack].append(unit)
-    out = {"stacks": {}, "crossing": None, "control_indices": sorted(controls)}
+        (crossing if isinstance(unit.record, CrossingRecord) else by_stack[unit.stack]).append(unit)
+    out = {"stacks": {}, "crossing": _crossing(sorted(crossing, key=lambda u: u.item_index))
+           if crossing else None, "control_indices": sorted(controls)}
     for stack, group in by_stack.items():
         group.sort(key=lambda u: u.item_index)
-        if stack == "crossing":
-            out["crossing"] = _crossing(group)
-        else:
-            out["stacks"][stack] = _stack(group, controls)
+        out["stacks"][stack] = _stack([u.record for u in group], [u.item_index for u in group],
+                                      controls)
     return _clean(out)
 
 
-def _stack(units: list, controls: set[int]) -> dict:
-    ok = [u for u in units if u.record["status"] == "ok"]
-    first = units[0].record
-    out = {"items": len(units), "ok": len(ok), "B": first["B"], "S": first["S"],
-           "short": [u.record["item"]["id"] for u in units if u.record["status"] == "short"],
+def _stack(records: list[ItemRecord], indices: list[int], controls: set[int]) -> dict:
+    ok = [(i, r) for i, r in zip(indices, records) if r.ok]
+    first = records[0]
+    out = {"items": len(records), "ok": len(ok), "B": first.B, "S": first.S,
+           "short": [r.item.id for r in records if r.status == "short"],
            "constructions": {}, "replicas": {}, "correctness": {}, "transplants": {},
            "batched_rows_identical": {}}
+    by_arm: dict[str, list] = defaultdict(list)
+    for _, r in ok:
+        for replica in r.replicas:
+            by_arm[replica.construction].append(replica.comparison)
+    for arm, cs in by_arm.items():
+        out["replicas"][arm] = {**rate(sum(not c.suffix.identical for c in cs), len(cs)),
+                                "cache_bit_exact": sum(c.bit_exact for c in cs)}
     comparisons: dict[tuple[str, str], list] = defaultdict(list)
-    for u in ok:
-        for c in u.record["comparisons"]:
-            comparisons[(c["kind"], c["b"])].append((u, c))
+    for _, r in ok:
+        for c in r.comparisons:
+            comparisons[(c.kind, c.b)].append((r, c))
     for (kind, label), rows in comparisons.items():
-        if kind == "replica":
-            cs = [c for _, c in rows]
-            out["replicas"][label.rstrip("'")] = {
-                **_rate(sum(not c["suffix"]["identical"] for c in cs), len(cs)),
-                "cache_bit_exact": sum(bool((c.get("cache") or {}).get("bit_exact")) for c in cs)}
-    for (kind, label), rows in comparisons.items():
-        if kind != "replica":
-            out["constructions"][label] = _construction(rows, kind, out["replicas"], out["S"])
-    for label in (ok[0].record["arms"] if ok else {}):
-        marks = [u.record["arms"][label]["correct"] for u in ok]
+        out["constructions"][label] = _construction(rows, kind, out["replicas"], out["S"])
+    for label in (ok[0][1].arms if ok else {}):
+        marks = [r.arms[label].correct for _, r in ok]
         scored = [m for m in marks if m is not None]
-        out["correctness"][label] = _rate(sum(scored), len(scored))
-        rows_identical = [u.record["arms"][label].get("rows_identical") for u in ok]
-        if any(r is not None for r in rows_identical):
-            out["batched_rows_identical"][label] = _rate(sum(bool(r) for r in rows_identical),
+        out["correctness"][label] = rate(sum(scored), len(scored))
+        rows_identical = [r.arms[label].rows_identical for _, r in ok]
+        if any(x is not None for x in rows_identical):
+            out["batched_rows_identical"][label] = rate(sum(bool(x) for x in rows_identical),
                                                          len(rows_identical))
     out["transplants"] = _transplants(ok, controls)
     return out
@@ -83,35 +86,34 @@ def _stack(units: list, controls: set[int]) -> dict:
 
 def _construction(rows: list, kind: str, replicas: dict, S: int) -> dict:
     cs = [c for _, c in rows]
-    caches = [c["cache"] for c in cs if c.get("cache")]
-    layers = max((len(c["layers"]) for c in caches), default=0)
-    divergence = [c["suffix"]["first_divergence"] for c in cs if not c["suffix"]["identical"]]
+    caches = [c.cache for c in cs if c.cache]
+    logits = [c.logits for c in cs if c.logits]
+    layers = max((len(c.layers) for c in caches), default=0)
+    divergence = [c.suffix.first_divergence for c in cs if not c.suffix.identical]
     at_divergence, elsewhere = [], []
-    for u, c in rows:   # margins of the reference (live) suffix
-        margins, first = u.record["arms"][c["a"]]["suffix_margins"], c["suffix"]["first_divergence"]
+    for r, c in rows:   # margins of the reference (live) suffix
+        margins, first = list(r.arms[c.a].suffix_margins), c.suffix.first_divergence
         elsewhere += margins if first is None else margins[:first]
         if first is not None and first < len(margins):
             at_divergence.append(margins[first])
     width = max(1, math.ceil(S / 16))
     edges = list(range(0, S, width)) + [max(S, max(divergence, default=0) + 1)]
-    pairs = [(u.record["arms"][c["a"]]["correct"], u.record["arms"][c["b"]]["correct"])
-             for u, c in rows]
+    pairs = [(r.arms[c.a].correct, r.arms[c.b].correct) for r, c in rows]
     pairs = [p for p in pairs if None not in p]
     return {
-        "kind": kind, "vs": cs[0]["a"],
-        "suffix_disagree": _rate(len(divergence), len(cs)),
-        "replica_floor": replicas.get(cs[0]["b"]), "live_replica_floor": replicas.get(cs[0]["a"]),
+        "kind": kind, "vs": cs[0].a,
+        "suffix_disagree": rate(len(divergence), len(cs)),
+        "replica_floor": replicas.get(cs[0].b), "live_replica_floor": replicas.get(cs[0].a),
         "cache_comparable": len(caches),
-        "cache_bit_exact": _rate(sum(c["bit_exact"] for c in caches), len(caches)),
-        "logits_bit_exact": sum(bool(c["logits"]["equal"]) for c in cs if c.get("logits")),
-        "boundary_argmax_differs": sum(c["logits"]["argmax_agree"] is False for c in cs
-                                       if c.get("logits")),
+        "cache_bit_exact": rate(sum(c.bit_exact for c in caches), len(caches)),
+        "logits_bit_exact": sum(bool(x.equal) for x in logits),
+        "boundary_argmax_differs": sum(x.argmax_agree is False for x in logits),
         "first_bad_layer": dict(sorted(Counter(
-            "exact" if c["first_bad_layer"] is None else str(c["first_bad_layer"])
+            "exact" if c.first_bad_layer is None else str(c.first_bad_layer)
             for c in caches).items(), key=lambda kv: (kv[0] != "exact", _int(kv[0])))),
-        "d_rel_median": stats.median([c["d_rel"] for c in caches]),
-        "d_rel_per_layer": {kv: [stats.median([c["layers"][i][kv]["d_rel"] for c in caches
-                                               if i < len(c["layers"])]) for i in range(layers)]
+        "d_rel_median": stats.median([c.d_rel for c in caches]),
+        "d_rel_per_layer": {kv: [stats.median([getattr(c.layers[i], kv).d_rel for c in caches
+                                               if i < len(c.layers)]) for i in range(layers)]
                             for kv in ("k", "v")},
         "d_rel_aggregation": "median over items of each layer's ||a-b||_F/||a||_F (K and V apart)",
         "first_divergence": {**_spread(divergence),
@@ -129,35 +131,33 @@ def _int(text: str) -> int:
 
 def _transplants(ok: list, controls: set[int]) -> dict:
     out: dict[str, dict] = {}
-    for u in ok:
-        for t in u.record["transplants"]:
-            role = ("divergent" if not t["recipient_equals_donor"] else
-                    "control" if u.item_index in controls else "unsampled")
-            entry = out.setdefault(t["label"], {r: Counter() for r in ROLES})
-            entry[role][t["outcome"]] += 1
+    for index, r in ok:
+        for t in r.transplants:
+            role = ("divergent" if not t.recipient_equals_donor else
+                    "control" if index in controls else "unsampled")
+            entry = out.setdefault(t.label, {name: Counter() for name in ROLES})
+            entry[role][t.outcome] += 1
     summary = lambda counts: {"n": sum(counts.values()), "outcomes": {
-        o: _rate(counts[o], sum(counts.values())) for o in OUTCOMES}}
+        o: rate(counts[o], sum(counts.values())) for o in OUTCOMES}}
     return {label: {role: summary(counts) for role, counts in roles.items()}
             for label, roles in out.items()}
 
 
 def _crossing(units: list) -> dict:
-    ok = [u.record for u in units if u.record["status"] == "ok"]
-    out = {"reference": units[0].record["reference"]["label"], "items": len(units),
-           "ok": len(ok), "short": [u.record["item"]["id"] for u in units
-                                    if u.record["status"] == "short"],
-           "cells": {}, "within": {}}
-    keys = list(ok[0]["cells"]) if ok else []
-    for key in keys:
-        stack, construction = key.split("|")
-        same = [r["cells"][key]["same_as_reference_live"] for r in ok]
-        out["cells"].setdefault(stack, {})[construction] = _rate(sum(same), len(same))
+    records: list[CrossingRecord] = [u.record for u in units]
+    ok = [r for r in records if r.status == "ok"]
+    out = {"reference": records[0].reference_label, "items": len(records), "ok": len(ok),
+           "short": [r.item.id for r in records if r.status == "short"], "cells": {},
+           "within": {}}
+    for cell in (ok[0].cells if ok else ()):
+        same = [r.cell(cell.stack, cell.construction).same_as_reference_live for r in ok]
+        out["cells"].setdefault(cell.stack, {})[cell.construction] = rate(sum(same), len(same))
     for stack in out["cells"]:
-        cs = [c for r in ok for c in r["comparisons"] if c["stack"] == stack]
+        cs = [w.comparison for r in ok for w in r.within if w.stack == stack]
         out["within"][stack] = {
-            "pair": f"{cs[0]['a']}~{cs[0]['b']}" if cs else None,
-            "suffix_disagree": _rate(sum(not c["suffix"]["identical"] for c in cs), len(cs)),
-            "cache_bit_exact": sum(bool((c.get("cache") or {}).get("bit_exact")) for c in cs)}
+            "pair": f"{cs[0].a}~{cs[0].b}" if cs else None,
+            "suffix_disagree": rate(sum(not c.suffix.identical for c in cs), len(cs)),
+            "cache_bit_exact": sum(c.bit_exact for c in cs)}
     return out
 
 

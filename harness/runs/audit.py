@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.environment import envinfo
+from harness.protocol.record import from_json
 from harness.runs.case import stored_case
 from harness.runs.ledger import Ledger
 from harness.runs.ledger_file import record_sha
@@ -156,7 +157,7 @@ def _check_record(result: AuditResult, index: int, item: str, stack: str, text: 
                                            sha, record_sha(text)))
     try:
         projected = {(kind, label): (metrics, prints)
-                     for kind, label, metrics, prints in record_rows(json.loads(text))}
+                     for kind, label, metrics, prints in record_rows(from_json(text))}
     except (ValueError, KeyError, TypeError) as err:
         result.integrity.append(Difference(index, item, stack, "record", "(whole)", "readable",
                                            "yes", f"no ({type(err).__name__})"))

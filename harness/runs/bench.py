@@ -42,10 +42,9 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
               items: int | None = None) -> BenchOutcome:
     """Run every `make bench` step; return the headline and the files written."""
     from harness.environment import envinfo, invariance
-    from harness.reports import index, report
     from harness.runs import matrix
     from harness.runs.case import load_case
-    from harness.runs.ledger import Ledger
+    from harness.runs.publish import publish
 
     reports = Path(reports)
     db = Path(db) if db else reports / "ledger.sqlite"
@@ -74,16 +73,11 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
 
     start = time.perf_counter()
     chosen = load_case(matrix.default_case_path() if case == "default" else case)
-    result = matrix.run_case(chosen, db, items=items, progress=True)
-    with Ledger(db, readonly=True) as ledger:
-        run = ledger.run(result.run_id)
-        summary = report.aggregate(ledger.units(run.id), run.design)
-        paths = report.write_report(ledger, run.id, reports)
-    out.files.update({name: str(path) for name, path in paths.items()})
+    done = publish(chosen, db, reports=reports, index_ledger=True, items=items, progress=True)
+    out.files.update({name: str(path) for name, path in done.files.items()})
     out.seconds["fidelity"] = time.perf_counter() - start
-    out.files["index"] = str(index.update_index(reports, ledgers=[db]))
-    out.lines += [f"fidelity: run {result.run_id} of {chosen.name} ({result.status}), "
-                  f"report {paths['markdown']}", report.headline(summary)]
+    out.lines += [f"fidelity: run {done.result.run_id} of {chosen.name} ({done.result.status}), "
+                  f"report {done.files['markdown']}", done.headline()]
     return out
 
 

@@ -2,8 +2,9 @@
 
 A run stores its case (text and hash), what it fixed before any result (`design`), its
 environment record and key, the git revision, its times and status. A unit is one (item, stack)
-measurement, or one item's precision crossing (stack `crossing`), stored with its full record
-JSON so reports and audits can recompute everything. Each unit's rows (one per arm, comparison,
+measurement, or one item's precision crossing, stored with its full record (harness.protocol.record,
+as its JSON text with a checksum) so reports and audits can recompute everything; the ledger
+never looks inside a record beyond its status and its rows (harness.runs.rows). Each unit's rows (one per arm, comparison,
 transplant, crossing cell) carry metrics and fingerprints, and are written with the unit in ONE
 transaction: an interrupted run loses nothing it has written, and never half a unit.
 """
@@ -20,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from harness.errors import BadInput
+from harness.protocol.record import CrossingRecord, RecordRefused, from_json, to_json
 from harness.runs.lease import Lease, this_process
 from harness.runs.ledger_file import LedgerRefused, connect, record_sha
 from harness.runs.rows import fingerprints, record_rows
@@ -68,10 +70,14 @@ class Run:
 class StoredUnit:
     item_index: int
     item_id: str
-    stack: str
+    stack: str              # the stack's label; a crossing is stored under CrossingRecord.UNIT
     status: str
-    record: dict
+    record: object          # an ItemRecord or a CrossingRecord
     environment_key: str
+
+    @property
+    def is_crossing(self) -> bool:
+        return isinstance(self.record, CrossingRecord)
 
 
 # --------------------------------------------------------------------------- the store
@@ -198,14 +204,15 @@ class Ledger:
         return set(self.db.execute("SELECT item_index, stack FROM units WHERE run_id = ?",
                                    (run_id,)))
 
-    def write_unit(self, run_id: str, item_index: int, item_id: str, stack: str, record: dict,
+    def write_unit(self, run_id: str, item_index: int, item_id: str, stack: str, record,
                    environment_key: str) -> bool:
-        """Store one unit and its rows in one transaction; False if it was already stored."""
-        text = json.dumps(record, separators=(",", ":"))
+        """Store one unit's record and its rows in one transaction; False if it was already
+        stored."""
+        text = to_json(record)
         with self._transaction():
             cursor = self.db.execute(
                 "INSERT OR IGNORE INTO units VALUES (?,?,?,?,?,?,?,?,?)",
-                (run_id, item_index, item_id, stack, record["status"], text, environment_key,
+                (run_id, item_index, item_id, stack, record.status, text, environment_key,
                  now(), record_sha(text)))
             if cursor.rowcount == 0:
                 return False
@@ -221,7 +228,7 @@ class Ledger:
             "SELECT item_index, item_id, stack, status, record, environment_key FROM units "
             "WHERE run_id = ? ORDER BY rowid", (run_id,))
         return [StoredUnit(i, item, stack, status,
-                           _loads(record, f"{self.path}: run {run_id} item #{i} stack {stack}"),
+                           _record(record, f"{self.path}: run {run_id} item #{i} stack {stack}"),
                            key)
                 for i, item, stack, status, record, key in rows]
 
@@ -312,6 +319,14 @@ def _run(row, path: Path) -> Run:
     return Run(run_id, name, source, text, sha, count, _loads(design, f"{path}: run {run_id}"),
                _loads(environment, f"{path}: run {run_id}"), key, revision, started, finished,
                status, error)
+
+
+def _record(text: str, where: str):
+    """A stored record, or LedgerRefused (exit 3) naming the unit that cannot be read."""
+    try:
+        return from_json(text)
+    except RecordRefused as err:
+        raise LedgerRefused(f"{where}: {err}") from None
 
 
 def _loads(text: str, where: str):

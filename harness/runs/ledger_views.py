@@ -77,3 +77,23 @@ def report_run(db: str | Path | None, run_id: str, out: str | Path = "reports") 
     with Ledger(db_path(db), readonly=True) as ledger:
         paths = report.write_report(ledger, ledger.run(run_id).id, out)
     return {**paths, "index": update_index(out)}
+
+
+def run_and_publish(case, db: str | Path | None, *, report: bool = False,
+                    out: str | Path = "reports", **options):
+    """`kvfid run CASE [--report]`: the case run into the ledger (opened once), aggregated once,
+    and with `report` its report and the index written (harness.runs.publish.Published: `.result`,
+    `.headline()`, `.files`). `options`: items, run_id, resume, shard, model, progress."""
+    from harness.runs.publish import publish
+
+    return publish(case, db_path(db), reports=out, report=report, **options)
+
+
+def publish_result(db: str | Path | None, result, *, report: bool = False,
+                   out: str | Path = "reports"):
+    """Rank 0 of a torchrun launch: the run the ranks measured (`result`, a RunResult),
+    aggregated once and, with `report`, reported and indexed, on one open ledger."""
+    from harness.runs.publish import publish_run
+
+    with Ledger(db_path(db)) as ledger:
+        return publish_run(ledger, result, reports=out, report=report)

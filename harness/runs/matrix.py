@@ -1,15 +1,17 @@
 """The run loop: a case's matrix of units, measured into the ledger, and the audit that re-runs it.
 
 A unit is one (item, stack) measurement (`run_item`), or one item's precision crossing
-(`run_crossing`, stack `crossing`). `run_case` checks everything it can before any compute
-(environment, items, context lengths), loads the model once, then for each stack and each item
-measures a unit and writes it in one transaction, holding a lease on the run (harness.runs.lease) so
+(`run_crossing`). `run_case` checks everything it can before any compute (environment, items,
+context lengths; `prepare`), loads the model once, opens the ledger once (a new file only after
+the checks), then for each stack and each item measures a unit and writes it in one transaction
+(`measure`), holding a lease on the run (harness.runs.lease) so
 that a killed run shows as `died`. `--resume` skips stored units; `--shard I/N` takes every N-th
 item, so processes given the same run id fill one run. harness.runs.audit re-checks a stored run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import sys
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from harness.runs.ledger import Ledger, LedgerError, new_run_id
 from harness.runs.ledger_file import probe
 from harness.protocol.models import ModelUnavailable, load_model
 from harness.protocol.protocol import ProtocolError, run_crossing, run_item
+from harness.protocol.record import CrossingRecord
 
 CASES = Path(__file__).resolve().parents[2] / "cases"
 GPU_DEFAULT_CASE = CASES / "gpu-qwen2.5-shape.toml"
@@ -78,8 +81,18 @@ def parse_shard(text: str) -> Shard:
 
 @dataclass(frozen=True)
 class Unit:
+    """One measurement: an item on a stack, or (`crossing(i)`) an item's precision crossing."""
+
     item_index: int
-    stack: str          # a stack label, or `crossing`
+    stack: str          # a stack label; a crossing unit is stored under CrossingRecord.UNIT
+
+    @classmethod
+    def crossing(cls, item_index: int) -> "Unit":
+        return cls(item_index, CrossingRecord.UNIT)
+
+    @property
+    def is_crossing(self) -> bool:
+        return self.stack == CrossingRecord.UNIT
 
 
 def plan_units(case: Case, shard: Shard = Shard()) -> list[Unit]:
@@ -87,7 +100,7 @@ def plan_units(case: Case, shard: Shard = Shard()) -> list[Unit]:
     items = [i for i in range(case.items.n) if shard.takes(i)]
     units = [Unit(i, stack.label) for stack in case.stacks for i in items if case.takes(stack, i)]
     if case.crossing:
-        units += [Unit(i, "crossing") for i in items if case.crossing.applies(i)]
+        units += [Unit.crossing(i) for i in items if case.crossing.applies(i)]
     return units
 
 
@@ -126,10 +139,10 @@ class Matrix:
                 raise CaseError(f"{self.case.source}: [transplants] selections = "
                                 f"{spec.selection.label!r} on item {item.id}: {reason}")
 
-    def measure(self, unit: Unit) -> dict:
+    def measure(self, unit: Unit):
         """Measure one unit; the record `run_item` (or `run_crossing`) returns."""
         item = self.items[unit.item_index]
-        if unit.stack == "crossing":
+        if unit.is_crossing:
             c = self.case.crossing
             return run_crossing(self.model, item, c.reference, c.stacks, self.case.B, self.case.S,
                                 c.constructions)
@@ -157,19 +170,24 @@ class RunResult:
     planned: int
 
 
-def run_case(case: Case, db: str | Path, *, items: int | None = None, run_id: str | None = None,
-             resume: str | None = None, shard: Shard = Shard(), model=None,
-             progress: bool = True) -> RunResult:
-    """Measure the case's units (its first `items` items, if given) into the ledger at `db`.
+@dataclass
+class Prepared:
+    """A case checked and bound to its model, and the stored run it continues (if any)."""
 
-    `resume` continues a stored run of the same case (on its item count unless `items` says
-    otherwise); `run_id` names the run, joining it if it exists (shards). Ctrl-C marks the run
-    `interrupted`, an error `crashed`; both stay resumable.
-    """
+    case: Case
+    matrix: Matrix
+    environment: dict
+    key: str
+    existing: object = None
+    run_id: str | None = None
+
+
+def prepare(case: Case, ledger: Ledger | None, *, items: int | None = None,
+            run_id: str | None = None, resume: str | None = None, model=None) -> Prepared:
+    """Every check before compute; `ledger` is None when its file does not exist yet."""
     if resume and run_id and resume != run_id:
         raise CaseError("give --resume RUN or --run-id RUN, not two different runs")
-    probe(Path(db))                       # a file that is not a ledger: refused, untouched
-    existing = _existing_run(db, resume or run_id, must_exist=bool(resume))
+    existing = _existing_run(ledger, resume or run_id, must_exist=bool(resume))
     count = items or (existing.item_count if existing else case.items.n)
     if count != case.items.n:
         case = case.with_item_count(count)
@@ -178,53 +196,93 @@ def run_case(case: Case, db: str | Path, *, items: int | None = None, run_id: st
     key = envinfo.environment_key(environment)
     if existing:
         _check_continues(existing, case, key)
-    with Ledger(db) as ledger:
-        run = existing or _create_or_join(ledger, run_id, case, environment, key)
-        stored = ledger.stored_units(run.id)
-        units = plan_units(case, shard)
-        todo = [u for u in units if (u.item_index, u.stack) not in stored]
-        ledger.set_status(run.id, "running")
-        ledger.hold(run.id)
-        if progress:
-            print(f"kvfid run {run.id}: {case.name} on {key}; {len(todo)} units to measure, "
-                  f"{len(units) - len(todo)} already stored", file=sys.stderr)
-        measured = 0
-        bar = progress_bar(len(todo), case.name, progress)
-        try:
-            for unit in todo:
-                item = matrix.items[unit.item_index]
-                bar.set_postfix_str(f"{unit.stack} {item.id}")
-                record = matrix.measure(unit)
-                measured += ledger.write_unit(run.id, unit.item_index, item.id, unit.stack,
-                                              record, key)
-                ledger.hold(run.id)       # the heartbeat `runs` reads
-                bar.update()
-        except KeyboardInterrupt:
-            ledger.set_status(run.id, "interrupted")
-            raise RunInterrupted(run.id) from None
-        except Exception as err:
-            ledger.set_status(run.id, "crashed", f"{type(err).__name__}: {err}")
-            raise
-        finally:
-            bar.close()
-            ledger.release(run.id)
-        status = ledger.finish(run.id)
+    return Prepared(case, matrix, environment, key, existing, run_id)
+
+
+@contextlib.contextmanager
+def opened(db: str | Path, check):
+    """The ledger at `db`, opened once: an existing file before `check(ledger)` (which reads its
+    runs), a new one only after `check(None)` passed, so a refused case creates no file. Yields
+    (ledger, what `check` returned)."""
+    path = Path(db)
+    probe(path)                           # a file that is not a ledger: refused, untouched
+    with contextlib.ExitStack() as stack:
+        exists = path.is_file() and path.stat().st_size > 0
+        ledger = stack.enter_context(Ledger(path)) if exists else None
+        checked = check(ledger)
+        if ledger is None:
+            ledger = stack.enter_context(Ledger(path))
+        yield ledger, checked
+
+
+def run_case(case: Case, db: str | Path | Ledger, *, items: int | None = None,
+             run_id: str | None = None, resume: str | None = None, shard: Shard = Shard(),
+             model=None, progress: bool = True) -> RunResult:
+    """Measure the case's units (its first `items` items, if given) into the ledger `db` (an
+    open Ledger, or its path).
+
+    `resume` continues a stored run of the same case (on its item count unless `items` says
+    otherwise); `run_id` names the run, joining it if it exists (shards). Ctrl-C marks the run
+    `interrupted`, an error `crashed`; both stay resumable.
+    """
+    check = lambda ledger: prepare(case, ledger, items=items, run_id=run_id, resume=resume,
+                                   model=model)
+    if isinstance(db, Ledger):
+        return measure(check(db), db, shard, progress)
+    with opened(db, check) as (ledger, prepared):
+        return measure(prepared, ledger, shard, progress)
+
+
+def measure(prepared: Prepared, ledger: Ledger, shard: Shard = Shard(),
+            progress: bool = True) -> RunResult:
+    """Measure the prepared case's units not yet stored into `ledger`."""
+    case, matrix, key = prepared.case, prepared.matrix, prepared.key
+    run = prepared.existing or _create_or_join(ledger, prepared.run_id, case,
+                                               prepared.environment, key)
+    stored = ledger.stored_units(run.id)
+    units = plan_units(case, shard)
+    todo = [u for u in units if (u.item_index, u.stack) not in stored]
+    ledger.set_status(run.id, "running")
+    ledger.hold(run.id)
+    if progress:
+        print(f"kvfid run {run.id}: {case.name} on {key}; {len(todo)} units to measure, "
+              f"{len(units) - len(todo)} already stored", file=sys.stderr)
+    measured = 0
+    bar = progress_bar(len(todo), case.name, progress)
+    try:
+        for unit in todo:
+            item = matrix.items[unit.item_index]
+            bar.set_postfix_str(f"{unit.stack} {item.id}")
+            record = matrix.measure(unit)
+            measured += ledger.write_unit(run.id, unit.item_index, item.id, unit.stack,
+                                          record, key)
+            ledger.hold(run.id)       # the heartbeat `runs` reads
+            bar.update()
+    except KeyboardInterrupt:
+        ledger.set_status(run.id, "interrupted")
+        raise RunInterrupted(run.id) from None
+    except Exception as err:
+        ledger.set_status(run.id, "crashed", f"{type(err).__name__}: {err}")
+        raise
+    finally:
+        bar.close()
+        ledger.release(run.id)
+    status = ledger.finish(run.id)
     return RunResult(run.id, status, measured, len(units) - len(todo), len(units))
 
 
-def _existing_run(db: str | Path, run_id: str | None, must_exist: bool):
-    """The stored run to continue or join, None to start one (the file is not created here)."""
+def _existing_run(ledger: Ledger | None, run_id: str | None, must_exist: bool):
+    """The stored run to continue or join, None to start one."""
     if run_id is None:
         return None
-    if not Path(db).is_file():
+    if ledger is None:
         if must_exist:
-            raise LedgerError(f"{db}: no run {run_id!r} (no ledger file yet)")
+            raise LedgerError(f"no run {run_id!r} (no ledger file yet)")
         return None
-    with Ledger(db) as ledger:
-        if not (must_exist or ledger.has_run(run_id)):
-            return None
-        run = ledger.run(run_id)
-        leases = ledger.leases(run.id)
+    if not (must_exist or ledger.has_run(run_id)):
+        return None
+    run = ledger.run(run_id)
+    leases = ledger.leases(run.id)
     live = [lease for lease in leases if lease.alive()]
     if must_exist and run.status == "running" and live:
         raise LedgerError(f"run {run.id} is still being measured ({live[0].text()}); "

@@ -99,15 +99,18 @@ def pick_item(prompt: str | None, item_set: str | None, item_index: int | None):
     return chosen[item_index]
 
 
-def measure(repro: Repro) -> dict:
-    """Run the checked repro: the item's record, with its crossing when asked for."""
+def measure(repro: Repro):
+    """Run the checked repro: the item's ItemRecord, with its crossing when asked for."""
+    from dataclasses import replace
+
     from harness.protocol.items import match_answer
     from harness.protocol.protocol import run_crossing, run_item
 
     record = run_item(repro.model, repro.stack, repro.item, repro.plan, matcher=match_answer)
     if repro.cross_stacks:
-        record["crossing"] = run_crossing(repro.model, repro.item, repro.stack,
-                                          repro.cross_stacks, repro.plan.B, repro.plan.S)
+        record = replace(record, crossing=run_crossing(repro.model, repro.item, repro.stack,
+                                                       repro.cross_stacks, repro.plan.B,
+                                                       repro.plan.S))
     return record
 
 
