@@ -113,3 +113,23 @@ def test_a_softcapped_model_on_triton_exits_3_in_one_line(tmp_path, command):
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "softcapping (50.0)" in errors[0]    # transformers' bar aside
     assert "Traceback" not in result.output
+
+
+def test_a_case_with_a_stack_the_model_cannot_serve_is_refused_before_compute(tmp_path):
+    import transformers
+    from click.testing import CliRunner
+
+    from harness.cli import main
+
+    folder = tmp_path / "gemma2"
+    transformers.Gemma2ForCausalLM(gemma2_config(attn_logit_softcapping=50.0)).save_pretrained(folder)
+    case = tmp_path / "case.toml"
+    case.write_text(f'name = "gemma2"\nmodel = "hf:{folder}"\nB = 2\nS = 2\n'
+                    'constructions = ["live", "prefill"]\n[items]\nset = "arith"\nn = 1\n'
+                    '[stacks]\nbackends = ["eager", "triton"]\ndtypes = ["fp32"]\n'
+                    'device = "cpu"\nthreads = 1\n')
+    db = tmp_path / "l.sqlite"
+    result = CliRunner().invoke(main, ["run", str(case), "--db", str(db), "--quiet"])
+    assert result.exit_code == 3, result.output
+    assert "softcapping (50.0)" in result.output and "triton" in result.output
+    assert not db.exists()          # refused before the ledger file is created

@@ -16,7 +16,6 @@ from pathlib import Path
 from harness.outputs import write_files
 from harness.reports.document import (Code, Figure, Heading, Paragraph, Table, interval_text,
                                       markdown, ratio, seconds, to_html)
-from harness.reports.document import number as number_text  # noqa: F401 (compare_stack's name)
 
 SHOWN = 40          # rows of a long list shown in the Markdown (the JSON has them all)
 

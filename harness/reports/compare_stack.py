@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from harness.protocol.record import CrossingRecord, ItemRecord
 from harness.runs.aggregate import rate
-from harness.reports.compare_render import number_text
-from harness.reports.report import interval_text
+from harness.reports.document import interval_text, number
 from harness.runs.rows import cell_label
 
 # --------------------------------------------------------------------------- one stack
@@ -117,7 +116,7 @@ def _state_text(c) -> str:
         kv = (cache.first_bad_kv or "").upper()
         text = (f"first bad layer {cache.first_bad_layer}{' ' + kv if kv else ''}"
                 f" ({len(cache.bad_layers)} layer(s) differ), max ULP {cache.max_ulp} (through "
-                f"zero), d_rel {number_text(cache.d_rel)}")
+                f"zero), d_rel {number(cache.d_rel)}")
     if c.kind == "replica" and not c.suffix.identical:
         text += f"; suffix diverges at {c.suffix.first_divergence}"
     return text

@@ -9,7 +9,6 @@ and `svg_bars` are re-exported here for callers that reach them as `report.X`.
 
 from __future__ import annotations
 
-import html
 import json
 import shlex
 from pathlib import Path
@@ -18,23 +17,8 @@ from harness.runs.aggregate import OUTCOMES, ROLES, aggregate  # noqa: F401 (re-
 from harness.environment.envinfo import describe as describe_environment
 from harness.reports.figures import PALETTE, svg_bars, svg_lines  # noqa: F401 (re-exported)
 from harness.outputs import write_files
-
-
-# --------------------------------------------------------------------------- formatting
-
-def percent(x) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%"
-
-
-def interval_text(r: dict | None) -> str:
-    """`k/n (rate) [lo, hi]`."""
-    if not r:
-        return "-"
-    return f"{r['k']}/{r['n']} ({percent(r['rate'])}) [{percent(r['ci'][0])}, {percent(r['ci'][1])}]"
-
-
-def _num(x, spec: str = ".3g") -> str:
-    return "n/a" if x is None else format(x, spec)
+from harness.reports.document import (interval_text, markdown, number, percent,  # noqa: F401
+                                      text_table, to_html)
 
 
 def headline_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
@@ -52,14 +36,8 @@ def headline_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
                          f"{s['ok']}/{len(s['short'])}", interval_text(c["suffix_disagree"]),
                          "-" if not floor else f"{floor['k']}/{floor['n']}",
                          f"{c['cache_bit_exact']['k']}/{c['cache_bit_exact']['n']}", accuracy,
-                         "-" if not paired else _num(paired["mcnemar_p"])])
+                         "-" if not paired else number(paired["mcnemar_p"])])
     return head, rows
-
-
-def text_table(head: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
 def headline(summary: dict) -> str:
@@ -170,7 +148,7 @@ def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple
         [[c, interval_text(x["suffix_disagree"]), interval_text(x["replica_floor"]),
           interval_text(x["live_replica_floor"]), interval_text(x["cache_bit_exact"]),
           f"{x['logits_bit_exact']}/{x['cache_comparable']}", x["boundary_argmax_differs"],
-          _num(x["d_rel_median"])] for c, x in cons.items()])]
+          number(x["d_rel_median"])] for c, x in cons.items()])]
     out += [("h3", "First bad layer"), _table(
         ["construction", "distribution (first layer whose K or V differs)"],
         [[c, ", ".join(f"{k}: {n}" if k == "exact" else f"L{k}: {n}"
@@ -190,7 +168,7 @@ def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple
                  f"hollow marks on the 0 line are bit-exact layers."),
                 ("details", "the figure's numbers", _table(
                     ["layer"] + [name for name, _ in series],
-                    [[i] + [_num(ys[i]) if i < len(ys) else "-" for _, ys in series]
+                    [[i] + [number(ys[i]) if i < len(ys) else "-" for _, ys in series]
                      for i in range(layers)]))]
     out += [("h3", "First divergence and margins"), _table(
         ["construction", "diverging", "first divergence median [q1, q3]",
@@ -211,7 +189,7 @@ def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple
              "live wrong, arm right", "McNemar p"],
             [[c, p["n"], percent(p["accuracy_a"]), percent(p["accuracy_b"]),
               f"{percent(p['difference'])} [{percent(p['ci_low'])}, {percent(p['ci_high'])}]",
-              p["a_right_b_wrong"], p["a_wrong_b_right"], _num(p["mcnemar_p"])]
+              p["a_right_b_wrong"], p["a_wrong_b_right"], number(p["mcnemar_p"])]
              for c, p in paired]))
     if s["batched_rows_identical"]:
         out.append(_table(["batched arm", "every row's state equals row 0's"],
@@ -233,7 +211,7 @@ def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple
         for c in u.record.comparisons:
             if not c.suffix.identical:
                 rows.append([u.record.item.id, c.b, c.suffix.first_divergence,
-                             _num(c.suffix.margin_a_at_divergence),
+                             number(c.suffix.margin_a_at_divergence),
                              repro_command(case, label, u.item_index,
                                            prompts.get(u.item_index, ""))])
     out += [("h3", "Reproduce"),
@@ -256,7 +234,7 @@ def _controls(case) -> str:
 def _quartiles(x: dict) -> str:
     if not x["n"]:
         return "-"
-    return f"{_num(x['median'])} [{_num(x['q1'])}, {_num(x['q3'])}] (n={x['n']})"
+    return f"{number(x['median'])} [{number(x['q1'])}, {number(x['q3'])}] (n={x['n']})"
 
 
 def _crossing_blocks(x: dict, case) -> list[tuple]:
@@ -276,68 +254,6 @@ def _crossing_blocks(x: dict, case) -> list[tuple]:
             _table(["precision"] + constructions + [f"{pair} suffix differs", f"{pair} cache "
                                                     "bit-exact"], rows),
             ("pre", crossing_repro_template(case))]
-
-
-# --------------------------------------------------------------------------- renderers
-
-def markdown(doc: list[tuple]) -> str:
-    """Markdown for terminals and pull requests (figures are in the HTML; their data is here)."""
-    cell = lambda text: text.replace("|", "\\|").replace("\n", " ")
-    out = []
-    for block in doc:
-        if block[0] == "details":
-            block = block[2]
-        kind = block[0]
-        if kind in ("h1", "h2", "h3"):
-            out.append("#" * int(kind[1]) + " " + block[1])
-        elif kind == "p":
-            out.append(block[1])
-        elif kind == "pre":
-            out.append("```\n" + block[1] + "\n```")
-        elif kind == "table":
-            head, rows = block[1], block[2]
-            out.append("\n".join(["| " + " | ".join(map(cell, head)) + " |",
-                                  "|" + "---|" * len(head)]
-                                 + ["| " + " | ".join(map(cell, r)) + " |" for r in rows]))
-    return "\n\n".join(out) + "\n"
-
-
-_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:24px auto;padding:0 16px;
-color:#222}table{border-collapse:collapse;margin:8px 0 16px;font-size:13px}
-td,th{border:1px solid #ccc;padding:3px 7px;text-align:left;vertical-align:top}
-th{background:#f3f3f3}pre{background:#f7f7f7;padding:8px;overflow-x:auto;font-size:12px;
-white-space:pre-wrap;word-break:break-all}h2{border-bottom:1px solid #ddd;margin-top:32px}
-figure{margin:8px 0 16px}figcaption{font-size:12px;color:#555}
-summary{cursor:pointer;color:#555;font-size:13px;margin:4px 0}"""
-
-
-def to_html(doc: list[tuple]) -> str:
-    """One self-contained page: inline CSS and SVG, no external resource."""
-    title = next((b[1] for b in doc if b[0] == "h1"), "kvfid report")
-    out = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>"
-           f"{html.escape(title)}</title><style>{_CSS}</style></head><body>"]
-    for block in doc:
-        out.append(_html_block(block))
-    return "\n".join(out) + "\n</body></html>\n"
-
-
-def _html_block(block: tuple) -> str:
-    kind = block[0]
-    if kind == "details":
-        return (f"<details><summary>{html.escape(block[1])}</summary>{_html_block(block[2])}"
-                f"</details>")
-    if kind in ("h1", "h2", "h3", "p"):
-        return f"<{kind}>{html.escape(block[1])}</{kind}>"
-    if kind == "pre":
-        return f"<pre>{html.escape(block[1])}</pre>"
-    if kind == "table":
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in block[1])
-        rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>"
-                       for r in block[2])
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
-    if kind == "figure":
-        return f"<figure>{block[1]}<figcaption>{html.escape(block[2])}</figcaption></figure>"
-    raise ValueError(f"unknown report block {kind!r}")
 
 
 def write_report(ledger, run_id: str, root: str | Path = "reports", *, units=None,

@@ -46,7 +46,7 @@ def launch(case_name: str, item_count: int | None = None, db=None, resume: str |
     """Run the case into the ledger (see the module docstring)."""
     from harness.runs import distributed, matrix
     from harness.runs.case import load_case
-    from harness.runs.ledger_views import db_path, headline, report_run
+    from harness.runs.ledger_views import db_path, publish_result, run_and_publish
 
     case = load_case(resolve_case(case_name))
     if item_count is not None:
@@ -62,12 +62,15 @@ def launch(case_name: str, item_count: int | None = None, db=None, resume: str |
                                             progress=not quiet)
             if ranked.rank != 0:
                 return Launched()
+            published = publish_result(path, result, report=write_report)
         else:
-            result = matrix.run_case(case, path, items=item_count, run_id=run_id,
-                                     resume=resume, shard=shard_spec, progress=not quiet)
+            published = run_and_publish(case, path, report=write_report, items=item_count,
+                                        run_id=run_id, resume=resume, shard=shard_spec,
+                                        progress=not quiet)
     except matrix.RunInterrupted as stop:
         raise Interrupted(f"what was measured is stored; `kvfid run {case_name} --resume "
                           f"{stop.run_id}` continues run {stop.run_id}") from None
+    result = published.result
     lines = [f"run {result.run_id} {result.status}: {result.measured} units measured, "
-             f"{result.skipped} already stored", headline(path, result.run_id)]
-    return Launched(lines, report_run(path, result.run_id) if write_report else {})
+             f"{result.skipped} already stored", published.headline()]
+    return Launched(lines, published.files)

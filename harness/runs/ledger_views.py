@@ -29,7 +29,7 @@ def list_runs(db: str | Path | None) -> list[dict]:
 
 def runs_text(rows: list[dict]) -> str:
     """`kvfid runs` as a table."""
-    from harness.reports.report import text_table
+    from harness.reports.document import text_table
 
     return text_table(["run", "case", "status", "units", "started", "environment"],
                       [[r["id"], r["case"], r["status"], f"{r['units']}/{r['planned']}",

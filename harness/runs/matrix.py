@@ -23,6 +23,7 @@ from harness.environment import envinfo
 from harness.runs.case import Case, CaseError
 from harness.runs.checks import check_cuda, selection_reason
 from harness.errors import BadInput, Unavailable
+from harness.protocol.backends import check_supports
 from harness.protocol.items import load_item_set, match_answer
 from harness.runs.ledger import Ledger, LedgerError, new_run_id
 from harness.runs.ledger_file import probe
@@ -121,14 +122,19 @@ class Matrix:
                 raise EnvironmentUnavailable(f"{case.source}: model = {case.model!r}: {err}"
                                              ) from None
         self.model = model
+        longest = 0
         for index, item in enumerate(self.items):   # refuse before any compute
             try:
                 prompt = len(model.codec.prompt_ids(item.prompt))
+                longest = max(longest, prompt + case.B + case.S)
                 case.plan(index).check_fits(prompt, model.context_length)
                 match_answer("", item.answer)       # a reference that is not a number raises
             except (ProtocolError, ValueError) as err:
                 raise CaseError(f"{case.source}: item {item.id}: {err}") from None
             self._check_transplants(item, prompt + case.B)
+        crossing = case.crossing.stacks if case.crossing else ()
+        for stack in (*case.stacks, *crossing):     # a model the stack cannot serve (exit 3)
+            check_supports(stack, model, longest)
 
     def _check_transplants(self, item, prefix_length: int) -> None:
         """Every transplant selection fits the model's layers and this item's boundary prefix."""

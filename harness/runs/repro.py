@@ -114,14 +114,13 @@ def measure(repro: Repro):
     return record
 
 
-def verdict(record: dict) -> str | None:
-    """`bit-exact` or `diverges` (harness.names.VERDICT_HELP); None when nothing was compared
-    with live (live ended before B tokens, or live was the only arm)."""
-    against_live = [c for c in record.get("comparisons", []) if c["a"] == "live"]
-    if record.get("status") != "ok" or not against_live:
+def verdict(record) -> str | None:
+    """`bit-exact` or `diverges` (harness.names.VERDICT_HELP) of an ItemRecord; None when nothing
+    was compared with live (live ended before B tokens, or live was the only arm)."""
+    against_live = [c for c in record.comparisons if c.kind in ("arm", "bridge")]
+    if not record.ok or not against_live:
         return None
-    exact = all(c["prefix_identical"] and c["cache"]["bit_exact"] and c["suffix"]["identical"]
-                for c in against_live)
+    exact = all(c.prefix_identical and c.bit_exact and c.suffix.identical for c in against_live)
     return BIT_EXACT if exact else DIVERGES
 
 
@@ -129,7 +128,7 @@ def verdict(record: dict) -> str | None:
 class ReproOutcome:
     """What `kvfid repro` prints, and whether the verdict is the expected one."""
 
-    record: dict
+    record: object           # harness.protocol.record.ItemRecord
     codec: object
     environment: dict
     environment_key: str
@@ -142,8 +141,12 @@ class ReproOutcome:
         return expect is None or self.verdict == expect
 
     def to_json(self) -> dict:
-        return {**self.record, "verdict": self.verdict, "environment": self.environment,
-                "environment_key": self.environment_key}
+        from dataclasses import replace
+
+        from harness.protocol.record import to_dict
+
+        return {**to_dict(replace(self.record, environment=self.environment)),
+                "verdict": self.verdict, "environment_key": self.environment_key}
 
     def text(self) -> str:
         from harness.reports import render
