@@ -38,6 +38,7 @@ def gpu_arch(device: torch.device) -> str:
 
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}   # by kvfid's names
 
 # Code-generation options that change result bits, fixed at every launch rather than left to
 # Triton's defaults: FMA contraction (`enable_fp_fusion`) defaults to on up to triton 3.9 and to off

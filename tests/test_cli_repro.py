@@ -127,11 +127,18 @@ def test_repro_text_ends_with_the_verdict():
 
 
 def test_verdict_counts_only_comparisons_with_live():
-    same = {"prefix_identical": True, "cache": {"bit_exact": True}, "suffix": {"identical": True}}
-    differ = {**same, "suffix": {"identical": False}}
-    record = {"status": "ok", "comparisons": [{"a": "live", **same},
-                                              {"a": "prefill", **differ}]}  # a replica pair
+    from dataclasses import replace
+
+    from harness.protocol.record import CacheDiff, Comparison, ItemRecord, ItemRef, SuffixDiff
+
+    same = dict(suffix=SuffixDiff(identical=True), cache=CacheDiff(bit_exact=True))
+    differ = dict(suffix=SuffixDiff(identical=False, first_divergence=2),
+                  cache=CacheDiff(bit_exact=True))
+    record = ItemRecord(ItemRef("x"), "tiny-llama", {}, 2, 2, "ok", comparisons=(
+        Comparison("live", "prefill", "arm", **same),
+        Comparison("prefill", "prefill", "replica", **differ)))   # a replica pair
     assert verdict(record) == "bit-exact"
-    record["comparisons"].append({"a": "live", **differ})
+    record = replace(record, comparisons=(*record.comparisons,
+                                          Comparison("live", "chunked:4", "arm", **differ)))
     assert verdict(record) == "diverges"
-    assert verdict({"status": "short", "comparisons": []}) is None
+    assert verdict(replace(record, status="short", comparisons=())) is None

@@ -14,17 +14,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-import torch
 
 from harness.environment.roofline import Work
-from kernels import LAUNCH_OPTIONS
+from kernels import DTYPES, LAUNCH_OPTIONS
 from kernels import attention as _attention
 from kernels import matmul as _matmul
 from kernels import norm as _norm
 from kernels import softmax as _softmax
 
 ARCHS = ("sm_80", "sm_90", "sm_100")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 # (head dim, GQA group): the presets' (SmolLM2 64/3, Qwen2.5-0.5B 64/7, Llama-3.2-1B 64/4), the

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from harness.environment import envinfo
+from harness.runs.checks import check_cuda
+from kernels import DTYPES
 from harness.protocol.cache import bits_equal  # noqa: F401 (re-exported: the one bitwise comparison)
 from harness.environment.implementations import (  # noqa: F401 (re-exported)
     ATTENTION_OPS, IMPLEMENTATIONS, OPS, Implementation, attention_eager, attention_sdpa,
@@ -43,7 +45,6 @@ from harness.reports.invariance_table import render_table, write_result  # noqa:
 BATCH_SIZES = (2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 64, 128)
 # quick: tile edges (7/8, 16/17), two tiles (33) and the size where stock fp32 mm differs (7).
 QUICK_BATCH_SIZES = (2, 3, 7, 8, 16, 17, 33)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -250,9 +251,8 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
     for what, given, valid in checks:
         if given is not None and set(given) - set(valid):
             raise ValueError(f"unknown {what} {sorted(set(given) - set(valid))}; valid: {', '.join(valid)}")
+    check_cuda(device, "device")
     torch_device = torch.device(device)
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise EnvironmentError("device cuda requested, but no CUDA device is available")
     shapes = SHAPES["quick" if quick else "full"]
     if batch_sizes is None:
         batch_sizes = QUICK_BATCH_SIZES if quick else BATCH_SIZES

@@ -18,9 +18,12 @@ import torch
 
 from harness.errors import Unavailable
 from harness.names import BACKENDS, DTYPE_NAMES
+from harness.runs.checks import check_cuda
 
-DTYPES: dict[str, torch.dtype] = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float16,
-                                                        torch.float32)))
+from kernels import DTYPES  # noqa: E402  (re-exported: the stack's dtype names)
+
+if tuple(DTYPES) != DTYPE_NAMES:      # the command line offers harness.names' spelling
+    raise ImportError(f"kernels.DTYPES {tuple(DTYPES)} != harness.names.DTYPE_NAMES {DTYPE_NAMES}")
 
 
 class StackUnavailable(Unavailable, EnvironmentError):
@@ -154,8 +157,7 @@ class Stack:
     @contextlib.contextmanager
     def activate(self, model) -> Iterator[torch.nn.Module]:
         """Set this stack on entry, yield the prepared module, restore what was found on exit."""
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise StackUnavailable(f"stack {self.label} wants {self.device}, no CUDA device here")
+        check_cuda(self.device, f"stack {self.label}: device", StackUnavailable)
         module = model.cast(self.torch_dtype, self.device)
         previous_impl = module.config._attn_implementation
         previous_threads = torch.get_num_threads()
