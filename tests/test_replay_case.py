@@ -116,9 +116,12 @@ def test_twin_differs_triton_with_the_mode_is_exactly_zero(replay_run, case_file
     doc = document(run, load_case(case_file), summary, units)
     text, page = markdown(doc), to_html(doc)
     assert "## Replay" in text and "<svg" in page and "|Δ logprob| by decade" in text
+    verdicts = [line.removeprefix("- ") for line in text.splitlines() if line.startswith("- ")]
     exact_lines = [line for line in text.splitlines() if EXACT in line]
-    assert exact_lines and all(line.startswith("triton/bf16+bi@t1") for line in exact_lines)
-    assert not any(EXACT in line for line in text.splitlines() if line.startswith("twin"))
+    assert exact_lines and all(line.startswith("- triton/bf16+bi@t1") for line in exact_lines)
+    assert {v.partition(": ")[0] for v in verdicts if EXACT in v} == {
+        "triton/bf16+bi@t1 prefill", "triton/bf16+bi@t1 chunked:2"}
+    assert any(v.startswith("twin/bf16@t1 prefill: ") and "tokens differ" in v for v in verdicts)
     assert "kvfid replay" in text and "twin/bf16@t1" in headline(summary)
 
 

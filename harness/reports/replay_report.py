@@ -45,7 +45,7 @@ def replay_blocks(replay: dict, case) -> list[tuple]:
                  "reference on the same stack. A token differs when its fp32 logprob's bits "
                  "do; KL(reference || construction) is computed in fp64."),
            ("table", head, rows)]
-    out += [("p", line) for line in verdicts(replay)]
+    out.append(("list", verdicts(replay)))
     series = {f"{stack} {c}": a["abs_delta_decades"] for stack, cons in replay.items()
               for c, a in cons.items()}
     labels = [label for label, _ in next(iter(series.values()), [])]
