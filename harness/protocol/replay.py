@@ -13,6 +13,10 @@ differ from the reference, max and mean |delta logprob|, the per-token KL(refere
 between the two next-token distributions (computed in fp64), and the first differing position.
 Log-probabilities are taken in fp32 from the model's logits, as a trainer takes them.
 
+Each construction's numbers are a `LogprobMismatch` (harness.protocol.replay_record);
+`replay_trajectory` is the one path that computes them, for `kvfid replay` (`replay`) and for a
+replay case's matrix unit (`replay_unit`, a `ReplayRecord` the ledger stores).
+
 `sample_trajectories()` makes such files: temperature sampling, seeded, from any model preset.
 """
 
@@ -167,6 +171,7 @@ def replay_unit(model, stack, t: Trajectory, constructions) -> ReplayRecord:
 
 
 def check_constructions(constructions) -> None:
+    """Refuse a construction a trainer does not re-score by (live, incremental, cobatched)."""
     for construction in constructions:
         if parse_construction(construction).kind not in CONSTRUCTIONS:
             raise ValueError(f"replay re-scores by {', '.join(CONSTRUCTIONS)}; got {construction!r}")
