@@ -31,8 +31,9 @@ def edited(old: str, new: str) -> str:
     return GOOD.replace(old, new)
 
 
-@pytest.mark.parametrize("name", ["smoke", "smollm2-cpu", "paper", "gpu-qwen2.5-shape"])
-def test_shipped_cases_load(name):
+@pytest.mark.parametrize("name", ["smoke", "smollm2-cpu", "paper", "gpu-qwen2.5-shape", "replay-smollm2"])
+def test_shipped_cases_load(name, monkeypatch):
+    monkeypatch.chdir(CASES.parent)       # a replay case's trajectories are read from the root
     case = load_case(CASES / f"{name}.toml")
     assert case.name == name and case.stacks and case.items.n >= 1
     measured = sum(case.takes(s, i) for s in case.stacks for i in range(case.items.n))

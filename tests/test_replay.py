@@ -58,11 +58,11 @@ def test_mismatch_counts_bits_and_kl():
     reference = torch.randn(5, 11, generator=gen)
     tokens = [1, 2, 3, 4, 5]
     same = replay.mismatch(reference, reference.clone(), tokens)
-    assert same["differ"] == 0 and same["first_position"] is None and same["kl_mean"] == 0
+    assert same.differ == 0 and same.first_position is None and same.kl_mean == 0
     other = reference.clone()
     other[3, 4] += 1e-3   # moves token 3's and the other tokens' of row 3 logprobs
     m = replay.mismatch(reference, other, tokens)
-    assert m["differ"] == 1 and m["first_position"] == 3 and m["max_abs"] > 0 and m["kl_max"] > 0
+    assert m.differ == 1 and m.first_position == 3 and m.max_abs > 0 and m.kl_max > 0
 
 
 @pytest.mark.parametrize("line,message", [

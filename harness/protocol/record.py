@@ -330,6 +330,8 @@ def from_dict(data: dict):
     if data["schema"] != SCHEMA_VERSION:
         raise RecordRefused(f"record schema {data['schema']!r} is not this kvfid's "
                             f"({SCHEMA_VERSION}); read it with the kvfid that wrote it")
+    import harness.protocol.replay_record  # noqa: F401 (registers the replay kind)
+
     kind = KINDS.get(data.get("kind"))
     if kind is None:
         raise RecordRefused(f"unknown record kind {data.get('kind')!r}; known: "

@@ -13,6 +13,10 @@ differ from the reference, max and mean |delta logprob|, the per-token KL(refere
 between the two next-token distributions (computed in fp64), and the first differing position.
 Log-probabilities are taken in fp32 from the model's logits, as a trainer takes them.
 
+Each construction's numbers are a `LogprobMismatch` (harness.protocol.replay_record);
+`replay_trajectory` is the one path that computes them, for `kvfid replay` (`replay`) and for a
+replay case's matrix unit (`replay_unit`, a `ReplayRecord` the ledger stores).
+
 `sample_trajectories()` makes such files: temperature sampling, seeded, from any model preset.
 """
 
@@ -21,15 +25,19 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from harness.protocol.cache import bits
+from harness.protocol.cache import bits, sha_tensor
 from harness.protocol.decode import Runner, as_batch, new_cache
 from harness.errors import BadInput
+from harness.protocol.plain import as_plain
 from harness.protocol.protocol import parse_construction
+from harness.protocol.record import ItemRef
+from harness.protocol.replay_record import LogprobMismatch, ReplayRecord
 
 CONSTRUCTIONS = ("prefill", "chunked", "batched")
 
@@ -123,40 +131,66 @@ def rescored_logits(runner: Runner, t: Trajectory, construction: str) -> torch.T
     return logits[first:first + len(t.tokens)]
 
 
-def mismatch(reference: torch.Tensor, other: torch.Tensor, tokens) -> dict:
+def mismatch(reference: torch.Tensor, other: torch.Tensor, tokens) -> LogprobMismatch:
     """Per-token logprob mismatch of `other` against `reference` (both [T, V] logits)."""
     index = torch.tensor(list(tokens))
-    lp_ref = torch.log_softmax(reference.float(), -1)
-    lp = torch.log_softmax(other.float(), -1)
-    picked_ref, picked = lp_ref[range(len(index)), index], lp[range(len(index)), index]
+    picked_ref, picked = picked_logprobs(reference, index), picked_logprobs(other, index)
     differs = bits(picked_ref) != bits(picked)
     delta = (picked.double() - picked_ref.double()).abs()
     ref64, other64 = torch.log_softmax(reference.double(), -1), torch.log_softmax(other.double(), -1)
     kl = (ref64.exp() * (ref64 - other64)).sum(-1).clamp_min(0.0)  # KL(reference || other)
     n = int(differs.sum())
-    return {"tokens": len(index), "differ": n, "fraction": n / len(index),
-            "max_abs": float(delta.max()), "mean_abs": float(delta.mean()),
-            "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-            "first_position": int(differs.nonzero()[0, 0]) if n else None,
-            "abs_deltas": [float(d) for d in delta]}
+    return LogprobMismatch(
+        tokens=len(index), differ=n, fraction=n / len(index), max_abs=float(delta.max()),
+        mean_abs=float(delta.mean()), kl_mean=float(kl.mean()), kl_max=float(kl.max()),
+        first_position=int(differs.nonzero()[0, 0]) if n else None,
+        abs_deltas=tuple(float(d) for d in delta), logprobs_sha=sha_tensor(picked))
+
+
+def picked_logprobs(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The fp32 logprob of each continuation token, as a trainer takes it."""
+    return torch.log_softmax(logits.float(), -1)[range(len(index)), index]
+
+
+def replay_trajectory(runner: Runner, t: Trajectory, constructions) -> tuple[str, dict]:
+    """One trajectory's reference (the SHA-256 of its picked logprobs' bits), then each
+    construction's LogprobMismatch against it: the one path of `kvfid replay` and the matrix."""
+    reference = reference_logits(runner, t)
+    sha = sha_tensor(picked_logprobs(reference, torch.tensor(list(t.tokens))))
+    return sha, {c: mismatch(reference, rescored_logits(runner, t, c), t.tokens) for c in constructions}
+
+
+def replay_unit(model, stack, t: Trajectory, constructions) -> ReplayRecord:
+    """A matrix unit: one trajectory on one stack (what `kvfid run` stores for a replay case)."""
+    start = time.perf_counter()
+    with stack.activate(model) as module:
+        ref_sha, found = replay_trajectory(Runner(module), t, constructions)
+    return ReplayRecord(ItemRef(t.id), model.name, stack.describe(), len(t.prompt_ids),
+                        len(t.tokens), reference_sha=ref_sha, constructions=found,
+                        wall_s=time.perf_counter() - start)
+
+
+def check_constructions(constructions) -> None:
+    """Refuse a construction a trainer does not re-score by (live, incremental, cobatched)."""
+    for construction in constructions:
+        if parse_construction(construction).kind not in CONSTRUCTIONS:
+            raise ValueError(f"replay re-scores by {', '.join(CONSTRUCTIONS)}; got {construction!r}")
 
 
 def replay(model, stack, trajectories: list[Trajectory], constructions=("prefill",), progress=None) -> dict:
     """Every trajectory re-scored by every construction on `stack`, against the generator's
     step-by-step reference. Returns a JSON-ready dict: per item, and aggregated per construction."""
     check_fits(trajectories, model.config.vocab_size, model.context_length)
-    for construction in constructions:
-        if parse_construction(construction).kind not in CONSTRUCTIONS:
-            raise ValueError(f"replay re-scores by {', '.join(CONSTRUCTIONS)}; got {construction!r}")
+    check_constructions(constructions)
     items = []
     with stack.activate(model) as module:
         runner = Runner(module)
         for t in trajectories:
             if progress:
                 progress(t.id)
-            reference = reference_logits(runner, t)
-            items.append({"id": t.id, "prompt_tokens": len(t.prompt_ids), "constructions": {
-                c: mismatch(reference, rescored_logits(runner, t, c), t.tokens) for c in constructions}})
+            _, found = replay_trajectory(runner, t, constructions)
+            items.append({"id": t.id, "prompt_tokens": len(t.prompt_ids),
+                          "constructions": {c: as_plain(m) for c, m in found.items()}})
     return {"stack": stack.label, "model": model.name, "items": items,
             "aggregate": {c: aggregate([i["constructions"][c] for i in items]) for c in constructions}}
 

@@ -65,8 +65,10 @@ def svg_lines(series: list[tuple[str, list]], xlabel: str, ylabel: str) -> str:
     return _frame(xlabel, ylabel, body, legend)
 
 
-def svg_bars(histograms: dict[str, list], xlabel: str) -> str:
-    """Grouped bars: one colour per series, bins [lo, hi) shared by all series."""
+def svg_bars(histograms: dict[str, list], xlabel: str, ylabel: str = "suffixes",
+             labels: list[str] | None = None) -> str:
+    """Grouped bars: one colour per series, bins [lo, hi) shared by all series; `labels` name
+    the bins instead of their bounds (the replay's |delta logprob| decades)."""
     edges = next((h for h in histograms.values() if h), [])
     top = max((count for h in histograms.values() for _, _, count in h), default=1) or 1
     width = (_W - _L - _R) / max(1, len(edges))
@@ -77,7 +79,7 @@ def svg_bars(histograms: dict[str, list], xlabel: str) -> str:
         body.append(f'<line x1="{_L}" x2="{_W - _R}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#eee"/>'
                     f'<text x="{_L - 4}" y="{yy + 4:.1f}" text-anchor="end">{t}</text>')
     for b, (lo, hi, _) in enumerate(edges):
-        label = str(lo) if hi == lo + 1 else f"{lo}-{hi - 1}"
+        label = labels[b] if labels else str(lo) if hi == lo + 1 else f"{lo}-{hi - 1}"
         body.append(f'<text x="{_L + width * (b + 0.5):.1f}" y="{_H - _B + 14}" '
                     f'text-anchor="middle">{label}</text>')
     legend = []
@@ -89,4 +91,4 @@ def svg_bars(histograms: dict[str, list], xlabel: str) -> str:
             body.append(f'<rect x="{_L + width * b + width * 0.1 + bar * k:.1f}" '
                         f'y="{_H - _B - height:.1f}" width="{bar:.1f}" height="{height:.1f}" '
                         f'fill="{color}"><title>{html.escape(name)}: {count}</title></rect>')
-    return _frame(xlabel, "suffixes", body, legend)
+    return _frame(xlabel, ylabel, body, legend)

@@ -17,6 +17,7 @@ from harness.runs.aggregate import OUTCOMES, ROLES, aggregate  # noqa: F401 (re-
 from harness.environment.envinfo import describe as describe_environment
 from harness.reports.figures import PALETTE, svg_bars, svg_lines  # noqa: F401 (re-exported)
 from harness.outputs import write_files
+from harness.reports.replay_report import replay_blocks, replay_command, replay_rows
 from harness.reports.document import (interval_text, markdown, number, percent,  # noqa: F401
                                       text_table, to_html)
 
@@ -41,8 +42,12 @@ def headline_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def headline(summary: dict) -> str:
-    """The headline table, and the crossing's 2x2 under it when the run has one."""
-    text = text_table(*headline_rows(summary))
+    """The headline table, the crossing's 2x2 under it when the run has one, and the replay's
+    rows when it replayed trajectories."""
+    text = text_table(*headline_rows(summary)) if summary["stacks"] else ""
+    if summary.get("replay"):
+        text += ("\n\n" if text else "") + ("replayed trajectories against step-by-step "
+                                             "generation\n" + text_table(*replay_rows(summary["replay"])))
     x = summary["crossing"]
     if x and x["cells"]:
         constructions = list(next(iter(x["cells"].values())))
@@ -110,26 +115,30 @@ def document(run, case, summary: dict, units, raw_environment: bool = True) -> l
     `raw_environment` adds the environment record as JSON after its description."""
     prompts = {u.item_index: u.record.item.prompt for u in units}
     planned = run.design["units"]
+    design = ([["trajectories", f"{case.replay.trajectories}, n={run.item_count}"],
+               ["replay constructions", ", ".join(case.replay.constructions)]] if case.replay else
+              [["items", f"{case.items.set}, n={run.item_count}, seed={case.items.seed}"],
+               ["B, S", f"{case.B}, {case.S}"], ["constructions", ", ".join(case.constructions)]])
     doc = [("h1", f"kvfid run {run.id}: {case.name}"),
            ("p", case.description or "(no description)"),
            _table(["run", run.id], [
                ["case", f"{run.case_source} (sha256 {run.case_sha[:16]})"],
-               ["model", case.model],
-               ["items", f"{case.items.set}, n={run.item_count}, seed={case.items.seed}"],
-               ["B, S", f"{case.B}, {case.S}"],
-               ["constructions", ", ".join(case.constructions)],
+               ["model", case.model], *design,
                ["status", f"{run.status}: {len(units)}/{planned} units stored"],
                ["started / finished", f"{run.started} / {run.finished or '-'}"],
                ["environment", run.environment_key],
-               ["git revision", run.git_revision or "none"]]),
-           ("h2", "Headline"), _table(*headline_rows(summary)),
-           ("p", "Rates count items whose boundary state exists (short items, where EOS came "
-                 "within the B live tokens, are counted apart). Intervals are 95% Wilson; the "
-                 "replica floor is the same construction run twice.")]
+               ["git revision", run.git_revision or "none"]])]
+    if not case.replay:
+        doc += [("h2", "Headline"), _table(*headline_rows(summary)),
+                ("p", "Rates count items whose boundary state exists (short items, where EOS "
+                      "came within the B live tokens, are counted apart). Intervals are 95% "
+                      "Wilson; the replica floor is the same construction run twice.")]
     for label, s in summary["stacks"].items():
         doc += _stack_blocks(label, s, case, units, prompts)
     if summary["crossing"]:
         doc += _crossing_blocks(summary["crossing"], case)
+    if summary.get("replay"):
+        doc += replay_blocks(summary["replay"], case)
     doc += [("h2", "Environment"), ("pre", describe_environment(run.environment))]
     if raw_environment:
         doc.append(("details", "the environment record (JSON)",
@@ -273,7 +282,8 @@ def write_report(ledger, run_id: str, root: str | Path = "reports", *, units=Non
             "environment_key": run.environment_key,
             "environment": run.environment, "git_revision": run.git_revision,
             "units": len(units), "planned_units": run.design["units"],
-            "repro": {**{s.label: repro_template(case, s.label) for s in case.stacks},
+            "repro": {**{s.label: replay_command(case, s) if case.replay else
+                         repro_template(case, s.label) for s in case.stacks},
                       **({"crossing": crossing_repro_template(case)} if case.crossing else {})}}
     return write_files({"markdown": (folder / "report.md", markdown(doc)),
                         "html": (folder / "report.html", to_html(doc)),

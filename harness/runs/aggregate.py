@@ -4,7 +4,8 @@
 lists (disagreement vs live with Wilson intervals and the replica floor beside it, cache
 bit-exactness, first bad layer, median d_rel per layer, first-divergence quartiles and histogram,
 correctness and flips with a paired interval and exact McNemar p, transplant outcomes per
-selection and row role, margins at divergence, the crossing 2x2). The result is strict JSON;
+selection and row role, margins at divergence, the crossing 2x2; for replayed trajectories, per
+stack and construction the logprob mismatch and its |delta| by decade). The result is strict JSON;
 `show`, `report` (harness.reports.report) and `compare` (harness.reports.compare) all read it.
 """
 
@@ -13,7 +14,10 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 
+from harness.protocol.plain import as_plain
 from harness.protocol.record import CrossingRecord, ItemRecord
+from harness.protocol.replay import aggregate as replay_aggregate
+from harness.protocol.replay_record import ReplayRecord
 from harness.runs import stats
 
 OUTCOMES = ("donor", "recipient", "third", "boundary")
@@ -40,11 +44,15 @@ def aggregate(units, design: dict | None = None) -> dict:
     design = design or {}
     controls = set(design.get("control_indices", []))
     by_stack: dict[str, list] = defaultdict(list)
-    crossing = []
+    crossing, replayed = [], defaultdict(list)
     for unit in units:
+        if isinstance(unit.record, ReplayRecord):
+            replayed[unit.stack].append(unit)
+            continue
         (crossing if isinstance(unit.record, CrossingRecord) else by_stack[unit.stack]).append(unit)
     out = {"stacks": {}, "crossing": _crossing(sorted(crossing, key=lambda u: u.item_index))
-           if crossing else None, "control_indices": sorted(controls)}
+           if crossing else None, "control_indices": sorted(controls),
+           "replay": {stack: _replay(group) for stack, group in replayed.items()} or None}
     for stack, group in by_stack.items():
         group.sort(key=lambda u: u.item_index)
         out["stacks"][stack] = _stack([u.record for u in group], [u.item_index for u in group],
@@ -123,6 +131,14 @@ def _construction(rows: list, kind: str, replicas: dict, S: int) -> dict:
         "correctness": stats.paired_difference([a for a, _ in pairs], [b for _, b in pairs])
         if pairs else None,
     }
+
+
+def _replay(units: list) -> dict:
+    """Per construction over the stack's trajectories: harness.protocol.replay.aggregate."""
+    records = [u.record for u in sorted(units, key=lambda u: u.item_index)]
+    return {c: replay_aggregate([as_plain(r.constructions[c]) for r in records
+                                 if c in r.constructions])
+            for c in records[0].constructions}
 
 
 def _int(text: str) -> int:

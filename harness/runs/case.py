@@ -26,6 +26,7 @@ from harness.runs.case_fields import CaseError, Validator
 from harness.runs.case_stacks import stack_groups, stack_tables
 from harness.runs.checks import construction_reason, count_reason
 from harness.protocol.items import item_set_reason, load_item_set
+from harness.protocol.replay import CONSTRUCTIONS as REPLAY_CONSTRUCTIONS
 from harness.protocol.models import PRESETS, model_names
 from harness.protocol.protocol import (CONSTRUCTION_HELP, ItemPlan, ProtocolError, TransplantSpec,
                               parse_transplant)
@@ -86,6 +87,15 @@ class Transplants:
 
 
 @dataclass(frozen=True)
+class Replay:
+    """A replay case's trajectories (a JSONL file of token ids, read like a `jsonl:` item set:
+    relative to the working directory) and the constructions that re-score them."""
+
+    trajectories: str
+    constructions: tuple[str, ...] = ("prefill",)
+
+
+@dataclass(frozen=True)
 class Case:
     """One matrix run's design. `text` and `sha` are the file as written (stored with the run)."""
 
@@ -105,6 +115,7 @@ class Case:
     text: str = ""
     sha: str = ""
     stack_items: tuple[int | None, ...] = ()  # per stack: only the first N items (None: all)
+    replay: Replay | None = None              # a replay case: its units are (stack, trajectory)
 
     def stack(self, label: str) -> Stack:
         """The stack with this label. A label stored before the thread count joined stack labels
@@ -158,13 +169,16 @@ class Case:
 # --------------------------------------------------------------------------- loading
 
 _TOP = {"name", "description", "model", "B", "S", "constructions", "items", "stacks",
-        "replicas", "crossing", "transplants", "ignore_eos"}
+        "replicas", "crossing", "transplants", "ignore_eos", "replay"}
+_NOT_REPLAY = ("B", "S", "constructions", "items", "replicas", "crossing", "transplants",
+               "ignore_eos")
 _TABLES = {
     "items": {"set", "n", "seed"},
     "stacks": {"backends", "dtypes", "batch_invariant", "device", "threads", "items"},
     "replicas": {"arms", "items"},
     "crossing": {"reference", "dtypes", "constructions", "items"},
     "transplants": {"pairs", "selections", "controls", "seed"},
+    "replay": {"trajectories", "constructions"},
 }
 
 
@@ -198,6 +212,8 @@ def parse_case(text: str, source: str = "<case>", item_count: int | None = None)
     model = v.required(data, "", "model", str)
     if model not in PRESETS and not (model.startswith("hf:") and len(model) > 3):
         v.fail("", "model", model, ", ".join(model_names()))
+    if "replay" in data:
+        return _replay_case(v, data, text, source, model, item_count)
     B, S = v.positive(data, "", "B"), v.positive(data, "", "S")
     constructions = v.constructions(data, "", "constructions", ["live", "prefill", "incremental"])
 
@@ -220,6 +236,41 @@ def parse_case(text: str, source: str = "<case>", item_count: int | None = None)
                 constructions, stacks, replicas, crossing, transplants,
                 ignore_eos=v.optional(data, "", "ignore_eos", bool, False), source=source, text=text,
                 sha=hashlib.sha256(text.encode()).hexdigest(), stack_items=stack_items)
+
+
+def _replay_case(v: "Validator", data: dict, text: str, source: str, model: str,
+                 stored: int | None) -> Case:
+    """A replay case: [replay] and the stacks; no live protocol, so no B, S, items or arms."""
+    for key in _NOT_REPLAY:
+        if key in data:
+            raise CaseError(f"{source}: key {key!r} does not apply to a replay case (one with "
+                            f"[replay]); its units are (stack, trajectory)")
+    t = v.table(data, "replay")
+    path = v.required(t, "replay", "trajectories", str)
+    if not path:
+        v.fail("replay", "trajectories", path, "the path of a JSONL file of trajectories")
+    constructions = v.constructions(t, "replay", "constructions", ["prefill"])
+    for c in constructions:
+        if c.partition(":")[0] not in REPLAY_CONSTRUCTIONS:
+            v.fail("replay", "constructions", c, "prefill, chunked:N, batched:N")
+    n = stored if stored is not None else _count_lines(v, path)
+    stacks, stack_items = stack_groups(v, data)
+    return Case(v.optional(data, "", "name", str, Path(source).stem),
+                v.optional(data, "", "description", str, ""), model,
+                ItemSpec(f"trajectories:{path}", n), 0, 0, (), stacks, source=source, text=text,
+                sha=hashlib.sha256(text.encode()).hexdigest(), stack_items=stack_items,
+                replay=Replay(path, constructions))
+
+
+def _count_lines(v: "Validator", path: str) -> int:
+    """The trajectories a replay case runs: the file's non-blank lines (each is read, and refused
+    naming its line, when the run loads them with the model's codec)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CaseError(f"{v.source}: [replay] trajectories = {path!r}: cannot read it ({err})"
+                        ) from None
+    return v.check("replay", "trajectories", sum(bool(x.strip()) for x in lines), count_reason)
 
 
 def _item_count(v: "Validator", t: dict, item_set: str, stored: int | None) -> int:

@@ -30,6 +30,8 @@ from harness.runs.ledger_file import probe
 from harness.protocol.models import ModelUnavailable, load_model
 from harness.protocol.protocol import ProtocolError, run_crossing, run_item
 from harness.protocol.record import CrossingRecord
+from harness.protocol.replay import replay_unit
+from harness.runs import replay_matrix
 
 CASES = Path(__file__).resolve().parents[2] / "cases"
 GPU_DEFAULT_CASE = CASES / "gpu-qwen2.5-shape.toml"
@@ -111,17 +113,15 @@ class Matrix:
     def __init__(self, case: Case, model=None) -> None:
         self.case = case
         _check_devices(case)
+        if case.replay:
+            self.model = model or _load(case)
+            self.items = replay_matrix.bind(case, self.model)
+            return
         try:
             self.items = load_item_set(case.items.set, case.items.n, case.items.seed)
         except (OSError, ValueError) as err:
             raise CaseError(f"{case.source}: [items] set = {case.items.set!r}: {err}") from None
-        if model is None:
-            try:
-                model = load_model(case.model)
-            except ModelUnavailable as err:
-                raise EnvironmentUnavailable(f"{case.source}: model = {case.model!r}: {err}"
-                                             ) from None
-        self.model = model
+        self.model = model = model or _load(case)
         longest = 0
         for index, item in enumerate(self.items):   # refuse before any compute
             try:
@@ -146,14 +146,25 @@ class Matrix:
                                 f"{spec.selection.label!r} on item {item.id}: {reason}")
 
     def measure(self, unit: Unit):
-        """Measure one unit; the record `run_item` (or `run_crossing`) returns."""
+        """Measure one unit; the record `run_item` (or `run_crossing`, or for a replay case
+        `replay_unit`) returns."""
         item = self.items[unit.item_index]
+        if self.case.replay:
+            return replay_unit(self.model, self.case.stack(unit.stack), item,
+                               self.case.replay.constructions)
         if unit.is_crossing:
             c = self.case.crossing
             return run_crossing(self.model, item, c.reference, c.stacks, self.case.B, self.case.S,
                                 c.constructions)
         return run_item(self.model, self.case.stack(unit.stack), item, self.case.plan(unit.item_index),
                         matcher=match_answer, neighbours=self.items)
+
+
+def _load(case: Case):
+    try:
+        return load_model(case.model)
+    except ModelUnavailable as err:
+        raise EnvironmentUnavailable(f"{case.source}: model = {case.model!r}: {err}") from None
 
 
 def _check_devices(case: Case) -> None:

@@ -1,7 +1,8 @@
 """The rows of a unit's record: what the ledger's rows table holds and what audit compares.
 
-A record (harness.protocol.record: `run_item`'s or `run_crossing`'s) is stored whole; its rows
-(one per arm, comparison, replica, transplant and crossing cell) are a projection of it: metrics
+A record (harness.protocol.record: `run_item`'s or `run_crossing`'s, or a ReplayRecord) is stored
+whole; its rows (one per arm, comparison, replica, transplant, crossing cell, replayed
+construction) are a projection of it: metrics
 for queries and fingerprints for `audit`. `record_rows` is that projection, `fingerprints` its
 fingerprint part. Row labels keep the text ledgers of schema 1-2 stored, so their runs stay
 auditable and comparable with new ones.
@@ -13,12 +14,15 @@ import dataclasses
 
 from harness.protocol.cache import sha_ids
 from harness.protocol.record import Comparison, CrossingRecord, ItemRecord
+from harness.protocol.replay_record import ReplayRecord
 
 
 def record_rows(record: ItemRecord | CrossingRecord) -> list[tuple[str, str, dict, dict]]:
     """(kind, label, metrics, fingerprints) for each arm, comparison, transplant, crossing cell."""
     if isinstance(record, CrossingRecord):
         return _crossing_rows(record)
+    if isinstance(record, ReplayRecord):
+        return _replay_rows(record)
     if not record.ok:
         generated = record.arms["live"].generated or ()
         return [("short", "live", {"generated": len(generated), "note": record.note},
@@ -66,6 +70,19 @@ def _crossing_rows(record: CrossingRecord) -> list[tuple[str, str, dict, dict]]:
     for w in record.within:
         c = w.comparison
         rows.append(("crossing", f"{w.stack}|{c.a}~{c.b}", _comparison_metrics(c), {}))
+    return rows
+
+
+def _replay_rows(record: ReplayRecord) -> list[tuple[str, str, dict, dict]]:
+    """The reference's picked logprobs, then per construction its mismatch and its own bits."""
+    rows = [("reference", "incremental", {"tokens": record.tokens,
+                                          "prompt_length": record.prompt_length},
+             {"logprobs_sha": record.reference_sha})]
+    for label, m in record.constructions.items():
+        rows.append(("replay", label, {"tokens": m.tokens, "differ": m.differ,
+                                       "max_abs": m.max_abs, "kl_mean": m.kl_mean,
+                                       "first_position": m.first_position},
+                     {"logprobs_sha": m.logprobs_sha}))
     return rows
 
 

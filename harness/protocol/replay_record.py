@@ -1,0 +1,68 @@
+"""The record of one replayed trajectory on one stack: the ledger stores it like any unit.
+
+Its own module because record.py is full; `ReplayRecord` registers itself in record.KINDS, and
+record.from_dict imports this module before it looks a kind up, so a stored replay unit reads
+back wherever records are read.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+
+from harness.protocol.record import KINDS, ItemRef, to_json
+
+
+@dataclass(frozen=True)
+class LogprobMismatch:
+    """One construction's re-scored logprobs against the step-by-step reference (replay.mismatch):
+    tokens whose fp32 logprob bits differ, |delta| max and mean, KL(reference || other) in fp64,
+    the first differing position, every token's |delta| (the distribution the report draws) and
+    the SHA-256 of the picked logprobs' bits (what audit compares)."""
+
+    tokens: int
+    differ: int
+    fraction: float
+    max_abs: float
+    mean_abs: float
+    kl_mean: float
+    kl_max: float
+    first_position: int | None = None
+    abs_deltas: tuple[float, ...] = ()
+    logprobs_sha: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.differ == 0
+
+
+@dataclass(frozen=True)
+class ReplayRecord:
+    """A supplied trajectory re-scored on one stack by each construction; `reference_sha`: the
+    bits of the reference's picked logprobs."""
+
+    KIND: typing.ClassVar[str] = "replay"
+
+    item: ItemRef
+    model: str
+    stack: dict                               # Stack.describe()
+    prompt_length: int
+    tokens: int
+    status: str = "ok"
+    reference_sha: str | None = None
+    constructions: dict[str, LogprobMismatch] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def stack_label(self) -> str:
+        return self.stack.get("label", "?")
+
+    def to_json(self, indent: int | None = None) -> str:
+        return to_json(self, indent)
+
+
+KINDS[ReplayRecord.KIND] = ReplayRecord
