@@ -40,8 +40,10 @@ def test_smoke_against_the_smollm2_cpu_baseline_exits_2_naming_every_difference(
     assert result.exit_code == 2, result.output
     (line,) = [l for l in result.output.splitlines() if l.startswith("error:")]
     assert "not like runs" in line and "No regression" not in result.output
+    cpu = load_case(ROOT / "cases" / "smollm2-cpu.toml").items     # what the baseline ran
     for named in ("case smollm2-cpu vs smoke", "model smollm2-135m vs tiny-llama",
-                  "B/S B=12, S=16 vs B=6, S=6", "items arith, n=8, seed 0 vs arith, n=3, seed 0",
+                  "B/S B=12, S=16 vs B=6, S=6",
+                  f"items {cpu.set}, n={cpu.n}, seed {cpu.seed} vs arith, n=3, seed 0",
                   "--allow-different"):
         assert named in line, named
     assert "threads" not in line.split("are not like runs")[1]     # both ran on one thread
