@@ -10,8 +10,8 @@ from harness.runs.bench import bench_command as real_command
 
 
 def test_quick_bench_writes_kernels_report_and_index(tmp_path):
-    result = CliRunner().invoke(main, ["bench", "--reports", str(tmp_path), "--case",
-                                       "cases/smoke.toml", "--quick"])
+    result = CliRunner().invoke(main, ["bench", "--reports", str(tmp_path), "--case", "smoke",
+                                       "--quick"])       # a case by name, as `kvfid run` takes it
     assert result.exit_code == 0, result.output
     assert "implementation rows that claim invariance are bit-invariant" in result.stdout
     kernels = json.loads(next(tmp_path.rglob("kernels.json")).read_text())
@@ -19,6 +19,13 @@ def test_quick_bench_writes_kernels_report_and_index(tmp_path):
     assert len(list(tmp_path.rglob("report.html"))) == 1
     index = (tmp_path / "index.md").read_text()
     assert kernels["environment_key"].split("/")[0] in index
+
+
+def test_a_bad_case_or_item_count_is_refused_before_any_step(tmp_path):
+    for extra in (["--case", "no-such-case"], ["--case", "smoke", "--items", "-1"]):
+        result = CliRunner().invoke(main, ["bench", "--reports", str(tmp_path), *extra])
+        assert result.exit_code == 2, result.output
+        assert list(tmp_path.iterdir()) == []           # no kernel table, no bench, no ledger
 
 
 def test_speed_benches_write_their_json_only_into_the_reports_store(tmp_path, monkeypatch):

@@ -42,10 +42,13 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
               items: int | None = None) -> BenchOutcome:
     """Run every `make bench` step; return the headline and the files written."""
     from harness.environment import envinfo, invariance
-    from harness.runs import matrix
     from harness.runs.case import load_case
+    from harness.runs.launch import resolve_case
     from harness.runs.publish import publish
 
+    chosen = load_case(resolve_case(case))      # a bad case is refused before any compute
+    if items is not None:
+        chosen.with_item_count(items)
     reports = Path(reports)
     db = Path(db) if db else reports / "ledger.sqlite"
     out = BenchOutcome()
@@ -72,7 +75,6 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
         out.seconds["speed"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    chosen = load_case(matrix.default_case_path() if case == "default" else case)
     done = publish(chosen, db, reports=reports, index_ledger=True, items=items, progress=True)
     out.files.update({name: str(path) for name, path in done.files.items()})
     out.seconds["fidelity"] = time.perf_counter() - start

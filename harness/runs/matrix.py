@@ -31,9 +31,9 @@ from harness.protocol.models import ModelUnavailable, load_model
 from harness.protocol.protocol import ProtocolError, run_crossing, run_item
 from harness.protocol.record import CrossingRecord
 from harness.protocol.replay import replay_unit
+from harness.names import CASES
 from harness.runs import replay_matrix
 
-CASES = Path(__file__).resolve().parents[2] / "cases"
 GPU_DEFAULT_CASE = CASES / "gpu-qwen2.5-shape.toml"
 CPU_DEFAULT_CASE = CASES / "smollm2-cpu.toml"
 
