@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from harness.protocol.items import Item
@@ -14,3 +15,22 @@ PROMPT = Item(id="t0", prompt="What is 17*23?", answer="391")
 def tiny(name: str = "tiny-llama"):
     """One load per preset per test session (random weights from a fixed seed)."""
     return load_model(name)
+
+
+@contextlib.contextmanager
+def fp32_live(name: str, B: int = 8, S: int = 4):
+    """Inside the sdpa/fp32 stack of tiny model `name`: (model, module, prompt, live arm, P, the
+    boundary logits of one no-cache forward over P) — what a construction's state must give."""
+    import torch
+
+    from harness.protocol.backends import Stack
+    from harness.protocol.decode import Runner
+    from harness.protocol.protocol import run_live
+
+    model = tiny(name)
+    prompt = model.codec.prompt_ids(PROMPT.prompt)
+    with Stack("sdpa", "fp32").activate(model) as module:
+        live = run_live(module, prompt, B, S, model.codec.eos_ids)
+        prefix = list(live.state.prefix)
+        full = Runner(module).full_logits(torch.tensor([prefix]))[0, -1]   # [V]
+        yield model, module, prompt, live, prefix, full

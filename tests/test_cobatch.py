@@ -9,11 +9,10 @@ from harness.protocol import cobatch
 from harness.protocol.backends import Stack
 from harness.runs.case import CaseError, parse_case
 from harness.cli import main
-from harness.protocol.decode import Runner
 from harness.protocol.items import arith_items
 from harness.protocol.protocol import (ItemPlan, Neighbours, parse_construction, parse_transplant,
-                              run_cobatched, run_item, run_live)
-from protocol_fixtures import PROMPT, tiny
+                              run_cobatched, run_item)
+from protocol_fixtures import PROMPT, fp32_live, tiny
 
 POOL = arith_items(8)
 COBATCHED = ("cobatched:4", "cobatched:4+decode")
@@ -48,12 +47,7 @@ def test_padding_mask_and_positions_are_transformers_left_padding():
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
 def test_cobatched_state_covers_p_and_matches_a_no_cache_forward_in_fp32(name):
     """Positions and masks are right iff the item's row gives the logits of a plain forward."""
-    model = tiny(name)
-    prompt = model.codec.prompt_ids(PROMPT.prompt)
-    with Stack("sdpa", "fp32").activate(model) as module:
-        live = run_live(module, prompt, 8, 4, model.codec.eos_ids)
-        prefix = list(live.state.prefix)
-        full = Runner(module).full_logits(torch.tensor([prefix]))[0, -1]   # [V]
+    with fp32_live(name) as (model, module, prompt, live, prefix, full):
         neighbours = Neighbours(PROMPT.id, pool_ids(model), model.context_length - 4)
         for label in COBATCHED:
             arm = run_cobatched(module, parse_construction(label), prefix, 4,

@@ -15,7 +15,7 @@ from harness.protocol.decode import Runner
 from harness.protocol.models import ByteCodec
 from harness.protocol.protocol import (ItemPlan, ProtocolError, parse_construction, parse_transplant,
                               run_construction, run_crossing, run_item, run_live)
-from protocol_fixtures import PROMPT, tiny
+from protocol_fixtures import PROMPT, fp32_live, tiny
 
 ALL_ARMS = ("live", "prefill", "incremental", "incremental-1", "chunked:5", "batched:2",
             "batched:3")
@@ -23,12 +23,7 @@ ALL_ARMS = ("live", "prefill", "incremental", "incremental-1", "chunked:5", "bat
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
 def test_every_arm_covers_p_and_matches_a_no_cache_forward_in_fp32(name):
-    model = tiny(name)
-    prompt = model.codec.prompt_ids(PROMPT.prompt)
-    with Stack("sdpa", "fp32").activate(model) as module:
-        live = run_live(module, prompt, 8, 4, model.codec.eos_ids)
-        prefix = list(live.state.prefix)
-        full = Runner(module).full_logits(torch.tensor([prefix]))[0, -1]   # [V]
+    with fp32_live(name) as (model, module, prompt, live, prefix, full):
         arms = [live] + [run_construction(module, parse_construction(c), len(prompt), prefix, 4,
                                           model.codec.eos_ids) for c in ALL_ARMS[1:]]
     for arm in arms:
