@@ -6,7 +6,7 @@ import json
 from click.testing import CliRunner
 
 from harness.cli import main
-from harness.runs.bench import bench_command as real_command
+from harness.tasks.bench import bench_command as real_command
 
 
 def test_quick_bench_writes_kernels_report_and_index(tmp_path):
@@ -32,7 +32,7 @@ def test_speed_benches_write_their_json_only_into_the_reports_store(tmp_path, mo
     """pytest-benchmark writes straight into reports/<key>/bench/; nothing lands in .benchmarks/;
     a second result is compared with the first."""
     from harness.environment import envinfo
-    from harness.runs import bench
+    from harness.tasks import bench
 
     monkeypatch.setattr(bench, "bench_command", lambda path: real_command(path, quick=True))
     stray = bench.ROOT / ".benchmarks"     # pytest-benchmark's own store, no longer used

@@ -1,4 +1,4 @@
-"""harness.protocol.blame: the op that first gives the boundary position other bits, and its controls."""
+"""harness.runs.blame: the op that first gives the boundary position other bits, and its controls."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels
-from harness.protocol import blame as blame_lib
+from harness.runs import blame as blame_lib
 from harness.protocol.backends import Stack
 from harness.protocol.models import load_model
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from harness import names
 from harness.cli import main, version
-from harness.runs.launch import resolve_case
+from harness.tasks.launch import resolve_case
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "triton", "transformers", "numpy")

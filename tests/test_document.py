@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from harness.environment.compile import render_table as compile_table
+from harness.reports.compile_report import render_table as compile_table
 from harness.reports.document import (Bullets, Code, Details, Figure, Heading, Link, Paragraph,
                                       Table, fraction, interval_text, markdown, number, percent,
                                       plain_text, ratio, seconds, to_html)

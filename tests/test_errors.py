@@ -4,7 +4,7 @@ KVFID_DEBUG=1, and an unexpected exception reported as a bug (exit 70), never as
 import pytest
 from click.testing import CliRunner
 
-from harness.runs import ledger_views
+from harness.tasks import ledger_views
 from harness.runs.case import CaseError
 from harness.cli import main
 from harness.errors import BadInput, OutputError, Unavailable

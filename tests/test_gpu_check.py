@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from harness.environment import gpu_check
+from harness.tasks import gpu_check
 
 
 def test_dry_run_runs_every_step_into_at_most_eight_flat_files(tmp_path):

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from harness.environment import invariance, probes, twins
+from harness.environment import invariance, probes
+from harness.protocol import twins
 from harness.environment.invariance import IMPLEMENTATIONS, OPS, bits_equal, compare_kernels
 from harness.reports import invariance_table
 from harness.reports.invariance_table import render_table, write_result

@@ -7,7 +7,7 @@ import torch
 from helpers import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref,
                      bits_equal, device, randn)
 
-from harness.environment.twins import attention_twin
+from harness.protocol.twins import attention_twin
 from kernels.attention import BLOCK_M, attention, attention_ref, config_for
 
 

@@ -2,7 +2,7 @@
 
 The other kernel tests also run on CUDA when it is present (their tensors go to `device()`); these
 add shapes too large for the interpreter. The controls are the deliberately variant twins
-(harness.environment.twins), which differ on any GPU; whether stock cuBLAS varies is machine-dependent and is
+(harness.protocol.twins), which differ on any GPU; whether stock cuBLAS varies is machine-dependent and is
 a finding of `kvfid kernels` (its stock probes), not a test assumption.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import BATCH_SIZES, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal, randn
 
-from harness.environment.twins import attention_twin, matmul_twin
+from harness.protocol.twins import attention_twin, matmul_twin
 from kernels.attention import attention, attention_ref
 from kernels.matmul import matmul
 

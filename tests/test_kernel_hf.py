@@ -12,7 +12,7 @@ from helpers import assert_bitwise_equal, bits_equal, cache_keyword, device, tin
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
-from harness.environment import twins
+from harness.protocol import twins
 from kernels import hf, triton_runs_on
 from kernels.mode import set_batch_invariant_mode
 

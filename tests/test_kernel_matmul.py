@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from helpers import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal, max_abs_diff,
                      randn)
 
-from harness.environment.twins import matmul_twin
+from harness.protocol.twins import matmul_twin
 from kernels.matmul import bmm, matmul, matmul_ref
 from kernels.mode import set_batch_invariant_mode
 

@@ -187,7 +187,8 @@ def test_a_crash_marks_the_run_crashed_and_resumable(model, tmp_path, monkeypatc
 def test_publish_opens_the_ledger_once_and_aggregates_once(model, tmp_path, monkeypatch):
     """run -> aggregate -> report -> index on one open ledger (a new file: after the checks)."""
     from harness.reports import report
-    from harness.runs import ledger as ledger_module, publish as publish_module
+    from harness.runs import ledger as ledger_module
+    from harness.tasks import publish as publish_module
 
     opened, aggregated = [], []
     real_init, real_aggregate = ledger_module.Ledger.__init__, report.aggregate
@@ -205,7 +206,7 @@ def test_publish_opens_the_ledger_once_and_aggregates_once(model, tmp_path, monk
 
 def test_a_stored_run_is_published_once_more_from_its_result(smoke_copy, tmp_path):
     """What rank 0 of a torchrun launch does with the run the ranks measured."""
-    from harness.runs.ledger_views import publish_result
+    from harness.tasks.ledger_views import publish_result
 
     db, run_id = smoke_copy
     result = matrix.RunResult(run_id, "finished", 0, 9, 9)

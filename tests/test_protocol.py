@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness.protocol import cache as kv
-from harness.protocol import record
+from harness.protocol import record, record_read
 from harness.protocol.backends import Stack
 from harness.protocol.decode import Runner
 from harness.protocol.models import ByteCodec
@@ -115,7 +115,7 @@ def test_crossing_uses_one_prefix_for_every_cell():
     assert {c.fingerprints.prefix_sha for c in out.cells} == {out.prefix_sha}
     assert [w.stack for w in out.within] == ["sdpa/bf16", "sdpa/fp16", "sdpa/fp32"]
     assert out.cell("sdpa/fp16", "prefill").construction == "prefill"
-    assert record.from_json(out.to_json()) == out
+    assert record_read.from_json(out.to_json()) == out
 
 
 def test_eos_before_b_live_tokens_marks_the_item_short():
@@ -133,7 +133,7 @@ def test_eos_before_b_live_tokens_marks_the_item_short():
     assert f"EOS after {index + 1} of B=16" in short.note
     assert short.comparisons == () and short.prefix == ()
     assert short.arms["live"].generated == tuple(tokens[:index + 1])
-    assert record.from_json(short.to_json()) == short
+    assert record_read.from_json(short.to_json()) == short
     # --ignore-eos: the same item generates all B and S tokens and is compared.
     full = run_item(short_model, Stack("sdpa", "fp32"), PROMPT, ItemPlan(16, 4, ignore_eos=True))
     assert full.status == "ok" and full.ignore_eos and full.comparisons
@@ -263,21 +263,21 @@ def test_a_record_survives_its_json_round_trip_and_other_schemas_are_refused():
                     replicas=("prefill",), transplants=(parse_transplant("live<-prefill:keys"),))
     item = run_item(tiny(), Stack("sdpa", "bf16"), PROMPT, plan)
     text = item.to_json()
-    assert record.from_json(text) == item
-    assert record.from_json(item.to_json(indent=1)) == item
+    assert record_read.from_json(text) == item
+    assert record_read.from_json(item.to_json(indent=1)) == item
     data = json.loads(text)
     assert (data["schema"], data["kind"]) == (record.SCHEMA_VERSION, "item")
     with pytest.raises(record.RecordRefused, match="record schema 99 is not this kvfid's"):
-        record.from_json(json.dumps({**data, "schema": 99}))
+        record_read.from_json(json.dumps({**data, "schema": 99}))
     with pytest.raises(record.RecordRefused, match="unknown record kind"):
-        record.from_json(json.dumps({**data, "kind": "nonsense"}))
+        record_read.from_json(json.dumps({**data, "kind": "nonsense"}))
     with pytest.raises(record.RecordRefused, match="no field"):
-        record.from_json(json.dumps({**data, "extra": 1}))
+        record_read.from_json(json.dumps({**data, "extra": 1}))
     placed = dataclasses.replace(item, environment={"key": "cpu-x", "versions": {"torch": "2"}})
-    assert record.from_json(placed.to_json()) == placed
+    assert record_read.from_json(placed.to_json()) == placed
     # A changed field is a different record: the round trip is not vacuous.
     changed = dataclasses.replace(item, B=item.B + 1)
-    assert record.from_json(changed.to_json()) != item
+    assert record_read.from_json(changed.to_json()) != item
 
 
 def test_an_untagged_schema_2_record_reads_as_a_typed_record():
@@ -291,7 +291,7 @@ def test_an_untagged_schema_2_record_reads_as_a_typed_record():
     replica = json.loads(item.to_json())["replicas"][0]
     old["comparisons"].append({**replica["comparison"], "b": "prefill'",
                                "replica_fingerprints": replica["fingerprints"]})
-    assert record.from_json(json.dumps(old)) == dataclasses.replace(item, warmup_s=0.0)
+    assert record_read.from_json(json.dumps(old)) == dataclasses.replace(item, warmup_s=0.0)
 
     crossing = run_crossing(tiny(), PROMPT, Stack("sdpa", "fp32"), [Stack("sdpa", "fp32")], 4, 3)
     old = json.loads(crossing.to_json())
@@ -301,4 +301,4 @@ def test_an_untagged_schema_2_record_reads_as_a_typed_record():
         "forward_calls": c["forward_calls"], "wall_s": c["wall_s"]} for c in old["cells"]}
     old["comparisons"] = [{**w["comparison"], "stack": w["stack"]} for w in old.pop("within")]
     del old["schema"], old["kind"]
-    assert record.from_json(json.dumps(old)) == crossing
+    assert record_read.from_json(json.dumps(old)) == crossing

@@ -1,4 +1,4 @@
-"""harness.protocol.replay: supplied trajectories, per-token logprob mismatch, sampling, and `kvfid replay`."""
+"""harness.runs.replay: supplied trajectories, per-token logprob mismatch, sampling, and `kvfid replay`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 import kernels
-from harness.protocol import replay
+from harness.runs import replay
 from harness.protocol.backends import Stack
 from harness.cli import main
 from protocol_fixtures import tiny

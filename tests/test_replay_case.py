@@ -13,9 +13,9 @@ from click.testing import CliRunner
 
 import kernels
 from harness.cli import main
-from harness.protocol import record
+from harness.protocol import record, record_read
 from harness.protocol.backends import Stack
-from harness.protocol.replay import sample_trajectories
+from harness.runs.replay import sample_trajectories
 from harness.protocol.replay_record import LogprobMismatch, ReplayRecord
 from harness.reports.report import document, headline
 from harness.reports.document import markdown, to_html
@@ -78,7 +78,7 @@ def test_record_round_trip():
     m = LogprobMismatch(3, 1, 1 / 3, 0.5, 0.2, 1e-3, 2e-3, 2, (0.0, 0.0, 0.5), "ab")
     r = ReplayRecord(record.ItemRef("t"), "tiny-llama", {"label": "sdpa/bf16"}, 4, 3,
                      reference_sha="cd", constructions={"prefill": m, "chunked:2": m})
-    back = record.from_json(r.to_json())
+    back = record_read.from_json(r.to_json())
     assert back == r and isinstance(back.constructions["prefill"], LogprobMismatch)
     assert json.loads(r.to_json())["kind"] == "replay"
 

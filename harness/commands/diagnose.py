@@ -54,7 +54,7 @@ def repro(fmt, expect, **options) -> None:
 def blame(fmt, **options) -> None:
     """Name the op that first gives a position of P other bits in incremental decoding than in a
     prefill (or a chunk): a culprit has bit-equal inputs on both sides and a differing output."""
-    from harness.protocol.blame import blame_command
+    from harness.runs.blame import blame_command
 
     outcome = blame_command(**options)
     click.echo(json.dumps(outcome.to_json(), indent=1) if fmt == "json" else outcome.text())
@@ -72,7 +72,7 @@ def blame(fmt, **options) -> None:
 def replay(fmt, expect_exact, **options) -> None:
     """Re-score supplied trajectories (JSONL: prompt_ids or prompt, and tokens) the way a trainer
     does and report, per token, how its logprob differs from step-by-step generation."""
-    from harness.protocol import replay as replay_lib
+    from harness.runs import replay as replay_lib
 
     result = replay_lib.replay_command(progress=lambda i: click.echo(f"replay {i}", err=True),
                                        **options)
@@ -96,7 +96,7 @@ def replay(fmt, expect_exact, **options) -> None:
               help="The JSONL file to write.")
 def rollouts(**options) -> None:
     """Sample trajectories with temperature (sdpa/fp32, seeded): a real input for `kvfid replay`."""
-    from harness.protocol.replay import rollouts_command
+    from harness.runs.replay import rollouts_command
 
     rows, out = rollouts_command(**options)
     click.echo(f"{len(rows)} trajectories, {sum(len(r['tokens']) for r in rows)} tokens -> {out}",

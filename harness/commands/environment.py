@@ -43,14 +43,14 @@ def env(fmt: str) -> None:
 def kernels(dtypes, device, quick, threads, out, fmt) -> None:
     """Bitwise batch-invariance and prefill-vs-decode verdicts for every op and implementation;
     exit 1 if an implementation that claims invariance is not invariant."""
-    from harness.environment import invariance
-    from harness.environment.kernel_commands import kernel_verdicts
+    from harness.reports.invariance_table import render_table
+    from harness.tasks.kernel_commands import kernel_verdicts
 
     result, written = kernel_verdicts(dtypes, device, quick, threads, out,
                                       progress=lambda m: click.echo(m, err=True))
     if written:
         click.echo(f"kernels: {written}", err=True)
-    click.echo(json.dumps(result, indent=1) if fmt == "json" else invariance.render_table(result))
+    click.echo(json.dumps(result, indent=1) if fmt == "json" else render_table(result))
     exit_with(result["ok"])
 
 
@@ -69,8 +69,8 @@ def compile_command(archs, dtypes, kernel_names, quick, jobs, out, fmt) -> None:
     """Compile every Triton kernel config for GPU archs on this machine (no GPU needed) and
     inspect the cubins; exit 1 on a compile failure, spill, shared memory over the limit, atomic,
     or a bf16/fp16 product without tensor cores."""
-    from harness.environment.compile import render_table
-    from harness.environment.kernel_commands import compile_report
+    from harness.reports.compile_report import render_table
+    from harness.tasks.kernel_commands import compile_report
 
     report = compile_report(archs, dtypes, kernel_names, quick, jobs, out)
     click.echo(json.dumps(report, indent=1) if fmt == "json" else render_table(report))

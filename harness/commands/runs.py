@@ -30,7 +30,7 @@ def run(**options) -> None:
 
     Under `torchrun --nproc-per-node N -m harness.cli run CASE`, each rank runs its shard of
     the items into one run and rank 0 closes it and prints the headline."""
-    from harness.runs.launch import launch
+    from harness.tasks.launch import launch
 
     launched = launch(**options)
     for line in launched.lines:
@@ -44,7 +44,7 @@ def run(**options) -> None:
 @fmt_option
 def runs(db, fmt) -> None:
     """List the runs in the ledger (a run whose processes died shows as `died`)."""
-    from harness.runs.ledger_views import list_runs, runs_text
+    from harness.tasks.ledger_views import list_runs, runs_text
 
     rows = list_runs(db)
     click.echo(json.dumps(rows, indent=1) if fmt == "json" else runs_text(rows))
@@ -56,7 +56,7 @@ def runs(db, fmt) -> None:
 @fmt_option
 def show(run_id, db, fmt) -> None:
     """Print a run's aggregates (RUN: an id, a unique prefix, or `latest`)."""
-    from harness.runs.ledger_views import show_run
+    from harness.tasks.ledger_views import show_run
 
     click.echo(show_run(db, run_id, fmt))
 
@@ -70,7 +70,7 @@ def audit(run_id, db, item_count, quiet) -> None:
     """Check a stored run against its plan and its record checksums, then re-run it and check
     every fingerprint; exit 1 when anything is missing, changed or does not reproduce."""
     from harness.runs.audit import audit_run
-    from harness.runs.ledger_views import db_path
+    from harness.tasks.ledger_views import db_path
 
     result = audit_run(db_path(db), run_id, items=item_count, progress=not quiet)
     click.echo(result.text())
@@ -84,7 +84,7 @@ def audit(run_id, db, item_count, quiet) -> None:
               help="Reports folder; files go to OUT/<environment key>/<run id>/.")
 def report_command(run_id, db, out) -> None:
     """Write a run's report: report.md, report.html (self-contained) and summary.json."""
-    from harness.runs.ledger_views import report_run
+    from harness.tasks.ledger_views import report_run
 
     for name, path in report_run(db, run_id, out).items():
         click.echo(f"{name}: {path}")
@@ -97,7 +97,7 @@ def report_command(run_id, db, out) -> None:
 def merge(run_ids, db, into) -> None:
     """Merge runs of one case (e.g. shards) into a new run; exit 1 if a unit stored twice has
     different fingerprints."""
-    from harness.runs.ledger_views import merge_runs
+    from harness.tasks.ledger_views import merge_runs
 
     merged, copied, conflicts = merge_runs(db, list(run_ids), into)
     click.echo(f"run {merged.id} {merged.status}: {copied} units from {len(run_ids)} runs")
@@ -136,7 +136,7 @@ def compare_command(fmt, **options) -> None:
     (the latest finished run there, of the other side's case when it has one). Exit 1 when B
     regressed against A."""
     from harness.reports.compare import render_markdown
-    from harness.reports.compare_command import compare_command as run_compare
+    from harness.tasks.compare_command import compare_command as run_compare
 
     result, files = run_compare(**options)
     for name, path in files.items():
@@ -155,7 +155,7 @@ def compare_command(fmt, **options) -> None:
 def bench(reports, db, case_path, items, quick) -> None:
     """Everything `make bench` does: environment, kernel table, speed benches, the default
     fidelity case, its report and reports/index.md; exit 1 if a claimed invariance fails."""
-    from harness.runs.bench import run_bench
+    from harness.tasks.bench import run_bench
 
     start = time.perf_counter()
     outcome = run_bench(reports, db, case_path, kernels_quick=quick, speed=not quick,

@@ -26,7 +26,6 @@ from pathlib import Path
 
 from harness.environment.compile_plan import Target
 from harness.environment.roofline import Work, roofline
-from harness.reports.document import Bullets, Paragraph, Table, plain_text
 
 ROOT = Path(__file__).resolve().parents[2]
 # Maximum shared memory per block (CUDA C++ Programming Guide, "Technical Specifications per
@@ -206,46 +205,6 @@ def compile_targets(targets: list[Target], out: str | Path | None = None, jobs: 
     return {"ok": all(not r["problems"] for r in rows), "triton": triton.__version__,
             "cuobjdump": triton_tool("cuobjdump"), "jobs": jobs,
             "seconds": round(time.perf_counter() - start, 1), "configs": rows}
-
-
-def _floors(row: dict) -> str:
-    return ", ".join(f"{r['gpu']} {r['floor_us']:g} us ({r['bound'][:3]})" for r in row["roofline"])
-
-
-def compile_document(report: dict) -> list:
-    """The report as blocks of harness.reports.document: resources, instruction mix, roofline
-    floors, then each problem, each arch's count and the verdict."""
-    rows, found = [], []
-    for row in report["configs"]:
-        if "error" in row:
-            rows.append([row["name"], "FAILED"] + ["-"] * 8)
-        else:
-            shape = row["roofline"][0]["shape"] if row["roofline"] else ""
-            rows.append([row["name"], f"{row['num_warps']}/{row['num_stages']}",
-                         row["registers"], row["stack"], row["shared"], row["mma"], row["ffma"],
-                         row["atomics"], f"{row['stl']}/{row['ldl']}",
-                         f"{shape}: {_floors(row)}"])
-        found += [f"{row['name']}: {problem}" for problem in row["problems"]]
-    doc = [Table(["config", "w/s", "regs", "stack", "shared", "MMA", "FFMA", "atom", "STL/LDL",
-                  "roofline floor per launch"], rows)]
-    if found:
-        doc.append(Bullets(found))
-    counts = []
-    for arch in dict.fromkeys(r["arch"] for r in report["configs"]):
-        of_arch = [r for r in report["configs"] if r["arch"] == arch]
-        bad = [r for r in of_arch if r["problems"]]
-        line = f"{arch}: {len(of_arch) - len(bad)} of {len(of_arch)} configs pass"
-        if of_arch and all("error" in r for r in of_arch):
-            line += f"; cannot compile for {arch} here: {of_arch[0]['error']}"
-        counts.append(line)
-    return doc + [Bullets(counts),
-                  Paragraph(f"triton {report['triton']}, {report['jobs']} workers, "
-                            f"{report['seconds']} s; {'ok' if report['ok'] else 'FAILED'}")]
-
-
-def render_table(report: dict) -> str:
-    """The report for a terminal: aligned columns, then problems, counts per arch, the verdict."""
-    return plain_text(compile_document(report)).rstrip("\n")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

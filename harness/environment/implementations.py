@@ -3,7 +3,7 @@
 This module owns `IMPLEMENTATIONS`: (op, name) -> `Implementation`, for every op the models use
 (attention decode and prefill, matmul, RMSNorm, softmax, log-softmax): stock torch, SDPA and eager
 as transformers calls them, the Triton kernels, the stock ops under the batch-invariant modes, and
-each op's deliberately variant twin (harness.environment.twins), the control that shows the checks can fail on
+each op's deliberately variant twin (harness.protocol.twins), the control that shows the checks can fail on
 any machine. Each entry says which invariances (batch, sequence) it claims; harness.environment.invariance
 checks them.
 A test may replace an entry (monkeypatch.setitem).
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from harness.environment import twins
+from harness.protocol import twins
 
 OPS = ("attention-decode", "attention-prefill", "matmul", "rms-norm", "softmax", "log-softmax")
 ATTENTION_OPS = OPS[:2]

@@ -4,8 +4,8 @@ This module owns `compare_kernels()`, which runs every implementation of every o
 decode and prefill, matmul, RMSNorm, softmax, log-softmax; stock torch, SDPA and eager as
 transformers calls them, the Triton kernels, and the batch-invariant modes) through two bitwise
 checks. The implementations and their claims live in harness.environment.implementations; the
-table (`render_table`) and the filed result (`write_result`) in harness.reports.invariance_table
-(both re-exported here).
+table (`render_table`) and the filed result (`write_result`) in harness.reports.invariance_table,
+a floor above.
 
 * **batch**: rows computed alone against the same rows inside batches of 2 ... 128 (each batch
   size its own call); for attention a row is a sequence (the batch axis), for the row ops a row of
@@ -17,7 +17,7 @@ table (`render_table`) and the filed result (`write_result`) in harness.reports.
 Bits are compared (so -0.0 differs from +0.0); a difference is reported with the first failing
 batch size or position and the max abs difference, never turned into a tolerance. An
 implementation that claims an invariance and fails it makes the result's `ok` False, and so does a
-deliberately variant twin (harness.environment.twins) that a check fails to catch: that check could not fail.
+deliberately variant twin (harness.protocol.twins) that a check fails to catch: that check could not fail.
 Whether a stock op is invariant differs between machines (CPU instruction sets, BLAS paths): a
 stock row that passes a check is a finding, "stock invariant here", never an error.
 """
@@ -33,16 +33,16 @@ from dataclasses import asdict, dataclass
 import torch
 
 from harness.environment import envinfo
-from harness.runs.checks import check_cuda
+from harness.checks import check_cuda
 from kernels import DTYPES
 from harness.protocol.cache import bits_equal  # noqa: F401 (re-exported: the one bitwise comparison)
+from harness.environment.measure import BATCH_SIZES, max_abs_diff, randn
+from harness.environment.probes import probe_stock
 from harness.environment.implementations import (  # noqa: F401 (re-exported)
     ATTENTION_OPS, IMPLEMENTATIONS, OPS, Implementation, attention_eager, attention_sdpa,
     attention_triton, log_softmax_triton, matmul_stock, matmul_triton, rms_norm_stock,
     rms_norm_triton, softmax_triton)
-from harness.reports.invariance_table import render_table, write_result  # noqa: F401 (re-exported)
 
-BATCH_SIZES = (2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 64, 128)
 # quick: tile edges (7/8, 16/17), two tiles (33) and the size where stock fp32 mm differs (7).
 QUICK_BATCH_SIZES = (2, 3, 7, 8, 16, 17, 33)
 
@@ -78,11 +78,6 @@ SHAPES = {
 
 
 # ---- bitwise comparison ------------------------------------------------------------------------
-
-def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest |a - b| in fp64 (NaN when one side has a NaN or an inf the other lacks)."""
-    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
-
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
     """A new contiguous tensor, as a model step would pass (no view offsets into a pool)."""
@@ -170,11 +165,6 @@ def row_sequence_check(call: Callable, pool: torch.Tensor, length: int,
 
 # ---- inputs ------------------------------------------------------------------------------------
 
-def randn(gen: torch.Generator, *shape, scale: float = 1.0) -> torch.Tensor:
-    """Seeded normal inputs (fp32, on the CPU), scaled."""
-    return torch.randn(*shape, generator=gen) * scale
-
-
 def _row_op_inputs(op: str, shapes: Shapes, pool_rows: int, gen: torch.Generator):
     """(pool [rows, K] in fp32, params in fp32 or plain numbers) for a row op."""
     if op == "matmul":
@@ -243,7 +233,6 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
     stock mm and SDPA searched over a grid of shapes for a witness of variance (harness.environment.probes).
     """
     import kernels  # selects the Triton interpreter before triton loads, when there is no CUDA
-    from harness.environment.probes import probe_stock  # imports this module
     from kernels.mode import set_batch_invariant_mode
 
     names = {name for _, name in IMPLEMENTATIONS}

@@ -16,7 +16,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from harness.environment.invariance import BATCH_SIZES, DTYPES, bits_equal, max_abs_diff, randn
+from harness.environment.measure import BATCH_SIZES, max_abs_diff, randn
+from harness.protocol.cache import bits_equal
+from kernels import DTYPES
 
 # (K, N): SmolLM2's k/v projection, its MLP up projection, the down projection, a small odd one.
 MATMUL_GRID = ((576, 192), (576, 1536), (1536, 576), (96, 80))

@@ -18,7 +18,7 @@ import torch
 
 from harness.errors import Unavailable
 from harness.names import BACKENDS, DTYPE_NAMES
-from harness.runs.checks import check_cuda
+from harness.checks import check_cuda
 
 from kernels import DTYPES  # noqa: E402  (re-exported: the stack's dtype names)
 
@@ -94,13 +94,13 @@ def _triton_implementation() -> str:
 
 
 def _twin_implementation() -> str:
-    from harness.environment import twins
+    from harness.protocol import twins
 
     return twins.register_hf()
 
 
 # twin is the negative control: correct attention whose split-KV count follows the call's shape,
-# so live, prefill and batched constructions differ on every machine (harness.environment.twins).
+# so live, prefill and batched constructions differ on every machine (harness.protocol.twins).
 _IMPLEMENTATIONS = {"sdpa": lambda: "sdpa", "eager": lambda: "eager",
                     "triton": _triton_implementation, "twin": _twin_implementation}
 for _name, _description in BACKENDS.items():

@@ -3,11 +3,10 @@
 A unit of a run is one `ItemRecord` (one item on one stack: its arms, their comparisons against
 live, replicas, transplants) or one `CrossingRecord` (one item's fixed-prefix precision
 crossing: a cell per (stack, construction) and a comparison within each stack). Every field name
-is spelled here only; readers use attributes. `to_json` / `from_json` are the one serialization:
-`{"schema": SCHEMA_VERSION, "kind": ..., fields...}`, decoded field by field from the type hints
-(harness.protocol.plain), so a new record kind is a frozen dataclass with a `KIND` added to `KINDS`. Records of schema 1-2
-(the untagged dicts of earlier ledgers) are read through harness.protocol.record_legacy; any other
-schema is refused with one line.
+is spelled here only; readers use attributes. `to_json` here and `from_json`
+(harness.protocol.record_read) are the one serialization: `{"schema": SCHEMA_VERSION, "kind": ...,
+fields...}`, decoded field by field from the type hints (harness.protocol.plain), so a new record
+kind is a frozen dataclass with a `KIND` added to `KINDS`.
 """
 
 from __future__ import annotations
@@ -309,34 +308,3 @@ def to_dict(record) -> dict:
 def to_json(record, indent: int | None = None) -> str:
     separators = None if indent is not None else (",", ":")
     return json.dumps(to_dict(record), indent=indent, separators=separators)
-
-
-def from_json(text: str):
-    """The record stored as `text`; RecordRefused for another schema or something else."""
-    try:
-        data = json.loads(text)
-    except (TypeError, ValueError):
-        raise RecordRefused("stored record is not JSON") from None
-    return from_dict(data)
-
-
-def from_dict(data: dict):
-    if not isinstance(data, dict):
-        raise RecordRefused(f"a record is a JSON object, not {type(data).__name__}")
-    if "schema" not in data:
-        from harness.protocol.record_legacy import from_untagged
-
-        return from_untagged(data)
-    if data["schema"] != SCHEMA_VERSION:
-        raise RecordRefused(f"record schema {data['schema']!r} is not this kvfid's "
-                            f"({SCHEMA_VERSION}); read it with the kvfid that wrote it")
-    import harness.protocol.replay_record  # noqa: F401 (registers the replay kind)
-
-    kind = KINDS.get(data.get("kind"))
-    if kind is None:
-        raise RecordRefused(f"unknown record kind {data.get('kind')!r}; known: "
-                            f"{', '.join(KINDS)}")
-    try:
-        return decode(kind, {k: v for k, v in data.items() if k not in ("schema", "kind")})
-    except (TypeError, ValueError) as err:
-        raise RecordRefused(f"not a kvfid {kind.KIND} record ({err})") from None

@@ -1,8 +1,7 @@
 """The record of one replayed trajectory on one stack: the ledger stores it like any unit.
 
 Its own module because record.py is full; `ReplayRecord` registers itself in record.KINDS, and
-record.from_dict imports this module before it looks a kind up, so a stored replay unit reads
-back wherever records are read.
+record_read imports this module, so a stored replay unit reads back wherever records are read.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from collections import Counter, defaultdict
 
 from harness.protocol.plain import as_plain
 from harness.protocol.record import CrossingRecord, ItemRecord
-from harness.protocol.replay import aggregate as replay_aggregate
+from harness.runs.replay import aggregate as replay_aggregate
 from harness.protocol.replay_record import ReplayRecord
 from harness.runs import stats
 
@@ -134,7 +134,7 @@ def _construction(rows: list, kind: str, replicas: dict, S: int) -> dict:
 
 
 def _replay(units: list) -> dict:
-    """Per construction over the stack's trajectories: harness.protocol.replay.aggregate."""
+    """Per construction over the stack's trajectories: harness.runs.replay.aggregate."""
     records = [u.record for u in sorted(units, key=lambda u: u.item_index)]
     return {c: replay_aggregate([as_plain(r.constructions[c]) for r in records
                                  if c in r.constructions])

@@ -24,9 +24,9 @@ from pathlib import Path
 from harness.protocol.backends import DTYPES, Stack, backend_names, parse_stack
 from harness.runs.case_fields import CaseError, Validator
 from harness.runs.case_stacks import stack_groups, stack_tables
-from harness.runs.checks import construction_reason, count_reason
+from harness.checks import construction_reason, count_reason
 from harness.protocol.items import item_set_reason, load_item_set
-from harness.protocol.replay import CONSTRUCTIONS as REPLAY_CONSTRUCTIONS
+from harness.runs.replay import CONSTRUCTIONS as REPLAY_CONSTRUCTIONS
 from harness.protocol.models import PRESETS, model_names
 from harness.protocol.protocol import (CONSTRUCTION_HELP, ItemPlan, ProtocolError, TransplantSpec,
                               parse_transplant)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from harness.protocol.backends import DTYPES, Stack, backend_names
-from harness.runs.checks import device_reason, threads_reason
+from harness.checks import device_reason, threads_reason
 
 
 def stack_tables(v, data: dict) -> list[dict]:

@@ -21,7 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from harness.errors import BadInput
-from harness.protocol.record import CrossingRecord, RecordRefused, from_json, to_json
+from harness.protocol.record import CrossingRecord, RecordRefused, to_json
+from harness.protocol.record_read import from_json
 from harness.runs.lease import Lease, this_process
 from harness.runs.ledger_file import LedgerRefused, connect, record_sha
 from harness.runs.rows import fingerprints, record_rows

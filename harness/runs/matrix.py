@@ -21,7 +21,7 @@ import torch
 
 from harness.environment import envinfo
 from harness.runs.case import Case, CaseError
-from harness.runs.checks import check_cuda, selection_reason
+from harness.checks import check_cuda, selection_reason
 from harness.errors import BadInput, Unavailable
 from harness.protocol.backends import check_supports
 from harness.protocol.items import load_item_set, match_answer
@@ -30,7 +30,7 @@ from harness.runs.ledger_file import probe
 from harness.protocol.models import ModelUnavailable, load_model
 from harness.protocol.protocol import ProtocolError, run_crossing, run_item
 from harness.protocol.record import CrossingRecord
-from harness.protocol.replay import replay_unit
+from harness.runs.replay import replay_unit
 from harness.names import CASES
 from harness.runs import replay_matrix
 

@@ -1,13 +1,13 @@
 """A replay case bound to its model: the trajectories loaded and checked before any compute.
 
 Its units are (stack, trajectory): `Matrix.measure` re-scores one trajectory on one stack with
-harness.protocol.replay (the code `kvfid replay` runs), into a ReplayRecord the ledger stores.
+harness.runs.replay (the code `kvfid replay` runs), into a ReplayRecord the ledger stores.
 """
 
 from __future__ import annotations
 
 from harness.protocol.backends import check_supports
-from harness.protocol.replay import check_fits, load_trajectories
+from harness.runs.replay import check_fits, load_trajectories
 from harness.runs.case_fields import CaseError
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.runs import checks
+from harness import checks
 from harness.protocol.backends import Stack, check_supports
 from harness.errors import BadInput
 from harness.names import BIT_EXACT, DIVERGES, MODEL_NAMES, PRESET_NAMES
@@ -149,7 +149,7 @@ class ReproOutcome:
                 "verdict": self.verdict, "environment_key": self.environment_key}
 
     def text(self) -> str:
-        from harness.reports import render
+        from harness.runs import render
 
         shown = self.verdict or "none (nothing was compared with live)"
         return f"{render.item_text(self.record, self.codec)}\n\nverdict: {shown}"

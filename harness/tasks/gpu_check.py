@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.runs.bench import bench_command
+from harness.tasks.bench import bench_command
 
 ROOT = Path(__file__).resolve().parents[2]
 

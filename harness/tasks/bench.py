@@ -43,8 +43,9 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
     """Run every `make bench` step; return the headline and the files written."""
     from harness.environment import envinfo, invariance
     from harness.runs.case import load_case
-    from harness.runs.launch import resolve_case
-    from harness.runs.publish import publish
+    from harness.tasks.launch import resolve_case
+    from harness.reports.invariance_table import write_result
+    from harness.tasks.publish import publish
 
     chosen = load_case(resolve_case(case))      # a bad case is refused before any compute
     if items is not None:
@@ -62,7 +63,7 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
     kernels = invariance.compare_kernels(quick=kernels_quick, threads=1,
                                          device="cuda" if environment["cuda_available"]
                                          else "cpu", progress=_log)
-    out.files["kernels"] = str(invariance.write_result(kernels, reports))
+    out.files["kernels"] = str(write_result(kernels, reports))
     out.seconds["kernels"] = time.perf_counter() - start
     out.invariance_ok = kernels["ok"]
     claimed = [r for r in kernels["rows"] if r["claims"]["batch"] or r["claims"]["sequence"]]

@@ -46,7 +46,7 @@ def launch(case_name: str, item_count: int | None = None, db=None, resume: str |
     """Run the case into the ledger (see the module docstring)."""
     from harness.runs import distributed, matrix
     from harness.runs.case import load_case
-    from harness.runs.ledger_views import db_path, publish_result, run_and_publish
+    from harness.tasks.ledger_views import db_path, publish_result, run_and_publish
 
     case = load_case(resolve_case(case_name))
     if item_count is not None:

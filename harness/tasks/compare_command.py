@@ -8,7 +8,7 @@ def compare_command(a: str, b: str, db=None, db_a=None, db_b=None, out=None,
     """Compare A with B (`harness.reports.compare.compare`; `inputs`: kernels_a/b, bench_a/b,
     threshold, reports); returns the result and {name: path} of the files written to `out`."""
     from harness.reports import compare
-    from harness.runs.ledger_views import db_path
+    from harness.tasks.ledger_views import db_path
 
     result = compare.compare((db_path(db_a or db), db_path(db_b or db)), a, b,
                              allow_different=allow_different, **inputs)

@@ -82,9 +82,9 @@ def report_run(db: str | Path | None, run_id: str, out: str | Path = "reports") 
 def run_and_publish(case, db: str | Path | None, *, report: bool = False,
                     out: str | Path = "reports", **options):
     """`kvfid run CASE [--report]`: the case run into the ledger (opened once), aggregated once,
-    and with `report` its report and the index written (harness.runs.publish.Published: `.result`,
+    and with `report` its report and the index written (harness.tasks.publish.Published: `.result`,
     `.headline()`, `.files`). `options`: items, run_id, resume, shard, model, progress."""
-    from harness.runs.publish import publish
+    from harness.tasks.publish import publish
 
     return publish(case, db_path(db), reports=out, report=report, **options)
 
@@ -93,7 +93,7 @@ def publish_result(db: str | Path | None, result, *, report: bool = False,
                    out: str | Path = "reports"):
     """Rank 0 of a torchrun launch: the run the ranks measured (`result`, a RunResult),
     aggregated once and, with `report`, reported and indexed, on one open ledger."""
-    from harness.runs.publish import publish_run
+    from harness.tasks.publish import publish_run
 
     with Ledger(db_path(db)) as ledger:
         return publish_run(ledger, result, reports=out, report=report)

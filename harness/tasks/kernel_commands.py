@@ -18,7 +18,8 @@ def kernel_verdicts(dtypes: str, device: str | None, quick: bool, threads: int, 
     """The batch-invariance and prefill-vs-decode verdicts (`invariance.compare_kernels`) and,
     with `out`, the file they were written to."""
     from harness.environment import invariance
-    from harness.runs import checks
+    from harness import checks
+    from harness.reports.invariance_table import write_result
 
     device = checks.device_and_threads(device, threads)
     try:
@@ -26,7 +27,7 @@ def kernel_verdicts(dtypes: str, device: str | None, quick: bool, threads: int, 
                                             progress=progress)
     except ValueError as err:
         raise BadInput(str(err)) from None
-    return result, (invariance.write_result(result, out) if out else None)
+    return result, (write_result(result, out) if out else None)
 
 
 def compile_report(archs: str, dtypes: str, kernels: str | None, quick: bool, jobs: int | None,

@@ -1,0 +1,159 @@
+"""The floors hold: every import in harness/ and kernels/ (inside functions too) goes to its own
+floor or one below, in the order docs/architecture.md states once, and no modules import each
+other in a circle."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("harness", "kernels")
+
+
+def floors(text: str) -> list[list[str]]:
+    """The ```floors block of architecture.md: one floor a line, top first; names on a line share
+    a floor."""
+    block = re.search(r"```floors\n(.*?)```", text, flags=re.S)
+    assert block, "docs/architecture.md has no ```floors block"
+    return [line.split() for line in block.group(1).splitlines() if line.strip()]
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str, root: Path) -> bool:
+    path = root.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imports(path: Path, root: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import of harness or kernels in `path`, wherever it stands:
+    `from a import b` counts as importing a.b when a.b is a module, else as importing a."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            for alias in node.names:
+                whole = f"{base}.{alias.name}"
+                found.append((node.lineno, whole if is_module(whole, root) else base))
+    return [(line, m) for line, m in found if m.split(".")[0] in PACKAGES]
+
+
+def graph(root: Path) -> dict[str, list[tuple[int, str]]]:
+    return {module_name(p, root): imports(p, root)
+            for package in PACKAGES for p in sorted((root / package).rglob("*.py"))}
+
+
+def placed(module: str, units: list[str]) -> str | None:
+    """The floor unit a module belongs to: the longest unit that is it or holds it."""
+    holding = [u for u in units if module == u or module.startswith(u + ".")]
+    return max(holding, key=len) if holding else None
+
+
+def problems(root: Path, order: list[list[str]]) -> list[str]:
+    """Every upward import, unplaced module and import circle, as lines naming file and line."""
+    level = {unit: -i for i, line in enumerate(order) for unit in line}   # higher floor, higher level
+    edges = graph(root)
+    found = []
+    for module, targets in edges.items():
+        if module == "harness":                       # the root package: a docstring, no imports
+            found += [f"harness/__init__.py:{line} imports {t}" for line, t in targets]
+            continue
+        unit = placed(module, list(level))
+        if unit is None:
+            found.append(f"{module} is on no floor of docs/architecture.md")
+            continue
+        for line, target in targets:
+            other = placed(target, list(level))
+            if other is not None and level[other] > level[unit]:
+                found.append(f"{module.replace('.', '/')}.py:{line} imports {target}: "
+                             f"upward, from floor {unit} to {other}")
+    found += [f"import circle: {' -> '.join(c)}" for c in circles(
+        {m: {t for _, t in ts if t in edges and t != m} for m, ts in edges.items()})]
+    units = {}
+    for module, targets in edges.items():
+        unit = placed(module, list(level))
+        for _, target in targets:
+            other = placed(target, list(level))
+            if unit and other and other != unit:
+                units.setdefault(unit, set()).add(other)
+    found += [f"package circle: {' -> '.join(c)}" for c in circles(units)]
+    return found
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each node that lies on one (depth-first, in name order)."""
+    seen, found, on_path = set(), [], []
+
+    def visit(node: str) -> None:
+        if node in on_path:
+            found.append(on_path[on_path.index(node):] + [node])
+            return
+        if node in seen:
+            return
+        seen.add(node)
+        on_path.append(node)
+        for target in sorted(edges.get(node, ())):
+            visit(target)
+        on_path.pop()
+
+    for node in sorted(edges):
+        visit(node)
+    return found
+
+
+def test_imports_go_only_downward_and_never_in_a_circle():
+    order = floors((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    found = problems(ROOT, order)
+    assert not found, "\n".join(found)
+
+
+def test_the_floors_name_every_package_once():
+    order = floors((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    units = [u for line in order for u in line]
+    assert len(units) == len(set(units))
+    assert all(is_module(u, ROOT) for u in units), units
+    assert [line for line in order if "kernels" in line] == [["kernels"]] == order[-1:]
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+FLOORS = [["harness.top"], ["harness.low"], ["kernels"]]
+BASE = {"harness/__init__.py": "", "harness/top/__init__.py": "", "harness/low/__init__.py": "",
+        "kernels/__init__.py": "", "harness/top/a.py": "from harness.low import b\n",
+        "harness/low/b.py": "import kernels\n"}
+
+
+def test_the_check_finds_an_upward_import_inside_a_function(tmp_path):
+    root = _tree(tmp_path, {**BASE, "harness/low/c.py": "def f():\n    from harness.top.a import x\n"})
+    assert problems(root, FLOORS) == [
+        "harness/low/c.py:2 imports harness.top.a: upward, from floor harness.low to harness.top",
+        "package circle: harness.low -> harness.top -> harness.low"]
+    assert problems(_tree(tmp_path, {"harness/low/c.py": "import kernels\n"}), FLOORS) == []
+
+
+def test_the_check_finds_a_circle_inside_a_package_and_kernels_importing_harness(tmp_path):
+    root = _tree(tmp_path, {**BASE, "harness/low/c.py": "from harness.low import d\n",
+                            "harness/low/d.py": "def f():\n    from . import c\n",
+                            "kernels/k.py": "from harness.low import b\n"})
+    assert problems(root, FLOORS) == [
+        "kernels/k.py:1 imports harness.low.b: upward, from floor kernels to harness.low",
+        "import circle: harness.low.c -> harness.low.d -> harness.low.c",
+        "package circle: harness.low -> kernels -> harness.low"]
