@@ -9,6 +9,8 @@ caller may catch either the specific error or the kind.
 
 from __future__ import annotations
 
+import errno
+
 EXIT_OK, EXIT_VERDICT, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
 EXIT_INTERNAL = 70   # an exception kvfid did not expect: a bug (EX_SOFTWARE); never a verdict
 
@@ -43,6 +45,36 @@ class OutputError(KvfidError):
     def __init__(self, message: str, exit_code: int = EXIT_USAGE) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class DiskFull(Unavailable):
+    """The disk filled while kvfid wrote (exit 3); what was stored before stays stored."""
+
+
+class ReadOnly(Unavailable):
+    """A file or folder kvfid must write and cannot: read-only file, folder or file system (exit 3)."""
+
+
+# SQLite's primary result codes (the low byte of an extended code) and errno values for each kind.
+_SQLITE_READONLY, _SQLITE_FULL = 8, 13
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_READONLY_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def write_failure(err: BaseException, path) -> Unavailable | None:
+    """The environment error a failed write of `path` is: DiskFull (SQLITE_FULL, "database or
+    disk is full", ENOSPC, EDQUOT) or ReadOnly (SQLITE_READONLY, EROFS, EACCES, EPERM); None for
+    any other failure, which stays what it was."""
+    code = getattr(err, "sqlite_errorcode", None)       # sqlite3.Error, Python >= 3.11
+    primary = code & 0xFF if isinstance(code, int) else None
+    text = (err.strerror if isinstance(err, OSError) and err.strerror else None) or str(err)
+    if primary == _SQLITE_FULL or "database or disk is full" in text or \
+            (isinstance(err, OSError) and err.errno in _FULL_ERRNOS):
+        return DiskFull(f"{path}: disk full ({text})")
+    if primary == _SQLITE_READONLY or "readonly database" in text or \
+            (isinstance(err, OSError) and err.errno in _READONLY_ERRNOS):
+        return ReadOnly(f"{path}: read-only, kvfid cannot write there ({text})")
+    return None
 
 
 class Interrupted(KvfidError):

@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 import redteam  # noqa: E402
+import redteam_ledger  # noqa: E402
 
 
 def _sha(path: Path):
@@ -90,6 +91,23 @@ def main() -> None:
             outcome = redteam.invoke(*args)
         clean = outcome.clean_refusal(codes=(code,)) and not redteam.partial_files(tmp)
         _count(table, "unwritable or full outputs", outcome, clean)
+
+    with redteam_ledger.read_only_folder(tmp / "ro", {"ledger.sqlite": good}):
+        for what, path, args in redteam_ledger.read_only_cases(good, tmp / "ro"):
+            before = _sha(tmp / "ro" / "ledger.sqlite"), sorted(os.listdir(tmp / "ro"))
+            outcome = redteam.invoke(*args)
+            clean = outcome.clean_refusal(path, "read-only", codes=(3,)) and \
+                (_sha(tmp / "ro" / "ledger.sqlite"), sorted(os.listdir(tmp / "ro"))) == before
+            _count(table, "read-only ledger or full disk (kvfid run)", outcome, clean)
+    full = tmp / "full" / "ledger.sqlite"
+    with redteam_ledger.ledger_full_after(6):
+        outcome = redteam.invoke("run", redteam.SMOKE, "--db", full, "--quiet")
+    clean = outcome.clean_refusal(full, "disk full", codes=(3,))
+    if clean:
+        run_id = outcome.error_lines[0].split("--resume ")[1].strip()
+        clean = redteam.invoke("run", redteam.SMOKE, "--db", full, "--resume", run_id,
+                               "--quiet").exit_code == 0
+    _count(table, "read-only ledger or full disk (kvfid run)", outcome, clean)
 
     print("| check | tried | clean | tracebacks | hangs | other | exit codes |\n"
           "|---|---|---|---|---|---|---|")

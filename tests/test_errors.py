@@ -1,13 +1,17 @@
 """The one error hierarchy: each kind's exit code, one line on stderr, the traceback only with
 KVFID_DEBUG=1, and an unexpected exception reported as a bug (exit 70), never as a verdict."""
 
+import errno
+import sqlite3
+
 import pytest
 from click.testing import CliRunner
 
 from harness.tasks import ledger_views
 from harness.runs.case import CaseError
 from harness.cli import main
-from harness.errors import BadInput, OutputError, Unavailable
+from harness.errors import (BadInput, DiskFull, OutputError, ReadOnly, Unavailable,
+                            write_failure)
 from harness.runs.ledger import LedgerError
 from harness.runs.ledger_file import LedgerRefused
 from harness.protocol.models import ModelUnavailable
@@ -17,6 +21,7 @@ from harness.protocol.models import ModelUnavailable
     (BadInput("bad\ninput"), 2), (CaseError("c.toml: [items] n"), 2), (LedgerError("no run"), 2),
     (Unavailable("no GPU"), 3), (LedgerRefused("l.sqlite: foreign"), 3),
     (ModelUnavailable("hf:x"), 3), (OutputError("full", 3), 3), (OutputError("denied"), 2),
+    (DiskFull("l.sqlite: disk full"), 3), (ReadOnly("l.sqlite: read-only"), 3),
 ])
 def test_each_kind_has_its_exit_code_and_one_line(monkeypatch, error, code):
     def fail(db):
@@ -51,3 +56,37 @@ def test_an_interrupted_run_is_one_line_and_exit_130(monkeypatch):
     result = CliRunner().invoke(main, ["runs"])
     assert result.exit_code == 130
     assert result.output == "interrupted: `kvfid run smoke --resume r1` continues run r1\n"
+
+
+def _sqlite_failure(tmp_path, limit_pages: bool):
+    """The error SQLite itself raises writing a ledger that is full (max_page_count reached, as
+    SQLITE_FULL on a full disk) or opened read-only."""
+    tmp_path.mkdir()
+    db = tmp_path / "l.sqlite"
+    with sqlite3.connect(db) as setup:
+        setup.execute("CREATE TABLE t (x TEXT)")
+    conn = (sqlite3.connect(db) if limit_pages else
+            sqlite3.connect(f"file:{db}?mode=ro", uri=True))
+    if limit_pages:
+        (pages,) = conn.execute("PRAGMA page_count").fetchone()
+        conn.execute(f"PRAGMA max_page_count={pages}")
+    try:
+        with conn:
+            conn.execute("INSERT INTO t VALUES (?)", ("x" * 100_000,))
+    except sqlite3.OperationalError as err:
+        return err
+    finally:
+        conn.close()
+    raise AssertionError("the write succeeded")
+
+
+def test_sqlite_and_os_write_failures_map_to_environment_kinds(tmp_path):
+    full = write_failure(_sqlite_failure(tmp_path / "a", True), "l.sqlite")
+    assert isinstance(full, DiskFull) and full.exit_code == 3
+    assert str(full) == "l.sqlite: disk full (database or disk is full)"
+    read_only = write_failure(_sqlite_failure(tmp_path / "b", False), "l.sqlite")
+    assert isinstance(read_only, ReadOnly) and "attempt to write a readonly database" in str(read_only)
+    assert isinstance(write_failure(OSError(errno.ENOSPC, "No space left on device"), "f"), DiskFull)
+    assert isinstance(write_failure(OSError(errno.EROFS, "Read-only file system"), "f"), ReadOnly)
+    assert write_failure(sqlite3.OperationalError("no such table: t"), "f") is None
+    assert write_failure(KeyError("x"), "f") is None

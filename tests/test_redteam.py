@@ -20,6 +20,7 @@ import pytest
 from harness.runs import ledger_file
 from harness import outputs
 from harness.runs.lease import this_process
+from redteam_ledger import ledger_full_after, read_only_cases, read_only_folder
 from redteam import (BASELINE, SMOKE, case_variants, damaged_ledgers, invoke, ledger_commands,
                      repro_inputs, run_case_variant, runs_left)
 
@@ -280,3 +281,47 @@ def test_audit_of_a_partial_run_lists_what_is_pending_without_failing(good, tmp_
                                      "WHERE item_index = 1; UPDATE runs SET status = 'partial';")
     outcome = invoke("audit", "latest", "--db", copy, "--quiet")
     assert outcome.exit_code == 0 and "3 planned units are not stored yet" in outcome.output
+
+
+# --------------------------------------------------------------------------- unwritable ledgers
+
+def test_a_read_only_ledger_is_refused_before_compute(good, tmp_path, monkeypatch):
+    """A read-only ledger file or folder: exit 3, one line naming the file, no model loaded,
+    nothing written (read_only_folder says how the folder is made read-only)."""
+    from harness.runs import matrix
+
+    def no_compute(*_):
+        raise AssertionError("the case was prepared: compute would start")
+
+    monkeypatch.setattr(matrix, "Matrix", no_compute)
+    folder = tmp_path / "ro"
+    with read_only_folder(folder, {"ledger.sqlite": good}) as how:
+        for what, path, args in read_only_cases(good, folder):
+            before = sha(folder / "ledger.sqlite"), listing(folder)
+            outcome = invoke(*args)
+            refused = outcome.clean_refusal(path, "read-only", codes=(3,))
+            assert refused, (what, how, outcome.output)
+            assert (sha(folder / "ledger.sqlite"), listing(folder)) == before, (what, how)
+        assert sha(folder / "ledger.sqlite") == sha(good)
+
+
+def test_a_disk_that_fills_during_a_run_is_exit_3_and_resume_finishes_it(smoke_run, tmp_path):
+    """The ledger fills after a few units: exit 3, one line "disk full" naming the file and the
+    run; what was stored stays, and --resume (with room again) stores the rest, fingerprints
+    equal to a clean run's."""
+    from harness.runs.ledger import Ledger
+
+    db = tmp_path / "ledger.sqlite"
+    with ledger_full_after(6):
+        outcome = invoke("run", SMOKE, "--db", db, "--quiet")
+    assert outcome.clean_refusal(db, "disk full", codes=(3,)), outcome.output
+    run_id = outcome.error_lines[0].split("--resume ")[1].strip()
+    with Ledger(db, readonly=True) as ledger:
+        assert 0 < len(ledger.stored_units(run_id)) < ledger.run(run_id).design["units"]
+        assert ledger.run(run_id).status == "crashed"
+    resumed = invoke("run", SMOKE, "--db", db, "--resume", run_id, "--quiet")
+    assert resumed.exit_code == 0, resumed.output
+    clean_db, clean_id = smoke_run
+    with Ledger(db, readonly=True) as ledger, Ledger(clean_db, readonly=True) as clean:
+        assert ledger.run(run_id).status == "finished"
+        assert ledger.stored_fingerprints(run_id) == clean.stored_fingerprints(clean_id)

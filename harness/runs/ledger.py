@@ -24,7 +24,7 @@ from harness.errors import BadInput
 from harness.protocol.record import CrossingRecord, RecordRefused, to_json
 from harness.protocol.record_read import from_json
 from harness.runs.lease import Lease, this_process
-from harness.runs.ledger_file import LedgerRefused, connect, record_sha
+from harness.runs.ledger_file import LedgerRefused, Transaction, connect, record_sha
 from harness.runs.rows import fingerprints, record_rows
 
 DEFAULT_DB = Path("reports") / "ledger.sqlite"
@@ -298,20 +298,7 @@ class Ledger:
             (run_id,))]
 
     def _transaction(self):
-        return _Transaction(self.db)
-
-
-class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error): writers queue instead of failing."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type, *exc) -> None:
-        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+        return Transaction(self.db, self.path)
 
 
 def _run(row, path: Path) -> Run:

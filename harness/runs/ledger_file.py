@@ -6,7 +6,9 @@ writes nothing: not the header, not a `-wal`/`-shm` file beside it. When no `-wa
 otherwise `mode=ro`, which shares the running writer's WAL index. A write (`run`, `merge`)
 creates the schema only in a new or empty file and migrates only a kvfid ledger of a known older
 version. Anything else (a newer schema, a foreign database, a file that is not SQLite, one that
-fails `pragma quick_check`) is refused with `LedgerRefused` (exit 3) before a byte is written.
+fails `pragma quick_check`) is refused with `LedgerRefused` (exit 3) before a byte is written,
+and so is a file or folder kvfid cannot write (`ReadOnly`). Every write is one `Transaction`; one
+that a full disk refuses is `DiskFull` (exit 3), rolled back.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sqlite3
 from pathlib import Path
 from urllib.parse import quote
 
-from harness.errors import BadInput, Unavailable
+from harness.errors import BadInput, ReadOnly, Unavailable, write_failure
 
 SCHEMA_VERSION = 2
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -82,10 +84,13 @@ def connect(path: Path, *, write: bool) -> tuple[sqlite3.Connection, int]:
         if write:
             version = _prepare(db, path, version)
             db.execute("PRAGMA foreign_keys=ON")
-    except sqlite3.DatabaseError as err:
+    except (sqlite3.DatabaseError, OSError) as err:
+        failure = write_failure(err, path) if write else None
+        if failure is not None:
+            raise failure from None
+        if isinstance(err, OSError):
+            raise LedgerRefused(f"{path}: cannot open the ledger ({err.strerror or err})") from None
         raise LedgerRefused(f"{path}: damaged or unreadable SQLite file ({err})") from None
-    except OSError as err:
-        raise LedgerRefused(f"{path}: cannot open the ledger ({err.strerror or err})") from None
     return db, version
 
 
@@ -107,6 +112,8 @@ def probe(path: Path) -> None:
 def _check_file(path: Path, write: bool) -> None:
     if path.is_dir():
         raise BadInput(f"{path}: is a directory, not a ledger file (--db takes a file)")
+    if write:
+        _check_writable(path)
     if not path.exists():
         if write:
             return
@@ -135,8 +142,23 @@ def _read_uri(path: Path) -> str:
 
 
 def writable(path: Path) -> bool:
-    """Whether this process may write the file (a read-only one is read `immutable=1`)."""
-    return os.access(path, os.W_OK)
+    """Whether this process may write the file (a read-only one is read `immutable=1`), or
+    create and remove files in the folder."""
+    return os.access(path, os.W_OK | os.X_OK if path.is_dir() else os.W_OK)
+
+
+def _check_writable(path: Path) -> None:
+    """ReadOnly (exit 3) unless the ledger file and its folder (SQLite's -wal and -shm files go
+    beside it) can be written, or the nearest existing folder when neither exists yet."""
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if path.exists() and not writable(path):
+        raise ReadOnly(f"{path}: the ledger file is read-only; kvfid cannot write it (give --db "
+                       "a writable place)")
+    if not writable(folder):
+        raise ReadOnly(f"{path}: its folder {folder} is read-only; kvfid cannot write the ledger "
+                       "there (give --db a writable place)")
 
 
 def _inspect(db: sqlite3.Connection, path: Path, write: bool) -> int:
@@ -202,3 +224,35 @@ def _migrate_1_to_2(db: sqlite3.Connection) -> None:
     db.executemany("UPDATE units SET record_sha = ? WHERE rowid = ?",
                    [(record_sha(text), rowid) for rowid, text in rows])
     db.execute(_LEASES)
+
+
+class Transaction:
+    """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error): writers queue instead of failing. A write
+    that a full disk or a read-only file refuses is DiskFull / ReadOnly (exit 3), rolled back."""
+
+    def __init__(self, db: sqlite3.Connection, path: Path) -> None:
+        self.db, self.path = db, path
+
+    def __enter__(self) -> None:
+        self._do("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type, exc, _tb) -> None:
+        if exc_type is None:
+            self._do("COMMIT")
+            return
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")
+        failure = write_failure(exc, self.path) if isinstance(exc, sqlite3.Error) else None
+        if failure is not None:
+            raise failure from None
+
+    def _do(self, statement: str) -> None:
+        try:
+            self.db.execute(statement)
+        except sqlite3.OperationalError as err:
+            failure = write_failure(err, self.path)
+            if failure is None:
+                raise
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            raise failure from None

@@ -22,7 +22,7 @@ import torch
 from harness.environment import envinfo
 from harness.runs.case import Case, CaseError
 from harness.checks import check_cuda, selection_reason
-from harness.errors import BadInput, Unavailable
+from harness.errors import BadInput, DiskFull, Unavailable
 from harness.protocol.backends import check_supports
 from harness.protocol.items import load_item_set, match_answer
 from harness.runs.ledger import Ledger, LedgerError, new_run_id
@@ -278,6 +278,11 @@ def measure(prepared: Prepared, ledger: Ledger, shard: Shard = Shard(),
     except KeyboardInterrupt:
         ledger.set_status(run.id, "interrupted")
         raise RunInterrupted(run.id) from None
+    except DiskFull as err:             # the status too may not fit; the units stored stay
+        with contextlib.suppress(DiskFull):
+            ledger.set_status(run.id, "crashed", f"DiskFull: {err}")
+        raise DiskFull(f"{err}; run {run.id} keeps its {len(stored) + measured} stored units: "
+                       f"free space, then --resume {run.id}") from None
     except Exception as err:
         ledger.set_status(run.id, "crashed", f"{type(err).__name__}: {err}")
         raise
