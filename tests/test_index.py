@@ -14,12 +14,13 @@ import pytest
 from fake_nvml import H200, FakeNVML  # tests/ is on sys.path (pytest's rootdir-less import mode)
 from harness.environment import envinfo
 from harness.runs.case import load_case
+from harness.reports.document import Table, markdown
 from harness.reports.index import update_index
+from harness.reports.index_page import index_document
 from harness.runs.ledger import Ledger
 from harness.reports.report import write_report
 
 SMOKE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
-COLUMNS = ["GPU", "driver", "CUDA", "torch", "triton"]
 
 
 def copy_run(db, source: str, new_id: str, environment: dict, tamper=None) -> str:
@@ -84,38 +85,37 @@ def link(cell: str) -> tuple[str, str]:
     return found[1], found[2]
 
 
-def test_one_row_per_environment_key_from_the_summaries_alone(reports):
+def test_a_grid_per_case_environments_down_stacks_across(reports):
     root, _, ids = reports
     path = update_index(root)
     assert path == root / "index.md" and (root / "index.html").is_file()
     head, rows = table(path.read_text(), "## Case smoke")
-    assert head[:5] == COLUMNS
-    assert {"sdpa/bf16@t1: prefill bit-exact", "sdpa/bf16@t1: suffix ≠ live [95% CI]",
-            "sdpa/bf16@t1: replica floor", "sdpa/bf16@t1: bridge bit-exact",
-            "eager/bf16@t1: prefill bit-exact"} <= set(head)
-    assert head[-4:] == ["run", "started (UTC)", "git", "status"]
+    assert head == ["environment, run", "sdpa/bf16@t1", "eager/bf16@t1"]
     assert len(rows) == 3                       # CPU, 570, 575: the 580 run has no report
-    by_driver = {row[1]: dict(zip(head, row)) for row in rows}
-    assert set(by_driver) == {"-", "570.86.15", "575.51.03"}
-    assert by_driver["570.86.15"]["GPU"] == "NVIDIA H200"
-    assert by_driver["-"]["GPU"].startswith("none (CPU")
-    text, target = link(by_driver["570.86.15"]["run"])
-    assert text == ids["570"]                                # the newer of the two 570 runs
-    assert target.endswith(f"/{ids['570']}/report.md") and (root / target).is_file()
-    # The newest 570 run's prefill broke: the row says so, the others do not.
-    assert by_driver["570.86.15"]["sdpa/bf16@t1: prefill bit-exact"].startswith("0/")
-    assert by_driver["575.51.03"]["eager/bf16@t1: prefill bit-exact"] == \
-        by_driver["-"]["eager/bf16@t1: prefill bit-exact"]
-    assert re.fullmatch(r"\d+/\d+ \(.*%\) \[.*%, .*%\]",
-                        by_driver["-"]["sdpa/bf16@t1: suffix ≠ live [95% CI]"])
+    by_driver = {re.search(r"driver (\S+)|^(CPU)", row[0]).group(1) or "cpu": dict(zip(head, row))
+                 for row in rows}
+    assert set(by_driver) == {"cpu", "570.86.15", "575.51.03"}
+    assert by_driver["570.86.15"]["environment, run"].startswith("NVIDIA H200 · driver 570.86.15")
+    run = LINK.search(by_driver["570.86.15"]["environment, run"])
+    assert run[1] == ids["570"]                                 # the newer of the two 570 runs
+    assert run[2].endswith(f"/{ids['570']}/report.md") and (root / run[2]).is_file()
+    # The newest 570 run's prefill broke: its cell says so, in words and (HTML) in colour.
+    broken = by_driver["570.86.15"]["sdpa/bf16@t1"]
+    assert broken.startswith("[cache differs](") and ": cache 0/" in broken
+    assert by_driver["575.51.03"]["eager/bf16@t1"].split(")", 1)[1] == \
+        by_driver["cpu"]["eager/bf16@t1"].split(")", 1)[1]
+    cell = re.fullmatch(r"\[(bit-exact|cache differs|diverges)\]\(([^)]+)\): cache \d+/\d+ "
+                        r"bit-exact, suffix ≠ live \d+/\d+ \(.*%\) \[.*%, .*%\]",
+                        by_driver["cpu"]["sdpa/bf16@t1"])
+    assert cell and cell[2].endswith(f"/{ids['cpu']}/report.md")
+    assert 'class="v-cache-differs"' in (root / "index.html").read_text()
 
 
 def test_ledgers_add_runs_without_a_report(reports):
     root, db, ids = reports
     text = update_index(root, ledgers=[db]).read_text()
     head, rows = table(text, "## Case smoke")
-    drivers = [row[1] for row in rows]
-    assert sorted(drivers) == ["-", "570.86.15", "575.51.03", "580.65.06"]
+    assert len(rows) == 4 and any("driver 580.65.06" in row[0] for row in rows)
     assert ids["580"] in text and "not written" in text
     # A run with a report is taken from it, not recomputed from the ledger.
     _, shown = table(text, "## Runs shown")
@@ -142,3 +142,47 @@ def test_index_html_links_each_report_and_is_otherwise_self_contained(reports):
 def test_an_empty_reports_folder_gives_an_index_that_says_so(tmp_path):
     text = update_index(tmp_path / "reports").read_text()
     assert "No run reports yet" in text
+
+
+def _entry(run: str, environment: dict, stacks: dict, repro=None) -> dict:
+    return {"run": run, "case": "c", "status": "finished", "environment": environment,
+            "environment_key": envinfo.environment_key(environment), "git_revision": None,
+            "date": None, "stacks": stacks, "repro": repro or {}, "report": None,
+            "report_html": None, "kernels": None, "kernels_html": None}
+
+
+CONS = {"constructions": {"prefill": {"kind": "arm", "cache_bit_exact": {"k": 2, "n": 2},
+                                      "suffix_disagree": {"k": 0, "n": 2, "rate": 0.0,
+                                                          "ci": [0.0, 0.66]}}}}
+
+
+def test_an_old_cpu_key_folds_under_the_key_that_replaced_it_and_old_labels_take_threads():
+    versions = {"torch": "2.13.0+cpu", "triton": "3.9.0"}
+    old = _entry("r-old", {"cpu": {"model": "Intel Xeon"}, "versions": versions},
+                 {"sdpa/bf16": CONS}, {"sdpa/bf16": "kvfid repro --backend sdpa --threads 1"})
+    new = _entry("r-new", {"cpu": {"model": "Intel Xeon", "capability": "AVX512"},
+                           "versions": versions}, {"sdpa/bf16@t1": CONS})
+    alone = _entry("r-amd", {"cpu": {"model": "AMD EPYC"}, "versions": versions},
+                   {"sdpa/bf16": CONS}, {"sdpa/bf16": "kvfid repro --threads 2"})
+    text = markdown(index_document([old, new, alone]))
+    head, rows = table(text, "## Case c")
+    assert head[0] == "environment, run" and sorted(head[1:]) == ["sdpa/bf16@t1", "sdpa/bf16@t2"]
+    assert len(rows) == 2                       # the old Intel key is a note in the new key's row
+    intel = dict(zip(head, next(r for r in rows if "Intel" in r[0])))
+    assert "r-new" in intel["environment, run"]
+    assert f"earlier key {old['environment_key']}: run r-old" in intel["environment, run"]
+    assert intel["sdpa/bf16@t1"].startswith("bit-exact: cache 2/2") and intel["sdpa/bf16@t2"] == "-"
+    amd = dict(zip(head, next(r for r in rows if "AMD" in r[0])))   # nothing replaced it: marked
+    assert "key from before the CPU instruction set" in amd["environment, run"]
+    assert amd["sdpa/bf16@t2"].startswith("bit-exact")
+
+
+def test_many_stacks_turn_the_grid_and_too_many_both_ways_split_it():
+    gpu = lambda d: {"gpus": [{"name": "NVIDIA H200", "driver_version": d}], "versions": {}}
+    stacks = {f"sdpa/bf16@t{t}": CONS for t in range(1, 10)}
+    few = [_entry(f"r{d}", gpu(d), stacks) for d in ("570", "575")]
+    head, rows = table(markdown(index_document(few)), "## Case c")
+    assert head[0] == "stack" and len(head) == 3 and len(rows) == 9
+    many = [_entry(f"r{d}", gpu(str(d)), stacks) for d in range(500, 510)]
+    tables = [b for b in index_document(many) if isinstance(b, Table)][:-1]
+    assert [len(t.head) for t in tables] == [7, 4] and all(len(t.rows) == 10 for t in tables)

@@ -75,6 +75,15 @@ Inline = Union[str, Link, list]   # text, a link, or a run of both
 
 
 @dataclass(frozen=True)
+class Cell:
+    """A table cell with a verdict (`bit-exact`, `cache-differs`, `diverges`, `none`) that the
+    HTML colours; Markdown and text show the content alone, so it should say the verdict too."""
+
+    content: Inline
+    verdict: str
+
+
+@dataclass(frozen=True)
 class Heading:
     text: str
     level: int = 1
@@ -138,6 +147,8 @@ def block(item) -> object:
 # --------------------------------------------------------------------------- Markdown
 
 def _md_inline(x) -> str:
+    if isinstance(x, Cell):
+        return _md_inline(x.content)
     if isinstance(x, Link):
         return f"[{x.text}]({x.href})"
     if isinstance(x, list):
@@ -184,7 +195,9 @@ th{background:#f3f3f3}pre{background:#f7f7f7;padding:8px;overflow-x:auto;font-si
 white-space:pre-wrap;word-break:break-all}h2{border-bottom:1px solid #ddd;margin-top:32px}
 figure{margin:8px 0 16px}figcaption{font-size:12px;color:#555}
 summary{cursor:pointer;color:#555;font-size:13px;margin:4px 0}
-code{background:#f3f3f3;padding:0 3px;font-size:92%}a{color:#0b57d0}ul{padding-left:22px}"""
+code{background:#f3f3f3;padding:0 3px;font-size:92%}a{color:#0b57d0}ul{padding-left:22px}
+table{max-width:100%}td{overflow-wrap:anywhere}th{overflow-wrap:break-word}td.v-bit-exact{background:#e3f4e6}
+td.v-cache-differs{background:#fdf3d7}td.v-diverges{background:#fbe3e1}td.v-none{color:#888}"""
 
 _CODE = re.compile(r"`([^`\n]+)`")
 _STRONG = re.compile(r"\*\*([^*\n]+)\*\*")
@@ -196,6 +209,8 @@ def _html_text(text: str) -> str:
 
 
 def _html_inline(x) -> str:
+    if isinstance(x, Cell):
+        return _html_inline(x.content)
     if isinstance(x, Link):
         href = x.html_href or x.href
         return f'<a href="{html.escape(href, quote=True)}">{_html_text(x.text)}</a>'
@@ -218,12 +233,16 @@ def _html_block(b) -> str:
         return "<ul>" + "".join(f"<li>{_html_inline(i)}</li>" for i in b.items) + "</ul>"
     if isinstance(b, Table):
         head = "".join(f"<th>{_html_inline(h)}</th>" for h in b.head)
-        rows = "".join("<tr>" + "".join(f"<td>{_html_inline(c)}</td>" for c in r) + "</tr>"
-                       for r in b.rows)
+        rows = "".join("<tr>" + "".join(_html_cell(c) for c in r) + "</tr>" for r in b.rows)
         return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
     if isinstance(b, Figure):
         return f"<figure>{b.svg}<figcaption>{html.escape(b.caption)}</figcaption></figure>"
     raise ValueError(f"unknown report block {b!r}")
+
+
+def _html_cell(c) -> str:
+    verdict = f' class="v-{html.escape(c.verdict, quote=True)}"' if isinstance(c, Cell) else ""
+    return f"<td{verdict}>{_html_inline(c)}</td>"
 
 
 def to_html(doc: list) -> str:
