@@ -288,7 +288,8 @@ def measure(prepared: Prepared, ledger: Ledger, shard: Shard = Shard(),
         raise
     finally:
         bar.close()
-        ledger.release(run.id)
+        with contextlib.suppress(DiskFull):     # a lease left behind dies with this process
+            ledger.release(run.id)
     status = ledger.finish(run.id)
     return RunResult(run.id, status, measured, len(units) - len(todo), len(units))
 
