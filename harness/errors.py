@@ -52,7 +52,8 @@ class DiskFull(Unavailable):
 
 
 class ReadOnly(Unavailable):
-    """A file or folder kvfid must write and cannot: read-only file, folder or file system (exit 3)."""
+    """A file or folder kvfid must write and cannot: a read-only file, folder or file system
+    (exit 3)."""
 
 
 # SQLite's primary result codes (the low byte of an extended code) and errno values for each kind.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -43,7 +44,7 @@ def chromium() -> str:
     if shutil.which("chromium") is None:
         for step in (["apt-get", "update"], ["apt-get", "install", "-y", "chromium"]):
             done = subprocess.run(step, capture_output=True, text=True, timeout=900,
-                                  env={"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
+                                  env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
             assert done.returncode == 0, f"{' '.join(step)}: {done.stderr[-500:]}"
     return shutil.which("chromium")
 
@@ -53,8 +54,8 @@ def measure(chromium: str, page: Path, scratch: Path) -> dict:
     text = page.read_text(encoding="utf-8")
     base = f'<base href="{page.parent.resolve().as_uri()}/">'
     copy = scratch / "measure.html"
-    copy.write_text(text.replace("<head>", "<head>" + base, 1).replace("</body>", MEASURE + "</body>", 1),
-                    encoding="utf-8")
+    text = text.replace("<head>", "<head>" + base, 1).replace("</body>", MEASURE + "</body>", 1)
+    copy.write_text(text, encoding="utf-8")
     profile = scratch / "profile"
     profile.mkdir()
     done = subprocess.run(["chromium", *FLAGS, f"--user-data-dir={profile}",
@@ -69,8 +70,9 @@ def assert_fits_and_links_resolve(result: dict) -> None:
     widths = {k: result[k] for k in ("inner", "scroll", "client")}
     assert widths["inner"] == WIDTH, widths             # the layout really is 1280 px wide
     assert widths["scroll"] <= widths["client"], f"scrolls sideways: {widths}"
+    target = lambda href: Path(unquote(urlparse(href).path))
     missing = [href for href in result["links"]
-               if urlparse(href).scheme != "file" or not Path(unquote(urlparse(href).path)).is_file()]
+               if urlparse(href).scheme != "file" or not target(href).is_file()]
     assert result["links"] and not missing, f"{len(missing)} links lead nowhere: {missing[:3]}"
 
 

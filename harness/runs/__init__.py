@@ -1,3 +1,4 @@
-"""Runs: cases, the matrix, the ledger, aggregates, audits, repro and bench."""
+"""Runs: cases, the matrix, the ledger, aggregates, audits, and the diagnoses on one item
+(repro, replay, blame)."""
 
 import kernels  # noqa: F401  (sets TRITON_INTERPRET before triton loads, on machines without CUDA)
