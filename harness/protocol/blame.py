@@ -191,7 +191,8 @@ def first_differing_position(module, prefix: list[int], prompt_length: int, agai
     runner = Runner(module)
     cache_a, logits_a = _build(module, runner, prefix, spans_a)
     cache_b, logits_b = _build(module, runner, prefix, spans_b)
-    diff = kv.compare_states(kv.snapshot(cache_a, prefix, logits_a), kv.snapshot(cache_b, prefix, logits_b))
+    diff = kv.compare_states(kv.snapshot(cache_a, prefix, logits_a, config=module.config),
+                            kv.snapshot(cache_b, prefix, logits_b, config=module.config))
     if diff["bit_exact"]:
         return None if bits_equal(logits_a, logits_b) else len(prefix) - 1
     return diff["first_position"]

@@ -43,14 +43,24 @@ class TensorDiff:
 
 @dataclass(frozen=True)
 class LayerDiff:
+    """One layer: its K/V (as records before kvfid knew other states had them), its kind
+    (full, window, latent, recurrent, recurrent+full, ...), the absolute positions [start, end)
+    its K/V cover, its other parts (recurrent, conv), and what could not be compared. A layer
+    without K/V (a recurrent one) keeps the empty defaults for `k` and `v`."""
+
     layer: int
     k: TensorDiff = TensorDiff()
     v: TensorDiff = TensorDiff()
+    kind: str = "full"
+    span: tuple[int, ...] | None = None
+    parts: dict[str, TensorDiff] = field(default_factory=dict)
+    uncompared: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class CacheDiff:
-    """Two boundary caches over one P, per layer and K/V (harness.protocol.cache.compare_states)."""
+    """Two boundary caches over one P, per layer and part (harness.protocol.cache.compare_states);
+    `first_bad_kv` names the first differing part: k, v, recurrent or conv."""
 
     bit_exact: bool = True
     first_bad_layer: int | None = None
@@ -64,6 +74,7 @@ class CacheDiff:
     d_rel_aggregation: str = ""
     first_position: int | None = None
     layers: tuple[LayerDiff, ...] = ()
+    uncompared: tuple[str, ...] = ()          # parts not compared: the cache is not bit-exact
 
 
 @dataclass(frozen=True)
