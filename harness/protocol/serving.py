@@ -84,17 +84,20 @@ def describe_layers(model_or_config, module=None) -> list[LayerInfo]:
     read whole. `module`: the model (a Model's master); else a meta-device skeleton is built."""
     config = text_config(model_or_config)
     module = module if module is not None else getattr(model_or_config, "master", None)
+    layers = cache_layers(config)
+    for index, (layer_type, layer) in enumerate(zip(_layer_types(config), layers)):
+        try:
+            layer_kind(layer, config)   # an unknown state is refused before the skeleton is built
+        except UnknownLayer as err:
+            raise UnknownLayer(f"model {getattr(config, 'model_type', '?')}: layer {index} "
+                               f"({layer_type}): {err}") from None
     sinks = sink_layers(module if module is not None else skeleton(config))
     cap = getattr(config, "attn_logit_softcapping", None)
     softcap = cap is not None
     split = split_head_dims(config)
     out = []
-    for index, (layer_type, layer) in enumerate(zip(_layer_types(config), cache_layers(config))):
-        try:
-            kind = layer_kind(layer, config)
-        except UnknownLayer as err:
-            raise UnknownLayer(f"model {getattr(config, 'model_type', '?')}: layer {index} "
-                               f"({layer_type}): {err}") from None
+    for index, (layer_type, layer) in enumerate(zip(_layer_types(config), layers)):
+        kind = layer_kind(layer, config)
         mechanisms = []
         window = getattr(layer, "sliding_window", None)
         if kind.endswith("window"):
@@ -179,3 +182,82 @@ def module_class(model_or_config, module=None):
         return AutoModelForCausalLM._model_mapping[type(text_config(model_or_config))]
     except (KeyError, ValueError):
         return None
+
+
+# --------------------------------------------------------------------------- `kvfid models X`
+
+def load_config(name: str):
+    """A model's config without its weights: `hf:<folder>` reads config.json; a preset is
+    loaded (tiny presets build in a second)."""
+    if name.startswith("hf:"):
+        from pathlib import Path
+
+        from transformers import AutoConfig
+
+        from harness.protocol.models import ModelUnavailable
+
+        if not (Path(name[3:]) / "config.json").is_file():
+            raise ModelUnavailable(f"{name}: no config.json in that folder")
+        try:
+            return AutoConfig.from_pretrained(name[3:])
+        except (OSError, ValueError, KeyError) as err:
+            first = (str(err).splitlines() or [""])[0][:200]
+            raise ModelUnavailable(f"{name}: not a readable config ({type(err).__name__}: "
+                                   f"{first})") from None
+    from harness.protocol.models import load_model
+
+    return load_model(name).config
+
+
+def serving_table(name: str, length: int | None = None) -> dict:
+    """Each group of like layers of a model (layer type, state kind, mechanisms) and, per
+    built-in stack, None (served) or why not; before any compute, from the config only."""
+    config = text_config(load_config(name))
+    model_type = getattr(config, "model_type", "?")
+    try:
+        infos = describe_layers(config)
+    except UnknownLayer as err:
+        return {"model": name, "model_type": model_type, "refused": str(err), "layers": []}
+    need = length or int(getattr(config, "max_position_embeddings", 0) or 0)
+    cls = module_class(config)
+    groups: dict = {}
+    for info in infos:
+        key = (info.layer_type, info.cache_class, info.kind, info.mechanisms, info.window)
+        groups.setdefault(key, []).append(info)
+    rows = []
+    for (layer_type, cache_class, kind, mechanisms, window), members in groups.items():
+        stacks = {b: model_reason(b, cls) or layer_reason(b, members[0], need) for b in STACKS}
+        rows.append({"layers": [m.index for m in members], "layer_type": layer_type,
+                     "cache_class": cache_class, "state": kind, "window": window,
+                     "mechanisms": list(mechanisms), "stacks": stacks})
+    return {"model": name, "model_type": model_type, "length": need, "refused": None,
+            "layers": rows}
+
+
+def _ranges(indices: list[int]) -> str:
+    out, start = [], indices[0]
+    for prev, cur in zip(indices, indices[1:] + [None]):
+        if cur != prev + 1:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = cur
+    return ",".join(out)
+
+
+def describe_serving(name: str, fmt: str = "text", length: int | None = None) -> str:
+    """`kvfid models MODEL`: the serving table as text or JSON."""
+    import json
+
+    table = serving_table(name, length)
+    if fmt == "json":
+        return json.dumps(table, indent=2)
+    lines = [f"{name} ({table['model_type']})"]
+    if table["refused"]:
+        return "\n".join(lines + [f"  refused on every stack: {table['refused']}"])
+    lines[0] += f", runs up to {table['length']} tokens"
+    for row in table["layers"]:
+        window = f", window {row['window']}" if row["window"] else ""
+        lines.append(f"  layers {_ranges(row['layers'])}: {row['layer_type']} -> state "
+                     f"{row['state']}{window}; mechanisms: {', '.join(row['mechanisms']) or '-'}")
+        for stack, reason in row["stacks"].items():
+            lines.append(f"    {stack:<7} {'served' if reason is None else 'no: ' + reason}")
+    return "\n".join(lines)
