@@ -43,10 +43,8 @@ class TensorDiff:
 
 @dataclass(frozen=True)
 class LayerDiff:
-    """One layer: its K/V (as records before kvfid knew other states had them), its kind
-    (full, window, latent, recurrent, recurrent+full, ...), the absolute positions [start, end)
-    its K/V cover, its other parts (recurrent, conv), and what could not be compared. A layer
-    without K/V (a recurrent one) keeps the empty defaults for `k` and `v`."""
+    """One layer: K/V (empty defaults where a recurrent layer has none), kind (full, window,
+    latent, recurrent, ...), the positions [start, end) its K/V cover, other parts, gaps."""
 
     layer: int
     k: TensorDiff = TensorDiff()
@@ -59,8 +57,7 @@ class LayerDiff:
 
 @dataclass(frozen=True)
 class CacheDiff:
-    """Two boundary caches over one P, per layer and part (harness.protocol.cache.compare_states);
-    `first_bad_kv` names the first differing part: k, v, recurrent or conv."""
+    """Two boundary caches over one P, per layer and part (k, v, recurrent, conv: first_bad_kv)."""
 
     bit_exact: bool = True
     first_bad_layer: int | None = None
@@ -74,7 +71,7 @@ class CacheDiff:
     d_rel_aggregation: str = ""
     first_position: int | None = None
     layers: tuple[LayerDiff, ...] = ()
-    uncompared: tuple[str, ...] = ()          # parts not compared: the cache is not bit-exact
+    uncompared: tuple[str, ...] = ()   # parts not compared: then not bit-exact
 
 
 @dataclass(frozen=True)
