@@ -202,3 +202,17 @@ def test_the_models_command_lists_layer_types_and_stacks(folders):
                                         "-S", "1"])
     assert refused.exit_code == 3
     assert len([line for line in refused.output.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_window_states_compare_like_for_like_across_chunks_and_co_batches(folders):
+    arms = "live,chunked:4,cobatched:3"
+    exact = _repro(folders["mistral-sw"], "eager", batch_invariant=True, s=2, arms=arms)
+    for arm in ("chunked:4", "cobatched:3"):
+        cache = exact.against_live(arm).cache
+        assert cache.bit_exact and not cache.uncompared
+        end = exact.prompt_length + B        # the window (8) holds the last 7 positions
+        assert cache.layers[0].kind == "window" and cache.layers[0].span == (end - 7, end)
+    control = _repro(folders["mistral-sw"], "twin", "fp32", s=2, arms=arms)   # variant by design
+    for arm in ("chunked:4", "cobatched:3"):
+        cache = control.against_live(arm).cache
+        assert not cache.bit_exact and cache.first_position >= cache.layers[0].span[0]
