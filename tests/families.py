@@ -95,22 +95,33 @@ def _smollm3():
                                              no_rope_layer_interval=2)   # every 2nd layer: NoPE
 
 
+def _falcon_h1():
+    """Not a family of the issue's table: hybrid layers (Mamba-2 state-space + attention in one
+    layer, transformers' LinearAttentionAndFullAttentionLayer)."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+    return FalconH1ForCausalLM, FalconH1Config(
+        **_COMMON, num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+        mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=8)
+
+
 _BUILDERS = {"gemma3": _gemma3, "mistral-sw": _mistral, "gemma2": _gemma2, "gpt-oss": _gpt_oss,
              "deepseek-v3": _deepseek_v3, "qwen3-next": _qwen3_next, "qwen3-moe": _qwen3_moe,
              "olmo2": _olmo2, "smollm3": _smollm3}
 
 FAMILIES = tuple(_BUILDERS)
+EXTRA = {"falcon-h1": _falcon_h1}   # built by `build` too, not in FAMILIES
 SEED = 17
 
 
 def build(family: str, folder) -> Path:
     """Save a seeded random-weight model of `family` (fp32) into `folder`; returns the folder.
     Loaded with `load_model(f"hf:{folder}")` (no tokenizer is saved: the byte codec is used)."""
-    if family not in _BUILDERS:
-        raise ValueError(f"unknown family {family!r}; valid: {', '.join(FAMILIES)}")
-    model_cls, config = _BUILDERS[family]()
+    builders = {**_BUILDERS, **EXTRA}
+    if family not in builders:
+        raise ValueError(f"unknown family {family!r}; valid: {', '.join(builders)}")
+    model_cls, config = builders[family]()
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED + FAMILIES.index(family))
+        torch.manual_seed(SEED + list(builders).index(family))
         module = model_cls(config).to(torch.float32).eval()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

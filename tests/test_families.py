@@ -216,3 +216,20 @@ def test_window_states_compare_like_for_like_across_chunks_and_co_batches(folder
     for arm in ("chunked:4", "cobatched:3"):
         cache = control.against_live(arm).cache
         assert not cache.bit_exact and cache.first_position >= cache.layers[0].span[0]
+
+
+def test_a_hybrid_layer_keeps_both_its_states_through_to_cache(tmp_path):
+    """Falcon-H1's layers hold a state-space state and K/V at once: every part is read, put back
+    (the suffix decoded from the restored state is live's own) and compared."""
+    from tests.families import build as build_extra
+
+    module, live = _live(build_extra("falcon-h1", tmp_path / "falcon-h1"), steps=4)
+    layer = live.state.layers[0]
+    assert layer.kind == "recurrent+full" and set(layer.parts) == {"k", "v", "recurrent", "conv"}
+    from harness.protocol.decode import Runner
+    from harness.protocol.protocol import decode_suffix
+
+    with torch.inference_mode():
+        again = decode_suffix(Runner(module), live.state, 6, frozenset())
+    assert again.tokens == live.suffix.tokens
+    assert kv.compare_states(live.state, perturb(live.state, 1, "conv"))["first_bad_kv"] == "conv"

@@ -156,12 +156,12 @@ def restore_layer(layer, state: LayerState, index: int) -> None:
     for index_ in range(getattr(layer, "number_of_states", 0)):
         suffix = f".{index_}" if index_ else ""
         conv, recurrent = state.parts.get("conv" + suffix), state.parts.get("recurrent" + suffix)
-        layer.lazy_initialization(conv_states=conv, recurrent_states=recurrent, state_idx=index_,
-                                  **({"conv_kernel_size": conv.shape[-1]} if conv is not None
-                                     else {}))
-        if conv is not None:
+        if conv is not None:   # one state per call, as transformers' own updates make them
+            layer.lazy_initialization(conv_states=conv, state_idx=index_,
+                                      conv_kernel_size=conv.shape[-1])
             layer.conv_states[index_].copy_(conv)
         if recurrent is not None:
+            layer.lazy_initialization(recurrent_states=recurrent, state_idx=index_)
             layer.recurrent_states[index_].copy_(recurrent)
         layer.has_previous_state[index_] = conv is not None or recurrent is not None
 

@@ -35,7 +35,8 @@ def comparison_lines(comparison: Comparison, arms: dict[str, ArmRecord], codec,
         lines.append(f"    cache   NOT COMPARED WHOLE  {'; '.join(cache.uncompared)}")
     else:
         lines.append(f"    cache   DIFFERS  first bad layer {cache.first_bad_layer} "
-                     f"({(cache.first_bad_kv or '?').upper()}), position {cache.first_position}, "
+                     f"({(cache.first_bad_kv or '?').upper()}), position "
+                     f"{'- (no position axis)' if cache.first_position is None else cache.first_position}, "
                      f"{cache.n_diff} elements, max |diff| {cache.max_abs:.3g} "
                      f"({cache.max_abs_rel:.3g} of max |value|), "
                      f"max ULP {cache.max_ulp} (through zero), d_rel {cache.d_rel:.3g}")
