@@ -26,6 +26,11 @@ from .attention import attention_into
 
 NAME = "kvfid_triton"
 
+# The layer mechanisms this attention serves (names of harness.protocol.serving.MECHANISMS:
+# sliding_window, chunked_attention, softcap, sinks, split_head_dims, recurrent). kvfid refuses,
+# before any compute, a model with a layer mechanism not listed here.
+SERVES: frozenset[str] = frozenset()
+
 
 def _kernel_pattern(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """[q_len, kv_len] bool: query i (absolute position kv_len - q_len + i) sees key j <= it."""

@@ -88,7 +88,14 @@ def test_a_sliding_window_shorter_than_the_run_is_refused_on_triton_only():
         check_supports(Stack("triton", "fp32"), config, length=65)
     with pytest.raises(StackUnavailable, match="window 64 < 256"):
         check_supports(Stack("triton", "fp32"), config)           # default: the whole context
-    check_supports(Stack("sdpa", "fp32"), config, length=200)     # sdpa masks the window
+    from transformers import MistralConfig   # Gemma2's class refuses sdpa in transformers
+
+    mistral = MistralConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                            sliding_window=64, max_position_embeddings=256)
+    check_supports(Stack("sdpa", "fp32"), mistral, length=200)    # sdpa masks the window
+    with pytest.raises(StackUnavailable, match="window 64 < 200"):
+        check_supports(Stack("triton", "fp32"), mistral, length=200)
     check_supports(Stack("triton", "fp32"), load_model("tiny-mistral"))  # no window: served
 
 

@@ -11,12 +11,25 @@ from harness.names import DTYPE_NAMES
 
 
 @click.command()
+@click.argument("model", required=False)
+@click.option("--length", type=click.IntRange(min=1), default=None,
+              help="Tokens a run will hold (default: the model's context); a window at least "
+                   "this long needs no window support.")
 @fmt_option
-def models(fmt: str) -> None:
-    """List the model presets, their sizes, and whether they can be loaded here."""
-    from harness.protocol.models import describe_presets
+def models(model: str | None, length: int | None, fmt: str) -> None:
+    """List the model presets, their sizes, and whether they can be loaded here; with MODEL (a
+    preset or hf:<folder>), each layer type of that model (its state, its mechanisms) and which
+    stacks serve it and why not, read from its config before any compute."""
+    if model is None:
+        from harness.protocol.models import describe_presets
 
-    click.echo(describe_presets(fmt))
+        click.echo(describe_presets(fmt))
+        return
+    from harness.protocol.serving import describe_serving
+    from harness.runs.repro import check_model_name
+
+    check_model_name(model)
+    click.echo(describe_serving(model, fmt, length))
 
 
 @click.command()

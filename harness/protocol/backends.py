@@ -196,41 +196,27 @@ def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> S
     return Stack(backend, dtype, batch_invariant, device, threads)
 
 
-# Built-in backends that cannot honour attention-logit softcapping (Gemma2): sdpa raises mid-run,
-# triton refuses, twin would silently ignore it. eager and flex_attention apply it.
-_NO_SOFTCAP = ("sdpa", "triton", "twin")
-
-
-def sliding_window(config) -> int | None:
-    """The model's attention window in tokens, None when every layer attends to all earlier keys
-    (Qwen2 without use_sliding_window, tiny-mistral; Gemma2 has sliding layers)."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    window = getattr(config, "sliding_window", None)
-    return int(window) if window else None
-
-
 def check_supports(stack: Stack, model_or_config, length: int | None = None) -> None:
-    """Refuse, before any compute, a model this stack's attention backend cannot serve
-    (StackUnavailable, exit 3): attention-logit softcapping on sdpa, triton or twin; on triton, an
-    encoder-decoder model or a sliding window shorter than `length` tokens (default: the model's
-    context), which its kernel refuses mid-run. Padding the triton kernel cannot take (right
-    padding, custom masks) never comes from a config: kvfid's constructions pad on the left."""
-    config = getattr(model_or_config, "config", model_or_config)   # a Model, a module, a config
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
+    """Refuse, before any compute, a model this stack cannot serve (exit 3, one line): a layer
+    whose cache state kvfid cannot read whole (harness.protocol.layers.UnknownLayer), a model
+    class transformers refuses for the backend, or a layer mechanism the backend does not serve
+    (harness.protocol.serving: the table per mechanism and backend; the triton kernel's set is
+    kernels.hf.SERVES). A window at least `length` tokens long (default: the model's context)
+    covers every key, so it needs no window support. Padding the triton kernel cannot take
+    (right padding, custom masks) never comes from a config: kvfid's constructions pad on the
+    left."""
+    from harness.protocol import serving
+
+    config = serving.text_config(model_or_config)
     refuse = f"model {getattr(config, 'model_type', '?')} cannot run on stack {stack.label}"
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None and stack.backend in _NO_SOFTCAP:
-        raise StackUnavailable(f"{refuse}: backend {stack.backend} does not apply its attention "
-                               f"logit softcapping ({softcap}); use --backend eager")
-    if stack.backend != "triton":
-        return
-    if getattr(config, "is_encoder_decoder", False):
+    if stack.backend == "triton" and getattr(config, "is_encoder_decoder", False):
         raise StackUnavailable(f"{refuse}: the triton kernel is causal decoder attention only")
-    window = sliding_window(config)
+    infos = serving.describe_layers(model_or_config)
     need = length or int(getattr(config, "max_position_embeddings", 0) or 0)
-    if window is not None and window < need:
-        raise StackUnavailable(f"{refuse}: sliding-window attention (window {window} < {need} "
-                               "tokens); the triton kernel attends to every earlier position")
+    for info in infos:
+        reason = serving.layer_reason(stack.backend, info, need)
+        if reason:
+            raise StackUnavailable(f"{refuse}: layer {info.index} ({info.layer_type}) {reason}")
+    reason = serving.model_reason(stack.backend, serving.module_class(model_or_config))
+    if reason:
+        raise StackUnavailable(f"{refuse}: {reason}")

@@ -1,45 +1,70 @@
-"""Boundary states: KV snapshots, fingerprints, bitwise/ULP/relative comparisons, transplants.
+"""Boundary states: snapshots of every layer's state, fingerprints, bitwise/ULP/relative
+comparisons (transplant surgery: harness.protocol.surgery).
 
 A `BoundaryState` owns its tensors (cloned out of a live cache), so later decoding never changes
-it. Comparisons are bitwise first: `equal` / `n_diff` compare raw bit patterns (-0.0 is not +0.0,
-NaN payloads count), so they always agree with the SHA-256 fingerprints. ULP distance is measured
-in the storage dtype and counts through zero (a tiny value that changes sign is many ULPs away),
-so beside it stands `max_abs_rel`, max |a - b| over max |a|, which does not explode there. `d_rel`
-is ||a - b||_F / ||a||_F in fp64. Transplant surgery builds a new state from a recipient (prefix and
-boundary logits kept) and a selection of a donor's cache.
+it. It is a list of layer states (harness.protocol.layers): K/V over the whole prefix, a window's
+K/V over the positions it holds, an MLA layer's latent, a recurrent layer's recurrent and conv
+states. Comparisons are bitwise first: `equal` / `n_diff` compare raw bit patterns (-0.0 is not
++0.0, NaN payloads count), so they always agree with the SHA-256 fingerprints. ULP distance is
+measured in the storage dtype and counts through zero (a tiny value that changes sign is many
+ULPs away), so beside it stands `max_abs_rel`, max |a - b| over max |a|, which does not explode
+there. `d_rel` is ||a - b||_F / ||a||_F in fp64. No verdict over a partial state: a part one side
+holds and the other does not (or holds over other positions) is listed as `uncompared` and the
+comparison is not bit-exact.
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from harness.protocol.layers import (POSITIONAL, LayerState, layer_tensors, read_layer,
+                                     restore_layer)
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class BoundaryState:
-    """KV cache over all of the boundary prefix plus the boundary logits."""
+    """Every layer's state at the boundary prefix, plus the boundary logits [V]. Built from
+    `layers` (LayerState), or from per-layer keys and values over all of the prefix."""
 
     prefix: tuple[int, ...]
-    keys: tuple[torch.Tensor, ...]    # per layer [1, H_kv, |P|, D]
-    values: tuple[torch.Tensor, ...]  # per layer [1, H_kv, |P|, D]
+    layers: tuple[LayerState, ...]
     logits: torch.Tensor              # [V], the model's output dtype
+
+    def __init__(self, prefix, keys=(), values=(), logits=None, *, layers=None) -> None:
+        if layers is None:
+            layers = tuple(LayerState("full", {"k": k, "v": v}) for k, v in zip(keys, values))
+        object.__setattr__(self, "prefix", tuple(prefix))
+        object.__setattr__(self, "layers", tuple(layers))
+        object.__setattr__(self, "logits", logits)
+
+    @property
+    def keys(self) -> tuple[torch.Tensor, ...]:
+        """The k part of every layer that has one (per layer [1, H_kv, held, D])."""
+        return tuple(layer.parts["k"] for layer in self.layers if "k" in layer.parts)
+
+    @property
+    def values(self) -> tuple[torch.Tensor, ...]:
+        return tuple(layer.parts["v"] for layer in self.layers if "v" in layer.parts)
 
     @property
     def length(self) -> int:
-        return self.keys[0].shape[-2]
+        """The boundary's length: the end of the positions the layers cover."""
+        return max((layer.span[1] for layer in self.layers if layer.span), default=len(self.prefix))
 
     def to_cache(self, module: torch.nn.Module):
-        """A fresh dynamic cache over this state. No copy is made here: a cache's `update` copies
-        what it is given into its own storage and never writes into its arguments."""
+        """A fresh dynamic cache over this state (each layer gets its own copies)."""
         from harness.protocol.decode import new_cache
 
         cache = new_cache(module)
-        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
-            cache.update(k, v, layer)
+        if len(cache.layers) != len(self.layers):
+            raise ValueError(f"a state of {len(self.layers)} layers cannot go into a cache of "
+                             f"{len(cache.layers)}")
+        for index, (layer, state) in enumerate(zip(cache.layers, self.layers)):
+            restore_layer(layer, state, index)
         return cache
 
 
@@ -58,20 +83,27 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def rows_identical(cache, logits: torch.Tensor) -> bool:
-    """Whether every batch row of a dynamic cache and of logits [rows, V] has row 0's bits."""
-    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)] + [logits]
+    """Whether every batch row of a dynamic cache (every tensor of every layer) and of logits
+    [rows, V] has row 0's bits."""
+    tensors = [t for layer in cache.layers for t in layer_tensors(layer)] + [logits]
     return all(bool((bits(t) == bits(t[:1])).all()) for t in tensors)
 
 
-def snapshot(cache, prefix, logits: torch.Tensor, row: int = 0, pad: int = 0) -> BoundaryState:
+def snapshot(cache, prefix, logits: torch.Tensor, row: int = 0, pad: int = 0,
+             config=None) -> BoundaryState:
     """Clone row `row` of a dynamic cache and its boundary logits [rows, V] into a state; a
-    left-padded row drops its first `pad` positions, so the state covers exactly the prefix."""
-    keys = tuple(layer.keys[row:row + 1, :, pad:].clone() for layer in cache.layers)  # [1, H, |P|, D]
-    values = tuple(layer.values[row:row + 1, :, pad:].clone() for layer in cache.layers)
-    state = BoundaryState(tuple(prefix), keys, values, logits[row].clone())
-    if state.length != len(state.prefix):
-        raise AssertionError(f"cache covers {state.length} positions, prefix has "
-                             f"{len(state.prefix)}")
+    left-padded row drops its first `pad` positions, so the state covers exactly the prefix
+    (a full layer all of it, a window layer its last positions). `config`: the model's, which
+    tells an MLA layer's latent from K/V."""
+    layers = tuple(read_layer(layer, config, row, pad) for layer in cache.layers)
+    state = BoundaryState(prefix, logits=logits[row].clone(), layers=layers)
+    for index, layer in enumerate(layers):
+        span = layer.span
+        if span is not None and (span[1] != len(state.prefix) or
+                                 (layer.kind.endswith("full") or layer.kind == "latent")
+                                 and span[0] != 0):
+            raise AssertionError(f"layer {index} ({layer.kind}) covers positions "
+                                 f"{span[0]}-{span[1]}, prefix has {len(state.prefix)}")
     return state
 
 
@@ -93,11 +125,13 @@ def sha_tensor(t: torch.Tensor) -> str:
 
 
 def sha_cache(state: BoundaryState) -> str:
-    """SHA-256 over every layer's keys then values (dtype and shape included)."""
+    """SHA-256 over every layer's keys then values (dtype and shape included), then its other
+    parts (recurrent, conv) each tagged with its name."""
     h = hashlib.sha256()
-    for k, v in zip(state.keys, state.values):
-        for t in (k, v):
-            h.update(f"{t.dtype}:{tuple(t.shape)}:".encode())
+    for layer in state.layers:
+        for name, t in layer.parts.items():
+            tag = "" if name in POSITIONAL else f"{name}:"
+            h.update(f"{tag}{t.dtype}:{tuple(t.shape)}:".encode())
             h.update(_bytes(t))
     return h.hexdigest()
 
@@ -112,10 +146,11 @@ def ulp_ordered(t: torch.Tensor) -> torch.Tensor:
     return torch.where(i < 0, -magnitude, magnitude)
 
 
-def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """Bitwise comparison of two same-shape tensors [1, H, T, D] (T = positions): `equal` and
-    `n_diff` over raw bits; max |diff|, max ULP (through zero), `max_abs_rel` = max |diff| / max
-    |a|, `d_rel`, and the first position with a differing bit."""
+def tensor_diff(a: torch.Tensor, b: torch.Tensor, start: int | None = 0) -> dict:
+    """Bitwise comparison of two same-shape tensors: `equal` and `n_diff` over raw bits; max
+    |diff|, max ULP (through zero), `max_abs_rel` = max |diff| / max |a|, `d_rel`, and the first
+    absolute position with a differing bit for K/V [1, H, T, D] whose first position is `start`
+    (`start=None`: a part without a position axis, first_position stays None)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"cannot compare {a.dtype}{tuple(a.shape)} with {b.dtype}{tuple(b.shape)}")
     differs = bits(a) != bits(b)
@@ -130,38 +165,77 @@ def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> dict:
         scale = float(a64.abs().max())
         out["max_abs_rel"] = out["max_abs"] / scale if scale else (0.0 if out["max_abs"] == 0 else float("inf"))
         out["d_rel"] = float(torch.linalg.vector_norm(a64 - b64)) / norm if norm else float("inf")
-        positions = differs.flatten(0, 1).any(dim=0).any(dim=-1)   # [T]
-        out["first_position"] = int(positions.nonzero()[0, 0])
+        if start is not None:
+            positions = differs.flatten(0, 1).any(dim=0).any(dim=-1)   # [T]
+            out["first_position"] = start + int(positions.nonzero()[0, 0])
     return out
 
 
+def _uncomparable(index: int, name: str, a: LayerState, b: LayerState) -> str | None:
+    """Why part `name` of layer `index` cannot be compared bit for bit (None: it can)."""
+    ta, tb = a.parts.get(name), b.parts.get(name)
+    if ta is None or tb is None:
+        return f"layer {index} part {name}: held by only one side"
+    if name in POSITIONAL and a.span != b.span:
+        return (f"layer {index} part {name}: positions {a.span[0]}-{a.span[1]} against "
+                f"{b.span[0]}-{b.span[1]}")
+    if ta.shape != tb.shape or ta.dtype != tb.dtype:
+        return (f"layer {index} part {name}: {ta.dtype}{tuple(ta.shape)} against "
+                f"{tb.dtype}{tuple(tb.shape)}")
+    return None
+
+
 def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
-    """Per layer and K/V, plus over the concatenated inventory; `a` is the reference for d_rel."""
+    """Per layer and part (k, v, recurrent, conv), plus over the concatenated inventory; `a` is
+    the reference for d_rel. A part that cannot be compared is listed in `uncompared` and makes
+    the comparison not bit-exact."""
     if a.prefix != b.prefix:
         raise ValueError("states cover different prefixes; compare only states over the same P")
-    layers = []
-    for index, (ka, va, kb, vb) in enumerate(zip(a.keys, a.values, b.keys, b.values)):
-        layers.append({"layer": index, "k": tensor_diff(ka, kb), "v": tensor_diff(va, vb)})
-    bad = [(entry["layer"], kv) for entry in layers for kv in ("k", "v") if not entry[kv]["equal"]]
+    layers, uncompared, pairs, bad = [], [], [], []
+    if len(a.layers) != len(b.layers):
+        uncompared.append(f"{len(a.layers)} layers against {len(b.layers)}")
+    for index, (la, lb) in enumerate(zip(a.layers, b.layers)):
+        entry = {"layer": index, "kind": la.kind, "span": la.span, "parts": {},
+                 "uncompared": ()}
+        missing = []
+        for name in dict.fromkeys([*la.parts, *lb.parts]):
+            reason = _uncomparable(index, name, la, lb)
+            if reason:
+                missing.append(reason)
+                continue
+            positional = name in POSITIONAL
+            diff = tensor_diff(la.parts[name], lb.parts[name], la.start if positional else None)
+            entry[name if positional else "parts"] = diff if positional else \
+                {**entry["parts"], name: diff}
+            pairs.append((la.parts[name], lb.parts[name]))
+            if not diff["equal"]:
+                bad.append((index, name, diff))
+        if la.kind != lb.kind:
+            missing.append(f"layer {index}: a {la.kind} state against a {lb.kind} one")
+        entry["uncompared"] = tuple(missing)
+        uncompared += missing
+        layers.append(entry)
+    diffs = [d for e in layers for d in [e.get("k"), e.get("v"), *e["parts"].values()] if d]
     d_rel = 0.0
     if bad:   # over the concatenated inventory; only worth the fp64 copy when something differs
-        flat_a = torch.cat([t.flatten().double() for pair in zip(a.keys, a.values) for t in pair])
-        flat_b = torch.cat([t.flatten().double() for pair in zip(b.keys, b.values) for t in pair])
+        flat_a = torch.cat([x.flatten().double() for x, _ in pairs])
+        flat_b = torch.cat([y.flatten().double() for _, y in pairs])
         norm = float(torch.linalg.vector_norm(flat_a))
         d_rel = float(torch.linalg.vector_norm(flat_a - flat_b)) / norm if norm else float("inf")
     return {
-        "bit_exact": not bad,
+        "bit_exact": not bad and not uncompared,
         "first_bad_layer": bad[0][0] if bad else None,
         "first_bad_kv": bad[0][1] if bad else None,
-        "bad_layers": sorted({layer for layer, _ in bad}),
-        "n_diff": sum(e[kv]["n_diff"] for e in layers for kv in ("k", "v")),
-        "max_abs": max(e[kv]["max_abs"] for e in layers for kv in ("k", "v")),
-        "max_ulp": max(e[kv]["max_ulp"] for e in layers for kv in ("k", "v")),
-        "max_abs_rel": max(e[kv]["max_abs_rel"] for e in layers for kv in ("k", "v")),
+        "bad_layers": sorted({layer for layer, _, _ in bad}),
+        "n_diff": sum(d["n_diff"] for d in diffs),
+        "max_abs": max((d["max_abs"] for d in diffs), default=0.0),
+        "max_ulp": max((d["max_ulp"] for d in diffs), default=0),
+        "max_abs_rel": max((d["max_abs_rel"] for d in diffs), default=0.0),
         "d_rel": d_rel,
-        "d_rel_aggregation": "Frobenius norm over all layers' K and V concatenated",
-        "first_position": min((e[kv]["first_position"] for e in layers for kv in ("k", "v")
-                               if e[kv]["first_position"] is not None), default=None),
+        "d_rel_aggregation": "Frobenius norm over every compared part of every layer, concatenated",
+        "first_position": min((d["first_position"] for _, _, d in bad
+                               if d["first_position"] is not None), default=None),
+        "uncompared": tuple(uncompared),
         "layers": layers,
     }
 
@@ -193,76 +267,6 @@ def compare_suffixes(a, b, margins_a, margins_b) -> dict:
                                        and first < len(margins_b) else None)}
 
 
-# --------------------------------------------------------------------------- transplants
-
-@dataclass(frozen=True)
-class Selection:
-    """Which part of a donor's cache a transplant takes: layers [lo, hi), K and/or V, positions."""
-
-    layers: tuple[int, int] | None = None
-    keys: bool = True
-    values: bool = True
-    positions: str | tuple[int, int] | None = None   # "prompt" | "generated" | (lo, hi)
-
-    @property
-    def label(self) -> str:
-        parts = []
-        if self.layers:
-            parts.append(f"layers={self.layers[0]}-{self.layers[1]}")
-        if not (self.keys and self.values):
-            parts.append("keys" if self.keys else "values")
-        if self.positions is not None:
-            p = self.positions
-            parts.append(f"positions={p if isinstance(p, str) else f'{p[0]}-{p[1]}'}")
-        return "+".join(parts) or "all"
-
-
-SELECTION_HELP = ("all | keys | values | layers=A-B | positions=prompt|generated|A-B, "
-                  "joined with '+' (ranges are half-open: A included, B not)")
-
-
-def parse_selection(text: str) -> Selection:
-    """`all`, `keys`, `values`, `layers=0-4`, `positions=generated`, joined by '+'."""
-    kwargs: dict = {}
-    for part in filter(None, (text or "all").split("+")):
-        if part == "all":
-            continue
-        if part in ("keys", "values"):
-            kwargs["keys"], kwargs["values"] = part == "keys", part == "values"
-            continue
-        match = re.fullmatch(r"(layers|positions)=(\d+)-(\d+)", part)
-        if match and int(match[2]) < int(match[3]):
-            kwargs[match[1]] = (int(match[2]), int(match[3]))
-        elif part in ("positions=prompt", "positions=generated"):
-            kwargs["positions"] = part.split("=")[1]
-        else:
-            raise ValueError(f"bad transplant selection {part!r}; valid: {SELECTION_HELP}")
-    return Selection(**kwargs)
-
-
-def transplant(recipient: BoundaryState, donor: BoundaryState, selection: Selection,
-               prompt_length: int) -> BoundaryState:
-    """The recipient with the selected part of the donor's cache put in place of its own."""
-    if recipient.prefix != donor.prefix:
-        raise ValueError("transplant needs recipient and donor over the same prefix")
-    n_layers, length = len(recipient.keys), recipient.length
-    lo, hi = selection.layers or (0, n_layers)
-    if not 0 <= lo < hi <= n_layers:
-        raise ValueError(f"layer range {lo}-{hi} outside 0-{n_layers}")
-    named = {None: (0, length), "prompt": (0, prompt_length), "generated": (prompt_length, length)}
-    p_lo, p_hi = named.get(selection.positions, selection.positions)
-    if not 0 <= p_lo <= p_hi <= length:
-        raise ValueError(f"position range {p_lo}-{p_hi} outside 0-{length}")
-
-    def mix(own: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        out = own.clone()
-        out[:, :, p_lo:p_hi] = other[:, :, p_lo:p_hi]   # [1, H_kv, T, D] along T
-        return out
-
-    keys, values = list(recipient.keys), list(recipient.values)
-    for layer in range(lo, hi):
-        if selection.keys:
-            keys[layer] = mix(recipient.keys[layer], donor.keys[layer])
-        if selection.values:
-            values[layer] = mix(recipient.values[layer], donor.values[layer])
-    return BoundaryState(recipient.prefix, tuple(keys), tuple(values), recipient.logits)
+# Transplant surgery lives in harness.protocol.surgery; its names are re-exported here.
+from harness.protocol.surgery import (SELECTION_HELP, Selection, parse_selection,  # noqa: E402,F401
+                                      transplant)

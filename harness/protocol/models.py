@@ -239,6 +239,11 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     os.replace(tmp, folder)  # atomic: a crash never leaves a half-written cache
 
 
+# Without one of these, AutoTokenizer may build an empty tokenizer from the config's model type
+# (Qwen3-MoE does in transformers 5.24) that encodes every prompt to no ids at all.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _load_hf_folder(folder: str) -> Model:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -252,10 +257,12 @@ def _load_hf_folder(folder: str) -> Model:
         first = (str(err).splitlines() or [""])[0][:200]
         raise ModelUnavailable(f"hf:{folder}: not a loadable model folder "
                                f"({type(err).__name__}: {first})") from None
-    try:
-        codec = ChatCodec(AutoTokenizer.from_pretrained(path))
-    except (OSError, ValueError):
-        codec = ByteCodec()
+    codec = ByteCodec()   # a folder without tokenizer files: random weights over bytes
+    if any((path / name).is_file() for name in _TOKENIZER_FILES):
+        try:
+            codec = ChatCodec(AutoTokenizer.from_pretrained(path))
+        except (OSError, ValueError):
+            pass
     return Model(f"hf:{folder}", module, codec, time.perf_counter() - start)
 
 

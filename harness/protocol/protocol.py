@@ -76,7 +76,7 @@ def run_live(module, prompt: list[int], B: int, S: int, eos_ids) -> Arm:
     if generated.eos:
         return Arm("live", None, Greedy(), time.perf_counter() - start, runner.calls,
                    runner.seconds, generated=generated)
-    state = kv.snapshot(cache, prompt + generated.tokens, logits[None])
+    state = kv.snapshot(cache, prompt + generated.tokens, logits[None], config=module.config)
     suffix, _ = greedy(runner, cache, logits, S, eos_ids, feed_last=False)
     return Arm("live", state, suffix, time.perf_counter() - start, runner.calls, runner.seconds,
                generated=generated)
@@ -89,7 +89,7 @@ def run_construction(module, construction: Construction, prompt_length: int,
     rows = construction.n if construction.kind == "batched" else 1
     sizes = construction.chunk_sizes(prompt_length, len(prefix))
     logits = feed_chunks(runner, cache, prefix, sizes, rows)          # [rows, V]
-    state = kv.snapshot(cache, prefix, logits)
+    state = kv.snapshot(cache, prefix, logits, config=module.config)
     rows_identical = kv.rows_identical(cache, logits) if rows > 1 else None
     del cache
     suffix = decode_suffix(runner, state, S, eos_ids)
@@ -115,7 +115,8 @@ def run_cobatched(module, construction: Construction, prefix: list[int], S: int,
     batch = cobatch.choose(prefix, neighbours.item_id, neighbours.pool, construction.n,
                            neighbours.max_length)
     logits, mask = cobatch.prefill(runner, cache, batch)             # [N, V], [N, W]
-    state = kv.snapshot(cache, prefix, logits, batch.row, batch.pads[batch.row])
+    state = kv.snapshot(cache, prefix, logits, batch.row, batch.pads[batch.row],
+                        config=module.config)
     if construction.decode_in_batch:
         suffix = cobatch.decode(runner, cache, batch, logits, mask, S, eos_ids)
     else:

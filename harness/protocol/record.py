@@ -42,14 +42,21 @@ class TensorDiff:
 
 @dataclass(frozen=True)
 class LayerDiff:
+    """One layer: K/V (empty defaults where a recurrent layer has none), kind (full, window,
+    latent, recurrent, ...), the positions [start, end) its K/V cover, other parts, gaps."""
+
     layer: int
     k: TensorDiff = TensorDiff()
     v: TensorDiff = TensorDiff()
+    kind: str = "full"
+    span: tuple[int, ...] | None = None
+    parts: dict[str, TensorDiff] = field(default_factory=dict)
+    uncompared: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class CacheDiff:
-    """Two boundary caches over one P, per layer and K/V (harness.protocol.cache.compare_states)."""
+    """Two boundary caches over one P, per layer and part (k, v, recurrent, conv: first_bad_kv)."""
 
     bit_exact: bool = True
     first_bad_layer: int | None = None
@@ -63,6 +70,7 @@ class CacheDiff:
     d_rel_aggregation: str = ""
     first_position: int | None = None
     layers: tuple[LayerDiff, ...] = ()
+    uncompared: tuple[str, ...] = ()   # parts not compared: then not bit-exact
 
 
 @dataclass(frozen=True)

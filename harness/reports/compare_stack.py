@@ -112,6 +112,8 @@ def _state_text(c) -> str:
         return "no cache comparison"
     if cache.bit_exact:
         text = "bit-exact"
+    elif cache.first_bad_layer is None:
+        text = f"not compared whole ({'; '.join(cache.uncompared)})"
     else:
         kv = (cache.first_bad_kv or "").upper()
         text = (f"first bad layer {cache.first_bad_layer}{' ' + kv if kv else ''}"

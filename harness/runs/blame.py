@@ -184,16 +184,20 @@ def _build(module, runner: Runner, prefix: list[int], spans: list[tuple[int, int
 
 def first_differing_position(module, prefix: list[int], prompt_length: int, against: str = "prefill"):
     """The lowest position whose keys or values differ in some layer between the two sides'
-    caches over all of P (None when they are bit-exact, the logits included)."""
+    caches over all of P (None when they are bit-exact, the logits included; P's last position
+    when only a state without positions, recurrent or conv, differs)."""
     from harness.protocol import cache as kv
 
     spans_a, spans_b = _constructions(prefix, prompt_length, against)
     runner = Runner(module)
     cache_a, logits_a = _build(module, runner, prefix, spans_a)
     cache_b, logits_b = _build(module, runner, prefix, spans_b)
-    diff = kv.compare_states(kv.snapshot(cache_a, prefix, logits_a), kv.snapshot(cache_b, prefix, logits_b))
+    diff = kv.compare_states(kv.snapshot(cache_a, prefix, logits_a, config=module.config),
+                            kv.snapshot(cache_b, prefix, logits_b, config=module.config))
     if diff["bit_exact"]:
         return None if bits_equal(logits_a, logits_b) else len(prefix) - 1
+    if diff["first_position"] is None:   # only a recurrent or conv state differs: it has no
+        return len(prefix) - 1           # positions, so P's last is the first one we can name
     return diff["first_position"]
 
 

@@ -31,12 +31,17 @@ def comparison_lines(comparison: Comparison, arms: dict[str, ArmRecord], codec,
         lines.append("    cache   not comparable: the two prefixes differ")
     elif cache.bit_exact:
         lines.append("    cache   bit-exact")
+    elif cache.first_bad_layer is None:   # nothing differs in what was compared, but not all was
+        lines.append(f"    cache   NOT COMPARED WHOLE  {'; '.join(cache.uncompared)}")
     else:
         lines.append(f"    cache   DIFFERS  first bad layer {cache.first_bad_layer} "
-                     f"({(cache.first_bad_kv or '?').upper()}), position {cache.first_position}, "
+                     f"({(cache.first_bad_kv or '?').upper()}), position "
+                     f"{'- (no position axis)' if cache.first_position is None else cache.first_position}, "
                      f"{cache.n_diff} elements, max |diff| {cache.max_abs:.3g} "
                      f"({cache.max_abs_rel:.3g} of max |value|), "
                      f"max ULP {cache.max_ulp} (through zero), d_rel {cache.d_rel:.3g}")
+        if cache.uncompared:
+            lines.append(f"    cache   not compared: {'; '.join(cache.uncompared)}")
     logits = comparison.logits
     if logits is not None:
         verdict = "bit-exact" if logits.equal else f"max |diff| {logits.max_abs:.3g}"
