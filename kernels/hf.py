@@ -41,9 +41,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "kvfid_triton"
-# Mechanism names the Triton kernel serves (read by the harness before compute):
-# sliding_window, chunked_attention, softcap, sinks, split_head_dims.
-SERVES: frozenset[str] = frozenset()
+# Mechanism names the Triton kernel serves (read by the harness before compute); the factory
+# refuses any other active one before calling the kernel.
+SERVES: frozenset[str] = frozenset({"sliding_window", "chunked_attention", "softcap", "sinks",
+                                    "split_head_dims"})
 
 
 def _kernel_pattern(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
