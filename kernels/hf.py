@@ -204,33 +204,38 @@ def _own_positions(name: str, mask: torch.Tensor | None, position_ids, batch: in
     """[B] (CPU) own position of each row's held key 0, checked against the mask; refuses a mask
     that is not exactly the pattern the kernel applies."""
     own = own_starts(position_ids, batch, kv_len)
-    pad = None
-    if mask is not None and not _is_kernel_pattern(mask, q_len, kv_len):
-        allowed = _allowed(mask) if mask.dim() == 4 and tuple(mask.shape[-2:]) == (q_len, kv_len) else None
-        pad = _held_padding(allowed) if allowed is not None else None
-        if pad is None:
-            raise _mask_error(name)
-        pad = pad.cpu().expand(batch)
-    if own is None:
-        if chunk is not None or window is not None:
-            raise ValueError(f"{name}: a sliding-window or chunked layer needs position_ids in the "
-                             "attention kwargs (to place the held keys)")
-        own = -pad if pad is not None else torch.zeros(batch, dtype=torch.long)
-    own = own.cpu()
-    if pad is not None:
-        # Position ids either count each row's own positions (generate, kvfid's co-batches: a row
-        # still holding pad keys starts at -pad) or are one padded-absolute range for every row (a
-        # plain forward with a mask); a row with no valid key yet starts at -kv_len.
-        empty = pad == kv_len
-        if not bool(torch.where(pad > 0, own == -pad, own >= 0)[~empty].all()):
-            if not bool((own == own[:1]).all()):
-                raise ValueError(f"{name}: position_ids {position_ids[:, -1].tolist()} disagree "
-                                 f"with the mask's left padding {pad.tolist()}")
-            own = own - pad
-        own = torch.where(empty, -kv_len, own)
-        if not torch.equal(_allowed(mask).cpu(), expected_pattern(own, q_len, kv_len, window, chunk)[:, None]
-                           .expand(mask.shape)):
-            raise _mask_error(name)
+    if own is None and (chunk is not None or window is not None):
+        raise ValueError(f"{name}: a sliding-window or chunked layer needs position_ids in the "
+                         "attention kwargs (to place the held keys)")
+    own = torch.zeros(batch, dtype=torch.long) if own is None else own.cpu()
+    if mask is None or _is_kernel_pattern(mask, q_len, kv_len):
+        return own
+    allowed = _allowed(mask) if mask.dim() == 4 and tuple(mask.shape[-2:]) == (q_len, kv_len) else None
+    if allowed is None:
+        raise _mask_error(name)
+    allowed = allowed.cpu()
+
+    def matches(starts: torch.Tensor) -> bool:
+        return torch.equal(allowed, expected_pattern(starts, q_len, kv_len, window, chunk)[:, None]
+                           .expand(allowed.shape))
+
+    if matches(own):  # position ids count each row's own positions (generate, kvfid's co-batches)
+        return own
+    # Else one padded-absolute range for every row (a plain forward with a mask): a row's padding
+    # is what its last query does not see before the first key its window or chunk would show.
+    first = _held_padding(allowed)
+    if first is None or not bool((own == own[:1]).all()):
+        raise _mask_error(name)
+    first = first.expand(batch)
+    local = torch.zeros(batch, dtype=torch.long)
+    if window is not None:
+        local = torch.full((batch,), max(0, kv_len - window))
+    if chunk is not None:
+        last = own + kv_len - 1
+        local = torch.maximum(local, (torch.div(last, chunk, rounding_mode="floor") * chunk - own).clamp(min=0))
+    own = torch.where(first == kv_len, -kv_len, torch.where(first > local, -first, own))
+    if not matches(own):
+        raise _mask_error(name)
     return own
 
 

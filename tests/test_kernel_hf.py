@@ -137,23 +137,23 @@ def test_left_padding_runs_and_right_padding_is_refused():
             model(ids, attention_mask=right)
 
 
-def test_sliding_window_shorter_than_the_keys_is_refused():
+def test_sliding_window_is_served_and_needs_positions():
     model = tiny_model("qwen2", use_sliding_window=True, sliding_window=12, max_window_layers=0)
     model.set_attn_implementation(hf.register())
     with torch.no_grad():
-        model(token_ids(length=12))  # window covers every key: plain causal attention
-        with pytest.raises(ValueError, match="sliding-window"):
-            model(token_ids(length=13))
+        model(token_ids(length=13))  # a window shorter than the keys
+    q = torch.zeros(1, 2, 4, 16, device=device())
+    with pytest.raises(ValueError, match="needs position_ids"):
+        hf.kvfid_triton_attention(torch.nn.Module(), q, q, q, None, sliding_window=2)
 
 
-def test_softcapping_and_custom_masks_are_refused_before_compute():
+def test_custom_masks_are_refused_before_compute():
     q = torch.zeros(1, 2, 4, 16, device=device())
     module = torch.nn.Module()
-    with pytest.raises(ValueError, match="softcapping"):
-        hf.kvfid_triton_attention(module, q, q, q, None, softcap=30.0)
     custom = torch.ones(1, 1, 4, 4, dtype=torch.bool, device=device())  # bidirectional
     with pytest.raises(ValueError, match="neither the plain causal pattern"):
         hf.kvfid_triton_attention(module, q, q, q, custom)
+    assert hf.SERVES == {"sliding_window", "chunked_attention", "softcap", "sinks", "split_head_dims"}
 
 
 # ---- the kernel-agnostic factory: what a kernel is told --------------------------------------
