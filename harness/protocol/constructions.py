@@ -16,7 +16,7 @@ from harness.errors import BadInput
 from harness.names import CONSTRUCTION_HELP
 _NUMBERED = (r"(?:chunked|batched):\d+|cobatched:\d+(?:\+decode)?"
              r"|cached:(?:\d+|0?\.\d+|prompt)|spec:\d+(?:\+(?:all|none|ngram|rate0?\.\d+))?")
-# The acceptance patterns of `spec:k` (serving.py says what each means).
+# The acceptance patterns of `spec:k` (engine_arms.py says what each means).
 SPEC_PATTERNS = ("all", "none", "ngram")
 
 

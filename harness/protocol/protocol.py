@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from harness.protocol import cache as kv
-from harness.protocol import cobatch, serving
+from harness.protocol import cobatch, engine_arms
 from harness.protocol import record as rec
 from harness.protocol.plain import decode
 from harness.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
@@ -89,8 +89,8 @@ def run_construction(module, construction: Construction, prompt_length: int,
     start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
     rows = construction.n if construction.kind == "batched" else 1
     acceptance = None
-    if construction.kind in serving.KINDS:
-        logits, acceptance = serving.feed(runner, cache, construction, prompt_length, prefix,
+    if construction.kind in engine_arms.KINDS:
+        logits, acceptance = engine_arms.feed(runner, cache, construction, prompt_length, prefix,
                                           module.config.get_text_config().vocab_size)
     else:
         sizes = construction.chunk_sizes(prompt_length, len(prefix))

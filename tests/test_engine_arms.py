@@ -6,7 +6,7 @@ import torch
 from click.testing import CliRunner
 
 from harness.cli import main
-from harness.protocol import serving
+from harness.protocol import engine_arms
 from harness.protocol.backends import Stack
 from harness.protocol.protocol import (ItemPlan, ProtocolError, parse_construction,
                                        parse_transplant, run_construction, run_item)
@@ -52,9 +52,9 @@ def test_spec_k_zero_exits_2_in_one_line_before_compute():
 
 
 def test_prompt_lookup_drafts_what_followed_the_last_bigram():
-    assert serving._lookup([5, 6, 7, 8, 9, 5, 6], 3) == [7, 8, 9]
-    assert serving._lookup([5, 6, 7, 5, 6], 3) == [7, 5, 6]
-    assert serving._lookup([1, 2, 3, 4], 3) == []      # no earlier occurrence: no drafts
+    assert engine_arms._lookup([5, 6, 7, 8, 9, 5, 6], 3) == [7, 8, 9]
+    assert engine_arms._lookup([5, 6, 7, 5, 6], 3) == [7, 5, 6]
+    assert engine_arms._lookup([1, 2, 3, 4], 3) == []      # no earlier occurrence: no drafts
 
 
 def test_serving_arms_cover_p_and_count_their_forward_calls_in_fp32():
