@@ -24,7 +24,8 @@ PRESET_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-mistral", "smollm2-135m", "qwe
 MODEL_NAMES = (*PRESET_NAMES, "hf:<folder>")
 
 CONSTRUCTION_HELP = ("live, prefill, incremental, incremental-1, chunked:N, batched:N (N >= 1), "
-                     "cobatched:N, cobatched:N+decode (N >= 2)")
+                     "cobatched:N, cobatched:N+decode (N >= 2), cached:K (K tokens, a fraction "
+                     "or `prompt`), spec:k[+all|+none|+ngram|+rateR] (k >= 1 drafts)")
 
 # The verdicts of `kvfid repro` (harness.runs.repro.verdict).
 BIT_EXACT, DIVERGES = "bit-exact", "diverges"

@@ -39,6 +39,10 @@ IMPLS = ("triton", "rowwise")
 DISPATCH_KEYS = ("CPU", "CUDA")
 # aten overloads replaced while the mode is on (op name as torch.library spells it).
 OVERRIDDEN_OPS = ("mm", "addmm", "bmm", "mean.dim", "_softmax", "_log_softmax")
+# Their out= forms, which compiled code calls (inductor's extern kernels write into buffers): they
+# run the functional override and copy its bits into `out`. Like WHERE_STOCK_OPS, replaced only
+# under the keys where torch has a kernel for them (a CPU build has no CUDA `mm.out`).
+OUT_OPS = ("mm.out", "addmm.out", "bmm.out")
 # Replaced only under the dispatch keys where torch has a kernel for them: `mm.dtype` (e.g. bf16 in,
 # fp32 out) has a CUDA kernel, but torch 2.13's CPU build has the overload with no CPU kernel, and
 # the mode does not invent one.
@@ -170,6 +174,18 @@ def _softmax_like(log: bool) -> Callable:
     return factory
 
 
+def _out_form(functional: str) -> Callable:
+    def factory(impl: str, original) -> Callable:
+        op = getattr(torch.ops.aten, functional).default   # dispatches to the mode's override
+
+        def out_kernel(keys, *args, out, **kwargs):
+            result = op(*args, **kwargs)
+            out.resize_(result.shape)
+            return out.copy_(result)
+        return out_kernel
+    return factory
+
+
 _FACTORIES = {
     "mm": _mm,
     "mm.dtype": _mm_dtype,
@@ -178,6 +194,7 @@ _FACTORIES = {
     "mean.dim": _mean_dim,
     "_softmax": _softmax_like(log=False),
     "_log_softmax": _softmax_like(log=True),
+    **{op: _out_form(op.split(".")[0]) for op in OUT_OPS},
 }
 
 
@@ -187,7 +204,7 @@ def _install(impl: str) -> torch.library.Library:
         with warnings.catch_warnings():
             # Replacing aten kernels is the point; torch warns about it once per process.
             warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
-            for key, op in itertools.product(DISPATCH_KEYS, OVERRIDDEN_OPS + WHERE_STOCK_OPS):
+            for key, op in itertools.product(DISPATCH_KEYS, OVERRIDDEN_OPS + OUT_OPS + WHERE_STOCK_OPS):
                 # The kernel registered now (before ours) is the fallback and the "rowwise" worker.
                 original = _stock_kernel(op, key)
                 if original is not None:

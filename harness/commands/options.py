@@ -45,6 +45,8 @@ stack_options = options(
                  help=f"Precision: {', '.join(DTYPE_NAMES)}."),
     click.option("--batch-invariant", is_flag=True,
                  help="Swap in batch-invariant matmul/norm/softmax."),
+    click.option("--compile", "compiled", is_flag=True,
+                 help="Run the model's forward under torch.compile (inductor); part of the stack."),
     click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N."),
     click.option("--threads", type=int,
                  help="torch thread count (default: torch's); part of the stack."))

@@ -117,6 +117,7 @@ class Stack:
     batch_invariant: bool = False
     device: str = "cpu"
     threads: int | None = None
+    compiled: bool = False   # the forward under torch.compile (harness.protocol.compiled)
 
     def __post_init__(self) -> None:
         attention_backend(self.backend)  # raises ValueError naming the valid ones
@@ -144,6 +145,7 @@ class Stack:
         """Short name, e.g. `sdpa/bf16`, `triton/fp32+bi`, or `sdpa/bf16@t1` when the stack sets
         the thread count (on CPU the thread count changes numerics, so it names the stack)."""
         return (f"{self.backend}/{self.dtype}" + ("+bi" if self.batch_invariant else "")
+                + ("+compile" if self.compiled else "")
                 + (f"@t{self.threads}" if self.threads is not None else ""))
 
     def describe(self) -> dict:
@@ -152,7 +154,8 @@ class Stack:
                 "batch_invariant_impl": self.batch_invariant_impl}
 
     def with_dtype(self, dtype: str) -> "Stack":
-        return Stack(self.backend, dtype, self.batch_invariant, self.device, self.threads)
+        return Stack(self.backend, dtype, self.batch_invariant, self.device, self.threads,
+                     self.compiled)
 
     @contextlib.contextmanager
     def activate(self, model) -> Iterator[torch.nn.Module]:
@@ -178,22 +181,29 @@ class Stack:
                 restore.enter_context(set_batch_invariant_mode(True,
                                                                impl=self.batch_invariant_impl))
             restore.enter_context(torch.inference_mode())
+            if self.compiled:
+                from harness.protocol.compiled import compiled_forward
+
+                restore.enter_context(compiled_forward(module, self.label))
             yield module
 
 
 def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> Stack:
-    """`sdpa/bf16`, `triton/fp32+bi`, `sdpa/bf16@t1` -> Stack (a label's `@tN` wins over `threads`)."""
+    """`sdpa/bf16`, `triton/fp32+bi`, `eager/bf16+bi+compile`, `sdpa/bf16@t1` -> Stack (a
+    label's `@tN` wins over `threads`)."""
     body, _, thread_text = text.partition("@t")
     if thread_text:
         if not thread_text.isdigit():
             raise ValueError(f"stack {text!r}: expected @tN with N a thread count, e.g. sdpa/bf16@t1")
         threads = int(thread_text)
+    compiled = body.endswith("+compile")
+    body = body[:-len("+compile")] if compiled else body
     batch_invariant = body.endswith("+bi")
     body = body[:-3] if batch_invariant else body
     if body.count("/") != 1:
-        raise ValueError(f"stack {text!r}: expected BACKEND/DTYPE[+bi][@tN], e.g. sdpa/bf16")
+        raise ValueError(f"stack {text!r}: expected BACKEND/DTYPE[+bi][+compile][@tN], e.g. sdpa/bf16")
     backend, dtype = body.split("/")
-    return Stack(backend, dtype, batch_invariant, device, threads)
+    return Stack(backend, dtype, batch_invariant, device, threads, compiled)
 
 
 def check_supports(stack: Stack, model_or_config, length: int | None = None) -> None:
@@ -207,6 +217,12 @@ def check_supports(stack: Stack, model_or_config, length: int | None = None) -> 
     left."""
     from harness.protocol import serving
 
+    if stack.compiled:
+        from harness.protocol.compiled import unavailable_reason
+
+        reason = unavailable_reason(stack.backend, stack.device)
+        if reason:
+            raise StackUnavailable(f"stack {stack.label} cannot run here: {reason}")
     config = serving.text_config(model_or_config)
     refuse = f"model {getattr(config, 'model_type', '?')} cannot run on stack {stack.label}"
     if stack.backend == "triton" and getattr(config, "is_encoder_decoder", False):

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from harness.protocol import cache as kv
 from harness.errors import BadInput
 from harness.names import CONSTRUCTION_HELP
-_NUMBERED = r"(?:chunked|batched):\d+|cobatched:\d+(?:\+decode)?"
+_NUMBERED = (r"(?:chunked|batched):\d+|cobatched:\d+(?:\+decode)?"
+             r"|cached:(?:\d+|0?\.\d+|prompt)|spec:\d+(?:\+(?:all|none|ngram|rate0?\.\d+))?")
+# The acceptance patterns of `spec:k` (engine_arms.py says what each means).
+SPEC_PATTERNS = ("all", "none", "ngram")
 
 
 class ProtocolError(BadInput, ValueError):
@@ -28,12 +31,31 @@ class Construction:
     kind: str
     n: int | None = None
     decode_in_batch: bool = False  # cobatched only: the suffix is decoded in the co-batch too
+    variant: str | None = None     # cached: "prompt" or a fraction ("0.5"); spec: the pattern
 
     @property
     def label(self) -> str:
+        if self.kind == "cached":
+            return f"cached:{self.n if self.variant is None else self.variant}"
+        if self.kind == "spec":
+            return f"spec:{self.n}" + ("" if self.variant == "all" else f"+{self.variant}")
         if self.n is None:
             return self.kind
         return f"{self.kind}:{self.n}" + ("+decode" if self.decode_in_batch else "")
+
+    def cached_length(self, prompt_length: int, prefix_length: int) -> int:
+        """`cached:K`: how many leading tokens of P the earlier request left in the cache;
+        ProtocolError unless 1 <= K < |P| (something must be extended on top)."""
+        if self.variant == "prompt":
+            k = prompt_length
+        elif self.variant is not None:
+            k = int(float(self.variant) * prefix_length)
+        else:
+            k = self.n
+        if not 1 <= k < prefix_length:
+            raise ProtocolError(f"{self.label}: K={k} must be at least 1 and below the boundary "
+                                f"prefix's {prefix_length} tokens (prompt {prompt_length} + B)")
+        return k
 
     def chunk_sizes(self, prompt_length: int, prefix_length: int) -> list[int]:
         """The forward-call sizes that feed P (not used by `live`)."""
@@ -55,11 +77,31 @@ def parse_construction(text: str) -> Construction:
     text = text.strip()
     if text in ("live", "prefill", "incremental", "incremental-1"):
         return Construction(text)
+    if text.startswith(("cached:", "spec:")):
+        return _parse_serving(text)
     match = re.fullmatch(r"(chunked|batched|cobatched):(\d+)(\+decode)?", text)
     if match and int(match[2]) >= (2 if match[1] == "cobatched" else 1) and (
             match[3] is None or match[1] == "cobatched"):
         return Construction(match[1], int(match[2]), match[3] is not None)
     raise ProtocolError(f"unknown arm {text!r}; valid: {CONSTRUCTION_HELP}")
+
+
+def _parse_serving(text: str) -> Construction:
+    """`cached:K` (K tokens, a fraction of P in (0, 1), or `prompt`) and `spec:k[+pattern]`."""
+    match = re.fullmatch(r"cached:(?:(\d+)|(0?\.\d+)|(prompt))", text)
+    if match:
+        if match[1] is not None and int(match[1]) >= 1:
+            return Construction("cached", int(match[1]))
+        if match[2] is not None and 0 < float(match[2]) < 1:
+            return Construction("cached", variant=match[2])
+        if match[3]:
+            return Construction("cached", variant="prompt")
+    match = re.fullmatch(r"spec:(\d+)(?:\+(all|none|ngram|rate(0?\.\d+)))?", text)
+    if match and int(match[1]) >= 1 and (match[3] is None or 0 < float(match[3]) < 1):
+        return Construction("spec", int(match[1]), variant=match[2] or "all")
+    raise ProtocolError(f"bad arm {text!r}: cached:K takes K >= 1 tokens, a fraction in (0, 1) "
+                        f"or `prompt`; spec:k takes k >= 1 draft tokens and an optional pattern "
+                        f"+all, +none, +ngram or +rateR with R in (0, 1)")
 
 
 @dataclass(frozen=True)

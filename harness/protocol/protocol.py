@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from harness.protocol import cache as kv
-from harness.protocol import cobatch
+from harness.protocol import cobatch, engine_arms
 from harness.protocol import record as rec
 from harness.protocol.plain import decode
 from harness.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
@@ -38,6 +38,7 @@ class Arm:
     generated: Greedy | None = None      # live only: the B tokens and their margins
     rows_identical: bool | None = None   # batched only: every row's state equals row 0's
     cobatch: dict | None = None          # cobatched only: the co-batch's rows (cobatch.CoBatch)
+    acceptance: tuple[int, ...] | None = None  # spec:k only: accepted drafts per verification
 
     def record(self, codec, prompt_length: int, answer, matcher) -> rec.ArmRecord:
         text = codec.decode(list(self.state.prefix[prompt_length:]) + self.suffix.tokens) \
@@ -50,7 +51,7 @@ class Arm:
             text, matcher(text, answer) if text is not None else None,
             self.wall_s, self.forward_calls, self.forward_s,
             live_margins=tuple(self.generated.margins) if self.generated is not None else None,
-            rows_identical=self.rows_identical, cobatch=self.cobatch)
+            rows_identical=self.rows_identical, cobatch=self.cobatch, acceptance=self.acceptance)
 
     def fingerprints(self) -> rec.Fingerprints:
         return rec.Fingerprints(kv.sha_cache(self.state), kv.sha_tensor(self.state.logits),
@@ -87,14 +88,19 @@ def run_construction(module, construction: Construction, prompt_length: int,
     """Build the boundary state over `prefix` the given way and decode its suffix."""
     start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
     rows = construction.n if construction.kind == "batched" else 1
-    sizes = construction.chunk_sizes(prompt_length, len(prefix))
-    logits = feed_chunks(runner, cache, prefix, sizes, rows)          # [rows, V]
+    acceptance = None
+    if construction.kind in engine_arms.KINDS:
+        logits, acceptance = engine_arms.feed(runner, cache, construction, prompt_length, prefix,
+                                          module.config.get_text_config().vocab_size)
+    else:
+        sizes = construction.chunk_sizes(prompt_length, len(prefix))
+        logits = feed_chunks(runner, cache, prefix, sizes, rows)      # [rows, V]
     state = kv.snapshot(cache, prefix, logits, config=module.config)
     rows_identical = kv.rows_identical(cache, logits) if rows > 1 else None
     del cache
     suffix = decode_suffix(runner, state, S, eos_ids)
     return Arm(construction.label, state, suffix, time.perf_counter() - start, runner.calls,
-               runner.seconds, rows_identical=rows_identical)
+               runner.seconds, rows_identical=rows_identical, acceptance=acceptance)
 
 
 @dataclass(frozen=True)
@@ -202,6 +208,10 @@ class ItemPlan:
         if need > context_length:
             raise ProtocolError(f"prompt ({prompt_length} tokens) + B ({self.B}) + S ({self.S}) "
                                 f"= {need} exceeds the model's context of {context_length}")
+        for label in self.arms:   # a prefix-cache hit must leave something to extend
+            construction = parse_construction(label)
+            if construction.kind == "cached":
+                construction.cached_length(prompt_length, prompt_length + self.B)
 
 
 def run_item(model, stack, item, plan: ItemPlan, matcher=None,

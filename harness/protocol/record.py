@@ -151,6 +151,7 @@ class ArmRecord:
     live_margins: tuple[float, ...] | None = None  # live: the margins of the B generated tokens
     rows_identical: bool | None = None             # batched: every row's state equals row 0's
     cobatch: dict | None = None                    # cobatched: harness.protocol.cobatch describe()
+    acceptance: tuple[int, ...] | None = None      # spec:k: accepted drafts per verification step
 
 
 @dataclass(frozen=True)

@@ -34,16 +34,20 @@ def stack_groups(v, data: dict) -> tuple[tuple[Stack, ...], tuple[int | None, ..
 
 
 def product_stacks(v, t: dict) -> tuple[Stack, ...]:
-    """backends x dtypes x batch-invariant modes, on one device and thread count."""
+    """backends x dtypes x batch-invariant modes x compile, on one device and thread count."""
     backends = v.choices(t, "stacks", "backends", backend_names(), None)
     dtypes = v.choices(t, "stacks", "dtypes", list(DTYPES), None)
     modes = t.get("batch_invariant", [False])
     if not isinstance(modes, list) or not modes or not all(isinstance(m, bool) for m in modes):
         v.fail("stacks", "batch_invariant", modes, "a non-empty list of true/false")
+    compiled = t.get("compile", [False])
+    if not isinstance(compiled, list) or not compiled or not all(isinstance(c, bool) for c in compiled):
+        v.fail("stacks", "compile", compiled, "a non-empty list of true/false")
     device = v.optional(t, "stacks", "device", str, "cpu")
     v.check("stacks", "device", device, device_reason)
     threads = t.get("threads")
     if threads is not None:
         v.check("stacks", "threads", threads, threads_reason)
-    return tuple(Stack(b, d, bi, device, threads)
-                 for b, d, bi in itertools.product(backends, dtypes, dict.fromkeys(modes)))
+    return tuple(Stack(b, d, bi, device, threads, c)
+                 for b, d, bi, c in itertools.product(backends, dtypes, dict.fromkeys(modes),
+                                                      dict.fromkeys(compiled)))

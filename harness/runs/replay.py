@@ -258,14 +258,15 @@ def render(result: dict) -> str:
 
 
 def replay_command(trajectories: str, model_name: str, backend: str, dtype: str, batch_invariant: bool,
-                   device: str, threads: int | None, constructions: str, progress=None) -> dict:
+                   device: str, threads: int | None, constructions: str, progress=None,
+                   compiled: bool = False) -> dict:
     """`kvfid replay`: the options and the file checked before compute (exit 2 / 3), then `replay`."""
     from harness.runs import repro
     from harness.protocol.backends import check_supports
     from harness.protocol.models import load_model
 
     repro.check_model_name(model_name)
-    stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads)
+    stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads, compiled)
     chosen = tuple(c for c in constructions.split(",") if c)
     for c in chosen:
         try:

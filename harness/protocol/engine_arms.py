@@ -1,0 +1,122 @@
+"""The constructions serving engines use: a prefix-cache hit and speculative verification.
+
+Both feed a boundary prefix P into a fresh cache the way an engine does, and leave the cache
+covering exactly P with the boundary logits returned, so the protocol snapshots and compares them
+like any other construction:
+
+* `cached:K`: an *earlier, different* request prefilled P[:K] followed by another continuation in
+  one forward call (|P| - K + 3 tokens: each of P's later tokens plus one, then three more, so the
+  earlier request neither matches P nor has P's shape); its cache is cut back to K, as an engine
+  keeps the shared prefix's blocks, and P[K:] is extended on top in one forward call. K is a token
+  count, a fraction of |P|, or `prompt` (a shared system prompt).
+* `spec:k`: P rebuilt as a speculative decoder builds it. The prompt is prefilled; then each step
+  verifies the pending token plus up to k draft tokens in one forward call, keeps the drafts that
+  are accepted (a draft is accepted when it is P's next token and every draft before it was) and
+  cuts the rejected ones back out of the cache. The drafts come from a pattern: `all` (every draft
+  is P's next token), `none` (every draft is wrong), `rateR` (each draft right with probability R,
+  seeded by the prefix, so a replica redraws the same pattern) or `ngram` (prompt-lookup drafting:
+  the k tokens that followed the latest earlier occurrence of the last two tokens). The accepted
+  count of every step is kept: the record's acceptance pattern.
+
+A cache whose cut leaves a trace (a recurrent state that cannot be rolled back) is refused with one
+line. Nothing here knows which backend runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import torch
+
+from harness.errors import Unavailable
+from harness.protocol.decode import Runner, as_batch
+
+KINDS = ("cached", "spec")
+_NGRAM = 2           # the n of prompt-lookup drafting
+_EXTRA_OTHER = 3     # how much longer than P the earlier request of `cached:K` is
+
+
+class RollbackError(Unavailable):
+    """The model's cache cannot be cut back without a trace (exit 3)."""
+
+
+def feed(runner: Runner, cache, construction, prompt_length: int, prefix: list[int],
+         vocab_size: int) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """Feed `prefix` into the empty `cache` the engine's way; the boundary logits [1, V] and, for
+    `spec:k`, the accepted draft count of each verification step."""
+    if hasattr(cache, "activate_past_recording"):   # window layers keep what a rollback needs
+        cache.activate_past_recording()
+    if construction.kind == "cached":
+        logits = _cached(runner, cache, construction.cached_length(prompt_length, len(prefix)),
+                         prefix, vocab_size)
+        acceptance = None
+    else:
+        logits, acceptance = _spec(runner, cache, construction, prompt_length, prefix, vocab_size)
+    _rollback(cache, 0)   # layers that kept past states for the rollback drop what they no longer need
+    return logits, acceptance
+
+
+def _rollback(cache, tokens: int) -> None:
+    """Cut the last `tokens` positions out of the cache (0: only trim what is kept for rollback)."""
+    if not getattr(cache, "is_croppable", True):
+        kinds = sorted({type(layer).__name__ for layer in cache.layers
+                        if not getattr(layer, "is_croppable", True)})
+        raise RollbackError(f"a prefix-cache hit or a speculative rollback needs a cache that can "
+                            f"be cut back; {', '.join(kinds)} keeps a recurrent state that cannot")
+    cache.crop(-tokens)
+
+
+def _cached(runner: Runner, cache, k: int, prefix: list[int], vocab_size: int) -> torch.Tensor:
+    later = prefix[k:]
+    other = [(t + 1) % vocab_size for t in later] + [(later[-1] + 2 + i) % vocab_size
+                                                      for i in range(_EXTRA_OTHER)]
+    runner.forward(as_batch(prefix[:k] + other), cache)   # the earlier, different request
+    _rollback(cache, len(other))
+    return runner.forward(as_batch(later), cache)
+
+
+def _spec(runner: Runner, cache, construction, prompt_length: int, prefix: list[int],
+          vocab_size: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    k, pattern = construction.n, construction.variant
+    rng = random.Random(hashlib.sha256(repr((prefix, construction.label)).encode()).digest())
+    rate = float(pattern[len("rate"):]) if pattern.startswith("rate") else None
+    logits = runner.forward(as_batch(prefix[:prompt_length]), cache)
+    i, acceptance = prompt_length, []   # the cache covers prefix[:i]; prefix[i] is pending
+    while i < len(prefix):
+        truth = prefix[i + 1:i + 1 + k]              # what the drafts should be (fewer at the end)
+        drafts = _drafts(pattern, rate, rng, prefix[:i + 1], truth, vocab_size)
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == truth[accepted]:
+            accepted += 1
+        logits = runner.forward(as_batch([prefix[i]] + drafts), cache)
+        _rollback(cache, len(drafts) - accepted)
+        acceptance.append(accepted)
+        i += 1 + accepted
+    # The last step ends at |P| only with all its drafts kept, so its last logits are the boundary's.
+    return logits, tuple(acceptance)
+
+
+def _drafts(pattern: str, rate: float | None, rng: random.Random, context: list[int],
+            truth: list[int], vocab_size: int) -> list[int]:
+    """Up to len(truth) draft tokens for the next step under the acceptance pattern."""
+    wrong = [(t + 1) % vocab_size for t in truth]
+    if pattern == "all":
+        return list(truth)
+    if pattern == "none":
+        return wrong
+    if rate is not None:
+        return [t if rng.random() < rate else w for t, w in zip(truth, wrong)]
+    return _lookup(context, len(truth))
+
+
+def _lookup(context: list[int], k: int) -> list[int]:
+    """Prompt-lookup drafting: the tokens that followed the latest earlier occurrence of the
+    context's last `_NGRAM` tokens (none when there is no earlier occurrence)."""
+    if k == 0 or len(context) <= _NGRAM:
+        return []
+    tail = context[-_NGRAM:]
+    for start in range(len(context) - _NGRAM - 1, -1, -1):
+        if context[start:start + _NGRAM] == tail:
+            return context[start + _NGRAM:start + _NGRAM + k]
+    return []
