@@ -48,3 +48,63 @@ def compiled_forward(module: torch.nn.Module, label: str) -> Iterator[None]:
     finally:
         del module.forward                                         # the class's forward again
         torch._dynamo.reset()
+
+
+def units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules `kvfid blame` compiles one by one for a compiled stack: every child of each
+    decoder layer (the module list as long as the config's layer count) and every other leaf
+    module outside those layers (embeddings, final norm, head), in registration order."""
+    layers = getattr(module.config.get_text_config(), "num_hidden_layers", None)
+    lists = [name for name, sub in module.named_modules()
+             if isinstance(sub, torch.nn.ModuleList) and len(sub) == layers]
+    chosen = []
+    for name, sub in module.named_modules():
+        inside = [prefix for prefix in lists if name.startswith(prefix + ".")]
+        depth = name.count(".") - inside[0].count(".") if inside else None
+        if depth == 2 or (not inside and name and not list(sub.children())):
+            chosen.append((name, sub))
+    return chosen
+
+
+@contextlib.contextmanager
+def compiled_units(module: torch.nn.Module, on_call) -> Iterator[None]:
+    """Inside the block the model runs eagerly except for its `units()`, each compiled alone
+    (dynamic shapes); every unit call is reported as on_call(name, float inputs, float outputs)
+    (detached CPU copies) from outside its compiled code. The whole-forward compile of a
+    `+compile` stack is set aside for the block and put back after it."""
+    whole = module.__dict__.pop("forward", None)
+    torch._dynamo.reset()
+    handles, compiled = [], []
+    for name, unit in units(module):
+        unit.forward = torch.compile(unit.forward, dynamic=True)
+        compiled.append(unit)
+        handles.append(unit.register_forward_hook(_reporter(name, on_call), with_kwargs=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for unit in compiled:
+            del unit.forward
+        torch._dynamo.reset()
+        if whole is not None:
+            module.forward = whole
+
+
+def trace_units(module: torch.nn.Module, run, on_op) -> None:
+    """`optrace.trace`'s contract at the granularity of compiled units: run `run()` with each
+    unit's call reported as on_op(unit path, "compiled", inputs, outputs)."""
+    with compiled_units(module, lambda name, ins, outs: on_op(name, "compiled", ins, outs)):
+        run()
+
+
+def _reporter(name: str, on_call):
+    from torch.utils._pytree import tree_flatten
+
+    def floats(values) -> list[torch.Tensor]:
+        return [v.detach().cpu().clone() for v in tree_flatten(values)[0]
+                if isinstance(v, torch.Tensor) and v.is_floating_point()]
+
+    def hook(_unit, args, kwargs, output):
+        on_call(name, floats((args, kwargs)), floats(output))
+    return hook

@@ -202,11 +202,13 @@ def first_differing_position(module, prefix: list[int], prompt_length: int, agai
 
 
 def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
-          against: str = "prefill", position: int | None = None) -> BlameResult:
+          against: str = "prefill", position: int | None = None, tracer=trace) -> BlameResult:
     """Trace the call that computes `position` (default: P's last) in incremental decoding (side
     a: the prompt's prefill, or the decode step of that token) and in the `against`
     construction (side b), each over the cache its earlier calls built; classify each op by the
-    bits of that position's slices. `module` is a model prepared by a stack (`Stack.activate`)."""
+    bits of that position's slices. `module` is a model prepared by a stack (`Stack.activate`).
+    `tracer`: `optrace.trace` (every aten op) or, for a compiled stack, `compiled.trace_units`
+    (each compiled unit: compiled code runs no aten op one by one)."""
     spans_a, spans_b = _constructions(prefix, prompt_length, against)
     p = len(prefix) - 1 if position is None else position
     if not 0 <= p < len(prefix):
@@ -228,7 +230,7 @@ def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
         side_a[key] = Side([tuple(t.shape) for t in inputs], inputs, outputs)
         order_a.append(key)
 
-    trace(module, lambda: runner.forward(as_batch(prefix[span_a[0]:span_a[1]]), cache_a), record_a)
+    tracer(module, lambda: runner.forward(as_batch(prefix[span_a[0]:span_a[1]]), cache_a), record_a)
 
     kind_a = "prompt prefill" if span_a[0] == 0 and span_a[1] > 1 else "decode step"
     result = BlameResult(f"incremental ({kind_a})", parse_construction(against).label, len(prefix), p)
@@ -249,7 +251,7 @@ def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
             verdict.n_diff, verdict.max_abs, verdict.max_ulp = _diff(a.outputs, outputs, spans)
         result.ops.append(verdict)
 
-    trace(module, lambda: runner.forward(as_batch(prefix[span_b[0]:span_b[1]]), cache_b), record_b)
+    tracer(module, lambda: runner.forward(as_batch(prefix[span_b[0]:span_b[1]]), cache_b), record_b)
     result.only_a = [f"{w} {o}" for (w, o, _) in order_a if (w, o, _) not in matched]
     return result
 
@@ -268,6 +270,10 @@ def blame_item(model, stack, prompt: list[int], boundary: int, against: str = "p
         prefix = list(live.state.prefix)
         first = first_differing_position(module, prefix, len(prompt), against)
         chosen = position if position is not None else first
+        if stack.compiled:
+            from harness.protocol.compiled import trace_units
+
+            return blame(module, prefix, len(prompt), against, chosen, trace_units), first
         return blame(module, prefix, len(prompt), against, chosen), first
 
 
