@@ -99,3 +99,30 @@ def test_faithful_stack_is_bit_exact_for_serving_arms_and_the_twin_is_not():
     twin = run_item(model, Stack("twin", "bf16", True, threads=1), PROMPT, plan)
     for arm in arms[1:]:
         assert not twin.against_live(arm).cache.bit_exact, arm
+
+
+def test_a_serving_arm_on_a_recurrent_model_is_refused_in_one_line_before_compute(tmp_path):
+    from families import build
+
+    folder = build("qwen3-next", tmp_path / "qwen3-next")
+    result = CliRunner().invoke(main, ["repro", "--model", f"hf:{folder}", "--prompt", "hi",
+                                       "--backend", "eager", "--arms", "live,prefill,spec:2"])
+    assert result.exit_code == 3, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "recurrent state" in errors[0], result.output
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral-sw"])
+def test_serving_arms_on_window_layers_are_bit_exact_on_eager_with_the_mode(family, tmp_path):
+    """A rollback on a sliding-window cache keeps what the window needs: the mode's eager stack,
+    bit-exact for prefill on these layers, stays bit-exact for every serving arm (B crosses the
+    window of 8)."""
+    from families import build
+    from harness.protocol.models import load_model
+
+    model = load_model(f"hf:{build(family, tmp_path / family)}")
+    plan = ItemPlan(14, 3, arms=("live", "prefill", "cached:0.5", "spec:3", "spec:3+none"),
+                    ignore_eos=True)
+    record = run_item(model, Stack("eager", "bf16", True, threads=1), PROMPT, plan)
+    for c in record.comparisons:
+        assert c.cache.bit_exact and c.logits.equal, (family, c.b)

@@ -41,6 +41,22 @@ class RollbackError(Unavailable):
     """The model's cache cannot be cut back without a trace (exit 3)."""
 
 
+def check_rollback(model, arms) -> None:
+    """Refuse, before any compute, a prefix-cache hit or a speculative arm on a model with a
+    recurrent layer state, which a cut cannot put back (RollbackError, exit 3)."""
+    from harness.protocol.constructions import parse_construction
+    from harness.protocol.serving import describe_layers
+
+    serving_arms = [a for a in arms if parse_construction(a).kind in KINDS]
+    if not serving_arms:
+        return
+    recurrent = [info for info in describe_layers(model) if "recurrent" in info.mechanisms]
+    if recurrent:
+        raise RollbackError(f"{', '.join(serving_arms)}: a prefix-cache hit or a speculative "
+                            f"rollback cuts the cache back, which layer {recurrent[0].index} "
+                            f"({recurrent[0].layer_type}, a recurrent state) cannot take")
+
+
 def feed(runner: Runner, cache, construction, prompt_length: int, prefix: list[int],
          vocab_size: int) -> tuple[torch.Tensor, tuple[int, ...] | None]:
     """Feed `prefix` into the empty `cache` the engine's way; the boundary logits [1, V] and, for

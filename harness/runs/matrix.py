@@ -24,6 +24,7 @@ from harness.runs.case import Case, CaseError
 from harness.checks import check_cuda, selection_reason
 from harness.errors import BadInput, DiskFull, Unavailable
 from harness.protocol.backends import check_supports
+from harness.protocol.engine_arms import check_rollback
 from harness.protocol.items import load_item_set, match_answer
 from harness.runs.ledger import Ledger, LedgerError, new_run_id
 from harness.runs.ledger_file import probe
@@ -135,6 +136,7 @@ class Matrix:
         crossing = case.crossing.stacks if case.crossing else ()
         for stack in (*case.stacks, *crossing):     # a model the stack cannot serve (exit 3)
             check_supports(stack, model, longest)
+        check_rollback(model, case.plan(0).arms)    # a cut a recurrent state cannot take (exit 3)
 
     def _check_transplants(self, item, prefix_length: int) -> None:
         """Every transplant selection fits the model's layers and this item's boundary prefix."""

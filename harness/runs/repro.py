@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness import checks
+from harness.protocol.engine_arms import check_rollback
 from harness.protocol.backends import Stack, check_supports
 from harness.errors import BadInput
 from harness.names import BIT_EXACT, DIVERGES, MODEL_NAMES, PRESET_NAMES
@@ -54,6 +55,7 @@ def prepare(model_name: str, prompt: str | None, item_set: str | None, item_inde
     plan.check_fits(prompt_length, model.context_length)
     for each in [stack, *cross_stacks]:
         check_supports(each, model, prompt_length + boundary + suffix)
+    check_rollback(model, plan.arms)
     layers = int(model.config.num_hidden_layers)
     for spec in plan.transplants:
         checks.require(checks.selection_reason(spec.selection, layers, prompt_length + boundary),
