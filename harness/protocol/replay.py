@@ -13,6 +13,11 @@ differ from the reference, max and mean |delta logprob|, the per-token KL(refere
 between the two next-token distributions (computed in fp64), and the first differing position.
 Log-probabilities are taken in fp32 from the model's logits, as a trainer takes them.
 
+With the engine's own logprobs in the file (`logprobs`, one per continuation token, e.g. what
+vLLM sampled with), the engine is a reference too: harness.protocol.replay_gaps reports the
+three gaps (engine vs step-by-step, step-by-step vs each construction, engine vs each
+construction) in kvfid's figures and under RL frameworks' names.
+
 Each construction's numbers are a `LogprobMismatch` (harness.protocol.replay_record);
 `replay_trajectory` is the one path that computes them, for `kvfid replay` (`replay`) and for a
 replay case's matrix unit (`replay_unit`, a `ReplayRecord` the ledger stores).
@@ -26,7 +31,6 @@ import json
 import math
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,68 +41,11 @@ from harness.errors import BadInput
 from harness.protocol.plain import as_plain
 from harness.protocol.protocol import parse_construction
 from harness.protocol.record import ItemRef
+from harness.protocol.replay_gaps import STEP, aggregate_gaps, engine_logprobs, gap, render_gaps
 from harness.protocol.replay_record import LogprobMismatch, ReplayRecord
+from harness.protocol.trajectories import Trajectory, as_row, check_fits, load_trajectories  # noqa: F401
 
 CONSTRUCTIONS = ("prefill", "chunked", "batched")
-
-
-@dataclass(frozen=True)
-class Trajectory:
-    """A prompt (token ids, chat template applied) and its recorded continuation."""
-
-    id: str
-    prompt_ids: tuple[int, ...]
-    tokens: tuple[int, ...]
-
-
-def load_trajectories(path: str | Path, codec=None) -> list[Trajectory]:
-    """Read JSONL lines `{"id"?, "prompt_ids": [...] | "prompt": "...", "tokens": [...]}` (a text
-    prompt needs `codec` for its chat template). Raises ValueError naming the file and line."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: cannot read the trajectories ({err})") from None
-    out = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{where}: not JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: expected an object with prompt_ids or prompt, and tokens")
-        if "prompt_ids" in row:
-            prompt = _ids(row["prompt_ids"], where, "prompt_ids")
-        elif isinstance(row.get("prompt"), str) and row["prompt"] and codec is not None:
-            prompt = tuple(codec.prompt_ids(row["prompt"]))
-        else:
-            raise ValueError(f"{where}: needs prompt_ids (a non-empty list of token ids) or a "
-                             "non-empty prompt text")
-        out.append(Trajectory(str(row.get("id", f"line-{number}")), prompt,
-                              _ids(row.get("tokens"), where, "tokens")))
-    if not out:
-        raise ValueError(f"{path}: no trajectories")
-    return out
-
-
-def _ids(value, where: str, key: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not value or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
-        raise ValueError(f"{where}: {key} must be a non-empty list of token ids (integers >= 0)")
-    return tuple(value)
-
-
-def check_fits(trajectories: list[Trajectory], vocab_size: int, context_length: int) -> None:
-    """Refuse token ids outside the vocabulary and trajectories longer than the context."""
-    for t in trajectories:
-        if max(t.prompt_ids + t.tokens) >= vocab_size:
-            raise ValueError(f"trajectory {t.id}: a token id >= the vocabulary size {vocab_size}")
-        if len(t.prompt_ids) + len(t.tokens) > context_length:
-            raise ValueError(f"trajectory {t.id}: {len(t.prompt_ids) + len(t.tokens)} tokens exceed "
-                             f"the context of {context_length}")
 
 
 # --------------------------------------------------------------------------- scoring
@@ -140,11 +87,14 @@ def mismatch(reference: torch.Tensor, other: torch.Tensor, tokens) -> LogprobMis
     ref64, other64 = torch.log_softmax(reference.double(), -1), torch.log_softmax(other.double(), -1)
     kl = (ref64.exp() * (ref64 - other64)).sum(-1).clamp_min(0.0)  # KL(reference || other)
     n = int(differs.sum())
+    picked_gap = gap(picked_ref, picked)    # the K3 and importance-ratio figures, side by side
     return LogprobMismatch(
         tokens=len(index), differ=n, fraction=n / len(index), max_abs=float(delta.max()),
         mean_abs=float(delta.mean()), kl_mean=float(kl.mean()), kl_max=float(kl.max()),
         first_position=int(differs.nonzero()[0, 0]) if n else None,
-        abs_deltas=tuple(float(d) for d in delta), logprobs_sha=sha_tensor(picked))
+        abs_deltas=tuple(float(d) for d in delta), logprobs_sha=sha_tensor(picked),
+        k3_mean=picked_gap.k3_mean, ratio_min=picked_gap.ratio_min,
+        ratio_mean=picked_gap.ratio_mean, ratio_max=picked_gap.ratio_max)
 
 
 def picked_logprobs(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -152,22 +102,35 @@ def picked_logprobs(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1)[range(len(index)), index]
 
 
-def replay_trajectory(runner: Runner, t: Trajectory, constructions) -> tuple[str, dict]:
-    """One trajectory's reference (the SHA-256 of its picked logprobs' bits), then each
-    construction's LogprobMismatch against it: the one path of `kvfid replay` and the matrix."""
+def replay_trajectory(runner: Runner, t: Trajectory, constructions) -> tuple[str, dict, dict]:
+    """One trajectory's reference (the SHA-256 of its picked logprobs' bits), each
+    construction's LogprobMismatch against it and, when the trajectory carries the engine's
+    logprobs, the engine's PickedGap against step-by-step (`STEP`) and against each construction:
+    the one path of `kvfid replay` and the matrix."""
+    index = torch.tensor(list(t.tokens))
     reference = reference_logits(runner, t)
-    sha = sha_tensor(picked_logprobs(reference, torch.tensor(list(t.tokens))))
-    return sha, {c: mismatch(reference, rescored_logits(runner, t, c), t.tokens) for c in constructions}
+    picked = picked_logprobs(reference, index)
+    found, engine = {}, {}
+    sampler = None if t.logprobs is None else engine_logprobs(t.logprobs)
+    if sampler is not None:
+        engine[STEP] = gap(sampler, picked)
+    for c in constructions:
+        other = rescored_logits(runner, t, c)
+        found[c] = mismatch(reference, other, t.tokens)
+        if sampler is not None:
+            engine[c] = gap(sampler, picked_logprobs(other, index))
+    return sha_tensor(picked), found, engine
 
 
 def replay_unit(model, stack, t: Trajectory, constructions) -> ReplayRecord:
     """A matrix unit: one trajectory on one stack (what `kvfid run` stores for a replay case)."""
     start = time.perf_counter()
     with stack.activate(model) as module:
-        ref_sha, found = replay_trajectory(Runner(module), t, constructions)
+        ref_sha, found, engine = replay_trajectory(Runner(module), t, constructions)
     return ReplayRecord(ItemRef(t.id), model.name, stack.describe(), len(t.prompt_ids),
                         len(t.tokens), reference_sha=ref_sha, constructions=found,
-                        wall_s=time.perf_counter() - start)
+                        wall_s=time.perf_counter() - start, engine=engine.pop(STEP, None),
+                        engine_constructions=engine)
 
 
 def check_constructions(constructions) -> None:
@@ -188,11 +151,16 @@ def replay(model, stack, trajectories: list[Trajectory], constructions=("prefill
         for t in trajectories:
             if progress:
                 progress(t.id)
-            _, found = replay_trajectory(runner, t, constructions)
+            _, found, engine = replay_trajectory(runner, t, constructions)
             items.append({"id": t.id, "prompt_tokens": len(t.prompt_ids),
-                          "constructions": {c: as_plain(m) for c, m in found.items()}})
-    return {"stack": stack.label, "model": model.name, "items": items,
-            "aggregate": {c: aggregate([i["constructions"][c] for i in items]) for c in constructions}}
+                          "constructions": {c: as_plain(m) for c, m in found.items()},
+                          **({"engine": as_plain(engine)} if engine else {})})
+    result = {"stack": stack.label, "model": model.name, "items": items,
+              "aggregate": {c: aggregate([i["constructions"][c] for i in items]) for c in constructions}}
+    if all("engine" in i for i in items):   # a file has logprobs on every line or on none
+        result["engine_aggregate"] = {name: aggregate_gaps([i["engine"][name] for i in items])
+                                      for name in (STEP, *constructions)}
+    return result
 
 
 def aggregate(rows: list[dict]) -> dict:
@@ -201,12 +169,16 @@ def aggregate(rows: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in rows)
     differ = sum(r["differ"] for r in rows)
     firsts = [r["first_position"] for r in rows if r["first_position"] is not None]
-    return {"items": len(rows), "items_exact": sum(r["differ"] == 0 for r in rows),
-            "tokens": tokens, "differ": differ, "fraction": differ / tokens if tokens else 0.0,
-            "max_abs": max(deltas, default=0.0), "mean_abs": statistics.fmean(deltas) if deltas else 0.0,
-            "p99_abs": _quantile(deltas, 0.99), "kl_mean": statistics.fmean(r["kl_mean"] for r in rows),
-            "first_position_median": statistics.median(firsts) if firsts else None,
-            "abs_delta_decades": delta_decades(deltas)}
+    out = {"items": len(rows), "items_exact": sum(r["differ"] == 0 for r in rows),
+           "tokens": tokens, "differ": differ, "fraction": differ / tokens if tokens else 0.0,
+           "max_abs": max(deltas, default=0.0), "mean_abs": statistics.fmean(deltas) if deltas else 0.0,
+           "p99_abs": _quantile(deltas, 0.99), "kl_mean": statistics.fmean(r["kl_mean"] for r in rows),
+           "first_position_median": statistics.median(firsts) if firsts else None,
+           "abs_delta_decades": delta_decades(deltas)}
+    if rows and all(r.get("k3_mean") is not None for r in rows):   # older records lack them
+        gaps = aggregate_gaps(rows)
+        out.update({k: gaps[k] for k in ("k3_mean", "ratio_min", "ratio_mean", "ratio_max")})
+    return out
 
 
 DECADES = tuple(range(-9, 1))   # |delta| bins: 0 exactly, then [1e-9, 1e-8) ... [1, inf)
@@ -254,7 +226,7 @@ def render(result: dict) -> str:
                      f"{a['items_exact']}/{a['items']}")
         shown = [f"{label}: {n}" for label, n in a["abs_delta_decades"] if n]
         lines.append(f"  |dlogp| by decade ({c}): " + ", ".join(shown))
-    return "\n".join(lines)
+    return "\n".join(lines + render_gaps(result))
 
 
 def replay_command(trajectories: str, model_name: str, backend: str, dtype: str, batch_invariant: bool,
@@ -310,7 +282,9 @@ def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, te
 def sample_trajectories(model, stack, prompts: list[tuple[str, list[int]]], tokens: int,
                         temperature: float, seed: int) -> list[dict]:
     """Sample a continuation of `tokens` ids per (id, prompt ids) with temperature (seeded, one
-    generator per trajectory), stopping after an end-of-turn token. JSONL-ready rows."""
+    generator per trajectory), stopping after an end-of-turn token. JSONL-ready rows, each with
+    the sampler's fp32 logprob of every token under the model's own distribution (before the
+    temperature: what vLLM reports by default, its `raw_logprobs`)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0; got {temperature}")
     rows = []
@@ -318,16 +292,18 @@ def sample_trajectories(model, stack, prompts: list[tuple[str, list[int]]], toke
         runner = Runner(module)
         for index, (item_id, prompt) in enumerate(prompts):
             generator = torch.Generator().manual_seed(seed * 100003 + index)
-            cache, out = new_cache(module), []
+            cache, out, logprobs = new_cache(module), [], []
             logits = runner.forward(as_batch(prompt), cache)[0]
             while len(out) < tokens:
                 probs = torch.softmax(logits.double() / temperature, -1).cpu()
                 token = int(torch.multinomial(probs, 1, generator=generator))
                 out.append(token)
+                # The model's logprob of the token (temperature 1), as an engine reports it.
+                logprobs.append(float(picked_logprobs(logits[None], torch.tensor([token]))[0]))
                 if token in model.codec.eos_ids or len(out) == tokens:
                     break
                 logits = runner.forward(as_batch([token]), cache)[0]
-            rows.append({"id": item_id, "prompt_ids": list(prompt), "tokens": out,
-                         "model": model.name, "stack": stack.label, "temperature": temperature,
-                         "seed": seed})
+            rows.append(as_row(Trajectory(item_id, tuple(prompt), tuple(out), tuple(logprobs)),
+                               model=model.name, stack=stack.label, temperature=temperature,
+                               seed=seed))
     return rows
