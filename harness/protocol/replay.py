@@ -257,8 +257,10 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
 
 
 def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, temperature: float,
-                     seed: int, out: str) -> tuple[list[dict], str]:
-    """`kvfid rollouts`: sample on sdpa/fp32 (one thread) and write the JSONL atomically."""
+                     seed: int, out: str, engine: str = "transformers", server: str | None = None,
+                     dtype: str = "bf16") -> tuple[list[dict], str]:
+    """`kvfid rollouts`: sample on sdpa/fp32 (one thread), with vLLM (`engine="vllm"`, at
+    `dtype`) or from an OpenAI-compatible server, and write the JSONL atomically."""
     from harness.protocol import items
     from harness.runs import repro
     from harness.protocol.backends import Stack
@@ -266,13 +268,23 @@ def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, te
     from harness.outputs import write_files
 
     repro.check_model_name(model_name)
-    try:
-        chosen = items.load_item_set(item_set, count)
-    except ValueError as err:
-        raise BadInput(f"--item-set {item_set}: {err}") from None
-    model = load_model(model_name)
-    prompts = [(i.id, model.codec.prompt_ids(i.prompt)) for i in chosen]
-    rows = sample_trajectories(model, Stack("sdpa", "fp32", threads=1), prompts, tokens, temperature, seed)
+    if server is not None:
+        from harness.protocol.server import server_rollouts
+
+        rows = server_rollouts(server, model_name, item_set, count, tokens, temperature, seed)
+    elif engine == "vllm":
+        from harness.protocol.engine_check import engine_rollouts
+
+        rows = engine_rollouts(model_name, item_set, count, tokens, temperature, seed, dtype)
+    else:
+        try:
+            chosen = items.load_item_set(item_set, count)
+        except ValueError as err:
+            raise BadInput(f"--item-set {item_set}: {err}") from None
+        model = load_model(model_name)
+        prompts = [(i.id, model.codec.prompt_ids(i.prompt)) for i in chosen]
+        rows = sample_trajectories(model, Stack("sdpa", "fp32", threads=1), prompts, tokens,
+                                   temperature, seed)
     write_files({"rollouts": (Path(out), "".join(json.dumps(r) + "\n" for r in rows))})
     return rows, out
 
