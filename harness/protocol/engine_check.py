@@ -84,8 +84,10 @@ def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: in
     decoded = [lp for _, lp in alone]
     rows.append(("decode vs prefill re-scoring", _compare(decoded, pre_alone)))
     same = [_common(a, b) for (a, _), (b, _) in zip(alone, batched)]
-    rows.append(("decode alone vs batched", _compare([lp[:n] for (_, lp), n in zip(alone, same)],
-                                                     [lp[:n] for (_, lp), n in zip(batched, same)])))
+    row = _compare([lp[:n] for (_, lp), n in zip(alone, same)],
+                   [lp[:n] for (_, lp), n in zip(batched, same)])
+    row["diverged"] = sum(n < len(ids) for (ids, _), n in zip(alone, same))
+    rows.append(("decode alone vs batched", row))
     rows.append(("prefill alone vs batched", _compare(pre_alone, pre_batched)))
     say(f"chunked prefill by {chunk}")
     with vllm_engine.engine(folder, dtype, EngineConfig(chunk=chunk), longest) as llm:
@@ -122,7 +124,9 @@ def render(result: dict) -> str:
         lines.append(f"note: {result['batch_invariant_note']}")
     lines.append(f"  {'constructions':<34} {'tokens differ':>15} {'max |dlogp|':>12}  items exact")
     for r in result["rows"]:
-        extra = f"  ({r['served_tokens']} prompt tokens served by the cache)" if "served_tokens" in r else ""
+        extra = (f"  ({r['served_tokens']} positions served by the cache)" if "served_tokens" in r
+                 else f"  ({r['diverged']} items' greedy tokens diverge; compared up to there)"
+                 if r.get("diverged") else "")
         lines.append(f"  {r['construction']:<34} {r['differ']:>7}/{r['tokens']:<7} "
                      f"{r['max_abs']:>12.4g}  {r['items_exact']}/{r['items']}{extra}")
     return "\n".join(lines)
