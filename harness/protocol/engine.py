@@ -32,6 +32,8 @@ def require_vllm():
     """The vllm module, or Unavailable (exit 3) saying how to install it."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")      # GiB; the default takes far more
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")   # stdout is kvfid's
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError:
