@@ -50,12 +50,24 @@ def _compare(a: list[list[float]], b: list[list[float]]) -> dict:
 
 def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: int,
                  item_set: str = "arith", batch_invariant: bool = False, progress=None) -> dict:
-    """The in-engine table for one model and dtype on vLLM (see the module docstring)."""
+    """The in-engine table for one model and dtype on vLLM (see the module docstring), with
+    VLLM_BATCH_INVARIANT set to `batch_invariant` for its engines and restored after."""
+    before = os.environ.get("VLLM_BATCH_INVARIANT")
+    os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
+    try:
+        return _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invariant,
+                             progress)
+    finally:                       # what the process had before, as it had it
+        if before is None:
+            os.environ.pop("VLLM_BATCH_INVARIANT", None)
+        else:
+            os.environ["VLLM_BATCH_INVARIANT"] = before
+
+
+def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invariant, progress):
     from harness.protocol import items
     from harness.protocol.models import load_model
 
-    if batch_invariant:
-        os.environ["VLLM_BATCH_INVARIANT"] = "1"
     vllm_engine.require_vllm()
     folder = vllm_engine.model_folder(model_name)
     note = vllm_engine.batch_invariant_refusal() if batch_invariant else None

@@ -73,3 +73,20 @@ def test_engine_check_measures_every_construction(tiny_folder):
 def test_a_preset_vllm_cannot_load_is_refused():
     shown = CliRunner().invoke(main, ["engine-check", "--model", "tiny-llama"])
     assert shown.exit_code == 2 and "model folder" in shown.output
+
+
+def test_batch_invariance_is_said_plainly_where_vllm_does_not_apply_it():
+    """A probe of the platform vLLM runs on: on CPU, VLLM_BATCH_INVARIANT=1 changes no kernel
+    (vLLM installs its batch-invariant overrides from the GPU worker), and the table says so."""
+    from vllm.platforms import current_platform
+
+    from harness.protocol import engine
+
+    note = engine.batch_invariant_refusal()
+    if current_platform.is_cuda_alike() or current_platform.is_xpu():
+        assert note is None
+    else:
+        assert "not applied" in note
+        shown = render({"engine": "vllm", "model": "m", "dtype": "bf16", "prompts": 1, "tokens": 1,
+                        "batch_invariant": True, "batch_invariant_note": note, "rows": []})
+        assert f"note: {note}" in shown and "VLLM_BATCH_INVARIANT=1" in shown
