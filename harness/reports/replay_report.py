@@ -36,8 +36,22 @@ def verdicts(replay: dict) -> list[str]:
             for stack, cons in replay.items() for c, a in cons.items()]
 
 
-def replay_blocks(replay: dict, case) -> list[tuple]:
-    """The Replay section of the run report."""
+def engine_rows(engine: dict) -> tuple[list[str], list[list[str]]]:
+    """One row per (stack, gap): the three gaps of an engine reference (replay_gaps)."""
+    head = ["stack", "gap", "tokens differ", "max |Δ logprob|",
+            "mean |Δ logprob| (slime train_rollout_logprob_abs_diff)", "K3 KL",
+            "importance ratio min / mean / max", "items exact"]
+    rows = [[stack, name, f"{a['differ']}/{a['tokens']}", number(a["max_abs"]),
+             number(a["mean_abs"]), number(a.get("k3_mean")),
+             " / ".join(number(a.get(k)) for k in ("ratio_min", "ratio_mean", "ratio_max")),
+             f"{a['items_exact']}/{a['items']}"]
+            for stack, gaps in engine.items() for name, a in gaps.items()]
+    return head, rows
+
+
+def replay_blocks(replay: dict, case, engine: dict | None = None) -> list[tuple]:
+    """The Replay section of the run report (with the engine's three gaps when the
+    trajectories carried the engine's logprobs)."""
     head, rows = replay_rows(replay)
     out = [("h2", "Replay"),
            ("p", "Supplied trajectories re-scored the way a trainer does (teacher-forced, "
@@ -46,6 +60,14 @@ def replay_blocks(replay: dict, case) -> list[tuple]:
                  "do; KL(reference || construction) is computed in fp64."),
            ("table", head, rows)]
     out.append(("list", verdicts(replay)))
+    if engine:
+        out += [("h3", "The engine as a reference: three gaps"),
+                ("p", "The trajectories carried the logprobs the engine sampled them with. "
+                      "engine~step-by-step: the engine against generation on this stack; "
+                      "step-by-step~C: generation against the re-scoring C; engine~C: what a "
+                      "trainer sees. K3 estimates KL(sampler || trainer) per token; the ratio "
+                      "is p_trainer / p_sampler."),
+                ("table", *engine_rows(engine))]
     series = {f"{stack} {c}": a["abs_delta_decades"] for stack, cons in replay.items()
               for c, a in cons.items()}
     labels = [label for label, _ in next(iter(series.values()), [])]

@@ -138,7 +138,7 @@ def document(run, case, summary: dict, units, raw_environment: bool = True) -> l
     if summary["crossing"]:
         doc += _crossing_blocks(summary["crossing"], case)
     if summary.get("replay"):
-        doc += replay_blocks(summary["replay"], case)
+        doc += replay_blocks(summary["replay"], case, summary.get("replay_engine"))
     doc += [("h2", "Environment"), ("pre", describe_environment(run.environment))]
     if raw_environment:
         doc.append(("details", "the environment record (JSON)",

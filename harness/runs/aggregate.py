@@ -17,6 +17,7 @@ from collections import Counter, defaultdict
 from harness.protocol.plain import as_plain
 from harness.protocol.record import CrossingRecord, ItemRecord
 from harness.runs.replay import aggregate as replay_aggregate
+from harness.runs.replay_gaps import ENGINE, STEP, aggregate_gaps
 from harness.protocol.replay_record import ReplayRecord
 from harness.runs import stats
 
@@ -52,7 +53,9 @@ def aggregate(units, design: dict | None = None) -> dict:
         (crossing if isinstance(unit.record, CrossingRecord) else by_stack[unit.stack]).append(unit)
     out = {"stacks": {}, "crossing": _crossing(sorted(crossing, key=lambda u: u.item_index))
            if crossing else None, "control_indices": sorted(controls),
-           "replay": {stack: _replay(group) for stack, group in replayed.items()} or None}
+           "replay": {stack: _replay(group) for stack, group in replayed.items()} or None,
+           "replay_engine": {stack: gaps for stack, group in replayed.items()
+                             if (gaps := _replay_engine(group))} or None}
     for stack, group in by_stack.items():
         group.sort(key=lambda u: u.item_index)
         out["stacks"][stack] = _stack([u.record for u in group], [u.item_index for u in group],
@@ -139,6 +142,19 @@ def _replay(units: list) -> dict:
     return {c: replay_aggregate([as_plain(r.constructions[c]) for r in records
                                  if c in r.constructions])
             for c in records[0].constructions}
+
+
+def _replay_engine(units: list) -> dict:
+    """With an engine reference on every trajectory: per gap (engine~step-by-step, then
+    step-by-step~C and engine~C per construction C), harness.runs.replay_gaps.aggregate_gaps."""
+    records = [u.record for u in sorted(units, key=lambda u: u.item_index)]
+    if not records or any(r.engine is None for r in records):
+        return {}
+    out = {f"{ENGINE}~{STEP}": aggregate_gaps([as_plain(r.engine) for r in records])}
+    for c in records[0].constructions:
+        out[f"{STEP}~{c}"] = replay_aggregate([as_plain(r.constructions[c]) for r in records])
+        out[f"{ENGINE}~{c}"] = aggregate_gaps([as_plain(r.engine_constructions[c]) for r in records])
+    return out
 
 
 def _int(text: str) -> int:

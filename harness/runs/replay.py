@@ -13,6 +13,11 @@ differ from the reference, max and mean |delta logprob|, the per-token KL(refere
 between the two next-token distributions (computed in fp64), and the first differing position.
 Log-probabilities are taken in fp32 from the model's logits, as a trainer takes them.
 
+With the engine's own logprobs in the file (`logprobs`, one per continuation token, e.g. what
+vLLM sampled with), the engine is a reference too: harness.runs.replay_gaps reports the
+three gaps (engine vs step-by-step, step-by-step vs each construction, engine vs each
+construction) in kvfid's figures and under RL frameworks' names.
+
 Each construction's numbers are a `LogprobMismatch` (harness.protocol.replay_record);
 `replay_trajectory` is the one path that computes them, for `kvfid replay` (`replay`) and for a
 replay case's matrix unit (`replay_unit`, a `ReplayRecord` the ledger stores).
@@ -23,10 +28,8 @@ replay case's matrix unit (`replay_unit`, a `ReplayRecord` the ledger stores).
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,68 +40,12 @@ from harness.errors import BadInput
 from harness.protocol.plain import as_plain
 from harness.protocol.protocol import parse_construction
 from harness.protocol.record import ItemRef
+from harness.runs.replay_gaps import (DECADES, STEP, _quantile, aggregate_gaps,  # noqa: F401
+                                      delta_decades, engine_logprobs, gap, render_gaps)
 from harness.protocol.replay_record import LogprobMismatch, ReplayRecord
+from harness.protocol.trajectories import Trajectory, as_row, check_fits, load_trajectories  # noqa: F401
 
 CONSTRUCTIONS = ("prefill", "chunked", "batched")
-
-
-@dataclass(frozen=True)
-class Trajectory:
-    """A prompt (token ids, chat template applied) and its recorded continuation."""
-
-    id: str
-    prompt_ids: tuple[int, ...]
-    tokens: tuple[int, ...]
-
-
-def load_trajectories(path: str | Path, codec=None) -> list[Trajectory]:
-    """Read JSONL lines `{"id"?, "prompt_ids": [...] | "prompt": "...", "tokens": [...]}` (a text
-    prompt needs `codec` for its chat template). Raises ValueError naming the file and line."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: cannot read the trajectories ({err})") from None
-    out = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{where}: not JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: expected an object with prompt_ids or prompt, and tokens")
-        if "prompt_ids" in row:
-            prompt = _ids(row["prompt_ids"], where, "prompt_ids")
-        elif isinstance(row.get("prompt"), str) and row["prompt"] and codec is not None:
-            prompt = tuple(codec.prompt_ids(row["prompt"]))
-        else:
-            raise ValueError(f"{where}: needs prompt_ids (a non-empty list of token ids) or a "
-                             "non-empty prompt text")
-        out.append(Trajectory(str(row.get("id", f"line-{number}")), prompt,
-                              _ids(row.get("tokens"), where, "tokens")))
-    if not out:
-        raise ValueError(f"{path}: no trajectories")
-    return out
-
-
-def _ids(value, where: str, key: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not value or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
-        raise ValueError(f"{where}: {key} must be a non-empty list of token ids (integers >= 0)")
-    return tuple(value)
-
-
-def check_fits(trajectories: list[Trajectory], vocab_size: int, context_length: int) -> None:
-    """Refuse token ids outside the vocabulary and trajectories longer than the context."""
-    for t in trajectories:
-        if max(t.prompt_ids + t.tokens) >= vocab_size:
-            raise ValueError(f"trajectory {t.id}: a token id >= the vocabulary size {vocab_size}")
-        if len(t.prompt_ids) + len(t.tokens) > context_length:
-            raise ValueError(f"trajectory {t.id}: {len(t.prompt_ids) + len(t.tokens)} tokens exceed "
-                             f"the context of {context_length}")
 
 
 # --------------------------------------------------------------------------- scoring
@@ -140,11 +87,14 @@ def mismatch(reference: torch.Tensor, other: torch.Tensor, tokens) -> LogprobMis
     ref64, other64 = torch.log_softmax(reference.double(), -1), torch.log_softmax(other.double(), -1)
     kl = (ref64.exp() * (ref64 - other64)).sum(-1).clamp_min(0.0)  # KL(reference || other)
     n = int(differs.sum())
+    picked_gap = gap(picked_ref, picked)    # the K3 and importance-ratio figures, side by side
     return LogprobMismatch(
         tokens=len(index), differ=n, fraction=n / len(index), max_abs=float(delta.max()),
         mean_abs=float(delta.mean()), kl_mean=float(kl.mean()), kl_max=float(kl.max()),
         first_position=int(differs.nonzero()[0, 0]) if n else None,
-        abs_deltas=tuple(float(d) for d in delta), logprobs_sha=sha_tensor(picked))
+        abs_deltas=tuple(float(d) for d in delta), logprobs_sha=sha_tensor(picked),
+        k3_mean=picked_gap.k3_mean, ratio_min=picked_gap.ratio_min,
+        ratio_mean=picked_gap.ratio_mean, ratio_max=picked_gap.ratio_max)
 
 
 def picked_logprobs(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -152,22 +102,35 @@ def picked_logprobs(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1)[range(len(index)), index]
 
 
-def replay_trajectory(runner: Runner, t: Trajectory, constructions) -> tuple[str, dict]:
-    """One trajectory's reference (the SHA-256 of its picked logprobs' bits), then each
-    construction's LogprobMismatch against it: the one path of `kvfid replay` and the matrix."""
+def replay_trajectory(runner: Runner, t: Trajectory, constructions) -> tuple[str, dict, dict]:
+    """One trajectory's reference (the SHA-256 of its picked logprobs' bits), each
+    construction's LogprobMismatch against it and, when the trajectory carries the engine's
+    logprobs, the engine's PickedGap against step-by-step (`STEP`) and against each construction:
+    the one path of `kvfid replay` and the matrix."""
+    index = torch.tensor(list(t.tokens))
     reference = reference_logits(runner, t)
-    sha = sha_tensor(picked_logprobs(reference, torch.tensor(list(t.tokens))))
-    return sha, {c: mismatch(reference, rescored_logits(runner, t, c), t.tokens) for c in constructions}
+    picked = picked_logprobs(reference, index)
+    found, engine = {}, {}
+    sampler = None if t.logprobs is None else engine_logprobs(t.logprobs)
+    if sampler is not None:
+        engine[STEP] = gap(sampler, picked)
+    for c in constructions:
+        other = rescored_logits(runner, t, c)
+        found[c] = mismatch(reference, other, t.tokens)
+        if sampler is not None:
+            engine[c] = gap(sampler, picked_logprobs(other, index))
+    return sha_tensor(picked), found, engine
 
 
 def replay_unit(model, stack, t: Trajectory, constructions) -> ReplayRecord:
     """A matrix unit: one trajectory on one stack (what `kvfid run` stores for a replay case)."""
     start = time.perf_counter()
     with stack.activate(model) as module:
-        ref_sha, found = replay_trajectory(Runner(module), t, constructions)
+        ref_sha, found, engine = replay_trajectory(Runner(module), t, constructions)
     return ReplayRecord(ItemRef(t.id), model.name, stack.describe(), len(t.prompt_ids),
                         len(t.tokens), reference_sha=ref_sha, constructions=found,
-                        wall_s=time.perf_counter() - start)
+                        wall_s=time.perf_counter() - start, engine=engine.pop(STEP, None),
+                        engine_constructions=engine)
 
 
 def check_constructions(constructions) -> None:
@@ -188,11 +151,16 @@ def replay(model, stack, trajectories: list[Trajectory], constructions=("prefill
         for t in trajectories:
             if progress:
                 progress(t.id)
-            _, found = replay_trajectory(runner, t, constructions)
+            _, found, engine = replay_trajectory(runner, t, constructions)
             items.append({"id": t.id, "prompt_tokens": len(t.prompt_ids),
-                          "constructions": {c: as_plain(m) for c, m in found.items()}})
-    return {"stack": stack.label, "model": model.name, "items": items,
-            "aggregate": {c: aggregate([i["constructions"][c] for i in items]) for c in constructions}}
+                          "constructions": {c: as_plain(m) for c, m in found.items()},
+                          **({"engine": as_plain(engine)} if engine else {})})
+    result = {"stack": stack.label, "model": model.name, "items": items,
+              "aggregate": {c: aggregate([i["constructions"][c] for i in items]) for c in constructions}}
+    if all("engine" in i for i in items):   # a file has logprobs on every line or on none
+        result["engine_aggregate"] = {name: aggregate_gaps([i["engine"][name] for i in items])
+                                      for name in (STEP, *constructions)}
+    return result
 
 
 def aggregate(rows: list[dict]) -> dict:
@@ -201,39 +169,18 @@ def aggregate(rows: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in rows)
     differ = sum(r["differ"] for r in rows)
     firsts = [r["first_position"] for r in rows if r["first_position"] is not None]
-    return {"items": len(rows), "items_exact": sum(r["differ"] == 0 for r in rows),
-            "tokens": tokens, "differ": differ, "fraction": differ / tokens if tokens else 0.0,
-            "max_abs": max(deltas, default=0.0), "mean_abs": statistics.fmean(deltas) if deltas else 0.0,
-            "p99_abs": _quantile(deltas, 0.99), "kl_mean": statistics.fmean(r["kl_mean"] for r in rows),
-            "first_position_median": statistics.median(firsts) if firsts else None,
-            "abs_delta_decades": delta_decades(deltas)}
+    out = {"items": len(rows), "items_exact": sum(r["differ"] == 0 for r in rows),
+           "tokens": tokens, "differ": differ, "fraction": differ / tokens if tokens else 0.0,
+           "max_abs": max(deltas, default=0.0), "mean_abs": statistics.fmean(deltas) if deltas else 0.0,
+           "p99_abs": _quantile(deltas, 0.99), "kl_mean": statistics.fmean(r["kl_mean"] for r in rows),
+           "first_position_median": statistics.median(firsts) if firsts else None,
+           "abs_delta_decades": delta_decades(deltas)}
+    if rows and all(r.get("k3_mean") is not None for r in rows):   # older records lack them
+        gaps = aggregate_gaps(rows)
+        out.update({k: gaps[k] for k in ("k3_mean", "ratio_min", "ratio_mean", "ratio_max")})
+    return out
 
 
-DECADES = tuple(range(-9, 1))   # |delta| bins: 0 exactly, then [1e-9, 1e-8) ... [1, inf)
-
-
-def delta_decades(deltas: list[float]) -> list[tuple[str, int]]:
-    """|delta logprob| counted by decade: ("0", n exact), ("<1e-9", n), ("1e-9", n) for
-    [1e-9, 1e-8), ..., ("1e0", n) for [1, inf). Every token falls in exactly one bin."""
-    counts = {"0": 0, "<1e-9": 0, **{f"1e{d}": 0 for d in DECADES}}
-    for d in deltas:
-        if d == 0:
-            counts["0"] += 1
-        elif d < 10.0 ** DECADES[0]:
-            counts["<1e-9"] += 1
-        else:
-            exponent = min(DECADES[-1], math.floor(math.log10(d)))
-            # log10 rounds: 1e-5 * (1 - eps) may land in the 1e-5 bin; the bound decides.
-            exponent -= d < 10.0 ** exponent
-            counts[f"1e{max(DECADES[0], exponent)}"] += 1
-    return list(counts.items())
-
-
-def _quantile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def render(result: dict) -> str:
@@ -254,7 +201,7 @@ def render(result: dict) -> str:
                      f"{a['items_exact']}/{a['items']}")
         shown = [f"{label}: {n}" for label, n in a["abs_delta_decades"] if n]
         lines.append(f"  |dlogp| by decade ({c}): " + ", ".join(shown))
-    return "\n".join(lines)
+    return "\n".join(lines + render_gaps(result))
 
 
 def replay_command(trajectories: str, model_name: str, backend: str, dtype: str, batch_invariant: bool,
@@ -286,8 +233,10 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
 
 
 def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, temperature: float,
-                     seed: int, out: str) -> tuple[list[dict], str]:
-    """`kvfid rollouts`: sample on sdpa/fp32 (one thread) and write the JSONL atomically."""
+                     seed: int, out: str, engine: str = "transformers", server: str | None = None,
+                     dtype: str = "bf16") -> tuple[list[dict], str]:
+    """`kvfid rollouts`: sample on sdpa/fp32 (one thread), with vLLM (`engine="vllm"`, at
+    `dtype`) or from an OpenAI-compatible server, and write the JSONL atomically."""
     from harness.protocol import items
     from harness.runs import repro
     from harness.protocol.backends import Stack
@@ -295,13 +244,23 @@ def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, te
     from harness.outputs import write_files
 
     repro.check_model_name(model_name)
-    try:
-        chosen = items.load_item_set(item_set, count)
-    except ValueError as err:
-        raise BadInput(f"--item-set {item_set}: {err}") from None
-    model = load_model(model_name)
-    prompts = [(i.id, model.codec.prompt_ids(i.prompt)) for i in chosen]
-    rows = sample_trajectories(model, Stack("sdpa", "fp32", threads=1), prompts, tokens, temperature, seed)
+    if server is not None:
+        from harness.protocol.server import server_rollouts
+
+        rows = server_rollouts(server, model_name, item_set, count, tokens, temperature, seed)
+    elif engine == "vllm":
+        from harness.protocol.engine_check import engine_rollouts
+
+        rows = engine_rollouts(model_name, item_set, count, tokens, temperature, seed, dtype)
+    else:
+        try:
+            chosen = items.load_item_set(item_set, count)
+        except ValueError as err:
+            raise BadInput(f"--item-set {item_set}: {err}") from None
+        model = load_model(model_name)
+        prompts = [(i.id, model.codec.prompt_ids(i.prompt)) for i in chosen]
+        rows = sample_trajectories(model, Stack("sdpa", "fp32", threads=1), prompts, tokens,
+                                   temperature, seed)
     write_files({"rollouts": (Path(out), "".join(json.dumps(r) + "\n" for r in rows))})
     return rows, out
 
@@ -311,7 +270,9 @@ def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, te
 def sample_trajectories(model, stack, prompts: list[tuple[str, list[int]]], tokens: int,
                         temperature: float, seed: int) -> list[dict]:
     """Sample a continuation of `tokens` ids per (id, prompt ids) with temperature (seeded, one
-    generator per trajectory), stopping after an end-of-turn token. JSONL-ready rows."""
+    generator per trajectory), stopping after an end-of-turn token. JSONL-ready rows, each with
+    the sampler's fp32 logprob of every token under the model's own distribution (before the
+    temperature: what vLLM reports by default, its `raw_logprobs`)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0; got {temperature}")
     rows = []
@@ -319,16 +280,18 @@ def sample_trajectories(model, stack, prompts: list[tuple[str, list[int]]], toke
         runner = Runner(module)
         for index, (item_id, prompt) in enumerate(prompts):
             generator = torch.Generator().manual_seed(seed * 100003 + index)
-            cache, out = new_cache(module), []
+            cache, out, logprobs = new_cache(module), [], []
             logits = runner.forward(as_batch(prompt), cache)[0]
             while len(out) < tokens:
                 probs = torch.softmax(logits.double() / temperature, -1).cpu()
                 token = int(torch.multinomial(probs, 1, generator=generator))
                 out.append(token)
+                # The model's logprob of the token (temperature 1), as an engine reports it.
+                logprobs.append(float(picked_logprobs(logits[None], torch.tensor([token]))[0]))
                 if token in model.codec.eos_ids or len(out) == tokens:
                     break
                 logits = runner.forward(as_batch([token]), cache)[0]
-            rows.append({"id": item_id, "prompt_ids": list(prompt), "tokens": out,
-                         "model": model.name, "stack": stack.label, "temperature": temperature,
-                         "seed": seed})
+            rows.append(as_row(Trajectory(item_id, tuple(prompt), tuple(out), tuple(logprobs)),
+                               model=model.name, stack=stack.label, temperature=temperature,
+                               seed=seed))
     return rows

@@ -1,0 +1,54 @@
+"""The engine commands without an engine: `kvfid engine-check` and `kvfid rollouts --engine vllm`
+exit 3 with the line that installs vLLM; `--server` refuses a bad URL (2) and an absent server
+(3); the in-engine comparison counts one flipped bit (its negative control). The engine itself is
+tested by tests/engine (`make test-vllm`)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from harness.cli import main
+from harness.protocol.engine_check import _compare
+
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)   # `import vllm` raises ImportError
+
+
+@pytest.mark.parametrize("args", [["engine-check", "--model", "smollm2-135m"],
+                                  ["rollouts", "--engine", "vllm", "--model", "smollm2-135m",
+                                   "--out", "never.jsonl"]])
+def test_without_vllm_the_commands_exit_3_saying_how_to_install_it(no_vllm, args, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shown = CliRunner().invoke(main, args)
+    assert shown.exit_code == 3, shown.output
+    assert "make install-vllm" in shown.output and len(shown.output.strip().splitlines()) == 1
+    assert not (tmp_path / "never.jsonl").exists()
+
+
+def test_server_refusals(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]       # closed again: nothing listens there
+    base = ["rollouts", "--model", "tiny-llama", "-n", "1", "--out", str(tmp_path / "r.jsonl")]
+    absent = CliRunner().invoke(main, base + ["--server", f"http://127.0.0.1:{port}"])
+    assert absent.exit_code == 3 and "no answer" in absent.output
+    bad = CliRunner().invoke(main, base + ["--server", "127.0.0.1:8000"])
+    assert bad.exit_code == 2 and "http://" in bad.output
+
+
+def test_the_in_engine_comparison_is_bitwise():
+    a = [[-1.0, -2.0, -0.5], [-3.0]]
+    same = _compare(a, [list(x) for x in a])
+    assert same["differ"] == 0 and same["items_exact"] == 2 and same["tokens"] == 4
+    flipped = [[-1.0, -2.0000002, -0.5], [-3.0]]      # one fp32 ulp at -2
+    other = _compare(a, flipped)
+    assert other["differ"] == 1 and other["items_exact"] == 1 and 0 < other["max_abs"] < 1e-6
+    served = _compare(a, [[None, -2.0000002, -0.5], [-3.0]])   # None: served by the cache
+    assert served["tokens"] == 3 and served["differ"] == 1
