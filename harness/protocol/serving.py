@@ -162,12 +162,14 @@ def model_reason(backend: str, module_class) -> str | None:
 
 
 def layer_reason(backend: str, info: LayerInfo, length: int | None = None) -> str | None:
+    """Every mechanism of the layer the backend does not serve, with its reason, on one line."""
+    reasons = []
     for mechanism in info.mechanisms:
         reason = mechanism_reason(backend, mechanism, info.window, length)
         if reason:
             cap = f" ({info.softcap})" if mechanism == "softcap" else ""
-            return f"{mechanism}: {reason}".replace("softcapping", f"softcapping{cap}", 1)
-    return None
+            reasons.append(f"{mechanism}: {reason}".replace("softcapping", f"softcapping{cap}", 1))
+    return "; ".join(reasons) or None
 
 
 def module_class(model_or_config, module=None):
@@ -226,7 +228,7 @@ def serving_table(name: str, length: int | None = None) -> dict:
         groups.setdefault(key, []).append(info)
     rows = []
     for (layer_type, cache_class, kind, mechanisms, window), members in groups.items():
-        stacks = {b: model_reason(b, cls) or layer_reason(b, members[0], need) for b in STACKS}
+        stacks = {b: layer_reason(b, members[0], need) or model_reason(b, cls) for b in STACKS}
         rows.append({"layers": [m.index for m in members], "layer_type": layer_type,
                      "cache_class": cache_class, "state": kind, "window": window,
                      "mechanisms": list(mechanisms), "stacks": stacks})
