@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from harness.protocol import cache as kv
+from harness.protocol import surgery
 
 
 def make_state(seed=0, layers=3, heads=2, length=6, dim=4, dtype=torch.bfloat16):
@@ -93,7 +94,7 @@ def test_ulp_distance_counts_across_zero():
 def test_transplant_into_itself_is_a_no_op():
     a = make_state()
     for text in ["all", "keys", "values", "layers=1-2", "positions=generated", "positions=1-3"]:
-        b = kv.transplant(a, a, kv.parse_selection(text), prompt_length=2)
+        b = surgery.transplant(a, a, surgery.parse_selection(text), prompt_length=2)
         assert kv.compare_states(a, b)["bit_exact"]
         assert torch.equal(a.logits, b.logits)
 
@@ -101,7 +102,7 @@ def test_transplant_into_itself_is_a_no_op():
 def test_transplant_selection_moves_exactly_the_selected_part():
     r, d = make_state(seed=1), make_state(seed=2)
     d = kv.BoundaryState(r.prefix, d.keys, d.values, d.logits)
-    out = kv.transplant(r, d, kv.parse_selection("layers=1-3+keys+positions=generated"),
+    out = surgery.transplant(r, d, surgery.parse_selection("layers=1-3+keys+positions=generated"),
                         prompt_length=2)
     assert torch.equal(out.logits, r.logits)      # the recipient's boundary logits are kept
     for layer in range(3):
@@ -115,14 +116,14 @@ def test_transplant_selection_moves_exactly_the_selected_part():
 @pytest.mark.parametrize("bad", ["layer=1-2", "positions=3-1", "keys+foo", "positions=middle"])
 def test_bad_selection_is_refused(bad):
     with pytest.raises(ValueError, match="valid"):
-        kv.parse_selection(bad)
+        surgery.parse_selection(bad)
 
 
 def test_transplant_refuses_different_prefixes():
     a, b = make_state(), make_state()
     b = kv.BoundaryState((9,) * 6, b.keys, b.values, b.logits)
     with pytest.raises(ValueError, match="same prefix"):
-        kv.transplant(a, b, kv.Selection(), prompt_length=2)
+        surgery.transplant(a, b, surgery.Selection(), prompt_length=2)
 
 
 def test_fingerprints_see_every_bit():

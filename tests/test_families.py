@@ -8,6 +8,7 @@ import torch
 
 from harness.errors import KvfidError
 from harness.protocol import cache as kv
+from harness.protocol import surgery
 from harness.protocol import record as rec
 from harness.protocol.plain import decode
 from harness.protocol.surgery import parse_selection, perturb
@@ -134,7 +135,7 @@ def test_a_transplanted_window_or_recurrent_state_makes_the_suffix_follow_the_do
     with torch.inference_mode():
         own = decode_suffix(Runner(module), live.state, 6, frozenset())
         theirs = decode_suffix(Runner(module), donor, 6, frozenset())
-        moved = decode_suffix(Runner(module), kv.transplant(live.state, donor,
+        moved = decode_suffix(Runner(module), surgery.transplant(live.state, donor,
                                                             parse_selection(selection), 2), 6,
                               frozenset())
     assert own.tokens == live.suffix.tokens     # to_cache restores the state the live run had

@@ -265,8 +265,3 @@ def compare_suffixes(a, b, margins_a, margins_b) -> dict:
                                        and first < len(margins_a) else None),
             "margin_b_at_divergence": (margins_b[first] if first is not None
                                        and first < len(margins_b) else None)}
-
-
-# Transplant surgery lives in harness.protocol.surgery; its names are re-exported here.
-from harness.protocol.surgery import (SELECTION_HELP, Selection, parse_selection,  # noqa: E402,F401
-                                      transplant)

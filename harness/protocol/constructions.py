@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from harness.protocol import cache as kv
+from harness.protocol import surgery
 from harness.errors import BadInput
 from harness.names import CONSTRUCTION_HELP
 _NUMBERED = (r"(?:chunked|batched):\d+|cobatched:\d+(?:\+decode)?"
@@ -110,7 +110,7 @@ class TransplantSpec:
 
     recipient: str
     donor: str
-    selection: kv.Selection
+    selection: surgery.Selection
 
     @property
     def label(self) -> str:
@@ -124,10 +124,10 @@ def parse_transplant(text: str) -> TransplantSpec:
     match = re.fullmatch(rf"({_NUMBERED}|[\w-]+)(?::([\w=+-]+))?", rest.strip())
     if not arrow or not match or not recipient.strip():
         raise ProtocolError(f"bad transplant {text!r}; expected RECIPIENT<-DONOR[:SELECTION], "
-                            f"selection: {kv.SELECTION_HELP}")
+                            f"selection: {surgery.SELECTION_HELP}")
     recipient, donor = parse_construction(recipient).label, parse_construction(match[1]).label
     try:
-        selection = kv.parse_selection(match[2] or "all")
+        selection = surgery.parse_selection(match[2] or "all")
     except ValueError as err:
         raise ProtocolError(str(err)) from None
     return TransplantSpec(recipient, donor, selection)

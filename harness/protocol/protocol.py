@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from harness.protocol import cache as kv
-from harness.protocol import cobatch, engine_arms
+from harness.protocol import cobatch, engine_arms, surgery
 from harness.protocol import record as rec
 from harness.protocol.plain import decode
 from harness.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
@@ -163,7 +163,7 @@ def run_transplant(module, spec: TransplantSpec, arms: dict[str, Arm], prompt_le
                              recipient.suffix.tokens == donor.suffix.tokens)
     if top2(recipient.state.logits)[0] != top2(donor.state.logits)[0]:
         return done("boundary")
-    state = kv.transplant(recipient.state, donor.state, spec.selection, prompt_length)
+    state = surgery.transplant(recipient.state, donor.state, spec.selection, prompt_length)
     runner = Runner(module)
     suffix = decode_suffix(runner, state, S, eos_ids)
     if suffix.tokens == recipient.suffix.tokens:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.protocol.cache import BoundaryState, bits
 from harness.protocol.layers import POSITIONAL, RECURRENT
 
 _WORDS = {"keys": "k", "values": "v", "recurrent": "recurrent", "conv": "conv"}
@@ -86,8 +87,6 @@ def parse_selection(text: str) -> Selection:
 
 def transplant(recipient, donor, selection: Selection, prompt_length: int):
     """The recipient with the selected part of the donor's state put in place of its own."""
-    from harness.protocol.cache import BoundaryState
-
     if recipient.prefix != donor.prefix:
         raise ValueError("transplant needs recipient and donor over the same prefix")
     n_layers, length = len(recipient.layers), len(recipient.prefix)
@@ -124,8 +123,6 @@ def transplant(recipient, donor, selection: Selection, prompt_length: int):
 def perturb(state, layer: int, part: str, index: tuple[int, ...] = None):
     """A copy of `state` with the lowest bit of one element of one part flipped (a test's and a
     negative control's way to make two states differ in exactly one known place)."""
-    from harness.protocol.cache import BoundaryState, bits
-
     tensor = state.layers[layer].parts[part].clone()
     flat = bits(tensor).view(-1)
     flat[0 if index is None else int(torch.tensor(index) @ torch.tensor(tensor.stride()))] ^= 1
