@@ -341,14 +341,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
               softcap: float | None = None, sinks: torch.Tensor | None = None,
               config: AttentionConfig | None = None) -> torch.Tensor:
     """Causal attention; q [B, Hq, Tq, Dqk] are the last Tq positions of k [B, Hkv, Tk, Dqk],
-    v [B, Hkv, Tk, Dv]; returns [B, Hq, Tq, Dv] in q's dtype. Held key j is absolute position
-    `key_start + j`. Bits per position are independent of batch size, of how the positions were
-    split into prefill, chunks or decode steps and of how many earlier keys a window cache still
-    holds. `first_valid` [B] (int, >= 0; absolute positions) left-pads row b: keys before it are
-    never read and those query positions are 0; a row's valid positions get the bits they get
-    unpadded. `window`, `chunk`, `softcap`, `sinks`: see kernels.hf; `config`: as in
-    `attention_into`.
-    """
+    v [B, Hkv, Tk, Dv]; returns [B, Hq, Tq, Dv]. Held key j is absolute position key_start + j.
+    Bits per position do not depend on batch, construction or what a window cache still holds.
+    `first_valid` [B] (absolute) left-pads rows (their padded queries are 0); the mechanisms are
+    described in kernels.hf; `config`: as in `attention_into`."""
     empty = torch.zeros if first_valid is not None else torch.empty
     out = empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
     return attention_into(out, q, k, v, scale, first_valid, key_start=key_start, window=window,

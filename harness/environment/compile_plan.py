@@ -137,7 +137,8 @@ def _attention_target(arch: str, dtype: str, phase: str, label: str, head_dim: i
                     3 * states // 4)
     return Target("attention", "kernels.attention:_attention_kernel", arch, dtype,
                   f"{phase}{'-merge' if merge else ''}-{label}", args, constexprs,
-                  _options(config.num_warps, config.num_stages), dtype != "fp32", (work,))
+                  _options(config.num_warps, config.num_stages), dtype != "fp32" and not merge,
+                  (work,))
 
 
 def attention_targets(arch: str, dtype: str, shapes=ATTENTION_SHAPES,
@@ -235,6 +236,7 @@ def plan(archs=ARCHS, dtypes=tuple(DTYPES), kernels=None, quick=False) -> list[T
     variants = tuple(v for v in ATTENTION_VARIANTS if not quick or v[0] in QUICK_VARIANTS)
     targets = [t for arch, dtype in itertools.product(archs, dtypes)
                for t in (*attention_targets(arch, dtype, shapes, variants),
+                         *(() if quick else long_decode_targets(arch, dtype)),
                          *matmul_targets(arch, dtype),
                          *row_targets(arch, dtype))]
     return [t for t in targets if kernels is None or t.kernel in kernels]
