@@ -64,3 +64,46 @@ def test_gpu_control_the_construction_check_catches_the_attention_twin(dtype):
     steps = torch.cat([attention_twin(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1])
                        for t in range(301)], dim=2)
     assert any(not bits_equal(steps[:, :, t], prefill[:, :, t]) for t in range(1, 301))
+
+
+# ---- the mechanism variants at model shapes (windows over a window cache, softcap, sinks, MLA) ---
+
+GPU_VARIANTS = {  # name: (Hq, Hkv, q/k dim, v dim, keyword arguments)
+    "mistral-window": (32, 8, 128, 128, {"window": 256}),
+    "gemma2-window-softcap-d256": (16, 8, 256, 256, {"window": 256, "softcap": 50.0}),
+    "gpt-oss-window-sinks": (64, 8, 64, 64, {"window": 128}),
+    "deepseek-mla": (16, 16, 192, 128, {}),
+    "llama4-chunk": (40, 8, 128, 128, {"chunk": 192}),
+}
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=("bf16", "fp32"))
+@pytest.mark.parametrize("name", GPU_VARIANTS)
+def test_gpu_variant_window_cache_decode_same_bits_as_prefill(name, dtype):
+    from kernels.attention import attention_into
+
+    n_q, n_kv, qk_dim, v_dim, kwargs = GPU_VARIANTS[name]
+    if name == "gpt-oss-window-sinks":
+        kwargs = {**kwargs, "sinks": randn(n_q, seed=9)}
+    length = 600
+    q = randn(1, n_q, length, qk_dim, dtype=dtype)
+    k, v = randn(1, n_kv, length, qk_dim, dtype=dtype, seed=1), randn(1, n_kv, length, v_dim, dtype=dtype, seed=2)
+    prefill = attention(q, k, v, **kwargs)
+    ref_kwargs = {n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in kwargs.items()}
+    assert_close_to_ref(prefill, attention_ref(q.double(), k.double(), v.double(), **ref_kwargs), dtype)
+    held = max(kwargs.get("window", 0), kwargs.get("chunk", 0)) - 1
+    for absolute in (True, False):  # the kernel, then its held-aligned twin (must differ if local)
+        steps = []
+        for t in range(length):
+            start = max(0, t - held) if held > 0 else 0
+            out = torch.empty(1, n_q, 1, v_dim, dtype=dtype, device=q.device)
+            steps.append(attention_into(out, q[:, :, t:t + 1], k[:, :, start:t + 1], v[:, :, start:t + 1],
+                                        key_start=start, align_absolute=absolute, **kwargs))
+        steps = torch.cat(steps, dim=2)
+        twin_prefill = prefill if absolute else attention_into(torch.empty_like(prefill), q, k, v,
+                                                               align_absolute=False, **kwargs)
+        bad = [t for t in range(length) if not bits_equal(steps[:, :, t], twin_prefill[:, :, t])]
+        if absolute:
+            assert not bad, f"{name}: decode over a window cache differs from prefill at {bad[:10]}"
+        elif held > 0:
+            assert bad, f"{name}: the held-aligned twin was not caught"

@@ -102,3 +102,18 @@ def test_bf16_dot_fixture_is_exact(bf16_dot_in_fp32):
     out = mm.matmul(a, w.t(), config=config, out_dtype=torch.float32)
     ref = mm.matmul(a.float(), w.float().t(), config=mm.CONFIGS[("sm_90", torch.float32)])
     assert_close_to_ref(out, ref.double(), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+def test_attention_gpu_branch_split_across_segments_matches_fp64(dtype, bf16_dot_in_fp32):
+    """The split path at the GPU config (1024-key segments): a 20-query chunk at 1100 keys
+    crosses a segment edge, with a window reaching back across it and sinks."""
+    config = attn.CONFIGS[("sm_90", dtype)]
+    assert config.segment and 1100 > config.segment
+    q = randn(1, 4, 20, 64, dtype=dtype, seed=0)
+    k, v = (randn(1, 1, 1100, 64, dtype=dtype, seed=s) for s in (1, 2))
+    sinks = randn(4, seed=3)
+    for kwargs in ({}, {"window": 300, "sinks": sinks}):
+        ref = attn.attention_ref(q.double(), k.double(), v.double(),
+                                 **{n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in kwargs.items()})
+        assert_close_to_ref(attn.attention(q, k, v, config=config, **kwargs), ref, dtype)

@@ -32,6 +32,8 @@ ATTENTION_SHAPES = ((64, 1), (64, 3), (64, 4), (64, 7), (64, 8), (128, 1), (128,
 QUICK_SHAPES = ((64, 7),)  # `--quick`: the GPU default case's model (Qwen2.5-0.5B shape) only
 DECODE_BATCH, CONTEXT = 32, 1024  # roofline shape of a decode step (GPU benches: B 1/32, 1k/8k)
 PREFILL = 2048  # tokens of a prefill (GPU benches)
+LONG_CONTEXT = 32768  # the long-context decode of the split path (B=1)
+LONG_SHAPES = ((64, 7), (128, 4))  # Qwen2.5-0.5B-like and Llama-3-8B-like heads (2 KV heads here)
 HIDDEN = 4096  # matmul K = N, row-op width (GPU benches)
 ROW_WIDTHS = {"mean": HIDDEN, "rms_norm": HIDDEN, "softmax": 8192, "log_softmax": 32768}
 
@@ -69,42 +71,98 @@ def _contiguous_strides(*shape: int) -> list[int]:
     return strides
 
 
-def attention_targets(arch: str, dtype: str, shapes=ATTENTION_SHAPES) -> list[Target]:
-    """The attention kernel at every (head dim, group) of `shapes`, for decode and prefill."""
-    config = _attention.CONFIGS[(arch, DTYPES[dtype])]
-    out, size = [], _SIZE[dtype]
-    for (head_dim, group), phase in itertools.product(shapes, ("decode", "prefill", "padded")):
-        batch, n_kv = (DECODE_BATCH, 2) if phase == "decode" else (1, 2)
-        n_q, q_len = n_kv * group, 1 if phase == "decode" else PREFILL
-        group_tile = _attention.group_tile_for(group, config)
-        q_strides = _contiguous_strides(batch, n_q, q_len, head_dim)
-        kv_strides = _contiguous_strides(batch, n_kv, CONTEXT if phase == "decode" else PREFILL,
-                                         head_dim)
-        kv_len = CONTEXT if phase == "decode" else PREFILL
-        args = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
-                "o_ptr": f"*{dtype}",
-                **dict(zip(("sqb", "sqh", "sqt", "sqd"), q_strides)),
-                **dict(zip(("skb", "skh", "skt", "skd"), kv_strides)),
-                **dict(zip(("svb", "svh", "svt", "svd"), kv_strides)),
-                **dict(zip(("sob", "soh", "sot", "sod"), q_strides)),
-                "pad_ptr": "*i64",
-                "n_kv_heads": n_kv, "n_group_chunks": -(-group // group_tile), "q_len": q_len,
-                "kv_len": kv_len, "scale": 0.125}
-        # `padded`: a left-padded prefill (a co-batched row), each row on its own positions.
-        constexprs = {"GROUP": group, "GROUP_TILE": group_tile, "HEAD_DIM": head_dim,
-                      "HEAD_DIM_PAD": _attention.head_dim_pad(head_dim),
-                      "BLOCK_M": _attention.BLOCK_M, "BLOCK_N": config.block_n,
-                      "USE_DOT": config.use_dot, "PADDED": phase == "padded", "ALIGN_OWN": True}
-        qo_bytes = 2 * batch * n_q * q_len * head_dim * size
-        kv_bytes = 2 * batch * n_kv * kv_len * head_dim * size
-        pairs = q_len * kv_len if phase == "decode" else q_len * (q_len + 1) // 2  # causal
-        work = Work(f"{phase} B{batch} Hq{n_q} Hkv{n_kv} Tq{q_len} Tk{kv_len}",
-                    qo_bytes + kv_bytes, 4 * batch * n_q * pairs * head_dim)
-        out.append(Target("attention", "kernels.attention:_attention_kernel", arch, dtype,
-                          f"{phase}-D{head_dim}-G{group}", args, constexprs,
-                          _options(config.num_warps, config.num_stages),
-                          dtype != "fp32", (work,)))
+# The mechanisms of 2025-26 decoders, each at one model's shape: (config label, q/k head dim,
+# v head dim, group, window, chunk, softcap, sinks). Mistral 7B (window 4096), Gemma 2 9B (head
+# dim 256, window 4096, softcap 50), Gemma 3 4B (256, window 1024), gpt-oss (64, group 8, window
+# 128, sinks), DeepSeek-V3 MLA as transformers runs it (q/k 192, v 128, MHA), Llama 4 (chunk 8192).
+ATTENTION_VARIANTS = (
+    ("window-D128-G4", 128, 128, 4, 4096, None, None, False),
+    ("window-softcap-D256-G2", 256, 256, 2, 4096, None, 50.0, False),
+    ("window-D256-G2", 256, 256, 2, 1024, None, None, False),
+    ("window-sinks-D64-G8", 64, 64, 8, 128, None, None, True),
+    ("mla-D192-V128-G1", 192, 128, 1, None, None, None, False),
+    ("chunk-D128-G5", 128, 128, 5, None, 8192, None, False),
+)
+QUICK_VARIANTS = ()  # `--quick` (what `make test` runs) compiles the base shapes only
+
+
+def _attention_target(arch: str, dtype: str, phase: str, label: str, head_dim: int, v_dim: int,
+                      group: int, window=None, chunk=None, softcap=None, sinks=False,
+                      merge=False, batch=None, context=CONTEXT) -> Target:
+    """The attention kernel for one phase (decode, prefill, padded prefill) of one shape; `merge`:
+    the split path's merge launch of it (its work: the segment states it reads)."""
+    config = (_attention.WIDE_CONFIGS if max(head_dim, v_dim) > 128
+              else _attention.CONFIGS)[(arch, DTYPES[dtype])]
+    size = _SIZE[dtype]
+    n_kv = 2
+    batch = batch or (DECODE_BATCH if phase == "decode" else 1)
+    n_q, q_len = n_kv * group, 1 if phase == "decode" else PREFILL
+    kv_len = context if phase == "decode" else PREFILL
+    local = min(x for x in (window, chunk, kv_len) if x is not None)  # keys a query sees at most
+    # A window cache holds the last window - 1 keys and the query: held key 0 is not at 0.
+    held, key_start = (min(kv_len, local), 4 * local + 1) if window and phase == "decode" else (kv_len, 0)
+    group_tile = _attention.group_tile_for(group, config)
+    q_strides = _contiguous_strides(batch, n_q, q_len, head_dim)
+    args = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "o_ptr": f"*{dtype}",
+            **dict(zip(("sqb", "sqh", "sqt", "sqd"), q_strides)),
+            **dict(zip(("skb", "skh", "skt", "skd"), _contiguous_strides(batch, n_kv, held, head_dim))),
+            **dict(zip(("svb", "svh", "svt", "svd"), _contiguous_strides(batch, n_kv, held, v_dim))),
+            **dict(zip(("sob", "soh", "sot", "sod"), _contiguous_strides(batch, n_q, q_len, v_dim))),
+            "pad_ptr": "*i64", "sink_ptr": "*fp32",
+            "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32",
+            "n_slots": max(2, _attention._segment_slots(config, held, window, chunk)),
+            "n_kv_heads": n_kv, "n_group_chunks": -(-group // group_tile), "q_len": q_len,
+            "kv_len": held, "key_start": key_start,
+            "window": window or _attention.NO_WINDOW, "chunk": chunk or 0,
+            "scale": 0.125, "softcap": float(softcap or 1.0)}
+    # `padded`: a left-padded prefill (a co-batched row), each row on its own positions.
+    constexprs = {"GROUP": group, "GROUP_TILE": group_tile, "HEAD_DIM": head_dim,
+                  "HEAD_DIM_PAD": _attention.head_dim_pad(head_dim), "V_DIM": v_dim,
+                  "V_DIM_PAD": _attention.head_dim_pad(v_dim), "BLOCK_M": _attention.BLOCK_M,
+                  "BLOCK_N": config.block_n, "USE_DOT": config.use_dot, "PADDED": phase == "padded",
+                  "SOFTCAP": softcap is not None, "SINKS": sinks, "SEGMENT": config.segment,
+                  "MERGE": merge, "ALIGN_OWN": True, "ALIGN_ABSOLUTE": True}
+    qo_bytes = batch * n_q * q_len * (head_dim + v_dim) * size
+    kv_bytes = batch * n_kv * held * (head_dim + v_dim) * size
+    # Query-key pairs each query sees (causal, within its window or chunk).
+    pairs = q_len * min(held, local) if phase == "decode" else sum(
+        min(t + 1, local) for t in range(q_len)) if local < kv_len else q_len * (q_len + 1) // 2
+    work = Work(f"{phase} B{batch} Hq{n_q} Hkv{n_kv} Tq{q_len} Tk{held}"
+                + (f" window {window}" if window else "") + (f" chunk {chunk}" if chunk else ""),
+                qo_bytes + kv_bytes, 2 * batch * n_q * pairs * (head_dim + v_dim))
+    if merge:
+        rows = group_tile * _attention.BLOCK_M
+        states = batch * n_kv * args["n_group_chunks"] * args["n_slots"] * rows * (v_dim + 2) * 4
+        work = Work(f"merge of {work.label}", states + batch * n_q * q_len * v_dim * size,
+                    3 * states // 4)
+    return Target("attention", "kernels.attention:_attention_kernel", arch, dtype,
+                  f"{phase}{'-merge' if merge else ''}-{label}", args, constexprs,
+                  _options(config.num_warps, config.num_stages), dtype != "fp32" and not merge,
+                  (work,))
+
+
+def attention_targets(arch: str, dtype: str, shapes=ATTENTION_SHAPES,
+                      variants=ATTENTION_VARIANTS) -> list[Target]:
+    """The attention kernel at every (head dim, group) of `shapes` for decode, prefill and padded
+    prefill, and every mechanism variant for decode and prefill."""
+    split = _attention.CONFIGS[(arch, DTYPES[dtype])].segment > 0
+    specs = [(phase, f"D{head_dim}-G{group}", head_dim, head_dim, group, None, None, None, False)
+             for (head_dim, group), phase in itertools.product(shapes, ("decode", "prefill", "padded"))]
+    specs += [(phase, *variant) for variant, phase in itertools.product(variants, ("decode", "prefill"))]
+    out = []
+    for phase, *spec in specs:
+        out.append(_attention_target(arch, dtype, phase, *spec))
+        if split and phase == "decode":  # the merge launch (the same binary serves prefill's)
+            out.append(_attention_target(arch, dtype, phase, *spec, merge=True))
     return out
+
+
+def long_decode_targets(arch: str, dtype: str) -> list[Target]:
+    """B=1 decode at LONG_CONTEXT keys (the split path's case), for its roofline beside the
+    unsplit kernel's (docs/gpu.md)."""
+    return [_attention_target(arch, dtype, "decode", f"long-D{d}-G{g}", d, d, g, batch=1,
+                              context=LONG_CONTEXT, merge=merge)
+            for d, g in LONG_SHAPES for merge in (False, True)]
 
 
 def matmul_targets(arch: str, dtype: str) -> list[Target]:
@@ -175,7 +233,10 @@ def plan(archs=ARCHS, dtypes=tuple(DTYPES), kernels=None, quick=False) -> list[T
         if unknown:
             raise ValueError(f"unknown {kind} {', '.join(unknown)}; valid: {', '.join(allowed)}")
     shapes = QUICK_SHAPES if quick else ATTENTION_SHAPES
+    variants = tuple(v for v in ATTENTION_VARIANTS if not quick or v[0] in QUICK_VARIANTS)
     targets = [t for arch, dtype in itertools.product(archs, dtypes)
-               for t in (*attention_targets(arch, dtype, shapes), *matmul_targets(arch, dtype),
+               for t in (*attention_targets(arch, dtype, shapes, variants),
+                         *(() if quick else long_decode_targets(arch, dtype)),
+                         *matmul_targets(arch, dtype),
                          *row_targets(arch, dtype))]
     return [t for t in targets if kernels is None or t.kernel in kernels]

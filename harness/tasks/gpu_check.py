@@ -3,7 +3,8 @@
 Runs, in order and each under its own time limit: `kvfid compile` (every kernel config compiled
 for sm_80/sm_90/sm_100 and judged, with its roofline: seconds, so a broken GPU path shows before
 the minutes of the rest; a failure there is reported and the later steps still run), the
-GPU-marked tests, `kvfid kernels`, the speed benches, and a 32-item fidelity run of
+long-context decode comparison (split path against the unsplit kernel at B=1, 32k keys:
+harness.environment.split_bench), the GPU-marked tests, `kvfid kernels`, the speed benches, and a 32-item fidelity run of
 `cases/gpu-qwen2.5-shape.toml` with its report; writes every result into one flat output folder
 (at most 8 files, for machines that return only a few: the run's aggregates are not copied, since
 `kvfid show latest --db ledger.sqlite --format json` rebuilds them) and prints a headline. Needs only what the GPU image has (torch, triton, transformers, click, pytest,
@@ -49,6 +50,10 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
                     else [])
     return [
         Step("compile", cli + ["compile", "--format", "json"] + compile_args, 180, "compile.json"),
+        # Long-context decode (B=1, 32k keys): the split path against the unsplit kernel, with
+        # its bits checked; its JSON lines land in gpu-check.json (the step's tail).
+        Step("split", [py, "-m", "harness.environment.split_bench"] + (["--dry-run"] if dry_run else []),
+             120),
         Step("gpu-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
                            "tests"], 120),
         Step("kernels", cli + ["kernels", "--format", "json"] + (["--quick"] if dry_run else []),
