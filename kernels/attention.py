@@ -229,11 +229,14 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    scale: float | None = None, first_valid: torch.Tensor | None = None, *,
+                   key_start: int = 0, window: int | None = None, chunk: int | None = None,
+                   softcap: float | None = None, sinks: torch.Tensor | None = None,
                    align_own: bool = True, config: AttentionConfig | None = None) -> torch.Tensor:
     """`attention` written into `out` ([B, Hq, Tq, D], any strides); returns `out`. Padded query
     positions (before a row's `first_valid`) are not written. `align_own=False` is the control
     twin that aligns tiles to padded positions (padding-variant; for tests only). `config`
     overrides the path's tiling (tests run the GPU configs in the interpreter)."""
+    _unserved(key_start, window, chunk, softcap, sinks)
     _check(q, k, v)
     pad = _first_valid(first_valid, q.shape[0], k.shape[2], q.device)
     batch, n_q_heads, q_len, head_dim = q.shape
@@ -266,6 +269,15 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     return out
 
 
+def _unserved(key_start: int, window, chunk, softcap, sinks) -> None:
+    """Refuse what this kernel does not serve yet (the shared interface names it)."""
+    for what, given in (("key_start != 0", key_start != 0), ("window", window is not None),
+                        ("chunk", chunk is not None), ("softcap", softcap is not None),
+                        ("sinks", sinks is not None)):
+        if given:
+            raise ValueError(f"attention: {what} is not served by the Triton kernel yet")
+
+
 def _first_valid(first_valid: torch.Tensor | None, batch: int, kv_len: int,
                  device: torch.device) -> torch.Tensor | None:
     """Validated per-row padding as contiguous int64 [B] on `device`; None when there is none."""
@@ -282,6 +294,8 @@ def _first_valid(first_valid: torch.Tensor | None, batch: int, kv_len: int,
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
               scale: float | None = None, first_valid: torch.Tensor | None = None,
+              key_start: int = 0, window: int | None = None, chunk: int | None = None,
+              softcap: float | None = None, sinks: torch.Tensor | None = None,
               config: AttentionConfig | None = None) -> torch.Tensor:
     """Causal attention; q [B, Hq, Tq, D] are the last Tq positions of k, v [B, Hkv, Tk, D].
 
@@ -293,7 +307,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """
     empty = torch.zeros_like if first_valid is not None else torch.empty_like
     out = empty(q, memory_format=torch.contiguous_format)
-    return attention_into(out, q, k, v, scale, first_valid, config=config)
+    return attention_into(out, q, k, v, scale, first_valid, key_start=key_start, window=window,
+                          chunk=chunk, softcap=softcap, sinks=sinks, config=config)
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

@@ -1,30 +1,49 @@
-"""transformers registration of the Triton attention as attention implementation "kvfid_triton".
+"""transformers registration of kvfid's attention kernels as attention implementations.
 
-`register()` puts two functions into transformers' public interfaces under one name:
+`make_attention(name, attention_into, serves)` turns any kernel with the shared interface (below)
+into the function transformers' `AttentionInterface` calls; `register_kernel` puts it and a mask
+function into transformers' public interfaces under one name. `register()` does so for the Triton
+kernel as "kvfid_triton" (another module registers the native CPU kernel through the same factory).
 
-* the attention function (`AttentionInterface`), which calls `kernels.attention`; the kernel applies
-  causality itself from positions (queries are the last positions of the keys), so unpadded
-  batches need no mask, and left padding is passed to it as each row's first valid key;
-* a mask function (`masking_utils.AttentionMaskInterface`). Without one, transformers skips mask
-  creation for the name and a padding mask would be dropped silently. Ours builds the mask the
-  stock `sdpa` way and returns None when it is exactly the causal pattern the kernel applies
-  anyway; anything else is passed on. The attention function accepts exactly one other pattern,
-  causal with left padding (transformers' padded batches: row b sees keys `first_valid[b] <= j <=
-  its position`), and refuses every other mask before any compute (a sliding window shorter than
-  the keys, right padding, a static cache's unfilled slots, custom masks).
+The kernel interface: `attention_into(out, q, k, v, *, scale, first_valid, key_start, window,
+chunk, softcap, sinks, **options)` writes out [B, Hq, Tq, Dv] (a view with any strides) from
+q [B, Hq, Tq, Dqk], k [B, Hkv, Tk, Dqk], v [B, Hkv, Tk, Dv]. Held key j sits at absolute position
+`key_start + j` (a sliding-window cache holds only the last keys); queries are the last Tq of them.
+`first_valid` [B] is each row's first valid key as an absolute position (left padding); a row works
+in its *own* positions (absolute minus its padding). `window`: query p sees keys k with
+p - window < k <= p; `chunk`: keys with k // chunk == p // chunk (and k <= p), in own positions;
+`softcap`: s = softcap * tanh(s / softcap) on the scaled scores; `sinks` [Hq]: a per-head logit in
+the softmax denominator. The kernel applies all of it from positions, so it needs no mask.
 
-Uses only names public in transformers 5.17 through 5.2x.
+What the function reads from transformers (5.17 through 5.2x, public names only):
+* scaling (None: 1/sqrt(Dqk)), `sliding_window` and `softcap` from the call's kwargs; sinks from
+  the `s_aux` kwarg (gpt-oss) or a `sinks` tensor on the module; a chunk size from the module's
+  config (`layer_types[layer_idx] == "chunked_attention"`, `attention_chunk_size`; Llama 4);
+* positions: transformers 5.2x passes no `cache_position`, but every decoder passes `position_ids`
+  through to the attention kwargs: [B or 1, Tq], the queries' own positions (absolute without
+  padding; padding-relative in left-padded batches, as generate and kvfid's co-batches build them).
+  The last query is always a real token, so row b's held key 0 sits at own position
+  `position_ids[b, -1] - (Tk - 1)`: negative while pad keys are still held, positive once a window
+  cache has dropped keys. Without position ids the held keys are taken to start at 0 (a full cache).
+* the mask: ours (`kvfid_mask`) builds it the stock `sdpa` way and passes None exactly when it is
+  the plain causal pattern. Any other mask must equal the pattern the kernel applies from the
+  positions above (causal, left padding, window, chunk); anything else (right padding, a static
+  cache's unfilled slots, custom masks) is refused before compute, as is a mechanism the kernel
+  does not serve (`serves`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import attention_into
-
 NAME = "kvfid_triton"
+# Mechanism names the Triton kernel serves (read by the harness before compute):
+# sliding_window, chunked_attention, softcap, sinks, split_head_dims.
+SERVES: frozenset[str] = frozenset()
 
 
 def _kernel_pattern(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -33,17 +52,37 @@ def _kernel_pattern(q_len: int, kv_len: int, device: torch.device) -> torch.Tens
     return torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
 
 
+def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
+    """A 4-D mask as bool (True = attend), or None when it is neither bool nor a 0 / -inf float mask."""
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point() and bool((mask[mask != 0] <= torch.finfo(mask.dtype).min / 2).all()):
+        return mask == 0
+    return None
+
+
 def _is_kernel_pattern(mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
-    """True when a 4-D mask (bool, True = attend; or additive float) is exactly the kernel's causal one."""
+    """True when a 4-D mask (bool, True = attend; or additive float) is exactly the plain causal one."""
     if mask.dim() != 4 or tuple(mask.shape[-2:]) != (q_len, kv_len):
         return False
-    pattern = _kernel_pattern(q_len, kv_len, mask.device).expand(mask.shape)
-    if mask.dtype == torch.bool:
-        return torch.equal(mask, pattern)
-    if not mask.is_floating_point():
-        return False
-    blocked = mask[~pattern]
-    return torch.equal(mask == 0, pattern) and bool((blocked <= torch.finfo(mask.dtype).min / 2).all())
+    allowed = _allowed(mask)
+    return allowed is not None and torch.equal(
+        allowed, _kernel_pattern(q_len, kv_len, mask.device).expand(mask.shape))
+
+
+def expected_pattern(own_start: torch.Tensor, q_len: int, kv_len: int, window: int | None = None,
+                     chunk: int | None = None) -> torch.Tensor:
+    """[B, q_len, kv_len] bool: what the kernel lets each query see, from each row's own position of
+    held key 0 (`own_start` [B]; negative positions are padding)."""
+    keys = own_start[:, None, None] + torch.arange(kv_len, device=own_start.device)  # [B, 1, kv]
+    queries = keys[:, :, -q_len:].transpose(1, 2)  # [B, q, 1]
+    allowed = (keys >= 0) & (keys <= queries)
+    if window is not None:
+        allowed &= keys > queries - window
+    if chunk is not None:
+        allowed &= torch.div(keys, chunk, rounding_mode="floor") == torch.div(queries, chunk,
+                                                                              rounding_mode="floor")
+    return allowed
 
 
 def left_padding(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor | None:
@@ -51,23 +90,27 @@ def left_padding(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor | 
     or additive float) is exactly causal with left padding; None for any other mask."""
     if mask.dim() != 4 or tuple(mask.shape[-2:]) != (q_len, kv_len):
         return None
-    if mask.dtype == torch.bool:
-        allowed = mask
-    elif mask.is_floating_point() and bool((mask[mask != 0] <= torch.finfo(mask.dtype).min / 2).all()):
-        allowed = mask == 0
-    else:
+    allowed = _allowed(mask)
+    if allowed is None:
         return None
-    pad = kv_len - allowed[..., -1, :].sum(-1)  # [B, H] (a fully padded row: kv_len)
-    if not bool((pad == pad[:, :1]).all()):
+    pad = _held_padding(allowed)
+    if pad is None:
         return None
-    pad = pad[:, 0]  # [B]
-    keys = torch.arange(kv_len, device=mask.device)
-    q_pos = torch.arange(q_len, device=mask.device) + (kv_len - q_len)
-    expected = (keys >= pad[:, None, None]) & (keys[None, None, :] <= q_pos[None, :, None])  # [B, q, kv]
-    return pad if torch.equal(allowed, expected[:, None].expand(allowed.shape)) else None
+    return pad if torch.equal(allowed, expected_pattern(-pad, q_len, kv_len)[:, None].expand(
+        allowed.shape)) else None
 
 
-def kvfid_triton_mask(*args, **kwargs) -> torch.Tensor | None:
+def _held_padding(allowed: torch.Tensor) -> torch.Tensor | None:
+    """[B] held keys the last query does not see before its first visible one (its left padding,
+    or all keys for a row with none), from a bool mask [B, H, q, kv]; None if heads disagree."""
+    last = allowed[..., -1, :]  # [B, H, kv]
+    kv_len = last.shape[-1]
+    first = torch.where(last.any(-1), last.int().argmax(-1), torch.full_like(last[..., 0], kv_len,
+                                                                            dtype=torch.long))
+    return first[:, 0] if bool((first == first[:, :1]).all()) else None
+
+
+def kvfid_mask(*args, **kwargs) -> torch.Tensor | None:
     """Mask function for `AttentionMaskInterface`: None when the kernel's own causality is the mask."""
     kwargs["allow_is_causal_skip"] = False  # always materialize, so it can be inspected
     mask = sdpa_mask(*args, **kwargs)  # [B, 1, q, kv] bool
@@ -77,55 +120,143 @@ def kvfid_triton_mask(*args, **kwargs) -> torch.Tensor | None:
     return None if _is_kernel_pattern(mask, q_len, kv_len) else mask
 
 
-def kvfid_triton_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    *,
-    align_own: bool = True,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """AttentionInterface function: query [B, Hq, T, D], key/value [B, Hkv, S, D] -> ([B, T, Hq, D], None).
-    `align_own=False` gives the kernel's padding-variant twin (the tests' negative control)."""
-    batch, n_q_heads, q_len, head_dim = query.shape
-    kv_len = key.shape[2]
-    if dropout:
-        raise ValueError(f"{NAME}: attention dropout ({dropout}) is not supported; use the model in eval mode")
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"{NAME}: logit softcapping is not supported")
-    if kwargs.get("position_bias") is not None:
-        raise ValueError(f"{NAME}: an additive position bias is not supported")
-    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
-        raise ValueError(f"{NAME}: only causal (decoder) attention is supported")
-    window = kwargs.get("sliding_window")
-    if window is not None and window < kv_len:
-        raise ValueError(
-            f"{NAME}: sliding-window attention (window {window} < {kv_len} keys) is not supported; "
-            "the kernel attends to every earlier position")
-    first_valid = None
-    if attention_mask is not None and not _is_kernel_pattern(attention_mask, q_len, kv_len):
-        first_valid = left_padding(attention_mask, q_len, kv_len)  # [B]
-        if first_valid is None:
-            raise ValueError(
-                f"{NAME}: got an attention mask that is neither the plain causal pattern nor causal "
-                "with left padding (right padding, a custom mask, or a static cache with unfilled "
-                "slots). The kernel cannot honour other masks; feed left-padded batches with a "
-                "dynamic cache.")
-        first_valid = first_valid.expand(batch)
-    # Padded query positions are not computed by the kernel: zeros, not uninitialized memory.
-    empty = torch.empty if first_valid is None else torch.zeros
-    out = empty((batch, q_len, n_q_heads, head_dim), dtype=query.dtype, device=query.device)
-    attention_into(out.transpose(1, 2), query, key, value, scaling, first_valid,  # writes [B, Hq, T, D] view
-                   align_own=align_own)
-    return out, None
+kvfid_triton_mask = kvfid_mask  # the name tests and older callers use
+
+
+def layer_mechanisms(module: torch.nn.Module, kwargs: dict) -> dict:
+    """The per-layer attention mechanisms of a call: window, chunk, softcap, sinks (None if absent)."""
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        sinks = module.sinks
+    chunk = None
+    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer is not None and layer < len(layer_types) \
+            and layer_types[layer] == "chunked_attention":
+        chunk = getattr(config, "attention_chunk_size", None)
+    return {"window": kwargs.get("sliding_window"), "chunk": chunk, "softcap": kwargs.get("softcap"),
+            "sinks": sinks}
+
+
+def own_starts(position_ids: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
+    """[B] own position of each row's held key 0, from the queries' position ids; None without them."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 \
+            or position_ids.dtype.is_floating_point or position_ids.shape[0] not in (1, batch):
+        return None
+    return (position_ids[:, -1].to(torch.long) - (kv_len - 1)).expand(batch)
+
+
+def _refuse(name: str, what: str) -> ValueError:
+    return ValueError(f"{name}: {what} is not supported by this kernel")
+
+
+def make_attention(name: str, attention_into: Callable, serves: frozenset[str]) -> Callable:
+    """The AttentionInterface function of a kernel with the shared `attention_into` interface that
+    serves the mechanisms named in `serves`."""
+
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, attention_mask: torch.Tensor | None,
+                  scaling: float | None = None, dropout: float = 0.0, *,
+                  kernel_options: dict | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+        """query [B, Hq, T, Dqk], key [B, Hkv, S, Dqk], value [B, Hkv, S, Dv] -> ([B, T, Hq, Dv],
+        None). `kernel_options` go to the kernel as they are (tests: its variant twins)."""
+        batch, n_q_heads, q_len, _ = query.shape
+        kv_len, v_dim = key.shape[2], value.shape[-1]
+        if dropout:
+            raise ValueError(f"{name}: attention dropout ({dropout}) is not supported; use the model "
+                             "in eval mode")
+        if kwargs.get("position_bias") is not None:
+            raise _refuse(name, "an additive position bias")
+        if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+            raise ValueError(f"{name}: only causal (decoder) attention is supported")
+        mech = layer_mechanisms(module, kwargs)
+        if mech["window"] is not None and mech["window"] >= kv_len:
+            mech["window"] = None  # covers every key a query can see: plain causal attention
+        for mechanism, active, what in (
+                ("sliding_window", mech["window"] is not None,
+                 f"sliding-window attention (window {mech['window']} < {kv_len} keys)"),
+                ("chunked_attention", mech["chunk"] is not None, "block-local (chunked) attention"),
+                ("softcap", mech["softcap"] is not None, "logit softcapping"),
+                ("sinks", mech["sinks"] is not None, "attention sinks"),
+                ("split_head_dims", v_dim != query.shape[-1], "different q/k and v head dims")):
+            if active and mechanism not in serves:
+                raise _refuse(name, what)
+        own = _own_positions(name, attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len,
+                             mech["window"], mech["chunk"])
+        key_start = max(0, int(own.max()))
+        first_valid = key_start - own  # [B] absolute position of each row's first valid key
+        padded = bool(first_valid.any())
+        # Padded query positions are not computed by the kernel: zeros, not uninitialized memory.
+        empty = torch.zeros if padded else torch.empty
+        out = empty((batch, q_len, n_q_heads, v_dim), dtype=query.dtype, device=query.device)
+        attention_into(out.transpose(1, 2), query, key, value,  # writes a [B, Hq, T, Dv] view
+                       scale=scaling, first_valid=first_valid.to(query.device) if padded else None,
+                       key_start=key_start, **mech, **(kernel_options or {}))
+        return out, None
+
+    attention.__name__ = attention.__qualname__ = f"{name}_attention"
+    return attention
+
+
+def _own_positions(name: str, mask: torch.Tensor | None, position_ids, batch: int, q_len: int,
+                   kv_len: int, window: int | None, chunk: int | None) -> torch.Tensor:
+    """[B] (CPU) own position of each row's held key 0, checked against the mask; refuses a mask
+    that is not exactly the pattern the kernel applies."""
+    own = own_starts(position_ids, batch, kv_len)
+    pad = None
+    if mask is not None and not _is_kernel_pattern(mask, q_len, kv_len):
+        allowed = _allowed(mask) if mask.dim() == 4 and tuple(mask.shape[-2:]) == (q_len, kv_len) else None
+        pad = _held_padding(allowed) if allowed is not None else None
+        if pad is None:
+            raise _mask_error(name)
+        pad = pad.cpu().expand(batch)
+    if own is None:
+        if chunk is not None or window is not None:
+            raise ValueError(f"{name}: a sliding-window or chunked layer needs position_ids in the "
+                             "attention kwargs (to place the held keys)")
+        own = -pad if pad is not None else torch.zeros(batch, dtype=torch.long)
+    own = own.cpu()
+    if pad is not None:
+        # Position ids either count each row's own positions (generate, kvfid's co-batches: a row
+        # still holding pad keys starts at -pad) or are one padded-absolute range for every row (a
+        # plain forward with a mask); a row with no valid key yet starts at -kv_len.
+        empty = pad == kv_len
+        if not bool(torch.where(pad > 0, own == -pad, own >= 0)[~empty].all()):
+            if not bool((own == own[:1]).all()):
+                raise ValueError(f"{name}: position_ids {position_ids[:, -1].tolist()} disagree "
+                                 f"with the mask's left padding {pad.tolist()}")
+            own = own - pad
+        own = torch.where(empty, -kv_len, own)
+        if not torch.equal(_allowed(mask).cpu(), expected_pattern(own, q_len, kv_len, window, chunk)[:, None]
+                           .expand(mask.shape)):
+            raise _mask_error(name)
+    return own
+
+
+def _mask_error(name: str) -> ValueError:
+    return ValueError(
+        f"{name}: got an attention mask that is neither the plain causal pattern nor causal with "
+        "left padding (and the layer's window or chunk) (right padding, a custom mask, or a static "
+        "cache with unfilled slots). The kernel cannot honour other masks; feed left-padded batches "
+        "with a dynamic cache.")
+
+
+def register_kernel(name: str, attention: Callable) -> str:
+    """Register an attention function and kvfid's mask function under `name` (idempotent)."""
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, kvfid_mask)
+    return name
+
+
+def _triton_attention_into(out, q, k, v, **kwargs):
+    from .attention import attention_into  # triton loads only when the kernel is called
+
+    return attention_into(out, q, k, v, **kwargs)
+
+
+kvfid_triton_attention = make_attention(NAME, _triton_attention_into, SERVES)
 
 
 def register() -> str:
-    """Register the attention and mask functions as "kvfid_triton" (idempotent); returns the name."""
-    AttentionInterface.register(NAME, kvfid_triton_attention)
-    AttentionMaskInterface.register(NAME, kvfid_triton_mask)
-    return NAME
+    """Register the Triton kernel as "kvfid_triton" (idempotent); returns the name."""
+    return register_kernel(NAME, kvfid_triton_attention)

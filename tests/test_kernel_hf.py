@@ -154,3 +154,51 @@ def test_softcapping_and_custom_masks_are_refused_before_compute():
     custom = torch.ones(1, 1, 4, 4, dtype=torch.bool, device=device())  # bidirectional
     with pytest.raises(ValueError, match="neither the plain causal pattern"):
         hf.kvfid_triton_attention(module, q, q, q, custom)
+
+
+# ---- the kernel-agnostic factory: what a kernel is told --------------------------------------
+
+def _recording_kernel(calls):
+    def attention_into(out, q, k, v, **kwargs):
+        calls.append(kwargs)
+        out.zero_()
+        return out
+    return attention_into
+
+
+def _call(attention, q_len, kv_len, mask=None, position_ids=None, batch=1, v_dim=16, **kwargs):
+    q = torch.zeros(batch, 2, q_len, 16)
+    k = torch.zeros(batch, 1, kv_len, 16)
+    return attention(torch.nn.Module(), q, k, torch.zeros(batch, 1, kv_len, v_dim), mask,
+                     position_ids=position_ids, **kwargs)
+
+
+def test_factory_places_held_keys_from_position_ids_and_padding_from_the_mask():
+    calls = []
+    serving = hf.make_attention("probe", _recording_kernel(calls), frozenset({"sliding_window"}))
+    # a window cache holding the last 7 keys of 20: held key 0 is absolute position 13
+    out, _ = _call(serving, 1, 7, position_ids=torch.tensor([[19]]), sliding_window=4)
+    assert out.shape == (1, 1, 2, 16)
+    assert (calls[-1]["key_start"], calls[-1]["window"], calls[-1]["first_valid"]) == (13, 4, None)
+    # left padding: own positions (as generate and kvfid's co-batches count them) ...
+    padding = torch.ones(2, 6, dtype=torch.bool)
+    padding[0, :2] = False
+    mask = hf.kvfid_mask(batch_size=2, q_length=6, kv_length=6, q_offset=0, kv_offset=0,
+                         attention_mask=padding, device=torch.device("cpu"))
+    own = (padding.long().cumsum(-1) - 1).clamp(min=0)
+    _call(serving, 6, 6, mask, own, batch=2)
+    assert calls[-1]["key_start"] == 0 and calls[-1]["first_valid"].tolist() == [2, 0]
+    # ... or one padded-absolute range for every row (a plain forward with a mask): the same
+    _call(serving, 6, 6, mask, torch.arange(6)[None], batch=2)
+    assert calls[-1]["key_start"] == 0 and calls[-1]["first_valid"].tolist() == [2, 0]
+
+
+def test_factory_refuses_what_the_kernel_does_not_serve_before_calling_it():
+    calls = []
+    bare = hf.make_attention("bare", _recording_kernel(calls), frozenset())
+    for kwargs, match in (({"sliding_window": 4}, "sliding-window"), ({"softcap": 30.0}, "softcapping"),
+                          ({"s_aux": torch.zeros(2)}, "sinks"), ({"v_dim": 8}, "head dims")):
+        with pytest.raises(ValueError, match=match):
+            _call(bare, 1, 7, position_ids=torch.tensor([[6]]), **kwargs)
+    _call(bare, 1, 7, position_ids=torch.tensor([[6]]), sliding_window=7)  # covers every key
+    assert len(calls) == 1 and calls[0]["window"] is None
