@@ -93,6 +93,12 @@ def _triton_implementation() -> str:
     return hf.register()
 
 
+def _native_implementation() -> str:
+    from kernels import hf_native
+
+    return hf_native.register()
+
+
 def _twin_implementation() -> str:
     from harness.environment import twins
 
@@ -102,7 +108,8 @@ def _twin_implementation() -> str:
 # twin is the negative control: correct attention whose split-KV count follows the call's shape,
 # so live, prefill and batched constructions differ on every machine (harness.environment.twins).
 _IMPLEMENTATIONS = {"sdpa": lambda: "sdpa", "eager": lambda: "eager",
-                    "triton": _triton_implementation, "twin": _twin_implementation}
+                    "triton": _triton_implementation, "native": _native_implementation,
+                    "twin": _twin_implementation}
 for _name, _description in BACKENDS.items():
     register_backend(AttentionBackend(_name, _description, _IMPLEMENTATIONS[_name]))
 
@@ -132,11 +139,12 @@ class Stack:
     @property
     def batch_invariant_impl(self) -> str | None:
         """Which batch-invariant ops run: Triton kernels on CUDA; on CPU, where the Triton
-        interpreter is far too slow for a whole model, the row-at-a-time PyTorch mode (same
-        invariance tests). `KVFID_BI_IMPL=triton|rowwise` overrides."""
+        interpreter is far too slow for a whole model, the stock kernels on fixed tiles of rows,
+        each shape probed first (`tiled`, row at a time where a probe fails; same invariance
+        tests). `KVFID_BI_IMPL=triton|rowwise|tiled` overrides."""
         if not self.batch_invariant:
             return None
-        default = "triton" if self.device.startswith("cuda") else "rowwise"
+        default = "triton" if self.device.startswith("cuda") else "tiled"
         return os.environ.get("KVFID_BI_IMPL", default)
 
     @property
@@ -225,10 +233,12 @@ def check_supports(stack: Stack, model_or_config, length: int | None = None) -> 
     if softcap is not None and stack.backend in _NO_SOFTCAP:
         raise StackUnavailable(f"{refuse}: backend {stack.backend} does not apply its attention "
                                f"logit softcapping ({softcap}); use --backend eager")
-    if stack.backend != "triton":
+    if stack.backend not in ("triton", "native"):
         return
     if getattr(config, "is_encoder_decoder", False):
-        raise StackUnavailable(f"{refuse}: the triton kernel is causal decoder attention only")
+        raise StackUnavailable(f"{refuse}: the {stack.backend} kernel is causal decoder attention only")
+    if stack.backend == "native":   # it serves windows, chunks, softcap and sinks
+        return
     window = sliding_window(config)
     need = length or int(getattr(config, "max_position_embeddings", 0) or 0)
     if window is not None and window < need:
