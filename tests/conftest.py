@@ -13,6 +13,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# One torch thread for the session (KVFID_TEST_THREADS=N for another count). The tests run tiny
+# models and small kernels, where a second OpenMP thread buys nothing and, on a 2-core machine
+# with anything else running, costs a lot (measured: tests/test_kernel_attention_native.py 51 s
+# with torch's default 2 threads, 7 s with 1). Tests that set a thread count still restore this.
+torch.set_num_threads(int(os.environ.get("KVFID_TEST_THREADS", "1")))
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped on CPU)")
