@@ -173,7 +173,7 @@ def test_bench(benchmark, case, impl):
     args = inputs(case)
     mode = contextlib.nullcontext() if impl.mode is None else set_batch_invariant_mode(impl=impl.mode)
     with mode, torch.inference_mode():  # the mode is entered once, outside the timer
-        rounds, iterations = schedule(lambda: impl.run(*args), budget_s=0.3 if CUDA else 1.0)
+        rounds, iterations = schedule(lambda: impl.run(*args), budget_s=0.3 if CUDA else 0.5)
         benchmark.pedantic(impl.run, args=args, rounds=rounds, iterations=iterations)
         do_bench_ms = None
         if CUDA:
