@@ -38,6 +38,15 @@ SMOKE_CASE = Path(__file__).resolve().parent.parent / "cases" / "smoke.toml"
 
 
 @pytest.fixture(scope="session")
+def quick_kernels():
+    """One quick CPU kernel comparison per session (`kvfid kernels --quick`'s: small shapes, every
+    op and implementation, bf16 and fp32, one thread), for every test that reads one. Only read it."""
+    from harness.environment.invariance import compare_kernels
+
+    return compare_kernels(dtypes=("bf16", "fp32"), device="cpu", quick=True, threads=1)
+
+
+@pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory):
     """One finished run of cases/smoke.toml, measured once per test session: (ledger path, run
     id). Only read it; a test that writes to a ledger takes `smoke_copy`."""
