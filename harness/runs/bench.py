@@ -83,8 +83,17 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
     out.files.update({name: str(path) for name, path in done.files.items()})
     out.seconds["fidelity"] = time.perf_counter() - start
     out.lines += [f"fidelity: run {done.result.run_id} of {chosen.name} ({done.result.status}), "
-                  f"report {done.files['markdown']}", done.headline()]
+                  f"report {done.files['markdown']}", done.headline(), _tiled_line()]
     return out
+
+
+def _tiled_line() -> str:
+    """What the tiled batch-invariant mode's probes found in this process (kernels.mode_tiled)."""
+    from kernels import mode_tiled
+
+    probed, failed = mode_tiled.verdicts(), mode_tiled.fallbacks()
+    return (f"tiled mode: {len(probed)} stock call shapes probed here, "
+            f"{len(probed) - len(failed)} trusted" + "".join(f"\n  fallback: {f}" for f in failed))
 
 
 def bench_command(json_path: Path, quick: bool = False) -> list[str]:
