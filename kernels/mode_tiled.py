@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-TILE_ROWS = 16  # rows per stock call
+TILE_ROWS = 32  # rows per stock call (measured on an AMX Xeon: bf16 mm at 32 rows costs 1.35x one row, 64 rows 13x)
 
 _lock = threading.Lock()
 _verdicts: dict[Hashable, str | None] = {}  # probe key -> None (tiles trusted) or why not
@@ -87,7 +87,7 @@ def by_tiles(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], rows: to
 
 def describe(key: Hashable) -> str:
     """A probe key (kernels.mode: op, width, the other operand's (shape, strides) or None, dtype,
-    extras) in words, e.g. `mm [16, 576] x [576, 192] (strides (1, 576)) bfloat16`."""
+    extras) in words, e.g. `mm [32, 576] x [576, 192] (strides (1, 576)) bfloat16`."""
     op, width, layout, dtype, *extra = key
     text = f"{op} [{TILE_ROWS}, {width}]"
     if layout is not None:
