@@ -15,6 +15,7 @@ BACKENDS = {
     "sdpa": "PyTorch scaled_dot_product_attention",
     "eager": "transformers' eager matmul + softmax",
     "triton": "kvfid Triton batch-invariant attention",
+    "native": "kvfid batch-invariant attention in plain PyTorch (the same tiling contract, CPU speed)",
     "twin": "deliberately shape-variant attention (negative control)",
 }
 

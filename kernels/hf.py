@@ -41,15 +41,11 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "kvfid_triton"
-# Mechanism names the Triton kernel serves (read by the harness before compute); the factory
-# refuses any other active one before calling the kernel.
+# Mechanism names the Triton kernel serves (harness.protocol.serving.MECHANISMS; the harness reads
+# this before compute and refuses a model with a layer mechanism not listed); the factory refuses
+# any other active one before calling the kernel.
 SERVES: frozenset[str] = frozenset({"sliding_window", "chunked_attention", "softcap", "sinks",
                                     "split_head_dims"})
-
-# The layer mechanisms this attention serves (names of harness.protocol.serving.MECHANISMS:
-# sliding_window, chunked_attention, softcap, sinks, split_head_dims, recurrent). kvfid refuses,
-# before any compute, a model with a layer mechanism not listed here.
-SERVES: frozenset[str] = frozenset()
 
 
 def _kernel_pattern(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:

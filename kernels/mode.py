@@ -9,13 +9,19 @@ raises. Anything the replacements do not cover (other dtypes, 0-d or empty input
 alpha/beta) goes to the kernel that was registered before. Reductions over any dim are covered:
 mean over any dims (moved last and flattened), (log-)softmax over any dim, `half_to_float`.
 
-Two implementations:
+Three implementations:
 
 * `"triton"` (the product): the Triton kernels of this package (`matmul`, `norm`, `softmax`);
   CPU tensors on a machine that runs Triton natively (no interpreter) take the rowwise path.
 * `"rowwise"`: each row is computed alone by the previously registered stock kernel, on a freshly
   allocated copy of the row, so the call a row sees is identical whatever the batch: invariant by
   construction, and much faster than the Triton interpreter on a CPU (see tests/bench).
+* `"tiled"`: the stock kernel on fixed tiles of rows (kernels.mode_tiled): one call shape whatever
+  M, each (op, shape) probed on this machine before its tiles are trusted, row by row where the
+  probe fails. Fewer, larger calls than rowwise.
+
+`stock_ops()` lets a block that already fixes its call shapes itself (the native attention's tiles,
+kernels.attention_native) reach the stock kernels directly while the mode is on.
 
 The overrides are process-wide (all threads), like any dispatcher registration. Nested use is safe:
 the innermost request wins and each exit restores what its entry found.
@@ -30,12 +36,15 @@ from collections.abc import Callable
 
 import torch
 
+from contextlib import contextmanager
+
 from . import matmul as _matmul
+from . import mode_tiled as _tiled
 from . import norm as _norm
 from . import softmax as _softmax
 from . import FLOAT_DTYPES, triton_runs_on
 
-IMPLS = ("triton", "rowwise")
+IMPLS = ("triton", "rowwise", "tiled")
 DISPATCH_KEYS = ("CPU", "CUDA")
 # aten overloads replaced while the mode is on (op name as torch.library spells it).
 OVERRIDDEN_OPS = ("mm", "addmm", "bmm", "mean.dim", "_softmax", "_log_softmax")
@@ -51,6 +60,7 @@ WHERE_STOCK_OPS = ("mm.dtype",)
 _lock = threading.RLock()
 _requests: list[tuple[object, str | None]] = []  # (token, impl or None), innermost last
 _installed: tuple[str, torch.library.Library] | None = None
+_local = threading.local()  # .stock: this thread is inside stock_ops()
 
 
 def _dense_float(*tensors: torch.Tensor) -> bool:
@@ -78,6 +88,13 @@ def _fresh(row: torch.Tensor) -> torch.Tensor:
     return row.clone(memory_format=torch.contiguous_format)
 
 
+def _key(op: str, width: int, other: torch.Tensor | None, dtype: torch.dtype, *extra) -> tuple:
+    """A tiled call's probe key: what fixes the stock call (op, width, dtype, the other operand's
+    shape and layout); kernels.mode_tiled names it in words only where a probe fails."""
+    layout = (tuple(other.shape), other.stride()) if other is not None else None
+    return (op, width, layout, dtype, *extra)
+
+
 def _rows_alone(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Apply `fn` to each row of x [..., n] as a [1, n] tensor; stack back to [..., m]."""
     rows = x.reshape(-1, x.shape[-1])
@@ -94,6 +111,9 @@ def _mm(impl: str, original) -> Callable:
             return original.call_boxed(keys, a, b)
         if _triton(impl, a):
             return _matmul.matmul(a, b)
+        if impl == "tiled":
+            return _tiled.by_tiles(_key("mm", a.shape[1], b, a.dtype),
+                                   lambda t: original.call_boxed(keys, t, b), a)
         return torch.cat([original.call_boxed(keys, _fresh(a[i:i + 1]), b) for i in range(a.shape[0])])
     return mm
 
@@ -104,6 +124,9 @@ def _mm_dtype(impl: str, original) -> Callable:
             return original.call_boxed(keys, a, b, out_dtype)
         if _triton(impl, a):
             return _matmul.matmul(a, b, out_dtype=out_dtype)
+        if impl == "tiled":
+            return _tiled.by_tiles(_key("mm.dtype", a.shape[1], b, a.dtype, out_dtype),
+                                   lambda t: original.call_boxed(keys, t, b, out_dtype), a)
         return torch.cat([original.call_boxed(keys, _fresh(a[i:i + 1]), b, out_dtype)
                           for i in range(a.shape[0])])
     return mm_dtype
@@ -117,6 +140,9 @@ def _addmm(impl: str, original) -> Callable:
             return original.call_boxed(keys, bias, a, b, beta=beta, alpha=alpha)
         if _triton(impl, a):
             return _matmul.matmul(a, b, bias)
+        if impl == "tiled":
+            return _tiled.by_tiles(_key("addmm", a.shape[1], b, a.dtype, tuple(bias.shape)),
+                                   lambda t: original.call_boxed(keys, bias, t, b), a)
         return torch.cat([original.call_boxed(keys, bias, _fresh(a[i:i + 1]), b)
                           for i in range(a.shape[0])])
     return addmm
@@ -128,6 +154,11 @@ def _bmm(impl: str, original) -> Callable:
             return original.call_boxed(keys, a, b)
         if _triton(impl, a):
             return _matmul.bmm(a, b)
+        if impl == "tiled":
+            key = _key("bmm", a.shape[2], b[0], a.dtype)
+            return torch.stack([_tiled.by_tiles(key, lambda t, b_item=_fresh(b[i:i + 1]):
+                                                original.call_boxed(keys, t[None], b_item)[0], a[i])
+                                for i in range(a.shape[0])])
         items = []
         for i in range(a.shape[0]):
             b_item = _fresh(b[i:i + 1])  # [1, K, N]
@@ -147,6 +178,11 @@ def _mean_dim(impl: str, original) -> Callable:
         rows, dims = _reduced_last(x, dim)  # [*kept, n]
         if _triton(impl, x):
             out = _norm.mean_last_dim(rows, dtype=dtype)
+        elif impl == "tiled":
+            flat = rows.reshape(-1, rows.shape[-1])  # [R, n]
+            out = _tiled.by_tiles(_key("mean.dim", flat.shape[1], None, x.dtype, dtype),
+                                  lambda t: original.call_boxed(keys, t, [-1], True, dtype=dtype), flat)
+            out = out.reshape(rows.shape[:-1])  # [*kept]
         else:
             out = _rows_alone(rows, lambda row: original.call_boxed(keys, row, [-1], True, dtype=dtype))
             out = out.squeeze(-1)  # [*kept]
@@ -168,7 +204,14 @@ def _softmax_like(log: bool) -> Callable:
             # The stock CPU kernel refuses half_to_float; an exact upcast of the row computes the
             # same function (fp32 math, fp32 out), as CUDA's does.
             moved = x.movedim(dim, -1).to(out_dtype)  # [..., n]
-            out = _rows_alone(moved, lambda row: original.call_boxed(keys, row, -1, False))
+            if impl == "tiled":
+                flat = moved.reshape(-1, moved.shape[-1])  # [R, n]
+                name = "_log_softmax" if log else "_softmax"
+                out = _tiled.by_tiles(_key(name, flat.shape[1], None, x.dtype, out_dtype),
+                                      lambda t: original.call_boxed(keys, t, -1, False), flat,
+                                      scale=3.0).reshape(moved.shape)
+            else:
+                out = _rows_alone(moved, lambda row: original.call_boxed(keys, row, -1, False))
             return out.movedim(-1, dim).contiguous()  # the stock op's layout
         return softmax
     return factory
@@ -208,11 +251,33 @@ def _install(impl: str) -> torch.library.Library:
                 # The kernel registered now (before ours) is the fallback and the "rowwise" worker.
                 original = _stock_kernel(op, key)
                 if original is not None:
-                    lib.impl(op, _FACTORIES[op](impl, original), key, with_keyset=True)
+                    lib.impl(op, _unless_stock(_FACTORIES[op](impl, original), original), key,
+                             with_keyset=True)
     except BaseException:
         _remove(lib)
         raise
     return lib
+
+
+def _unless_stock(replacement: Callable, original) -> Callable:
+    """The replacement, except inside `stock_ops()`, where the stock kernel runs."""
+    def kernel(keys, *args, **kwargs):
+        if getattr(_local, "stock", False):
+            return original.call_boxed(keys, *args, **kwargs)
+        return replacement(keys, *args, **kwargs)
+    return kernel
+
+
+@contextmanager
+def stock_ops():
+    """Within the block (this thread), the overridden ops run their stock kernels even while the
+    mode is on: for code that fixes every call's shape itself (kernels.attention_native)."""
+    previous = getattr(_local, "stock", False)
+    _local.stock = True
+    try:
+        yield
+    finally:
+        _local.stock = previous
 
 
 def _stock_kernel(op: str, key: str):
@@ -276,6 +341,6 @@ class set_batch_invariant_mode:  # noqa: N801  (named like the context managers 
 
 
 def batch_invariant_mode() -> str | None:
-    """The implementation whose overrides are installed now ("triton" or "rowwise"), or None."""
+    """The implementation whose overrides are installed now ("triton", "rowwise", "tiled"), or None."""
     with _lock:
         return _installed[0] if _installed else None

@@ -13,6 +13,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# One torch thread for the session (KVFID_TEST_THREADS=N for another count). The tests run tiny
+# models and small kernels, where a second OpenMP thread buys nothing and, on a 2-core machine
+# with anything else running, costs a lot (measured: tests/test_kernel_attention_native.py 51 s
+# with torch's default 2 threads, 7 s with 1). Tests that set a thread count still restore this.
+torch.set_num_threads(int(os.environ.get("KVFID_TEST_THREADS", "1")))
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped on CPU)")
@@ -29,6 +35,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 SMOKE_CASE = Path(__file__).resolve().parent.parent / "cases" / "smoke.toml"
+
+
+@pytest.fixture(scope="session")
+def quick_kernels():
+    """One quick CPU kernel comparison per session (`kvfid kernels --quick`'s: small shapes, every
+    op and implementation, bf16 and fp32, one thread), for every test that reads one. Only read it."""
+    from harness.environment.invariance import compare_kernels
+
+    return compare_kernels(dtypes=("bf16", "fp32"), device="cpu", quick=True, threads=1)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,16 @@ from harness.cli import main
 from harness.tasks.bench import bench_command as real_command
 
 
-def test_quick_bench_writes_kernels_report_and_index(tmp_path):
+def test_quick_bench_writes_kernels_report_and_index(tmp_path, monkeypatch, quick_kernels):
+    """The kernel step's comparison is the session's quick one (tests/test_invariance checks its
+    rows); what is tested here is that bench files it, the report and the index."""
+    from harness.environment import invariance
+
+    def shared(**options):
+        assert options["quick"] is True and options["threads"] == 1 and options["device"] == "cpu"
+        return quick_kernels
+
+    monkeypatch.setattr(invariance, "compare_kernels", shared)
     result = CliRunner().invoke(main, ["bench", "--reports", str(tmp_path), "--case", "smoke",
                                        "--quick"])       # a case by name, as `kvfid run` takes it
     assert result.exit_code == 0, result.output

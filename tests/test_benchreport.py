@@ -129,3 +129,19 @@ def test_a_result_written_into_its_store_stays_there(tmp_path):
     write(other, bench_json({"a": 1.0}, key="NVIDIA-H100/x/y/z/w"))
     moved = save_bench(other, reports_dir=reports)
     assert moved.parent == reports / "NVIDIA-H100/x/y/z/w" / "bench"
+
+
+def test_model_steps_table_gives_each_stack_its_ratio_to_the_baseline_of_the_same_run():
+    data = bench_json({"sdpa": 0.1, "native": 0.25, "triton": 3.0, "kernel": 0.001})
+    for bench in data["benchmarks"]:
+        stack = {"sdpa": "sdpa/bf16", "native": "native/bf16+bi", "triton": "triton/bf16+bi"}.get(
+            bench["param"])
+        if stack:
+            bench["group"] = "model-decode-smollm2-135m-ctx64"
+            bench["extra_info"] = {"op": "model", "phase": "decode", "stack": stack,
+                                   "baseline": "sdpa/bf16", "interpreter": stack.startswith("triton")}
+    text = render_bench(compare_bench(data, None))
+    table = text[text.index("Model steps"):]
+    assert "| model-decode-smollm2-135m-ctx64 | native/bf16+bi | 250 ms | 2.50x sdpa/bf16 |" in table
+    assert "30.00x sdpa/bf16 | Triton interpreter |" in table and "| g |" not in table
+    assert "Model steps" not in render_bench(compare_bench(bench_json({"a": 1.0}), None))

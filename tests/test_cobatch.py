@@ -58,12 +58,14 @@ def test_cobatched_state_covers_p_and_matches_a_no_cache_forward_in_fp32(name):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cobatched_is_bit_exact_with_live_on_the_triton_stack(dtype):
+def test_cobatched_is_bit_exact_with_live_on_the_faithful_stack(dtype):
     """The item among neighbours of other lengths, padded, prefilled and decoded in the batch:
-    cache, boundary logits and suffix as live's (padding-aware kernel + batch-invariant mode)."""
+    cache, boundary logits and suffix as live's (padding-aware kernel + batch-invariant mode; the
+    native kernel: the protocol's co-batches are tested here, the Triton kernel's padding at model
+    level in test_ragged)."""
     plan = ItemPlan(8, 4, arms=("live",) + COBATCHED,
                     transplants=(parse_transplant("live<-cobatched:4"),))
-    record = run_item(tiny("tiny-qwen2"), Stack("triton", dtype, True, threads=1), PROMPT, plan,
+    record = run_item(tiny("tiny-qwen2"), Stack("native", dtype, True, threads=1), PROMPT, plan,
                       neighbours=POOL)
     assert [c.b for c in record.comparisons] == list(COBATCHED)
     for c in record.comparisons:

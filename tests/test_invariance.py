@@ -22,10 +22,11 @@ from kernels.attention import attention_ref
 needs_interpreter = pytest.mark.skipif(not kernels.interpreting(), reason="needs TRITON_INTERPRET=1")
 
 
-@pytest.fixture(scope="module")
-def quick():
-    """One quick CPU comparison (small shapes, every op and implementation, bf16 and fp32), shared."""
-    return compare_kernels(dtypes=("bf16", "fp32"), device="cpu", quick=True, threads=1)
+@pytest.fixture
+def quick(quick_kernels):
+    """One quick CPU comparison (small shapes, every op and implementation, bf16 and fp32), shared
+    with the session (conftest.quick_kernels)."""
+    return quick_kernels
 
 
 def rows_of(result, op=None, impl=None, dtype=None):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness.runs import matrix
-from harness.runs.case import CaseError, load_case
+from harness.runs.case import CaseError, load_case, parse_case
 from harness.runs.ledger import Ledger, LedgerError
 from harness.runs.audit import audit_run
 from harness.runs.matrix import Shard, parse_shard, plan_units, run_case
@@ -64,11 +64,20 @@ def test_units_run_stack_by_stack_then_the_crossing():
 
 
 def test_units_of_a_stack_with_an_item_limit_stop_there():
-    """The CPU default case's headline stack runs on its first item only; the others on all 8."""
-    case = load_case(CASES / "smollm2-cpu.toml")
+    """A stack limited to its first item (`items = 1`, for an expensive stack) runs there only; the
+    others on every item. The CPU default case runs every stack, its headline too, on all 8."""
+    text = ('model = "tiny-llama"\nB = 2\nS = 2\nconstructions = ["live", "prefill"]\n'
+            '[items]\nset = "arith"\nn = 3\n[[stacks]]\nbackends = ["triton"]\ndtypes = ["bf16"]\n'
+            'batch_invariant = [true]\nthreads = 1\nitems = 1\n[[stacks]]\nbackends = ["sdpa"]\n'
+            'dtypes = ["bf16", "fp32"]\nthreads = 1\n')
+    case = parse_case(text)
     units = [(u.item_index, u.stack) for u in plan_units(case) if not u.is_crossing]
     assert [u for u in units if u[1] == "triton/bf16+bi@t1"] == [(0, "triton/bf16+bi@t1")]
-    assert len(units) == 1 + 4 * 8 == case.design()["units"] - case.design()["crossing_items"]
+    assert len(units) == 1 + 2 * 3 == case.design()["units"] - case.design()["crossing_items"]
+    cpu = load_case(CASES / "smollm2-cpu.toml")
+    units = [(u.item_index, u.stack) for u in plan_units(cpu) if not u.is_crossing]
+    assert len(units) == len(cpu.stacks) * cpu.items.n and cpu.items.n >= 8
+    assert {i for i, stack in units if stack == "native/bf16+bi@t1"} == set(range(cpu.items.n))
 
 
 def test_resume_after_an_interruption_neither_loses_nor_duplicates(full, model, tmp_path,

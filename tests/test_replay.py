@@ -14,7 +14,6 @@ from harness.protocol.backends import Stack
 from harness.cli import main
 from protocol_fixtures import tiny
 
-needs_interpreter = pytest.mark.skipif(not kernels.interpreting(), reason="needs TRITON_INTERPRET=1")
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +33,8 @@ def test_sampling_is_seeded(trajectories):
     assert [tuple(r["tokens"]) for r in other] != [t.tokens for t in trajectories]
 
 
-@needs_interpreter
-def test_triton_with_the_mode_rescores_every_token_with_the_generators_bits(trajectories):
-    result = replay.replay(tiny(), Stack("triton", "fp32", True, threads=1), trajectories,
+def test_the_faithful_stack_rescores_every_token_with_the_generators_bits(trajectories):
+    result = replay.replay(tiny(), Stack("native", "fp32", True, threads=1), trajectories,
                            ("prefill", "chunked:3", "batched:2"))
     for construction, agg in result["aggregate"].items():
         assert agg["tokens"] == sum(len(t.tokens) for t in trajectories)

@@ -1,6 +1,6 @@
 """Replay through a case file: [replay] units on tiny-llama land in the ledger as ReplayRecords,
-the twin backend (a negative control) shows differing bits, triton with the batch-invariant mode
-shows none, the report says "exactly zero" only there, audit re-runs the units, bad keys exit 2."""
+the twin backend (a negative control) shows differing bits, the native faithful stack (the
+Triton kernel's contract at CPU speed) with the batch-invariant mode shows none, the report says "exactly zero" only there, audit re-runs the units, bad keys exit 2."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import kernels
 from harness.cli import main
 from harness.protocol import record, record_read
 from harness.protocol.backends import Stack
@@ -26,7 +25,6 @@ from harness.runs.ledger import Ledger
 from harness.runs.matrix import run_case
 from protocol_fixtures import tiny
 
-needs_interpreter = pytest.mark.skipif(not kernels.interpreting(), reason="needs TRITON_INTERPRET=1")
 
 CASE = """
 model = "tiny-llama"
@@ -36,7 +34,7 @@ trajectories = "{path}"
 constructions = ["prefill", "chunked:2"]
 
 [[stacks]]
-backends = ["triton"]
+backends = ["native"]
 dtypes = ["bf16"]
 batch_invariant = [true]
 threads = 1
@@ -83,7 +81,6 @@ def test_record_round_trip():
     assert json.loads(r.to_json())["kind"] == "replay"
 
 
-@needs_interpreter
 def test_replay_case_runs_through_the_matrix_into_the_ledger(replay_run):
     db, result = replay_run
     assert result.status == "finished" and result.measured == 1 + 3 + 3
@@ -99,8 +96,7 @@ def test_replay_case_runs_through_the_matrix_into_the_ledger(replay_run):
     assert all(json.loads(prints)["logprobs_sha"] for _, _, prints in rows)
 
 
-@needs_interpreter
-def test_twin_differs_triton_with_the_mode_is_exactly_zero(replay_run, case_file):
+def test_twin_differs_the_faithful_stack_is_exactly_zero(replay_run, case_file):
     db, result = replay_run
     with Ledger(db) as ledger:
         run, units = ledger.run(result.run_id), ledger.units(result.run_id)
@@ -110,7 +106,7 @@ def test_twin_differs_triton_with_the_mode_is_exactly_zero(replay_run, case_file
     replay = summary["replay"]
     for c in ("prefill", "chunked:2"):
         assert replay["twin/bf16@t1"][c]["differ"] > 0, c                 # the negative control
-        exact = replay["triton/bf16+bi@t1"][c]
+        exact = replay["native/bf16+bi@t1"][c]
         assert exact["differ"] == 0 and exact["max_abs"] == 0 and exact["tokens"] > 0, c
         assert dict(exact["abs_delta_decades"])["0"] == exact["tokens"]
     doc = document(run, load_case(case_file), summary, units)
@@ -118,9 +114,9 @@ def test_twin_differs_triton_with_the_mode_is_exactly_zero(replay_run, case_file
     assert "## Replay" in text and "<svg" in page and "|Δ logprob| by decade" in text
     verdicts = [line.removeprefix("- ") for line in text.splitlines() if line.startswith("- ")]
     exact_lines = [line for line in text.splitlines() if EXACT in line]
-    assert exact_lines and all(line.startswith("- triton/bf16+bi@t1") for line in exact_lines)
+    assert exact_lines and all(line.startswith("- native/bf16+bi@t1") for line in exact_lines)
     assert {v.partition(": ")[0] for v in verdicts if EXACT in v} == {
-        "triton/bf16+bi@t1 prefill", "triton/bf16+bi@t1 chunked:2"}
+        "native/bf16+bi@t1 prefill", "native/bf16+bi@t1 chunked:2"}
     assert any(v.startswith("twin/bf16@t1 prefill: ") and "tokens differ" in v for v in verdicts)
     assert "kvfid replay" in text and "twin/bf16@t1" in headline(summary)
     # The trajectories carry their fp32 sampler's logprobs: on the faithful stack the re-scoring
@@ -133,7 +129,6 @@ def test_twin_differs_triton_with_the_mode_is_exactly_zero(replay_run, case_file
     assert "three gaps" in text and "train_rollout_logprob_abs_diff" in text
 
 
-@needs_interpreter
 def test_audit_reruns_replay_units_and_catches_a_tampered_logprob_sha(replay_run, tmp_path):
     db, result = replay_run
     passed = audit_run(db, result.run_id, model=tiny(), progress=False)

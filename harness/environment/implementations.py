@@ -82,6 +82,12 @@ def attention_triton(q, k, v) -> torch.Tensor:
     return attention(q, k, v)
 
 
+def attention_native(q, k, v) -> torch.Tensor:
+    from kernels.attention_native import attention
+
+    return attention(q, k, v)
+
+
 def matmul_stock(x, weight) -> torch.Tensor:
     return F.linear(x, weight)  # a bias-free projection, as in Llama / SmolLM2
 
@@ -138,7 +144,10 @@ def _registry() -> dict[tuple[str, str], Implementation]:
             Implementation(op, "eager+triton-mode", attention_eager, True, False, mode="triton",
                            triton=True, cpu_skip="a Triton bmm and softmax per head: too slow for "
                                                  "the interpreter"),
+            Implementation(op, "eager+tiled-mode", attention_eager, True, False, mode="tiled"),
             Implementation(op, "triton", attention_triton, True, True, triton=True),
+            # The native CPU path of the same contract: fixed-shape stock bmm tiles.
+            Implementation(op, "native", attention_native, True, True),
             Implementation(op, "twin", twins.attention_twin, False, False, control=True),
         ]
     row_ops = {"matmul": (matmul_stock, matmul_triton, twins.matmul_twin),
@@ -155,6 +164,8 @@ def _registry() -> dict[tuple[str, str], Implementation]:
                            cpu_skip=None if op == "rms-norm" else "the `triton` row's kernel call, "
                                                                   "repeated; interpreter time saved"),
             Implementation(op, "rowwise-mode", stock, True, True, mode="rowwise"),
+            # Fixed tiles of rows per stock call, each shape probed here first (kernels.mode_tiled).
+            Implementation(op, "tiled-mode", stock, True, True, mode="tiled"),
             Implementation(op, "twin", twin, False, False, control=True),
         ]
     return {(i.op, i.name): i for i in impls}

@@ -276,6 +276,9 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
                 rows.append(row)
         stock_probes = probe_stock(dtypes, device)
         threads_used = torch.get_num_threads()
+    from kernels import mode_tiled
+
+    tiled_probes = mode_tiled.verdicts()  # every tiled-mode call shape probed in this process
     return {
         "ok": all(r["ok"] for r in rows),
         "device": str(torch_device),
@@ -286,6 +289,7 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
         "shapes": asdict(shapes),
         "rows": rows,
         "stock_probes": stock_probes,
+        "tiled_probes": tiled_probes,
         "skipped": skipped,
         "duration_s": round(time.perf_counter() - started, 3),
         "environment": environment,

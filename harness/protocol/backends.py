@@ -93,6 +93,12 @@ def _triton_implementation() -> str:
     return hf.register()
 
 
+def _native_implementation() -> str:
+    from kernels import hf_native
+
+    return hf_native.register()
+
+
 def _twin_implementation() -> str:
     from harness.protocol import twins
 
@@ -102,7 +108,8 @@ def _twin_implementation() -> str:
 # twin is the negative control: correct attention whose split-KV count follows the call's shape,
 # so live, prefill and batched constructions differ on every machine (harness.protocol.twins).
 _IMPLEMENTATIONS = {"sdpa": lambda: "sdpa", "eager": lambda: "eager",
-                    "triton": _triton_implementation, "twin": _twin_implementation}
+                    "triton": _triton_implementation, "native": _native_implementation,
+                    "twin": _twin_implementation}
 for _name, _description in BACKENDS.items():
     register_backend(AttentionBackend(_name, _description, _IMPLEMENTATIONS[_name]))
 
@@ -133,11 +140,12 @@ class Stack:
     @property
     def batch_invariant_impl(self) -> str | None:
         """Which batch-invariant ops run: Triton kernels on CUDA; on CPU, where the Triton
-        interpreter is far too slow for a whole model, the row-at-a-time PyTorch mode (same
-        invariance tests). `KVFID_BI_IMPL=triton|rowwise` overrides."""
+        interpreter is far too slow for a whole model, the stock kernels on fixed tiles of rows,
+        each shape probed first (`tiled`, row at a time where a probe fails; same invariance
+        tests). `KVFID_BI_IMPL=triton|rowwise|tiled` overrides."""
         if not self.batch_invariant:
             return None
-        default = "triton" if self.device.startswith("cuda") else "rowwise"
+        default = "triton" if self.device.startswith("cuda") else "tiled"
         return os.environ.get("KVFID_BI_IMPL", default)
 
     @property
@@ -225,8 +233,8 @@ def check_supports(stack: Stack, model_or_config, length: int | None = None) -> 
             raise StackUnavailable(f"stack {stack.label} cannot run here: {reason}")
     config = serving.text_config(model_or_config)
     refuse = f"model {getattr(config, 'model_type', '?')} cannot run on stack {stack.label}"
-    if stack.backend == "triton" and getattr(config, "is_encoder_decoder", False):
-        raise StackUnavailable(f"{refuse}: the triton kernel is causal decoder attention only")
+    if stack.backend in ("triton", "native") and getattr(config, "is_encoder_decoder", False):
+        raise StackUnavailable(f"{refuse}: the {stack.backend} kernel is causal decoder attention only")
     infos = serving.describe_layers(model_or_config)
     need = length or int(getattr(config, "max_position_embeddings", 0) or 0)
     for info in infos:

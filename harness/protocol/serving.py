@@ -7,7 +7,8 @@ Mechanisms: `sliding_window` (a layer that attends to its last W positions), `ch
 the softmax denominator: an attention module with a `sinks` parameter), `split_head_dims` (value
 head dim != query/key head dim, e.g. MLA), `recurrent` (linear attention / state-space layers:
 they call no attention backend, so every backend serves them). A backend serves a layer when it
-serves each of the layer's mechanisms; the triton kernel serves those in `kernels.hf.SERVES`.
+serves each of the layer's mechanisms; our kernels serve those in `kernels.hf.SERVES` (triton) and
+`kernels.hf_native.SERVES` (native).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from harness.protocol.layers import UnknownLayer, cache_layers, layer_kind
 
 MECHANISMS = ("sliding_window", "chunked_attention", "softcap", "sinks", "split_head_dims",
               "recurrent")
-STACKS = ("sdpa", "eager", "triton", "twin")
+STACKS = ("sdpa", "eager", "triton", "native", "twin")
+# Our kernels' backends and the module whose `SERVES` names the mechanisms each serves.
+_KERNEL_SERVES = {"triton": "kernels.hf", "native": "kernels.hf_native"}
 
 
 @dataclass(frozen=True)
@@ -133,21 +136,22 @@ def mechanism_reason(backend: str, mechanism: str, window: int | None = None,
     if backend == "twin":
         return {"softcap": "the twin attention ignores attention-logit softcapping",
                 "sinks": "the twin attention ignores the sink logits"}.get(mechanism)
-    if backend == "triton":
-        from kernels.hf import SERVES
+    if backend in _KERNEL_SERVES:
+        import importlib
 
-        if mechanism in SERVES:
+        if mechanism in importlib.import_module(_KERNEL_SERVES[backend]).SERVES:
             return None
         if mechanism in ("sliding_window", "chunked_attention") and window is not None \
                 and length is not None and window >= length:
             return None   # the window covers every key a run of `length` tokens has
+        kernel = f"the {backend} kernel"
         return {"sliding_window": f"sliding-window attention (window {window} < {length} "
-                                  "tokens); the triton kernel attends to every earlier position",
+                                  f"tokens); {kernel} attends to every earlier position",
                 "chunked_attention": f"chunked attention (blocks of {window} < {length} "
-                                     "tokens); the triton kernel attends to every earlier position",
-                "softcap": "the triton kernel does not apply attention-logit softcapping",
-                "sinks": "the triton kernel takes no attention sinks",
-                "split_head_dims": "the triton kernel needs one head dim for q, k and v"
+                                     f"tokens); {kernel} attends to every earlier position",
+                "softcap": f"{kernel} does not apply attention-logit softcapping",
+                "sinks": f"{kernel} takes no attention sinks",
+                "split_head_dims": f"{kernel} needs one head dim for q, k and v"
                 }.get(mechanism)
     return None
 

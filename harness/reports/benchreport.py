@@ -178,6 +178,38 @@ def _throughput(extra: dict) -> str:
     return ", ".join(parts) or "-"
 
 
+def model_steps(rows: list[dict]) -> list[dict]:
+    """The model step benchmarks (extra_info op "model") of one run: per group (phase, model,
+    context), each stack's median and its ratio to the group's baseline stack of the same run."""
+    steps = [r for r in rows if r["extra_info"].get("op") == "model"]
+    out = []
+    for row in steps:
+        extra = row["extra_info"]
+        base = next((r for r in steps if r["group"] == row["group"]
+                     and r["extra_info"].get("stack") == extra.get("baseline")), None)
+        out.append({"group": row["group"], "phase": extra.get("phase"), "stack": extra.get("stack"),
+                    "median_s": row["median_s"], "baseline": extra.get("baseline"),
+                    "ratio": row["median_s"] / base["median_s"] if base else None,
+                    "interpreter": bool(extra.get("interpreter"))})
+    return out
+
+
+def model_steps_document(rows: list[dict]) -> list:
+    """The "Model steps" table: empty when the run has no model step benchmarks."""
+    steps = model_steps(rows)
+    if not steps:
+        return []
+    return [Heading("Model steps", level=2),
+            Paragraph("One forward step of the model per stack, on the bench's thread count; the "
+                      "ratio is to the baseline stack's median in the same run. A Triton stack "
+                      "on a CPU runs its attention in the Triton interpreter: that is what a CPU "
+                      "harness run costs, not the kernel's GPU speed."),
+            Table(["step", "stack", "median", "x baseline", "note"],
+                  [[s["group"], s["stack"], seconds(s["median_s"]),
+                    f"{s['ratio']:.2f}x {s['baseline']}" if s["ratio"] is not None else "-",
+                    "Triton interpreter" if s["interpreter"] else ""] for s in steps])]
+
+
 def bench_document(comparison: dict) -> list:
     """The comparison as blocks of harness.reports.document: one row per benchmark."""
     new, old = comparison["new"], comparison["previous"]
@@ -201,6 +233,7 @@ def bench_document(comparison: dict) -> list:
                    _throughput(row["extra_info"]),
                    "**REGRESSION**" if row["status"] == "regression" else row["status"]]
                   for row in comparison["rows"]])]
+    doc += model_steps_document(comparison["rows"])
     if comparison["removed"]:
         doc.append(Paragraph("Not in this run: " + ", ".join(comparison["removed"]) + "."))
     return doc + [Paragraph(f"Result: {result}")]

@@ -63,6 +63,17 @@ def probe_blocks(rows: list[dict]) -> list:
                       "this machine):"), Bullets(items)]
 
 
+def tiled_blocks(probes: list[dict]) -> list:
+    """The tiled mode's probes of this run: how many call shapes were trusted, and a line for each
+    that runs row by row instead (a row's bits depended on its place in the tile here)."""
+    failed = [p for p in probes if p["failed"]]
+    lines = [f"{p['call']} at {p['threads']} thread(s): {p['failed']}; rowwise there" for p in failed]
+    return [Paragraph(f"Tiled mode probes (each stock call shape checked on this machine before "
+                      f"its tiles are trusted): {len(probes) - len(failed)} of {len(probes)} "
+                      f"trusted" + (", the others run row by row:" if failed else ".")),
+            *([Bullets(lines)] if lines else [])]
+
+
 def invariance_document(result: dict) -> list:
     """The comparison as blocks of harness.reports.document."""
     shapes = result["shapes"]
@@ -86,6 +97,8 @@ def invariance_document(result: dict) -> list:
                  [_row(r) for r in result["rows"]])]
     if result.get("stock_probes"):
         doc += probe_blocks(result["stock_probes"])
+    if result.get("tiled_probes") is not None:
+        doc += tiled_blocks(result["tiled_probes"])
     if result["skipped"]:
         doc.append(Bullets([f"Not run here: {i['op']} / {i['impl']} ({i['why']})."
                             for i in result["skipped"]]))

@@ -1,0 +1,26 @@
+"""transformers registration of the native CPU attention (kernels.attention_native) as
+attention implementation "kvfid_native", through kernels.hf's kernel-agnostic factory: the same
+mask checks, positions and refusals as "kvfid_triton", another kernel behind them."""
+
+from __future__ import annotations
+
+from .hf import make_attention, register_kernel
+
+NAME = "kvfid_native"
+# Every mechanism of the shared interface (kernels.hf): the native kernel applies them all.
+SERVES: frozenset[str] = frozenset({"sliding_window", "chunked_attention", "softcap", "sinks",
+                                    "split_head_dims"})
+
+
+def _native_attention_into(out, q, k, v, **kwargs):
+    from .attention_native import attention_into
+
+    return attention_into(out, q, k, v, **kwargs)
+
+
+kvfid_native_attention = make_attention(NAME, _native_attention_into, SERVES)
+
+
+def register() -> str:
+    """Register the native kernel as "kvfid_native" (idempotent); returns the name."""
+    return register_kernel(NAME, kvfid_native_attention)
