@@ -8,7 +8,7 @@ import torch
 from helpers import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref,
                      bits_equal, randn)
 
-from harness.environment.twins import attention_twin
+from harness.protocol.twins import attention_twin
 from kernels.attention_native import NativeConfig, attention, attention_ref
 from kernels.mode import set_batch_invariant_mode
 

@@ -40,7 +40,7 @@ def test_a_user_attention_function_runs_through_the_protocol(tmp_path, monkeypat
 
 @pytest.mark.parametrize("name,message", [("no_such_module_xyz:attention", "cannot load"),
                                           ("harness.protocol.cache:no_such_function", "cannot load"),
-                                          ("harness.protocol.cache:Selection", None),
+                                          ("harness.protocol.surgery:Selection", None),
                                           ("flash", "unknown backend 'flash'; valid: sdpa")])
 def test_bad_backend_names_are_refused_before_compute(name, message):
     if message is None:   # a class is callable: accepted here, judged by transformers when it runs
@@ -69,7 +69,7 @@ def gemma2_config(**overrides):
                                   max_position_embeddings=256), **overrides})
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "triton", "twin"])
+@pytest.mark.parametrize("backend", ["sdpa", "twin"])
 def test_softcapping_is_refused_before_compute_where_the_backend_cannot_apply_it(backend):
     from harness.protocol.backends import StackUnavailable, check_supports
 
@@ -77,11 +77,18 @@ def test_softcapping_is_refused_before_compute_where_the_backend_cannot_apply_it
     with pytest.raises(StackUnavailable, match="softcapping"):
         check_supports(Stack(backend, "fp32"), config, length=32)
     check_supports(Stack("eager", "fp32"), config, length=32)     # eager applies it
+    check_supports(Stack("triton", "fp32"), config, length=32)    # so do our kernels
+    check_supports(Stack("native", "fp32"), config, length=32)
 
 
-def test_a_sliding_window_shorter_than_the_run_is_refused_on_triton_only():
+def test_a_window_shorter_than_the_run_is_refused_where_a_kernel_does_not_serve_windows(monkeypatch):
+    """The triton kernel serves windows (kernels.hf.SERVES); without `sliding_window` in that set a
+    window shorter than the run is refused, and one covering every key needs no window support."""
+    import kernels.hf
     from harness.protocol.backends import StackUnavailable, check_supports
 
+    check_supports(Stack("triton", "fp32"), gemma2_config(attn_logit_softcapping=None), length=200)
+    monkeypatch.setattr(kernels.hf, "SERVES", kernels.hf.SERVES - {"sliding_window"})
     config = gemma2_config(attn_logit_softcapping=None)
     check_supports(Stack("triton", "fp32"), config, length=64)    # the window covers every key
     with pytest.raises(StackUnavailable, match="sliding-window attention"):
@@ -104,7 +111,7 @@ def test_a_sliding_window_shorter_than_the_run_is_refused_on_triton_only():
     ["blame", "--prompt", "hi", "-B", "2"],
     ["replay", "TRAJECTORIES"],
 ])
-def test_a_softcapped_model_on_triton_exits_3_in_one_line(tmp_path, command):
+def test_a_softcapped_model_on_the_twin_exits_3_in_one_line(tmp_path, command):
     import transformers
     from click.testing import CliRunner
 
@@ -115,7 +122,7 @@ def test_a_softcapped_model_on_triton_exits_3_in_one_line(tmp_path, command):
     trajectories = tmp_path / "t.jsonl"
     trajectories.write_text('{"prompt_ids": [1, 2], "tokens": [3, 4]}\n')
     command = [str(trajectories) if arg == "TRAJECTORIES" else arg for arg in command]
-    result = CliRunner().invoke(main, command + ["--model", f"hf:{folder}", "--backend", "triton"])
+    result = CliRunner().invoke(main, command + ["--model", f"hf:{folder}", "--backend", "twin"])
     assert result.exit_code == 3, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "softcapping (50.0)" in errors[0]    # transformers' bar aside
@@ -133,10 +140,10 @@ def test_a_case_with_a_stack_the_model_cannot_serve_is_refused_before_compute(tm
     case = tmp_path / "case.toml"
     case.write_text(f'name = "gemma2"\nmodel = "hf:{folder}"\nB = 2\nS = 2\n'
                     'constructions = ["live", "prefill"]\n[items]\nset = "arith"\nn = 1\n'
-                    '[stacks]\nbackends = ["eager", "triton"]\ndtypes = ["fp32"]\n'
+                    '[stacks]\nbackends = ["eager", "twin"]\ndtypes = ["fp32"]\n'
                     'device = "cpu"\nthreads = 1\n')
     db = tmp_path / "l.sqlite"
     result = CliRunner().invoke(main, ["run", str(case), "--db", str(db), "--quiet"])
     assert result.exit_code == 3, result.output
-    assert "softcapping (50.0)" in result.output and "triton" in result.output
+    assert "softcapping (50.0)" in result.output and "twin" in result.output
     assert not db.exists()          # refused before the ledger file is created
