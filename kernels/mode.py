@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from . import matmul as _matmul
+from . import mode_ops as _mode_ops
 from . import norm as _norm
 from . import softmax as _softmax
 from . import FLOAT_DTYPES, triton_runs_on
@@ -179,6 +180,8 @@ _FACTORIES = {
     "_softmax": _softmax_like(log=False),
     "_log_softmax": _softmax_like(log=True),
 }
+# MoE, recurrent-scan and element-wise ops (kernels/mode_ops.py).
+OVERRIDDEN_OPS, WHERE_STOCK_OPS, _FACTORIES = _mode_ops.extend(OVERRIDDEN_OPS, WHERE_STOCK_OPS, _FACTORIES)
 
 
 def _install(impl: str) -> torch.library.Library:
