@@ -24,6 +24,22 @@ import torch
 
 CACHE_KEYWORDS = ("cache", "cache_params", "past_key_values", "past_key_value")
 
+# id(layer) -> the token (0-based, within the current call) a stepped layer is computing now; an
+# op tracer reads it with `step_of` to align a stepped call's steps with a decode step's call.
+_steps: dict[int, int] = {}
+# ids of the layers whose forward is stepped now.
+_stepped: set[int] = set()
+
+
+def step_of(layer: torch.nn.Module) -> int | None:
+    """The token a stepped layer is computing now, None outside its steps."""
+    return _steps.get(id(layer))
+
+
+def is_stepped(layer: torch.nn.Module) -> bool:
+    """Whether `layer` runs a call of several tokens one token at a time now."""
+    return id(layer) in _stepped
+
 
 def _depthwise_conv1d(module: torch.nn.Module) -> bool:
     return (isinstance(module, torch.nn.Conv1d)
@@ -44,7 +60,7 @@ def _token(value, length: int, t: int):
     return value
 
 
-def _stepwise(forward):
+def _stepwise(layer: torch.nn.Module, forward):
     """forward(hidden_states [B, T, D], ...) run once per token when a cache is given
     (hidden_states positional or by that keyword, as transformers' layers are called)."""
     def step_by_step(*args, **kwargs):
@@ -59,9 +75,13 @@ def _stepwise(forward):
             return forward(*args, **kwargs)
         outs = []
         for t in range(length):
-            step_kwargs = {k: _token(v, length, t) for k, v in kwargs.items()}
-            step_args = (hidden_states[:, t:t + 1].contiguous(), *args[1:]) if positional else args
-            outs.append(forward(*step_args, **step_kwargs))
+            _steps[id(layer)] = t
+            try:
+                step_kwargs = {k: _token(v, length, t) for k, v in kwargs.items()}
+                step_args = (hidden_states[:, t:t + 1].contiguous(), *args[1:]) if positional else args
+                outs.append(forward(*step_args, **step_kwargs))
+            finally:
+                del _steps[id(layer)]
         if isinstance(outs[0], torch.Tensor):
             return torch.cat(outs, dim=1)  # [B, T, D]
         return (torch.cat([o[0] for o in outs], dim=1), *outs[-1][1:])
@@ -75,23 +95,26 @@ class faithful_recurrence:  # noqa: N801  (a state switch, named like set_batch_
 
     def __init__(self, model: torch.nn.Module, enabled: bool = True):
         self._model, self._enabled = model, enabled
-        self._saved: list[list[tuple[torch.nn.Module, object]]] = []
+        self._saved: list[list[tuple[torch.nn.Module, object, bool]]] = []
 
     def __enter__(self) -> "faithful_recurrence":
         saved = []
         if self._enabled:
             for _, layer in recurrent_layers(self._model):
-                saved.append((layer, layer.__dict__.get("forward")))  # an instance forward, or None
-                layer.forward = _stepwise(layer.forward)
+                saved.append((layer, layer.__dict__.get("forward"), id(layer) in _stepped))
+                layer.forward = _stepwise(layer, layer.forward)
+                _stepped.add(id(layer))
         self._saved.append(saved)
         return self
 
     def __exit__(self, *exc_info) -> bool:
-        for layer, found in reversed(self._saved.pop()):
+        for layer, found, was_stepped in reversed(self._saved.pop()):
             if found is None:
                 del layer.forward
             else:
                 layer.forward = found
+            if not was_stepped:
+                _stepped.discard(id(layer))
         return False
 
     @property
