@@ -73,3 +73,22 @@ def test_faithful_prefill_computes_the_same_function():
     assert_close_to_ref(faithful[0], chunked[0], torch.float32)
     for name, tensor in chunked[1].items():
         assert_close_to_ref(faithful[1][name], tensor, torch.float32)
+
+
+def test_a_stack_turns_the_faithful_form_on_and_restores_it(next_bf16):
+    from harness.protocol.backends import parse_stack
+    from kernels.recurrence import is_stepped
+
+    stack = parse_stack("eager/bf16+bi+fr")
+    assert stack.faithful_recurrence and stack.batch_invariant and stack.label == "eager/bf16+bi+fr"
+    assert stack.describe()["faithful_recurrence"] is True and stack.with_dtype("fp32").faithful_recurrence
+    assert "faithful_recurrence" not in parse_stack("eager/bf16+bi").describe()  # records read as before
+
+    class Prepared:  # what Stack.activate needs of a kvfid model
+        def cast(self, dtype, device):
+            return next_bf16
+
+    layer = recurrent_layers(next_bf16)[0][1]
+    with stack.activate(Prepared()) as module:
+        assert module is next_bf16 and is_stepped(layer)
+    assert not is_stepped(layer) and "forward" not in vars(layer)
