@@ -19,7 +19,8 @@ alone than inside a batch (`tests/bench/mode_families.py`):
   differently, so an element's bits depend on where it sits in the tensor (measured: `silu`,
   `sigmoid` and `softplus` on an AVX-512 machine). The override hands the stock kernel a
   contiguous copy padded to a multiple of `LANES` elements, in single-threaded blocks of `BLOCK`
-  elements: every element goes through the same vector code, whatever the tensor's size.
+  elements: every element goes through the same vector code, whatever the tensor's size
+  (functional overloads only: `out=` and in-place forms go to the stock kernel).
 
 The implementation name (`triton`, `rowwise`, ...) does not change these: each is the same
 fixed-order computation under every implementation. Each factory has the signature of those in

@@ -54,7 +54,8 @@ def recurrent_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
 
 
 def _token(value, length: int, t: int):
-    """Position t of a per-token argument ([B, T, ...] or a [B, T] mask); others as they are."""
+    """Position t of a per-token argument ([B, T, ...] or a [B, T] mask: any tensor keyword whose
+    dim 1 is the call's length); others as they are."""
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length:
         return value[:, t:t + 1].contiguous()
     return value

@@ -24,9 +24,15 @@ from kernels.recurrence import faithful_recurrence  # noqa: E402
 
 
 def arms(model):
+    """(name, context) of each arm; the faithful ones only where the model has recurrent layers
+    (elsewhere they change nothing)."""
+    recurrent = bool(faithful_recurrence(model).layers)
     yield "eager", contextlib.nullcontext()
-    yield "eager+faithful", faithful_recurrence(model)
+    if recurrent:
+        yield "eager+faithful", faithful_recurrence(model)
     yield "eager+mode", set_batch_invariant_mode(impl="rowwise")
+    if not recurrent:
+        return
     stack = contextlib.ExitStack()
     stack.enter_context(set_batch_invariant_mode(impl="rowwise"))
     stack.enter_context(faithful_recurrence(model))
@@ -53,17 +59,19 @@ def main() -> None:
     parser.add_argument("--families", nargs="*", default=list(mm.FAMILIES))
     parser.add_argument("--experts", default=None, help="experts_implementation (default: transformers')")
     parser.add_argument("--cost-length", type=int, default=64)
+    parser.add_argument("--cost-only", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     args = parser.parse_args()
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     print("| model | arm | prefill~incremental | batch-1~batch-2 |\n|---|---|---|---|")
-    for family in args.families:
-        model = mm.build(family, experts=args.experts)
+    for family in [] if args.cost_only else args.families:
+        model = mm.build(family, experts=args.experts, dtype=getattr(torch, args.dtype))
         for arm, ctx in arms(model):
             with ctx:
                 row = (cell(mm.prefill_vs_incremental(model, args.length)), cell(mm.batch1_vs_batch2(model, args.length)))
             print(f"| {family} ({model.config._experts_implementation}) | {arm} | {row[0]} | {row[1]} |", flush=True)
     for family in [f for f in args.families if faithful_recurrence(mm.build(f)).layers]:
-        model = mm.build(family, experts=args.experts)
+        model = mm.build(family, experts=args.experts, dtype=getattr(torch, args.dtype))
         for label, mode in (("eager", contextlib.nullcontext), ("eager+mode", lambda: set_batch_invariant_mode(impl="rowwise"))):
             with mode():
                 chunked = prefill_time(model, args.cost_length, 3)
