@@ -9,7 +9,8 @@ alone than inside a batch (`tests/bench/mode_families.py`):
   is multiplied alone by its expert's weight, so a token's expert product does not depend on how
   many tokens the expert got;
 * `sum.dim_IntList` (the top-k combine, l2norm, the recurrent step's state read) and `cumsum`
-  (the chunked scan's decay): each output row reduced alone, like `mean.dim` in `mode.py`;
+  (the chunked scan's decay): a pairwise tree and a doubling scan of element-wise adds, in an order
+  fixed by the reduced length alone (a few launches, not one per row, so CUDA can afford it);
 * `convolution` for a depthwise 1-d convolution (the causal conv1d and its update): a fixed-order
   sum over the taps, accumulated in fp32, so a position's output does not depend on the length of
   the call; other convolutions go to the stock kernel;
@@ -80,8 +81,36 @@ def _grouped_mm(impl: str, original) -> Callable:
 
 # --- reductions -----------------------------------------------------------------------------------
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def tree_sum_last(rows: torch.Tensor) -> torch.Tensor:
+    """rows [R, n] -> [R]: n zero-padded to a power of two, then halves added pairwise (element i
+    with i + n/2) until one is left, in rows' dtype. Element-wise adds only, in an order fixed by
+    n: a row's sum does not depend on R, on the device's reduction kernel, or on its split."""
+    width = 1 << max(0, (rows.shape[-1] - 1).bit_length())
+    x = torch.nn.functional.pad(rows, (0, width - rows.shape[-1])) if width != rows.shape[-1] else rows
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[:, :half] + x[:, half:]
+    return x[:, 0]
+
+
+def scan_last(rows: torch.Tensor) -> torch.Tensor:
+    """rows [R, n] -> [R, n] inclusive prefix sums by doubling steps (Hillis-Steele): step s adds
+    the value s places back. Position j's result depends on elements 0..j only, in an order fixed
+    by j: not on R, nor on n."""
+    x, step = rows, 1
+    while step < x.shape[-1]:
+        x = torch.cat([x[:, :step], x[:, step:] + x[:, :-step]], dim=1)
+        step *= 2
+    return x
+
+
 def _sum_dim(impl: str, original) -> Callable:
-    """Sum over any dims: each output element is one row (the reduced dims, flattened) summed alone."""
+    """Sum over any dims: the reduced dims flattened last, each row summed by `tree_sum_last` in
+    fp32 (fp64 for fp64), rounded once to the output dtype."""
     def sum_dim(keys, x, dim, keepdim=False, *, dtype=None):
         covered = _dense_float(x) and x.dim() > 0 and x.numel() > 0
         if not covered or (dtype is not None and dtype not in FLOAT_DTYPES):
@@ -89,8 +118,7 @@ def _sum_dim(impl: str, original) -> Callable:
         dims = sorted({d % x.dim() for d in dim}) if dim else list(range(x.dim()))
         kept = [d for d in range(x.dim()) if d not in dims]
         rows = x.permute(*kept, *dims).reshape(-1, math.prod(x.shape[d] for d in dims))  # [kept, n]
-        out = torch.cat([original.call_boxed(keys, _fresh(rows[i:i + 1]), [1], False, dtype=dtype)
-                         for i in range(rows.shape[0])])  # [rows]
+        out = tree_sum_last(rows.to(_acc_dtype(dtype or x.dtype))).to(dtype or x.dtype)
         out = out.reshape([x.shape[d] for d in kept])
         for d in dims if keepdim else ():
             out = out.unsqueeze(d)
@@ -99,14 +127,13 @@ def _sum_dim(impl: str, original) -> Callable:
 
 
 def _cumsum(impl: str, original) -> Callable:
-    """Cumulative sum along `dim`: each line along `dim` scanned alone."""
+    """Cumulative sum along `dim` by `scan_last` in fp32 (fp64 for fp64), rounded once."""
     def cumsum(keys, x, dim, *, dtype=None):
         if not _dense_float(x) or x.dim() == 0 or x.numel() == 0 or (dtype is not None and dtype not in FLOAT_DTYPES):
             return original.call_boxed(keys, x, dim, dtype=dtype)
         moved = x.movedim(dim, -1)
-        rows = moved.reshape(-1, moved.shape[-1])  # [lines, n]
-        out = torch.cat([original.call_boxed(keys, _fresh(rows[i:i + 1]), 1, dtype=dtype)
-                         for i in range(rows.shape[0])])
+        rows = moved.reshape(-1, moved.shape[-1]).to(_acc_dtype(dtype or x.dtype))  # [lines, n]
+        out = scan_last(rows).to(dtype or x.dtype)
         return out.reshape(moved.shape).movedim(-1, dim).contiguous()
     return cumsum
 

@@ -197,3 +197,24 @@ def test_elementwise_is_position_invariant(name, dtype):
     assert_close_to_ref(out, ref(x.double()), dtype)
     assert elements_alone_equal(lambda v: lane_uniform(op, v), x)
     assert not elements_alone_equal(twin_sigmoid, randn(2, 40, seed=9, scale=6.0, on="cpu")), "twin not caught"
+
+
+def twin_cumsum_by_total(x):
+    """Variant in the length by construction: prefix = total - (the suffix after it)."""
+    total = x.sum(-1, keepdim=True)
+    suffix = x.flip(-1).cumsum(-1).flip(-1) - x
+    return total - suffix
+
+
+def prefix_alone_equal(fn, x, k) -> bool:
+    """A chunk's first k prefix sums computed over the first k elements alone vs over all of x."""
+    return bits_equal(fn(x[..., :k]), fn(x)[..., :k])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_cumsum_prefix_does_not_depend_on_the_length(dtype):
+    x = randn(3, 64, dtype=dtype, seed=10, on="cpu")
+    with ROWWISE:
+        assert all(prefix_alone_equal(lambda v: torch.cumsum(v, -1), x, k) for k in (1, 5, 33, 63))
+    control = randn(3, 64, seed=10, on="cpu")
+    assert not all(prefix_alone_equal(twin_cumsum_by_total, control, k) for k in (5, 33)), "twin not caught"
