@@ -40,6 +40,7 @@ from contextlib import contextmanager
 
 from . import matmul as _matmul
 from . import mode_tiled as _tiled
+from . import mode_ops as _mode_ops
 from . import norm as _norm
 from . import softmax as _softmax
 from . import FLOAT_DTYPES, triton_runs_on
@@ -239,6 +240,8 @@ _FACTORIES = {
     "_log_softmax": _softmax_like(log=True),
     **{op: _out_form(op.split(".")[0]) for op in OUT_OPS},
 }
+# MoE, recurrent-scan and element-wise ops (kernels/mode_ops.py).
+OVERRIDDEN_OPS, WHERE_STOCK_OPS, _FACTORIES = _mode_ops.extend(OVERRIDDEN_OPS, WHERE_STOCK_OPS, _FACTORIES)
 
 
 def _install(impl: str) -> torch.library.Library:

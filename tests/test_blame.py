@@ -60,7 +60,7 @@ def test_control_the_variant_attention_twin_is_located_in_attention():
     """Under the mode, only the twin attention varies: the first op whose boundary slice differs
     is inside layer 0's attention, on any CPU."""
     result = blame_on(Stack("twin", "fp32", True, threads=1))
-    first = next(op for op in result.ops if op.kind != "equal")
+    first = next(op for op in result.ops if op.kind in blame_lib.align.DIFFER)  # not equal, compared
     assert first.module == "model.layers.0.self_attn" and first.kind in ("culprit", "unverified"), first
 
 
@@ -94,7 +94,7 @@ def test_first_differing_position_is_none_when_exact_and_found_for_the_twin():
         varying = blame_lib.first_differing_position(module, prefix, len(prompt))
         assert varying is not None and 0 < varying < len(prefix)
         located = blame_lib.blame(module, prefix, len(prompt), position=varying)
-    first = next(op for op in located.ops if op.kind != "equal")
+    first = next(op for op in located.ops if op.kind in blame_lib.align.DIFFER)
     assert located.position == varying and first.module == "model.layers.0.self_attn", first
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterator
 
 import torch
@@ -125,6 +125,9 @@ class Stack:
     device: str = "cpu"
     threads: int | None = None
     compiled: bool = False   # the forward under torch.compile (harness.protocol.compiled)
+    # Recurrent layers compute a multi-token call by their decode step's recurrence, one token at a
+    # time (kernels.recurrence.faithful_recurrence); off by default, and absent from describe() then.
+    faithful_recurrence: bool = False
 
     def __post_init__(self) -> None:
         attention_backend(self.backend)  # raises ValueError naming the valid ones
@@ -153,17 +156,20 @@ class Stack:
         """Short name, e.g. `sdpa/bf16`, `triton/fp32+bi`, or `sdpa/bf16@t1` when the stack sets
         the thread count (on CPU the thread count changes numerics, so it names the stack)."""
         return (f"{self.backend}/{self.dtype}" + ("+bi" if self.batch_invariant else "")
+                + ("+fr" if self.faithful_recurrence else "")
                 + ("+compile" if self.compiled else "")
                 + (f"@t{self.threads}" if self.threads is not None else ""))
 
     def describe(self) -> dict:
         """The stack as the ledger stores it."""
-        return {**asdict(self), "label": self.label,
-                "batch_invariant_impl": self.batch_invariant_impl}
+        described = {**asdict(self), "label": self.label, "batch_invariant_impl": self.batch_invariant_impl}
+        for option in ("compiled", "faithful_recurrence"):   # off: records read as before
+            if not described[option]:
+                del described[option]
+        return described
 
     def with_dtype(self, dtype: str) -> "Stack":
-        return Stack(self.backend, dtype, self.batch_invariant, self.device, self.threads,
-                     self.compiled)
+        return replace(self, dtype=dtype)
 
     @contextlib.contextmanager
     def activate(self, model) -> Iterator[torch.nn.Module]:
@@ -188,6 +194,10 @@ class Stack:
 
                 restore.enter_context(set_batch_invariant_mode(True,
                                                                impl=self.batch_invariant_impl))
+            if self.faithful_recurrence:
+                from kernels.recurrence import faithful_recurrence
+
+                restore.enter_context(faithful_recurrence(module))
             restore.enter_context(torch.inference_mode())
             if self.compiled:
                 from harness.protocol.compiled import compiled_forward
@@ -197,8 +207,8 @@ class Stack:
 
 
 def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> Stack:
-    """`sdpa/bf16`, `triton/fp32+bi`, `eager/bf16+bi+compile`, `sdpa/bf16@t1` -> Stack (a
-    label's `@tN` wins over `threads`)."""
+    """`sdpa/bf16`, `triton/fp32+bi`, `eager/bf16+bi+fr+compile`, `sdpa/bf16@t1` -> Stack (a
+    label's `@tN` wins over `threads`; `+fr`: the faithful recurrence; `+compile`: torch.compile)."""
     body, _, thread_text = text.partition("@t")
     if thread_text:
         if not thread_text.isdigit():
@@ -206,12 +216,16 @@ def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> S
         threads = int(thread_text)
     compiled = body.endswith("+compile")
     body = body[:-len("+compile")] if compiled else body
+    faithful = body.endswith("+fr")
+    body = body[:-3] if faithful else body
     batch_invariant = body.endswith("+bi")
     body = body[:-3] if batch_invariant else body
     if body.count("/") != 1:
-        raise ValueError(f"stack {text!r}: expected BACKEND/DTYPE[+bi][+compile][@tN], e.g. sdpa/bf16")
+        raise ValueError(f"stack {text!r}: expected BACKEND/DTYPE[+bi][+fr][+compile][@tN], "
+                         "e.g. sdpa/bf16")
     backend, dtype = body.split("/")
-    return Stack(backend, dtype, batch_invariant, device, threads, compiled)
+    return Stack(backend, dtype, batch_invariant, device, threads, compiled,
+                 faithful_recurrence=faithful)
 
 
 def check_supports(stack: Stack, model_or_config, length: int | None = None) -> None:

@@ -15,18 +15,19 @@ compares the position's slice of every float input and output bit by bit:
   kernel is not invariant), and **inherited** when an input already differed. An op with a
   differing output and an input that cannot be compared (shapes differing in more than one
   dimension; or the KV cache of earlier positions, which side a built in earlier decode steps and
-  side b builds in the same call) is **unverified**.
-
-Only the comparisons are kept, not the tensors, so a prefill of any length fits in memory.
+  side b builds in the same call) is **unverified**; one whose output (or every input) cannot be
+  sliced at the position (MoE rows sorted by expert) is **uncompared**, not a difference.
+Stepped recurrent layers and layers running different algorithms: see `blame_align`. Only the
+comparisons are kept, not the tensors, so a prefill of any length fits in memory.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from harness.protocol import blame_align as align
 from harness.protocol.cache import ulp_ordered, bits_equal
 from harness.errors import BadInput
 from harness.protocol.decode import Runner, as_batch, new_cache
@@ -54,15 +55,15 @@ class OpVerdict:
     shapes_b: list[tuple]
     inputs: str  # "equal", "differ" or "unknown" (an input pair not comparable)
     output_equal: bool
+    output_comparable: bool = True  # False: e.g. MoE rows sorted by expert, sized T x top-k
     n_diff: int = 0
     max_abs: float = 0.0
     max_ulp: int = 0
 
     @property
     def kind(self) -> str:
-        if self.output_equal:
-            return "equal"
-        return {"equal": "culprit", "differ": "inherited", "unknown": "unverified"}[self.inputs]
+        verdicts = {"equal": "culprit", "differ": "inherited", "unknown": "unverified"}
+        return "equal" if self.output_equal else verdicts[self.inputs] if self.output_comparable else "uncompared"
 
 
 @dataclass
@@ -84,10 +85,11 @@ class BlameResult:
     def to_json(self) -> dict:
         culprits = self.culprits
         return {"a": self.a, "b": self.b, "prefix_length": self.prefix_length, "position": self.position,
-                "ops_aligned": len(self.ops), "ops_differing": sum(o.kind != "equal" for o in self.ops),
+                "ops_aligned": len(self.ops), "ops_differing": sum(o.kind in align.DIFFER for o in self.ops),
                 "first_culprit": _op_json(culprits[0]) if culprits else None,
                 "culprits": [_op_json(o) for o in culprits],
-                "only_a": self.only_a, "only_b": self.only_b}
+                "only_a": self.only_a, "only_b": self.only_b,
+                "diverging_modules": align.diverging_modules(self.only_a, self.only_b)}
 
 
 def _op_json(op: OpVerdict) -> dict:
@@ -222,11 +224,11 @@ def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
 
     side_a: dict[tuple, Side] = {}
     order_a: list[tuple] = []
-    seen: Counter = Counter()
+    tag_a, tag_b = align.Tagger(module, span_a, p), align.Tagger(module, span_b, p)  # stepped recurrent layers
 
     def record_a(where, op, inputs, outputs):
-        key = (where, op, seen[(where, op)])
-        seen[(where, op)] += 1
+        if (key := tag_a.key(where, op)) is None:
+            return
         side_a[key] = Side([tuple(t.shape) for t in inputs], inputs, outputs)
         order_a.append(key)
 
@@ -234,25 +236,26 @@ def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
 
     kind_a = "prompt prefill" if span_a[0] == 0 and span_a[1] > 1 else "decode step"
     result = BlameResult(f"incremental ({kind_a})", parse_construction(against).label, len(prefix), p)
-    seen_b: Counter = Counter()
     matched: set[tuple] = set()
 
     def record_b(where, op, inputs, outputs):
-        key = (where, op, seen_b[(where, op)])
-        seen_b[(where, op)] += 1
+        if (key := tag_b.key(where, op)) is None:
+            return
         a = side_a.get(key)
         if a is None:
             result.only_b.append(f"{where} {op}")
             return
         matched.add(key)
+        out = _compare(a.outputs, outputs, spans)
+        opaque = align.aggregate_of_unknowns(a, inputs, outputs, lambda x, y: _boundary(x, y, spans))
         verdict = OpVerdict(len(result.ops), where, op, a.shapes_in, [tuple(t.shape) for t in inputs],
-                            _compare(a.inputs, inputs, spans), _compare(a.outputs, outputs, spans) == "equal")
+                            _compare(a.inputs, inputs, spans), out == "equal", out != "unknown" and not opaque)
         if not verdict.output_equal:
             verdict.n_diff, verdict.max_abs, verdict.max_ulp = _diff(a.outputs, outputs, spans)
         result.ops.append(verdict)
 
     tracer(module, lambda: runner.forward(as_batch(prefix[span_b[0]:span_b[1]]), cache_b), record_b)
-    result.only_a = [f"{w} {o}" for (w, o, _) in order_a if (w, o, _) not in matched]
+    result.only_a = [f"{key[0]} {key[2]}" for key in order_a if key not in matched]
     return result
 
 
@@ -332,11 +335,11 @@ def render(result: BlameResult, stack_label: str, limit: int = 10) -> str:
     culprits = result.culprits
     lines = [f"kvfid blame  stack {stack_label}  |P| = {result.prefix_length}  position {result.position}",
              f"a: {result.a}   b: {result.b}",
-             f"{len(result.ops)} ops aligned, {sum(o.kind != 'equal' for o in result.ops)} with a "
+             f"{len(result.ops)} ops aligned, {sum(o.kind in align.DIFFER for o in result.ops)} with a "
              f"differing boundary slice, {len(culprits)} culprit(s)"]
     unverified = [o for o in result.ops if o.kind == "unverified"]
-    if not culprits and all(o.kind == "equal" for o in result.ops):
-        lines.append("no culprit: every op gave the boundary position the same bits on both sides")
+    if not culprits and all(o.kind not in align.DIFFER for o in result.ops):
+        lines.append(align.no_culprit_line(result.ops))
     elif not culprits and unverified:
         first = unverified[0]
         lines.append(f"no culprit: the difference first shows at {first.op} in {first.module} (op "
@@ -354,4 +357,5 @@ def render(result: BlameResult, stack_label: str, limit: int = 10) -> str:
         lines.append(f"... {len(culprits) - limit} more culprit(s) (--format json lists all)")
     if result.only_a or result.only_b:
         lines.append(f"unaligned ops: {len(result.only_a)} only in a, {len(result.only_b)} only in b")
+        lines.extend(align.render_diverging(result.only_a, result.only_b))
     return "\n".join(lines)

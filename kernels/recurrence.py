@@ -1,0 +1,124 @@
+"""The faithful form of a recurrent layer's prefill: the state computed by the recurrence that a
+decode step uses, one position at a time, in order.
+
+A recurrent layer (Gated DeltaNet, Mamba-2, short convolutions) computes a call of several tokens
+with a different algorithm from a one-token decode step: transformers' Qwen3-Next, for example,
+runs a chunked gated-delta scan (chunks of 64, a triangular solve) and a full causal conv1d for a
+prefill, and the recurrent rule and `causal_conv1d_update` for a step. Their states differ in the
+last bits even with every op batch-invariant: the two algorithms round differently.
+
+`faithful_recurrence(model)` makes every call of more than one token to such a layer run the layer
+once per token, in order, with the same cache: each token after the first takes exactly the path
+(and the shapes) of a decode step. Everything else in the model (projections outside the layer,
+attention, MLP, MoE) still runs the whole call at once. The first token of an empty cache takes
+the layer's own first-call path, as incremental decoding's first token does.
+
+A recurrent layer is found from its attributes, never from a model's name: a module with a
+`layer_idx` that owns a depthwise 1-d convolution (`nn.Conv1d` with groups == channels: the
+causal short convolution that keeps a conv state). A model without one is left as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CACHE_KEYWORDS = ("cache", "cache_params", "past_key_values", "past_key_value")
+
+# id(layer) -> the token (0-based, within the current call) a stepped layer is computing now; an
+# op tracer reads it with `step_of` to align a stepped call's steps with a decode step's call.
+_steps: dict[int, int] = {}
+# ids of the layers whose forward is stepped now.
+_stepped: set[int] = set()
+
+
+def step_of(layer: torch.nn.Module) -> int | None:
+    """The token a stepped layer is computing now, None outside its steps."""
+    return _steps.get(id(layer))
+
+
+def is_stepped(layer: torch.nn.Module) -> bool:
+    """Whether `layer` runs a call of several tokens one token at a time now."""
+    return id(layer) in _stepped
+
+
+def _depthwise_conv1d(module: torch.nn.Module) -> bool:
+    return (isinstance(module, torch.nn.Conv1d)
+            and module.groups == module.in_channels == module.out_channels)
+
+
+def recurrent_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(path, module) of each recurrent layer: a module with `layer_idx` that owns a depthwise
+    1-d convolution as a direct child."""
+    return [(name, m) for name, m in model.named_modules()
+            if hasattr(m, "layer_idx") and any(_depthwise_conv1d(c) for c in m.children())]
+
+
+def _token(value, length: int, t: int):
+    """Position t of a per-token argument ([B, T, ...] or a [B, T] mask: any tensor keyword whose
+    dim 1 is the call's length); others as they are."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length:
+        return value[:, t:t + 1].contiguous()
+    return value
+
+
+def _stepwise(layer: torch.nn.Module, forward):
+    """forward(hidden_states [B, T, D], ...) run once per token when a cache is given
+    (hidden_states positional or by that keyword, as transformers' layers are called)."""
+    def step_by_step(*args, **kwargs):
+        positional = bool(args)
+        hidden_states = args[0] if positional else kwargs.get("hidden_states")
+        has_cache = any(kwargs.get(k) is not None for k in CACHE_KEYWORDS) or any(
+            hasattr(a, "get_seq_length") for a in args)
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or not has_cache:
+            return forward(*args, **kwargs)
+        length = hidden_states.shape[1]
+        if length == 1:
+            return forward(*args, **kwargs)
+        outs = []
+        for t in range(length):
+            _steps[id(layer)] = t
+            try:
+                step_kwargs = {k: _token(v, length, t) for k, v in kwargs.items()}
+                step_args = (hidden_states[:, t:t + 1].contiguous(), *args[1:]) if positional else args
+                outs.append(forward(*step_args, **step_kwargs))
+            finally:
+                del _steps[id(layer)]
+        if isinstance(outs[0], torch.Tensor):
+            return torch.cat(outs, dim=1)  # [B, T, D]
+        return (torch.cat([o[0] for o in outs], dim=1), *outs[-1][1:])
+    return step_by_step
+
+
+class faithful_recurrence:  # noqa: N801  (a state switch, named like set_batch_invariant_mode)
+    """Within the block, `model`'s recurrent layers compute a call of several tokens one token at a
+    time (the decode step's recurrence, in order). Exit restores each layer's forward as found.
+    `enabled=False` is a no-op, so a stack can pass its option straight through."""
+
+    def __init__(self, model: torch.nn.Module, enabled: bool = True):
+        self._model, self._enabled = model, enabled
+        self._saved: list[list[tuple[torch.nn.Module, object, bool]]] = []
+
+    def __enter__(self) -> "faithful_recurrence":
+        saved = []
+        if self._enabled:
+            for _, layer in recurrent_layers(self._model):
+                saved.append((layer, layer.__dict__.get("forward"), id(layer) in _stepped))
+                layer.forward = _stepwise(layer, layer.forward)
+                _stepped.add(id(layer))
+        self._saved.append(saved)
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        for layer, found, was_stepped in reversed(self._saved.pop()):
+            if found is None:
+                del layer.forward
+            else:
+                layer.forward = found
+            if not was_stepped:
+                _stepped.discard(id(layer))
+        return False
+
+    @property
+    def layers(self) -> list[str]:
+        """The paths of the layers this switch changes in its model."""
+        return [name for name, _ in recurrent_layers(self._model)]

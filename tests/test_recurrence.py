@@ -1,0 +1,94 @@
+"""The faithful recurrence (kernels/recurrence.py) on a tiny random-weight Qwen3-Next (Gated DeltaNet
++ full attention + MoE) at the transformers level: with the batch-invariant mode and the faithful
+form, a prefill, a chunked prefill and incremental decoding give the same bits for the logits and
+every cache tensor (keys, values, conv and recurrent states), and batch 1 equals batch 2; without
+the faithful form the chunked scan and the recurrent step are different algorithms and the
+recurrent states differ (the negative control). The switch restores what it found.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close_to_ref
+
+import mode_models as mm
+from kernels.mode import set_batch_invariant_mode
+from kernels.recurrence import faithful_recurrence, recurrent_layers
+
+LENGTH = 8
+
+
+@pytest.fixture(scope="module")
+def next_bf16():
+    return mm.build("qwen3_next", dtype=torch.bfloat16)
+
+
+def test_recurrent_layers_found_from_attributes():
+    assert [name for name, _ in recurrent_layers(mm.build("qwen3_next", dtype=torch.float32))] == [
+        f"model.layers.{i}.linear_attn" for i in range(3)]
+    assert recurrent_layers(mm.build("qwen3_moe", dtype=torch.float32)) == []
+
+
+def test_switch_restores_what_it_found(next_bf16):
+    layer = recurrent_layers(next_bf16)[0][1]
+    switch = faithful_recurrence(next_bf16)
+    with switch:
+        assert "forward" in vars(layer)
+        with faithful_recurrence(next_bf16, enabled=False):
+            assert "forward" in vars(layer)
+        with pytest.raises(RuntimeError):
+            with switch:
+                raise RuntimeError("body fails")
+        assert "forward" in vars(layer)
+    assert "forward" not in vars(layer)
+
+
+def test_faithful_prefill_is_bit_exact_with_incremental_and_batch(next_bf16):
+    ids = mm.prompt(LENGTH)
+    with set_batch_invariant_mode(impl="rowwise"), faithful_recurrence(next_bf16):
+        incremental = mm.run(next_bf16, ids, [1] * LENGTH)
+        assert mm.differing(incremental, mm.run(next_bf16, ids, [LENGTH])) == []
+        assert mm.differing(incremental, mm.run(next_bf16, ids, [3, 5])) == []
+        assert mm.differing(incremental, mm.run(next_bf16, mm.prompt(LENGTH, batch=2), [LENGTH]), row=0) == []
+    parts = set(incremental[1])
+    assert {"0.conv", "0.recurrent", "3.keys", "3.values"} <= parts, sorted(parts)
+
+
+def test_chunked_scan_differs_from_the_recurrence_it_replaces(next_bf16):
+    """Negative control: the stock prefill's chunked scan is another algorithm than the step."""
+    ids = mm.prompt(LENGTH)
+    with set_batch_invariant_mode(impl="rowwise"):
+        differ = mm.differing(mm.run(next_bf16, ids, [1] * LENGTH), mm.run(next_bf16, ids, [LENGTH]))
+    assert any(name.endswith("recurrent") for name in differ), differ
+
+
+def test_faithful_prefill_computes_the_same_function():
+    """Correctness: the faithful prefill's logits and states match the chunked prefill's (fp32)."""
+    model = mm.build("qwen3_next", dtype=torch.float32)
+    ids = mm.prompt(LENGTH)
+    chunked = mm.run(model, ids, [LENGTH])
+    with faithful_recurrence(model):
+        faithful = mm.run(model, ids, [LENGTH])
+    assert_close_to_ref(faithful[0], chunked[0], torch.float32)
+    for name, tensor in chunked[1].items():
+        assert_close_to_ref(faithful[1][name], tensor, torch.float32)
+
+
+def test_a_stack_turns_the_faithful_form_on_and_restores_it(next_bf16):
+    from harness.protocol.backends import parse_stack
+    from kernels.recurrence import is_stepped
+
+    stack = parse_stack("eager/bf16+bi+fr")
+    assert stack.faithful_recurrence and stack.batch_invariant and stack.label == "eager/bf16+bi+fr"
+    assert stack.describe()["faithful_recurrence"] is True and stack.with_dtype("fp32").faithful_recurrence
+    assert "faithful_recurrence" not in parse_stack("eager/bf16+bi").describe()  # records read as before
+
+    class Prepared:  # what Stack.activate needs of a kvfid model
+        def cast(self, dtype, device):
+            return next_bf16
+
+    layer = recurrent_layers(next_bf16)[0][1]
+    with stack.activate(Prepared()) as module:
+        assert module is next_bf16 and is_stepped(layer)
+    assert not is_stepped(layer) and "forward" not in vars(layer)
