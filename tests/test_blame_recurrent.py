@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mode_models as mm
-from harness.protocol import blame as blame_lib
+from harness.runs import blame as blame_lib
 from harness.protocol import blame_align
 from kernels.mode import set_batch_invariant_mode
 from kernels.recurrence import faithful_recurrence, step_of
