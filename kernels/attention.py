@@ -70,7 +70,7 @@ import triton.language as tl
 from . import LAUNCH_OPTIONS
 from .attention_config import (BLOCK_M, CONFIGS, INTERPRETER_CONFIG, MAX_HEAD_DIM,  # noqa: F401
                                NO_WINDOW, WIDE_CONFIGS, AttentionConfig, config_for,
-                               WORKSPACE_BYTES, group_tile_for, head_dim_pad)
+                               MERGE_LAUNCH, WORKSPACE_BYTES, group_tile_for, head_dim_pad)
 from .attention_reference import attention_ref  # noqa: F401  (the kernel's reference, here)
 from .attention_checks import check_inputs, check_mechanisms, first_valid_rows
 from .attention_math import merge, tanh, with_sink
@@ -313,15 +313,15 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         GROUP=group, GROUP_TILE=group_tile,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim), V_DIM=v_dim, V_DIM_PAD=v_pad,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, USE_DOT=config.use_dot,
-        num_warps=config.num_warps, num_stages=config.num_stages,
         PADDED=pad is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
         SEGMENT=config.segment, ALIGN_OWN=align_own, ALIGN_ABSOLUTE=align_absolute,
         **LAUNCH_OPTIONS)
+    launch = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     if slots:  # every segment's state, then their merge in segment order
-        _attention_kernel[(tiles, programs, slots)](*args, **constexprs, MERGE=False)
-        _attention_kernel[(tiles, programs)](*args, **constexprs, MERGE=True)
+        _attention_kernel[(tiles, programs, slots)](*args, **constexprs, **launch, MERGE=False)
+        _attention_kernel[(tiles, programs)](*args, **constexprs, **MERGE_LAUNCH, MERGE=True)
     else:
-        _attention_kernel[(tiles, programs)](*args, **constexprs)
+        _attention_kernel[(tiles, programs)](*args, **constexprs, **launch)
     return out
 
 
