@@ -197,7 +197,8 @@ def test_the_models_command_lists_layer_types_and_stacks(folders):
     result = CliRunner().invoke(main, ["models", f"hf:{folders['gpt-oss']}", "--length", "40"])
     assert result.exit_code == 0, result.output
     assert "state window, window 8; mechanisms: sliding_window, sinks" in result.output
-    assert "triton  no: sliding_window" in result.output and "eager   served" in result.output
+    assert "triton  served" in result.output and "eager   served" in result.output
+    assert "twin    no: sinks" in result.output
     refused = CliRunner().invoke(main, ["repro", "--model", f"hf:{folders['gpt-oss']}",
                                         "--backend", "sdpa", "--prompt", "hi", "-B", "2",
                                         "-S", "1"])

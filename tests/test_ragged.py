@@ -73,7 +73,8 @@ def differences(module, batch_rows, checked) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def register_twin() -> str:
-    AttentionInterface.register(TWIN, functools.partial(hf.kvfid_triton_attention, align_own=False))
+    AttentionInterface.register(TWIN, functools.partial(hf.kvfid_triton_attention,
+                                                     kernel_options={"align_own": False}))
     AttentionMaskInterface.register(TWIN, hf.kvfid_triton_mask)
     return TWIN
 
