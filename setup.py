@@ -25,7 +25,7 @@ setup(
         "accelerate>=1.0",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-benchmark>=4"],
+        "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-xdist>=3"],
     },
     entry_points={"console_scripts": ["kvfid=harness.cli:main"]},
 )

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.tasks.bench import bench_command
+from harness.tasks.bench import bench_command, bench_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,7 +70,7 @@ def run_step(step: Step, out: Path, log) -> dict:
     start = time.perf_counter()
     log.write(f"\n===== {step.name}: {' '.join(step.argv)}\n")
     log.flush()
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**bench_env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     try:
         done = subprocess.run(step.argv, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=step.timeout_s)
