@@ -92,3 +92,28 @@ def test_a_stack_turns_the_faithful_form_on_and_restores_it(next_bf16):
     with stack.activate(Prepared()) as module:
         assert module is next_bf16 and is_stepped(layer)
     assert not is_stepped(layer) and "forward" not in vars(layer)
+
+
+def test_the_command_line_and_case_files_turn_the_faithful_form_on(tmp_path):
+    """`--faithful-recurrence` (and `faithful_recurrence = [...]` in a case's stacks) reach the
+    stack: Qwen3-Next's prefill, stepped by its decode recurrence, is bit-exact with live, where
+    the same command without it differs in the recurrent state (the control)."""
+    from click.testing import CliRunner
+
+    from families import build
+    from harness.cli import main
+    from harness.runs.case import load_case
+
+    folder = build("qwen3-next", tmp_path / "qwen3-next")
+    args = ["repro", "--model", f"hf:{folder}", "--prompt", "What is 17*23?", "--backend", "eager",
+            "--batch-invariant", "--threads", "1", "-B", "8", "-S", "3", "--ignore-eos",
+            "--arms", "live,prefill"]
+    assert CliRunner().invoke(main, args + ["--expect", "diverges"]).exit_code == 0
+    faithful = CliRunner().invoke(main, args + ["--faithful-recurrence", "--expect", "bit-exact"])
+    assert faithful.exit_code == 0, faithful.output
+    assert "eager/bf16+bi+fr@t1" in faithful.output
+    case = tmp_path / "case.toml"
+    case.write_text('name = "c"\nmodel = "tiny-llama"\nB = 4\nS = 4\n[items]\nset = "arith"\n'
+                    'n = 1\n[stacks]\nbackends = ["eager"]\ndtypes = ["bf16"]\nthreads = 1\n'
+                    'faithful_recurrence = [false, true]\n')
+    assert [s.label for s in load_case(case).stacks] == ["eager/bf16@t1", "eager/bf16+fr@t1"]

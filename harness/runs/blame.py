@@ -301,14 +301,15 @@ class BlameOutcome:
 def blame_command(model_name: str, prompt: str | None, item_set: str | None, item_index: int | None,
                   backend: str, dtype: str, batch_invariant: bool, device: str, threads: int | None,
                   boundary: int, against: str, position: int | None,
-                  compiled: bool = False) -> BlameOutcome:
+                  compiled: bool = False, faithful_recurrence: bool = False) -> BlameOutcome:
     """`kvfid blame`: every option checked before compute (exit 2 / 3), then `blame_item`."""
     from harness.runs import repro
     from harness.protocol.backends import check_supports
     from harness.protocol.models import load_model
 
     repro.check_model_name(model_name)
-    stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads, compiled)
+    stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
+                                faithful_recurrence)
     try:
         parse_construction(against)
     except ValueError as err:

@@ -174,7 +174,7 @@ _NOT_REPLAY = ("B", "S", "constructions", "items", "replicas", "crossing", "tran
                "ignore_eos")
 _TABLES = {
     "items": {"set", "n", "seed"},
-    "stacks": {"backends", "dtypes", "batch_invariant", "compile", "device", "threads", "items"},
+    "stacks": {"backends", "dtypes", "batch_invariant", "faithful_recurrence", "compile", "device", "threads", "items"},
     "replicas": {"arms", "items"},
     "crossing": {"reference", "dtypes", "constructions", "items"},
     "transplants": {"pairs", "selections", "controls", "seed"},

@@ -43,11 +43,15 @@ def product_stacks(v, t: dict) -> tuple[Stack, ...]:
     compiled = t.get("compile", [False])
     if not isinstance(compiled, list) or not compiled or not all(isinstance(c, bool) for c in compiled):
         v.fail("stacks", "compile", compiled, "a non-empty list of true/false")
+    faithful = t.get("faithful_recurrence", [False])
+    if not isinstance(faithful, list) or not faithful or not all(isinstance(f, bool) for f in faithful):
+        v.fail("stacks", "faithful_recurrence", faithful, "a non-empty list of true/false")
     device = v.optional(t, "stacks", "device", str, "cpu")
     v.check("stacks", "device", device, device_reason)
     threads = t.get("threads")
     if threads is not None:
         v.check("stacks", "threads", threads, threads_reason)
-    return tuple(Stack(b, d, bi, device, threads, c)
-                 for b, d, bi, c in itertools.product(backends, dtypes, dict.fromkeys(modes),
-                                                      dict.fromkeys(compiled)))
+    return tuple(Stack(b, d, bi, device, threads, c, faithful_recurrence=fr)
+                 for b, d, bi, fr, c in itertools.product(backends, dtypes, dict.fromkeys(modes),
+                                                          dict.fromkeys(faithful),
+                                                          dict.fromkeys(compiled)))

@@ -206,14 +206,15 @@ def render(result: dict) -> str:
 
 def replay_command(trajectories: str, model_name: str, backend: str, dtype: str, batch_invariant: bool,
                    device: str, threads: int | None, constructions: str, progress=None,
-                   compiled: bool = False) -> dict:
+                   compiled: bool = False, faithful_recurrence: bool = False) -> dict:
     """`kvfid replay`: the options and the file checked before compute (exit 2 / 3), then `replay`."""
     from harness.runs import repro
     from harness.protocol.backends import check_supports
     from harness.protocol.models import load_model
 
     repro.check_model_name(model_name)
-    stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads, compiled)
+    stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
+                                faithful_recurrence)
     chosen = tuple(c for c in constructions.split(",") if c)
     for c in chosen:
         try:

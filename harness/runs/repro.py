@@ -36,10 +36,12 @@ class Repro:
 def prepare(model_name: str, prompt: str | None, item_set: str | None, item_index: int | None,
             backend: str, dtype: str, batch_invariant: bool, device: str, threads: int | None,
             boundary: int, suffix: int, arms: str, replicas: str, transplants, cross,
-            ignore_eos: bool = False, compiled: bool = False) -> Repro:
+            ignore_eos: bool = False, compiled: bool = False,
+            faithful_recurrence: bool = False) -> Repro:
     """Check every option, then load the model and check what needs it (layers, context)."""
     check_model_name(model_name)
-    stack = checked_stack(backend, dtype, batch_invariant, device, threads, compiled)
+    stack = checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
+                          faithful_recurrence)
     try:
         plan = ItemPlan(boundary, suffix, tuple(a for a in arms.split(",") if a),
                         tuple(r for r in replicas.split(",") if r),
@@ -70,11 +72,13 @@ def check_model_name(model_name: str) -> None:
 
 
 def checked_stack(backend: str, dtype: str, batch_invariant: bool, device: str,
-                  threads: int | None, compiled: bool = False) -> Stack:
+                  threads: int | None, compiled: bool = False,
+                  faithful_recurrence: bool = False) -> Stack:
     """The stack of a command's options, each checked (exit 2 naming what is allowed)."""
     checks.device_and_threads(device, threads)
     try:
-        return Stack(backend, dtype, batch_invariant, device, threads, compiled)
+        return Stack(backend, dtype, batch_invariant, device, threads, compiled,
+                     faithful_recurrence=faithful_recurrence)
     except ValueError as err:
         raise BadInput(str(err)) from None
 
