@@ -6,9 +6,8 @@ sliding windows, block-local (chunked) attention, logit softcapping, attention s
 different q/k and v head dims. The output for absolute position t has the same bits however t is
 reached, because every construction runs the same arithmetic for t:
 
-* query tiles are aligned to absolute positions: position t is always row `t % BLOCK_M` of query
-  tile `t // BLOCK_M` (a decode query is padded up to that tile), so a row never changes its place
-  in a tile whatever the chunking;
+* query tiles are aligned to absolute positions: position t is always row `t % BLOCK_M` of tile
+  `t // BLOCK_M` (a decode query is padded up to it): a row never moves in its tile;
 * key/value tiles have a fixed size (per execution path) and sit at absolute multiples of
   `BLOCK_N` (not at the first held key, which moves as a window cache slides), visited in order
   with an online softmax in fp32; a key keeps its column in its tile whatever the cache holds;
