@@ -98,6 +98,7 @@ def _spec(runner: Runner, cache, construction, prompt_length: int, prefix: list[
     rng = random.Random(hashlib.sha256(repr((prefix, construction.label)).encode()).digest())
     rate = float(pattern[len("rate"):]) if pattern.startswith("rate") else None
     logits = runner.forward(as_batch(prefix[:prompt_length]), cache)
+    _rollback(cache, 0)   # a window layer keeps only its window again (its masks expect that)
     i, acceptance = prompt_length, []   # the cache covers prefix[:i]; prefix[i] is pending
     while i < len(prefix):
         truth = prefix[i + 1:i + 1 + k]              # what the drafts should be (fewer at the end)
