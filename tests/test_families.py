@@ -178,7 +178,9 @@ def test_a_cache_layer_kvfid_does_not_know_is_refused_before_compute():
     config = MistralConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
     config.layer_types = ["full_attention", "indexed_attention"]
-    with pytest.raises(KvfidError, match="layer 1 .*DynamicIndexedLayer") as refused:
+    # transformers 5.24 builds a DynamicIndexedLayer for it (a class kvfid does not read); 5.17
+    # knows no such layer type: either way exit 3, naming the layer.
+    with pytest.raises(KvfidError, match="DynamicIndexedLayer|'indexed_attention'") as refused:
         check_supports(Stack("eager", "fp32"), config, 16)
     assert refused.value.exit_code == 3
 

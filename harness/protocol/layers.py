@@ -96,9 +96,14 @@ def layer_kind(layer, config) -> str:
 
 def cache_layers(config) -> list:
     """The cache layers transformers builds for this config (no weights, no compute)."""
+    import transformers
     from transformers import DynamicCache
 
-    return list(DynamicCache(config=config).layers)
+    try:
+        return list(DynamicCache(config=config).layers)
+    except KeyError as err:   # a layer type this transformers builds no cache layer for
+        raise UnknownLayer(f"layer type {err.args[0]!r} has no cache layer in transformers "
+                           f"{transformers.__version__}") from None
 
 
 def check_known(config, model_name: str = "model") -> list[str]:
