@@ -44,9 +44,10 @@ _HALF = {"sm_80": AttentionConfig(block_n=64, max_tile_rows=64, num_warps=8, num
          # sm_100: the padding-aware kernel spilled 8 B with 4 warps and 2 stages.
          "sm_100": AttentionConfig(block_n=64, max_tile_rows=64, num_warps=8, num_stages=1, segment=SEGMENT)}
 # fp32: sm_80 and sm_90 take one stage (two left an 8 B spill for the padded prefill: sm_80 before
-# windows, sm_90 after); sm_100 two (one spilled there).
-_FP32 = {arch: AttentionConfig(block_n=16, max_tile_rows=32, num_warps=8,
-                               num_stages=2 if arch == "sm_100" else 1,
+# windows, sm_90 after); sm_100 two (one spilled there). sm_90 stacks 16 query rows, not 32: with
+# 32, triton 3.6 (the GPU image's) left an 8 B spill in its decode, prefill and padded configs.
+_FP32 = {arch: AttentionConfig(block_n=16, max_tile_rows=16 if arch == "sm_90" else 32,
+                               num_warps=8, num_stages=2 if arch == "sm_100" else 1,
                                segment=SEGMENT) for arch in _HALF}
 CONFIGS = {(arch, dtype): _FP32[arch] if dtype == torch.float32 else _HALF[arch]
            for arch in _HALF for dtype in FLOAT_DTYPES}
@@ -86,6 +87,7 @@ NO_WINDOW = 1 << 30  # the window argument when there is none: an i32, like real
 # The split path's workspace per launch at most; a longer prefill runs as query chunks.
 WORKSPACE_BYTES = 256 << 20
 # The split path's merge launch: elementwise over a tile's rows (no reduction across threads), so
-# its warps and stages cannot change bits; 4 warps and 1 stage compile without spills everywhere
-# (the path's 8 warps and 2 stages left an 8 B stack in the fp32 merge on sm_90).
-MERGE_LAUNCH = {"num_warps": 4, "num_stages": 1}
+# its warps and stages cannot change bits. 8 warps and 1 stage: with sm_90's 16-row fp32 tiles,
+# 4 warps left an 8 B stack in the fp32 merge on triton 3.6 and 3.9 (and the path's 8 warps with
+# 2 stages did before).
+MERGE_LAUNCH = {"num_warps": 8, "num_stages": 1}
