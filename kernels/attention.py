@@ -69,7 +69,7 @@ import triton.language as tl
 from . import LAUNCH_OPTIONS
 from .attention_config import (BLOCK_M, CONFIGS, INTERPRETER_CONFIG, MAX_HEAD_DIM,  # noqa: F401
                                NO_WINDOW, WIDE_CONFIGS, AttentionConfig, config_for,
-                               MERGE_LAUNCH, WORKSPACE_BYTES, group_tile_for, head_dim_pad)
+                               merge_launch, WORKSPACE_BYTES, group_tile_for, head_dim_pad)
 from .attention_reference import attention_ref  # noqa: F401  (the kernel's reference, here)
 from .attention_checks import check_inputs, check_mechanisms, first_valid_rows
 from .attention_math import merge, tanh, with_sink
@@ -318,7 +318,7 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     launch = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     if slots:  # every segment's state, then their merge in segment order
         _attention_kernel[(tiles, programs, slots)](*args, **constexprs, **launch, MERGE=False)
-        _attention_kernel[(tiles, programs)](*args, **constexprs, **MERGE_LAUNCH, MERGE=True)
+        _attention_kernel[(tiles, programs)](*args, **constexprs, **merge_launch(v_pad), MERGE=True)
     else:
         _attention_kernel[(tiles, programs)](*args, **constexprs, **launch)
     return out

@@ -87,7 +87,9 @@ NO_WINDOW = 1 << 30  # the window argument when there is none: an i32, like real
 # The split path's workspace per launch at most; a longer prefill runs as query chunks.
 WORKSPACE_BYTES = 256 << 20
 # The split path's merge launch: elementwise over a tile's rows (no reduction across threads), so
-# its warps and stages cannot change bits. 8 warps and 1 stage: with sm_90's 16-row fp32 tiles,
-# 4 warps left an 8 B stack in the fp32 merge on triton 3.6 and 3.9 (and the path's 8 warps with
-# 2 stages did before).
-MERGE_LAUNCH = {"num_warps": 8, "num_stages": 1}
+# its warps and stages cannot change bits, so they follow the padded value head dim: with sm_90's
+# 16-row fp32 tiles, 4 warps left an 8 B stack in the fp32 merge at head dim 64 (triton 3.6 and
+# 3.9) and 8 warps one at head dim 128 (3.9).
+def merge_launch(v_dim_pad: int) -> dict:
+    """The merge launch's warps and stages for a padded value head dim."""
+    return {"num_warps": 8 if v_dim_pad <= 64 else 4, "num_stages": 1}

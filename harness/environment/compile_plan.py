@@ -137,7 +137,7 @@ def _attention_target(arch: str, dtype: str, phase: str, label: str, head_dim: i
                     3 * states // 4)
     return Target("attention", "kernels.attention:_attention_kernel", arch, dtype,
                   f"{phase}{'-merge' if merge else ''}-{label}", args, constexprs,
-                  _options(**_attention.MERGE_LAUNCH) if merge
+                  _options(**_attention.merge_launch(_attention.head_dim_pad(v_dim))) if merge
                   else _options(config.num_warps, config.num_stages), dtype != "fp32" and not merge,
                   (work,))
 
