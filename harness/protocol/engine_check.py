@@ -65,19 +65,14 @@ def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: in
 
 
 def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invariant, progress):
-    from harness.protocol import items
-    from harness.protocol.models import load_model
+    from harness.protocol.trajectories import items_and_codec
 
     vllm_engine.require_vllm()
     folder = vllm_engine.model_folder(model_name)
     note = vllm_engine.batch_invariant_refusal() if batch_invariant else None
     if chunk < vllm_engine.BLOCK or chunk % vllm_engine.BLOCK:
         raise BadInput(f"--chunk {chunk}: a multiple of {vllm_engine.BLOCK} (vLLM-CPU's KV block)")
-    try:
-        chosen = items.load_item_set(item_set, count)
-    except ValueError as err:
-        raise BadInput(f"--item-set {item_set}: {err}") from None
-    codec = load_model(model_name).codec
+    chosen, codec = items_and_codec(model_name, item_set, count)
     prompts = [codec.prompt_ids(i.prompt) for i in chosen]
     say = progress or (lambda _: None)
     start = time.perf_counter()
@@ -147,17 +142,11 @@ def render(result: dict) -> str:
 def engine_rollouts(model_name: str, item_set: str, count: int, tokens: int, temperature: float,
                     seed: int, dtype: str) -> list[dict]:
     """`kvfid rollouts --engine vllm`: sampled by vLLM (seeded per request), its logprobs kept."""
-    from harness.protocol import items
-    from harness.protocol.models import load_model
-    from harness.protocol.trajectories import Trajectory, as_row
+    from harness.protocol.trajectories import Trajectory, as_row, items_and_codec
 
     vllm_engine.require_vllm()
     folder = vllm_engine.model_folder(model_name)
-    try:
-        chosen = items.load_item_set(item_set, count)
-    except ValueError as err:
-        raise BadInput(f"--item-set {item_set}: {err}") from None
-    codec = load_model(model_name).codec
+    chosen, codec = items_and_codec(model_name, item_set, count)
     prompts = [codec.prompt_ids(i.prompt) for i in chosen]
     longest = max(len(p) for p in prompts) + tokens + 1
     with vllm_engine.engine(folder, dtype, max_len=longest, seed=seed) as llm:

@@ -69,18 +69,12 @@ def _token_id(token: str, base: str) -> int:
 def server_rollouts(server: str, model_name: str, item_set: str, count: int, tokens: int,
                     temperature: float, seed: int, served: str | None = None) -> list[dict]:
     """The rows of `kvfid rollouts --server URL`: one completion per item, logprobs kept."""
-    from harness.protocol import items
-    from harness.protocol.models import load_model
-    from harness.protocol.trajectories import Trajectory, as_row
+    from harness.protocol.trajectories import Trajectory, as_row, items_and_codec
 
     base = server.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise BadInput(f"--server {server!r}: an http:// or https:// URL")
-    try:
-        chosen = items.load_item_set(item_set, count)
-    except ValueError as err:
-        raise BadInput(f"--item-set {item_set}: {err}") from None
-    codec = load_model(model_name).codec
+    chosen, codec = items_and_codec(model_name, item_set, count)
     name = served or served_model(base)
     rows = []
     for index, item in enumerate(chosen):

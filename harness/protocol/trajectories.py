@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.errors import BadInput
+
 
 @dataclass(frozen=True)
 class Trajectory:
@@ -107,3 +109,16 @@ def as_row(t: Trajectory, **extra) -> dict:
     if t.logprobs is not None:
         row["logprobs"] = list(t.logprobs)
     return {**row, **extra}
+
+
+def items_and_codec(model_name: str, item_set: str, count: int):
+    """The first `count` items of `item_set` (BadInput naming --item-set) and the model's codec:
+    what every engine-side sampler starts from."""
+    from harness.protocol import items
+    from harness.protocol.models import load_model
+
+    try:
+        chosen = items.load_item_set(item_set, count)
+    except ValueError as err:
+        raise BadInput(f"--item-set {item_set}: {err}") from None
+    return chosen, load_model(model_name).codec
