@@ -20,6 +20,12 @@ import pytest  # noqa: E402
 torch.set_num_threads(int(os.environ.get("KVFID_TEST_THREADS", "1")))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--bench-rehearsal", action="store_true",
+                     help="tests/bench: the fewest rounds (5) per benchmark, a rehearsal of the "
+                          "suite and its JSON, not a measurement")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped on CPU)")
     config.addinivalue_line("markers", "slow: loads SmolLM2 or runs the interpreter at length")

@@ -50,16 +50,18 @@ def env(fmt: str) -> None:
 @click.option("--quick", is_flag=True, help="Small shapes and a few batch sizes (seconds).")
 @click.option("--threads", type=int, default=1, show_default=True,
               help="torch threads (stock CPU results depend on it).")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes measuring the rows (on a CPU at most one per core: cores / threads).")
 @click.option("--out", type=click.Path(file_okay=False),
               help="Also write kernels.json and kernels.md into OUT/<environment key>/.")
 @fmt_option
-def kernels(dtypes, device, quick, threads, out, fmt) -> None:
+def kernels(dtypes, device, quick, threads, jobs, out, fmt) -> None:
     """Bitwise batch-invariance and prefill-vs-decode verdicts for every op and implementation;
     exit 1 if an implementation that claims invariance is not invariant."""
     from harness.reports.invariance_table import render_table
     from harness.tasks.kernel_commands import kernel_verdicts
 
-    result, written = kernel_verdicts(dtypes, device, quick, threads, out,
+    result, written = kernel_verdicts(dtypes, device, quick, threads, out, jobs=jobs,
                                       progress=lambda m: click.echo(m, err=True))
     if written:
         click.echo(f"kernels: {written}", err=True)

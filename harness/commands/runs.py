@@ -21,6 +21,9 @@ from harness.commands.options import db_option, exit_with, fmt_option, reports_o
               "(with different --shard) fill one run.")
 @click.option("--shard", default="0/1", show_default=True, metavar="I/N",
               help="Run every N-th item, starting at item I.")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes on this machine, each taking every N-th item (one-thread CPU "
+              "stacks: one per core).")
 @click.option("--report", "write_report", is_flag=True, help="Also write the run report.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def run(**options) -> None:
@@ -152,14 +155,16 @@ def compare_command(fmt, **options) -> None:
               help="The fidelity case (default: the GPU case with CUDA, else smollm2-cpu).")
 @click.option("--items", type=int, help="Only the first N items of the case.")
 @click.option("--quick", is_flag=True, help="Quick kernel comparison and no speed benches.")
-def bench(reports, db, case_path, items, quick) -> None:
+@click.option("--jobs", type=click.IntRange(min=1), help="Processes for the kernel table and "
+              "the fidelity case (default: on a CPU one per core, else 1).")
+def bench(reports, db, case_path, items, quick, jobs) -> None:
     """Everything `make bench` does: environment, kernel table, speed benches, the default
     fidelity case, its report and reports/index.md; exit 1 if a claimed invariance fails."""
     from harness.tasks.bench import run_bench
 
     start = time.perf_counter()
     outcome = run_bench(reports, db, case_path, kernels_quick=quick, speed=not quick,
-                        items=items)
+                        items=items, jobs=jobs)
     for name, path in outcome.files.items():
         click.echo(f"{name}: {path}", err=True)
     click.echo(outcome.text(time.perf_counter() - start))

@@ -218,12 +218,57 @@ def _run_one(impl: Implementation, dtype: torch.dtype, device: torch.device, sha
             "rows_alone": len(rows), "batch": batch, "sequence": sequence, "ok": ok}
 
 
+def measure_rows(pairs, device: str, shapes: Shapes, batch_sizes: Sequence[int], seed: int,
+                 progress: Callable[[str], None] | None = None) -> tuple[list[dict], list[dict]]:
+    """Each (op, implementation name, dtype) of `pairs` through `_run_one`, in order; the rows and
+    the tiled-mode call shapes probed in this process on the way (kernels.mode_tiled)."""
+    from kernels import mode_tiled
+    from kernels.mode import set_batch_invariant_mode
+
+    rows = []
+    for op, name, dtype in pairs:
+        impl = IMPLEMENTATIONS[op, name]
+        if progress:
+            progress(f"{op} / {name} / {dtype}")
+        with set_batch_invariant_mode(impl.mode is not None, impl=impl.mode or "triton"):
+            tick = time.perf_counter()
+            row = _run_one(impl, DTYPES[dtype], torch.device(device), shapes, batch_sizes, seed)
+        row["seconds"] = round(time.perf_counter() - tick, 3)
+        rows.append(row)
+    return rows, mode_tiled.verdicts()
+
+
+def _row_in_a_process(pair, device, shapes, batch_sizes, seed, threads):
+    """One row and the tiled-mode probes of its process (a worker of `_rows_in_processes`)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    with torch.inference_mode():
+        rows, probes = measure_rows([pair], device, shapes, batch_sizes, seed)
+    return rows[0], probes
+
+
+def _rows_in_processes(pairs, device, shapes, batch_sizes, seed, threads, jobs, progress):
+    """`measure_rows` over `jobs` processes: the same rows in the same order, and the union of
+    the processes' tiled-mode probes (each call shape once). The Triton rows go first."""
+    from harness.environment.invariance_jobs import in_processes
+
+    def done(pair, result):
+        if progress:
+            progress(f"{' / '.join(pair)} ({result[0]['seconds']:.1f} s)")
+    found = in_processes(_row_in_a_process, pairs, jobs, done=done,
+                         cost=lambda pair: not IMPLEMENTATIONS[pair[0], pair[1]].triton,
+                         args=(device, shapes, batch_sizes, seed, threads))
+    probes = {repr(sorted(p.items())): p for _, some in found for p in some}
+    return [row for row, _ in found], list(probes.values())
+
+
 # ---- the comparison ----------------------------------------------------------------------------
 
 def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu", quick: bool = False,
                     *, ops: Sequence[str] | None = None, impls: Sequence[str] | None = None,
                     batch_sizes: Sequence[int] | None = None, threads: int | None = None,
-                    seed: int = 0, progress: Callable[[str], None] | None = None) -> dict:
+                    seed: int = 0, progress: Callable[[str], None] | None = None,
+                    jobs: int = 1) -> dict:
     """Run every (op, implementation, dtype) through the batch and sequence checks.
 
     Returns a JSON-ready dict: `ok` (False when an implementation fails an invariance it claims),
@@ -231,9 +276,9 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
     the shapes, the environment record and its key, and the duration. `quick`: small shapes and
     QUICK_BATCH_SIZES (for tests); batch sizes default to BATCH_SIZES otherwise. `stock_probes`:
     stock mm and SDPA searched over a grid of shapes for a witness of variance (harness.environment.probes).
+    `jobs` > 1: the rows measured in that many processes (harness.environment.invariance_jobs).
     """
     import kernels  # selects the Triton interpreter before triton loads, when there is no CUDA
-    from kernels.mode import set_batch_invariant_mode
 
     names = {name for _, name in IMPLEMENTATIONS}
     checks = (("dtypes", dtypes, DTYPES), ("ops", ops, OPS), ("implementations", impls, names))
@@ -258,27 +303,20 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
     selected = [i for i in selected if not why_not(i)]
 
     started = time.perf_counter()
-    rows = []
+    pairs = [(impl.op, impl.name, dtype) for impl in selected for dtype in dtypes]
     with contextlib.ExitStack() as restore:
         if threads is not None:
             restore.callback(torch.set_num_threads, torch.get_num_threads())
             torch.set_num_threads(threads)
         restore.enter_context(torch.inference_mode())
         environment = envinfo.collect()
-        for impl in selected:
-            for dtype in dtypes:
-                if progress:
-                    progress(f"{impl.op} / {impl.name} / {dtype}")
-                with set_batch_invariant_mode(impl.mode is not None, impl=impl.mode or "triton"):
-                    tick = time.perf_counter()
-                    row = _run_one(impl, DTYPES[dtype], torch_device, shapes, batch_sizes, seed)
-                row["seconds"] = round(time.perf_counter() - tick, 3)
-                rows.append(row)
+        if jobs > 1:
+            rows, tiled_probes = _rows_in_processes(pairs, device, shapes, batch_sizes, seed,
+                                                    threads, jobs, progress)
+        else:
+            rows, tiled_probes = measure_rows(pairs, device, shapes, batch_sizes, seed, progress)
         stock_probes = probe_stock(dtypes, device)
         threads_used = torch.get_num_threads()
-    from kernels import mode_tiled
-
-    tiled_probes = mode_tiled.verdicts()  # every tiled-mode call shape probed in this process
     return {
         "ok": all(r["ok"] for r in rows),
         "device": str(torch_device),

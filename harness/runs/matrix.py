@@ -256,8 +256,7 @@ def measure(prepared: Prepared, ledger: Ledger, shard: Shard = Shard(),
             progress: bool = True) -> RunResult:
     """Measure the prepared case's units not yet stored into `ledger`."""
     case, matrix, key = prepared.case, prepared.matrix, prepared.key
-    run = prepared.existing or _create_or_join(ledger, prepared.run_id, case,
-                                               prepared.environment, key)
+    run = start_run(prepared, ledger)
     stored = ledger.stored_units(run.id)
     units = plan_units(case, shard)
     todo = [u for u in units if (u.item_index, u.stack) not in stored]
@@ -317,13 +316,17 @@ def _existing_run(ledger: Ledger | None, run_id: str | None, must_exist: bool):
     return run
 
 
-def _create_or_join(ledger: Ledger, run_id: str | None, case: Case, environment: dict, key: str):
-    """A new run; when another shard created the same run id first, that run."""
+def start_run(prepared: Prepared, ledger: Ledger):
+    """The run `prepared` measures into: the stored one it continues, else a new one (or, when
+    another shard created the same run id first, that run)."""
+    if prepared.existing:
+        return prepared.existing
     try:
-        return ledger.create_run(run_id or new_run_id(), case, environment, key)
+        return ledger.create_run(prepared.run_id or new_run_id(), prepared.case,
+                                 prepared.environment, prepared.key)
     except sqlite3.IntegrityError:
-        run = ledger.run(run_id)
-        _check_continues(run, case, key)
+        run = ledger.run(prepared.run_id)
+        _check_continues(run, prepared.case, prepared.key)
         return run
 
 

@@ -9,6 +9,7 @@ the headline, since one run on a shared CPU is too noisy to fail a build on.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -39,12 +40,13 @@ def _log(message: str) -> None:
 
 def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
               case: str = "default", *, kernels_quick: bool = False, speed: bool = True,
-              items: int | None = None) -> BenchOutcome:
+              items: int | None = None, jobs: int | None = None) -> BenchOutcome:
     """Run every `make bench` step; return the headline and the files written."""
     from harness.environment import envinfo, invariance
     from harness.runs.case import load_case
     from harness.tasks.launch import resolve_case
     from harness.reports.invariance_table import write_result
+    from harness.tasks.local_shards import default_jobs
     from harness.tasks.publish import publish
 
     chosen = load_case(resolve_case(case))      # a bad case is refused before any compute
@@ -66,7 +68,8 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
     kernels = invariance.compare_kernels(quick=kernels_quick, threads=1,
                                          device="cuda" if cuda else "cpu", progress=_log,
                                          batch_sizes=None if cuda or kernels_quick
-                                         else invariance.QUICK_BATCH_SIZES)
+                                         else invariance.QUICK_BATCH_SIZES,
+                                         jobs=jobs or (1 if cuda else os.cpu_count() or 1))
     out.files["kernels"] = str(write_result(kernels, reports))
     out.seconds["kernels"] = time.perf_counter() - start
     out.invariance_ok = kernels["ok"]
@@ -80,7 +83,9 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
         out.seconds["speed"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    done = publish(chosen, db, reports=reports, index_ledger=True, items=items, progress=True)
+    jobs = jobs or default_jobs(chosen, cuda)    # one-thread CPU stacks: a process per core
+    done = publish(chosen, db, reports=reports, index_ledger=True, items=items, progress=True,
+                   jobs=jobs)
     out.files.update({name: str(path) for name, path in done.files.items()})
     out.seconds["fidelity"] = time.perf_counter() - start
     out.lines += [f"fidelity: run {done.result.run_id} of {chosen.name} ({done.result.status}), "
@@ -98,13 +103,13 @@ def _tiled_line() -> str:
 
 
 def bench_command(json_path: Path, quick: bool = False) -> list[str]:
-    """The pytest-benchmark run of tests/bench writing `json_path`; `quick`: fp32 kernel decode
-    cases, one round each (a rehearsal, not a measurement; no model steps)."""
+    """The pytest-benchmark run of tests/bench writing `json_path`; `quick`: the fp32 attention
+    and matmul decode cases, 5 rounds each (a rehearsal, not a measurement; no model steps)."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/bench",
                "--benchmark-only", f"--benchmark-json={json_path}"]
     if quick:
-        command += ["--benchmark-min-rounds=1", "--benchmark-max-time=0.001",
-                    "--benchmark-warmup=off", "-k", "decode and fp32 and not model"]
+        command += ["--bench-rehearsal", "--benchmark-warmup=off", "-k",
+                    "decode and fp32 and not model and (attention or matmul)"]
     return command
 
 

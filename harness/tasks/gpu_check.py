@@ -54,10 +54,11 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
         # its bits checked; its JSON lines land in gpu-check.json (the step's tail).
         Step("split", [py, "-m", "harness.environment.split_bench"] + (["--dry-run"] if dry_run else []),
              120),
+        # Dry run: one file's GPU tests (each skips on a CPU; collecting all of tests/ costs 10 s).
         Step("gpu-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                           "tests"], 120),
-        Step("kernels", cli + ["kernels", "--format", "json"] + (["--quick"] if dry_run else []),
-             60, "kernels.json"),
+                           "tests/test_kernel_gpu.py" if dry_run else "tests"], 120),
+        Step("kernels", cli + ["kernels", "--format", "json"]
+             + (["--quick", "--dtypes", "fp32"] if dry_run else []), 60, "kernels.json"),
         Step("bench", bench, 90),
         Step("fidelity", cli + ["run", case, "--db", db, "--quiet"]
              + ([] if dry_run else ["--items", "32"]), 240),

@@ -14,7 +14,7 @@ def _split(text: str | None) -> tuple[str, ...] | None:
 
 
 def kernel_verdicts(dtypes: str, device: str | None, quick: bool, threads: int, out=None,
-                    progress=None) -> tuple[dict, object]:
+                    progress=None, jobs: int = 1) -> tuple[dict, object]:
     """The batch-invariance and prefill-vs-decode verdicts (`invariance.compare_kernels`) and,
     with `out`, the file they were written to."""
     from harness.environment import invariance
@@ -24,7 +24,7 @@ def kernel_verdicts(dtypes: str, device: str | None, quick: bool, threads: int, 
     device = checks.device_and_threads(device, threads)
     try:
         result = invariance.compare_kernels(_split(dtypes) or (), device, quick, threads=threads,
-                                            progress=progress)
+                                            progress=progress, jobs=jobs)
     except ValueError as err:
         raise BadInput(str(err)) from None
     return result, (write_result(result, out) if out else None)

@@ -42,7 +42,7 @@ class Launched:
 
 def launch(case_name: str, item_count: int | None = None, db=None, resume: str | None = None,
            run_id: str | None = None, shard: str = "0/1", write_report: bool = False,
-           quiet: bool = False) -> Launched:
+           quiet: bool = False, jobs: int = 1) -> Launched:
     """Run the case into the ledger (see the module docstring)."""
     from harness.runs import distributed, matrix
     from harness.runs.case import load_case
@@ -54,8 +54,9 @@ def launch(case_name: str, item_count: int | None = None, db=None, resume: str |
     shard_spec = matrix.parse_shard(shard)
     path = db_path(db)
     ranked = distributed.torchrun_rank()
-    if ranked and (resume or shard != "0/1"):
-        raise BadInput("under torchrun each rank takes its shard itself; drop --shard/--resume")
+    if ranked and (resume or shard != "0/1" or jobs > 1):
+        raise BadInput("under torchrun each rank takes its shard itself; drop "
+                       "--shard/--resume/--jobs")
     try:
         if ranked:
             result = distributed.run_ranked(case, path, ranked, items=item_count, run_id=run_id,
@@ -66,7 +67,7 @@ def launch(case_name: str, item_count: int | None = None, db=None, resume: str |
         else:
             published = run_and_publish(case, path, report=write_report, items=item_count,
                                         run_id=run_id, resume=resume, shard=shard_spec,
-                                        progress=not quiet)
+                                        progress=not quiet, jobs=jobs)
     except matrix.RunInterrupted as stop:
         raise Interrupted(f"what was measured is stored; `kvfid run {case_name} --resume "
                           f"{stop.run_id}` continues run {stop.run_id}") from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.errors import BadInput
 from harness.runs import matrix
 from harness.runs.ledger import Ledger
 
@@ -32,14 +33,20 @@ class Published:
 def publish(case, db: str | Path, *, reports: str | Path = "reports", report: bool = True,
             index_ledger: bool = False, items: int | None = None, run_id: str | None = None,
             resume: str | None = None, shard: matrix.Shard = matrix.Shard(), model=None,
-            progress: bool = True) -> Published:
+            progress: bool = True, jobs: int = 1) -> Published:
     """Run `case` into the ledger at `db`, aggregate it, and (with `report`) write its report
     under `reports` and update the index; `index_ledger` also lists the ledger's runs that have
-    no report in the index (what `kvfid bench` does)."""
+    no report in the index (what `kvfid bench` does). `jobs` > 1: over that many processes of
+    this machine (harness.tasks.local_shards; not with a `shard` of its own)."""
+    from harness.tasks import local_shards
+
+    if jobs > 1 and shard != matrix.Shard():
+        raise BadInput("--jobs splits the items itself; drop --shard")
     check = lambda ledger: matrix.prepare(case, ledger, items=items, run_id=run_id,
                                           resume=resume, model=model)
     with matrix.opened(db, check) as (ledger, prepared):
-        result = matrix.measure(prepared, ledger, shard, progress)
+        result = (local_shards.measure(prepared, ledger, jobs, progress) if jobs > 1
+                  else matrix.measure(prepared, ledger, shard, progress))
         return publish_run(ledger, result, reports=reports, report=report,
                            index_ledger=index_ledger)
 

@@ -159,6 +159,12 @@ def work(case: Case) -> tuple[int, int]:
     return 2 * case.rows * case.width * size, 4 * case.rows * case.width
 
 
+def budget(config, seconds: float) -> float:
+    """Seconds of timed rounds per benchmark: `seconds`, or none beyond the 5 rounds under
+    `--bench-rehearsal`."""
+    return 0.0 if config.getoption("bench_rehearsal", default=False) else seconds
+
+
 def schedule(fn, budget_s: float) -> tuple[int, int]:
     """(rounds, iterations): a round lasts at least 1 ms; about `budget_s` in all, 5 rounds at least."""
     fn()  # warm-up: Triton compiles (GPU) or builds its interpreter state, caches fill
@@ -171,12 +177,13 @@ def schedule(fn, budget_s: float) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("case,impl", PARAMS)
-def test_bench(benchmark, case, impl):
+def test_bench(benchmark, request, case, impl):
     benchmark.group = case.id
     args = inputs(case)
     mode = contextlib.nullcontext() if impl.mode is None else set_batch_invariant_mode(impl=impl.mode)
     with mode, torch.inference_mode():  # the mode is entered once, outside the timer
-        rounds, iterations = schedule(lambda: impl.run(*args), budget_s=0.3 if CUDA else 0.5)
+        rounds, iterations = schedule(lambda: impl.run(*args),
+                                      budget_s=budget(request.config, 0.3 if CUDA else 0.5))
         benchmark.pedantic(impl.run, args=args, rounds=rounds, iterations=iterations)
         do_bench_ms = None
         if CUDA:
