@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal, max_abs_diff,
-                     randn)
+from helpers import (BATCH_SIZES, CHECKED_ROWS, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal,
+                     max_abs_diff, randn)
 
 from harness.protocol.twins import matmul_twin
 from kernels.matmul import bmm, matmul, matmul_ref
@@ -47,10 +47,6 @@ def linear_rowwise(a, w, bias):
 PATHS = {"kernel": linear_kernel, "mode-rowwise": linear_rowwise}
 
 
-# Rows compared for the interpreted kernel (each needs its own one-row launch, and the interpreter
-# pays per launch): the first and last row of every batch, the rows one below, at and one above
-# each 16-row tile edge up to 64, and two rows inside tiles. The stock-op paths compare every row.
-CHECKED_ROWS = sorted({0, 1, 7, 15, 16, 17, 31, 32, 33, 63, 64, 100} | {n - 1 for n in BATCH_SIZES})
 ALL_ROWS = range(max(BATCH_SIZES))
 
 
