@@ -108,6 +108,7 @@ def test_every_position_same_bits_in_prefill_chunks_and_decode(heads, dtype, eve
 # (batch is a grid axis, read by no arithmetic) and the interpreter pays per program (the
 # 12 sizes summed to 356 programs a dtype), so a few sizes, odd and even, up to one past 32.
 ATTENTION_BATCH_SIZES = (2, 3, 8, 17, 33)
+assert set(ATTENTION_BATCH_SIZES) <= set(BATCH_SIZES)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
