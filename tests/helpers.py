@@ -25,6 +25,11 @@ TOLERANCES = {
 
 # Batch sizes a row is placed among for the bitwise batch-invariance checks.
 BATCH_SIZES = (2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 64, 128)
+# Rows of each batch an interpreted row-tiled kernel's batch check compares with the row alone
+# (each row alone is its own launch, and the interpreter pays per launch): every batch's first
+# and last row, the rows one below, at and one above each 16-row tile edge up to 64, and two rows
+# inside tiles. Checks of stock-op paths compare every row.
+CHECKED_ROWS = tuple(sorted({0, 1, 7, 15, 16, 17, 31, 32, 33, 63, 64, 100} | {n - 1 for n in BATCH_SIZES}))
 
 
 def device() -> torch.device:

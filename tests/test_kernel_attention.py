@@ -66,21 +66,36 @@ BLOCK_N = max(config_for(device(), dtype).block_n for dtype in DTYPES)
 assert LENGTH > BLOCK_N and LENGTH % BLOCK_M and LENGTH % BLOCK_N
 
 
-def constructions(length: int) -> dict[str, list[int]]:
-    """Chunk boundaries of each construction of positions 0..length-1 (decode: one per step)."""
+def constructions(length: int, every_decode: bool = True) -> dict[str, list[int]]:
+    """Chunk boundaries of each construction of positions 0..length-1 (decode: one per step).
+    Without `every_decode`, decode steps only one below, at and one above the first query-tile
+    edge and the key-tile edge, and at the last position, with chunks between (a decode step is
+    one stateless launch for one position: interpreter time is per launch)."""
     chunks = {f"chunks-{n}": list(range(0, length, n)) + [length] for n in (5, 16, 37)}
     prompt_then_chunks = [0] + list(range(13, length, 9)) + [length]  # a 13-token prompt, then 9s
-    return {"decode": list(range(length + 1)), **chunks, "prompt-13-then-chunks-9": prompt_then_chunks}
+    if every_decode:
+        decode = {"decode": list(range(length + 1))}
+    else:
+        steps = {p for edge in (BLOCK_M, BLOCK_N) for p in (edge - 1, edge, edge + 1)} | {length - 1}
+        steps = {p for p in steps if p < length}
+        decode = {"decode-at-edges": sorted({0, length} | steps | {p + 1 for p in steps})}
+    return {**decode, **chunks, "prompt-13-then-chunks-9": prompt_then_chunks}
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("heads", [(3, 1, 64, LENGTH), (2, 1, 128, 40)],
-                         ids=["Hq3-Hkv1-D64-T140", "Hq2-Hkv1-D128-T40"])
-def test_every_position_same_bits_in_prefill_chunks_and_decode(heads, dtype):
+# The interpreter path computes in fp32 whatever the input dtype (a dtype changes the loads and
+# the output cast): the 140-position case in fp32 (every position decoded) and bf16 (decoded at
+# the edges), the head-dim-128 case in fp16.
+CONSTRUCTION_CASES = [((3, 1, 64, LENGTH), torch.float32, True), ((3, 1, 64, LENGTH), torch.bfloat16, False),
+                      ((2, 1, 128, 40), torch.float16, True)]
+
+
+@pytest.mark.parametrize("heads,dtype,every_decode", CONSTRUCTION_CASES,
+                         ids=["Hq3-Hkv1-D64-T140-fp32", "Hq3-Hkv1-D64-T140-bf16", "Hq2-Hkv1-D128-T40-fp16"])
+def test_every_position_same_bits_in_prefill_chunks_and_decode(heads, dtype, every_decode):
     n_q, n_kv, head_dim, length = heads
     q, k, v = make_qkv(1, n_q, n_kv, length, head_dim, dtype)
     prefill = attention(q, k, v)  # reference construction: one prefill
-    for name, bounds in constructions(length).items():
+    for name, bounds in constructions(length, every_decode).items():
         out = by_chunks(q, k, v, bounds)  # the same positions, built another way
         bad = differing_positions(out, prefill)  # compare, position by position
         assert not bad, (f"{name}: positions {bad} differ from prefill; max |diff| = "
@@ -89,15 +104,22 @@ def test_every_position_same_bits_in_prefill_chunks_and_decode(heads, dtype):
 
 # ---- fidelity: batch ---------------------------------------------------------------------------
 
+# Batch sizes for attention, a subset of helpers.BATCH_SIZES: a sequence is its own program
+# (batch is a grid axis, read by no arithmetic) and the interpreter pays per program (the
+# 12 sizes summed to 356 programs a dtype), so a few sizes, odd and even, up to one past 32.
+ATTENTION_BATCH_SIZES = (2, 3, 8, 17, 33)
+assert set(ATTENTION_BATCH_SIZES) <= set(BATCH_SIZES)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_row_alone_equals_row_in_any_batch(dtype):
-    # A 3-query chunk over 21 keys (one program per sequence, so 12 batch sizes stay cheap). The
-    # probe sequence is placed last among different sequences.
-    q, k, v = make_qkv(max(BATCH_SIZES), 2, 1, 21, 16, dtype, seed=1)
+    # A 3-query chunk over 21 keys (one program per sequence). The probe sequence is placed last
+    # among different sequences.
+    q, k, v = make_qkv(max(ATTENTION_BATCH_SIZES), 2, 1, 21, 16, dtype, seed=1)
     q = q[:, :, -3:]
     probe = [t[-1:] for t in (q, k, v)]
     alone = attention(*probe)
-    for n in BATCH_SIZES:
+    for n in ATTENTION_BATCH_SIZES:
         batch = [torch.cat([t[:n - 1], p]) for t, p in zip((q, k, v), probe)]
         assert_bitwise_equal(attention(*batch)[-1:], alone, f"probe as row {n - 1} of a batch of {n}")
 
@@ -120,11 +142,11 @@ def test_control_the_construction_check_catches_a_split_kv_twin(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_control_the_batch_check_catches_a_split_kv_twin(dtype):
     """Twin of the batch test: a split count chosen from the batch size is caught at every size."""
-    q, k, v = make_qkv(max(BATCH_SIZES), 2, 1, 21, 16, dtype, seed=1)
+    q, k, v = make_qkv(max(ATTENTION_BATCH_SIZES), 2, 1, 21, 16, dtype, seed=1)
     q = q[:, :, -3:]
     probe = [t[-1:] for t in (q, k, v)]
     alone = attention_twin(*probe)
-    for n in BATCH_SIZES:
+    for n in ATTENTION_BATCH_SIZES:
         out = attention_twin(*(torch.cat([t[:n - 1], p]) for t, p in zip((q, k, v), probe)))[-1:]
         assert not bits_equal(out, alone), f"batch of {n}: the twin was not caught"
 

@@ -6,6 +6,13 @@ steps and chunks over a window cache (the kernel told where the held keys start)
 with left padding equal the row alone; and the twin whose key tiles start at the first *held* key
 (not at absolute 0), which must fail the same check. Small tiles (`SMALL`) make short sequences
 cross several key tiles and windows, cheaply in the interpreter.
+
+Interpreter time is per launch. A decode step over a window cache is one stateless launch whose
+keys (the last `held_span` ones) depend on its position only, so the decode schedule runs every
+position once and the other schedules chunk (a prompt, then chunks: their decode steps would
+repeat the decode schedule's launches exactly). Every local variant runs in fp32; bf16 (the
+interpreter path computes in fp32 after the loads, so the dtype changes loads and the output
+cast only) runs the combined chunk-40-window-30.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ SMALL = AttentionConfig(block_n=32, max_tile_rows=64, num_warps=4, num_stages=1,
 LENGTH = 90  # positions: three 32-key tiles, the last one partial
 LOCAL = {"window-20": {"window": 20}, "window-45": {"window": 45}, "chunk-24": {"chunk": 24},
          "chunk-40-window-30": {"chunk": 40, "window": 30}}
-DTYPES = (torch.float32, torch.bfloat16)  # fp16 shares bf16's path; interpreter time
+# fp16 shares bf16's path; each variant in fp32, the combined one in bf16 too (module docstring)
+CASES = [(name, torch.float32) for name in LOCAL] + [("chunk-40-window-30", torch.bfloat16)]
+CASE_IDS = [f"{name}-fp32" for name in LOCAL] + ["chunk-40-window-30-bf16"]
 
 
 def qkv(dtype, batch=1, n_q=2, n_kv=1, length=LENGTH, head_dim=16, seed=0):
@@ -48,7 +57,7 @@ def by_window_cache(q, k, v, bounds, local, config=SMALL, **options):
 
 def schedules(length):
     return {"decode": list(range(length + 1)), "chunks-7": list(range(0, length, 7)) + [length],
-            "prompt-33-then-decode": [0] + list(range(33, length + 1))}
+            "prompt-33-then-chunks-9": [0] + list(range(33, length, 9)) + [length]}
 
 
 def differing(a, b):
@@ -57,8 +66,7 @@ def differing(a, b):
 
 # ---- correctness -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=("fp32", "bf16"))
-@pytest.mark.parametrize("name", LOCAL)
+@pytest.mark.parametrize("name,dtype", CASES, ids=CASE_IDS)
 def test_local_attention_matches_fp64_reference(name, dtype):
     local = LOCAL[name]
     q, k, v = qkv(dtype, batch=2, n_q=4, n_kv=2)
@@ -80,8 +88,7 @@ def test_control_the_reference_check_sees_the_window():
 
 # ---- fidelity: every position, full cache or window cache --------------------------------------
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=("fp32", "bf16"))
-@pytest.mark.parametrize("name", LOCAL)
+@pytest.mark.parametrize("name,dtype", CASES, ids=CASE_IDS)
 def test_window_cache_constructions_give_the_prefill_bits(name, dtype):
     local = LOCAL[name]
     q, k, v = qkv(dtype)
@@ -102,13 +109,15 @@ def test_window_cache_at_the_interpreter_tiles():
 
 
 def test_control_tiles_from_the_first_held_key_are_caught():
-    """Twin: key tiles aligned to held positions (correct, but they move as the window slides)."""
+    """Twin: key tiles aligned to held positions (correct, but they move as the window slides);
+    the window-cache check fails on it in each chunked schedule (decode: interpreter time)."""
     local = LOCAL["window-20"]
     q, k, v = qkv(torch.float32)
     prefill = attention_into(torch.empty_like(q), q, k, v, config=SMALL, align_absolute=False, **local)
-    out = by_window_cache(q, k, v, schedules(LENGTH)["decode"], local, align_absolute=False)
-    assert_close_to_ref(out, attention_ref(q.double(), k.double(), v.double(), **local), torch.float32)
-    assert differing(out, prefill), "the held-aligned twin passed the window-cache check"
+    for schedule in ("chunks-7", "prompt-33-then-chunks-9"):
+        out = by_window_cache(q, k, v, schedules(LENGTH)[schedule], local, align_absolute=False)
+        assert_close_to_ref(out, attention_ref(q.double(), k.double(), v.double(), **local), torch.float32)
+        assert differing(out, prefill), f"{schedule}: the held-aligned twin passed the window-cache check"
 
 
 # ---- fidelity: left padding and neighbours under a window cache --------------------------------
@@ -124,7 +133,10 @@ def test_padded_row_with_a_window_cache_equals_the_row_alone():
     for t, p in zip(batch, probe):
         t[row, :, width - 40:] = p[0]
     first_valid = torch.tensor([0, width - 40, 30])
-    bounds = [0, 60] + list(range(61, width + 1))
+    # A 60-token prompt (its cache then starts among the probe's pads: 60 - 19 < 50), decode steps
+    # while the held start leaves the pads (60, 61, 68-70: own window start 0 at padded 69) and
+    # at the probe's key-tile edge (own 32: padded 81, 82) and its last position; chunks between.
+    bounds = [0, 60, 61, 62, 68, 69, 70, 71, 81, 82, 83, 89, width]
     for align_own in (True, False):
         outs = []
         for s, e in zip(bounds, bounds[1:]):

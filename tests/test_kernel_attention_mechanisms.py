@@ -1,6 +1,15 @@
 """kernels.attention with logit softcapping, attention sinks, different q/k and v head dims (MLA)
 and head dims up to 256: each against fp64 (with a control showing the check sees the mechanism),
-and every position's bits the same in prefill, chunks and decode."""
+and every position's bits the same in prefill, chunks and decode.
+
+Sizes: 32-key tiles (`SMALL`) over LENGTH 70 positions, so keys cross tile edges at 32 and 64 and
+the window of 20 moves its first key across the edge at 32 (at position 51). Interpreter time is
+per launch: a decode step is one stateless launch for one position, so `SCHEDULES` decodes the
+positions one below, at and one above each such edge and the last one, and chunks the rest. Each
+mechanism runs in one dtype (the interpreter path computes in fp32 whatever the input dtype; a
+dtype changes the loads and the output cast only), bf16 and fp32 both among them, and the
+combined sinks-window-softcap in both.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +21,6 @@ from kernels.attention import AttentionConfig, attention, attention_ref
 
 SMALL = AttentionConfig(block_n=32, max_tile_rows=64, num_warps=4, num_stages=1, use_dot=False)
 LENGTH = 70
-DTYPES = (torch.float32, torch.bfloat16)
 SINKS = torch.tensor([0.5, -1.0, 2.0, 0.0])  # one per query head (4 over 2 kv heads)
 VARIANTS = {  # name: (q/k head dim, v head dim, keyword arguments)
     "softcap": (32, 32, {"softcap": 2.0}),
@@ -21,6 +29,15 @@ VARIANTS = {  # name: (q/k head dim, v head dim, keyword arguments)
     "d256": (256, 256, {}),
     "sinks-window-softcap": (64, 64, {"sinks": SINKS, "window": 20, "softcap": 3.0}),
 }
+BF16, FP32 = torch.bfloat16, torch.float32
+CASES = [("softcap", BF16), ("sinks", FP32), ("mla-48-32", BF16), ("d256", FP32),
+         ("sinks-window-softcap", FP32), ("sinks-window-softcap", BF16)]
+CASE_IDS = [f"{name}-{'fp32' if dtype == FP32 else 'bf16'}" for name, dtype in CASES]
+# Decode steps at 31-33, 50-52 (window start crossing 32), 63-65 and 69, chunks between them;
+# and a 33-token prompt, a 7-token chunk, then 9-token chunks.
+SCHEDULES = {"chunks-and-decode-at-edges": [0, 10, 31, 32, 33, 34, 50, 51, 52, 53, 63, 64, 65, 66,
+                                            69, LENGTH],
+             "prompt-33-then-chunks-9": [0, 33] + list(range(40, LENGTH, 9)) + [LENGTH]}
 
 
 def qkv(dtype, qk_dim, v_dim, length=LENGTH, batch=1, seed=0):
@@ -35,8 +52,7 @@ def as_ref(kwargs):
     return {n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in kwargs.items()}
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=("fp32", "bf16"))
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name,dtype", CASES, ids=CASE_IDS)
 def test_mechanism_matches_fp64_reference(name, dtype):
     qk_dim, v_dim, kwargs = VARIANTS[name]
     q, k, v = qkv(dtype, qk_dim, v_dim, batch=2)
@@ -72,13 +88,12 @@ def test_sinks_follow_gpt_oss_eager_attention():
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=("fp32", "bf16"))
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name,dtype", CASES, ids=CASE_IDS)
 def test_mechanism_every_position_same_bits_in_prefill_chunks_and_decode(name, dtype):
     qk_dim, v_dim, kwargs = VARIANTS[name]
     q, k, v = qkv(dtype, qk_dim, v_dim)
     prefill = attention(q, k, v, config=SMALL, **kwargs)
-    for bounds in (list(range(LENGTH + 1)), [0, 33] + list(range(40, LENGTH, 9)) + [LENGTH]):
+    for bounds in SCHEDULES.values():
         out = torch.cat([attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e], config=SMALL, **kwargs)
                          for s, e in zip(bounds, bounds[1:])], dim=2)
         bad = [t for t in range(LENGTH) if not bits_equal(out[:, :, t], prefill[:, :, t])]

@@ -24,14 +24,18 @@ for _dtype in DTYPES:   # the probe's keys cross a key-tile edge in every dtype'
     _block_n = config_for(device(), _dtype).block_n
     assert (WIDTH - PROBE_LEN) // _block_n != (WIDTH - 1) // _block_n
 HQ, HKV, HEAD_DIM = 2, 1, 16
-BATCH_SIZES = range(2, 17)
-FEW_BATCH_SIZES = (2, 9, 16)  # for the other dtypes and the NaN check (interpreter time)
+# Batch sizes (a row's bits cannot depend on the grid's batch axis; the sizes vary where the probe
+# sits and among which neighbours). The seeded rows (`padded_batch`): n=2 puts the probe first,
+# n=3 last, n=5 in the middle among 4 neighbours of 17-140 positions, n=16 at row 7 of 16.
+BATCH_SIZES = (2, 3, 5, 16)
+FEW_BATCH_SIZES = (3, 16)  # for bf16 and fp16 (last row; among 15); interpreter time
 SHORT = 48
 
 # Chunk bounds over the padded batch: a prefill; and a prompt chunk, 7-token chunks (one starts
-# among the probe's pad positions), then 6 decode steps.
+# among the probe's pad positions, one holds its first position, 116, one crosses its query-tile
+# edge, own position 16 = padded 132), a 3-token chunk, then 2 decode steps (its last positions).
 SCHEDULES = {"prefill": [0, WIDTH],
-             "chunks-then-decode": [0, 107, 114, 121, 128, 135] + list(range(136, WIDTH + 1))}
+             "chunks-then-decode": [0, 107, 114, 121, 128, 135, 138, 139, WIDTH]}
 
 
 def probe_qkv(dtype):
@@ -109,7 +113,7 @@ def test_row_alone_equals_row_padded_among_any_neighbours(dtype):
 def test_pad_keys_are_never_read():
     """NaN in every pad position of the probe: any pad key entering the softmax (even with weight
     0) would make its output NaN."""
-    failures = probe_failures(torch.float32, FEW_BATCH_SIZES, pad_value=float("nan"))
+    failures = probe_failures(torch.float32, (5,), pad_value=float("nan"))
     assert not failures, "; ".join(failures)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref,
-                     bits_equal, max_abs_diff, randn)
+from helpers import (BATCH_SIZES, CHECKED_ROWS, DTYPE_IDS, DTYPES, assert_bitwise_equal,
+                     assert_close_to_ref, bits_equal, max_abs_diff, randn)
 
 from kernels.mode import set_batch_invariant_mode
 from kernels.norm import mean_last_dim, mean_last_dim_ref, rms_norm, rms_norm_ref
@@ -60,10 +60,11 @@ def test_every_row_alone_equals_row_in_any_batch(op, path, dtype):
     fn = PATHS[op, path]
     pool = randn(max(BATCH_SIZES), 300, dtype=dtype)  # two column tiles, the second partial
     w = randn(300, dtype=dtype, seed=1)
-    alone = [fn(pool[i:i + 1], w) for i in range(max(BATCH_SIZES))]
+    rows = CHECKED_ROWS if path == "kernel" else range(max(BATCH_SIZES))  # interpreter time
+    alone = {i: fn(pool[i:i + 1], w) for i in rows}
     for n in BATCH_SIZES:
         out = fn(pool[:n], w)
-        bad = [i for i in range(n) if not bits_equal(out[i:i + 1], alone[i])]
+        bad = [i for i in rows if i < n and not bits_equal(out[i:i + 1], alone[i])]
         assert not bad, (f"batch of {n}: rows {bad} differ from alone, max |diff| "
                          f"{max(max_abs_diff(out[i:i + 1], alone[i]) for i in bad)!r}")
 
@@ -74,7 +75,7 @@ WIDE = 65536  # where stock CPU mean split one row's reduction across two thread
 def test_wide_rows_alone_equal_rows_in_batch():
     pool = randn(7, WIDE)
     out = mean_last_dim(pool)
-    for i in range(7):
+    for i in (0, 3, 6):  # first, middle, last (each alone is an interpreter launch over 64k columns)
         assert_bitwise_equal(out[i:i + 1], mean_last_dim(pool[i:i + 1]), f"row {i} in a batch of 7")
 
 

@@ -11,8 +11,8 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal, max_abs_diff,
-                     randn)
+from helpers import (BATCH_SIZES, CHECKED_ROWS, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal,
+                     max_abs_diff, randn)
 
 from kernels.mode import set_batch_invariant_mode
 from kernels.softmax import log_softmax, log_softmax_ref, softmax, softmax_ref
@@ -68,10 +68,11 @@ PATHS.update({(name, "mode-rowwise"): rowwise(name) for name in KERNELS})
 def test_every_row_alone_equals_row_in_any_batch(name, path, dtype):
     fn = PATHS[name, path]
     pool = randn(max(BATCH_SIZES), 700, dtype=dtype)  # two column tiles, the second partial
-    alone = [fn(pool[i:i + 1]) for i in range(max(BATCH_SIZES))]
+    rows = CHECKED_ROWS if path == "kernel" else range(max(BATCH_SIZES))  # interpreter time
+    alone = {i: fn(pool[i:i + 1]) for i in rows}
     for n in BATCH_SIZES:
         out = fn(pool[:n])
-        bad = [i for i in range(n) if not bits_equal(out[i:i + 1], alone[i])]
+        bad = [i for i in rows if i < n and not bits_equal(out[i:i + 1], alone[i])]
         assert not bad, (f"batch of {n}: rows {bad} differ from alone, max |diff| "
                          f"{max(max_abs_diff(out[i:i + 1], alone[i]) for i in bad)!r}")
 
