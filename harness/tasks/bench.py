@@ -89,17 +89,22 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
     out.files.update({name: str(path) for name, path in done.files.items()})
     out.seconds["fidelity"] = time.perf_counter() - start
     out.lines += [f"fidelity: run {done.result.run_id} of {chosen.name} ({done.result.status}), "
-                  f"report {done.files['markdown']}", done.headline(), _tiled_line()]
+                  f"report {done.files['markdown']}", done.headline(),
+                  _tiled_line(kernels["tiled_probes"])]
     return out
 
 
-def _tiled_line() -> str:
-    """What the tiled batch-invariant mode's probes found in this process (kernels.mode_tiled)."""
+def _tiled_line(kernel_probes: list[dict]) -> str:
+    """What the tiled batch-invariant mode's probes found: those of the kernel table (its
+    processes) and of this one (kernels.mode_tiled), each call shape once."""
     from kernels import mode_tiled
 
-    probed, failed = mode_tiled.verdicts(), mode_tiled.fallbacks()
-    return (f"tiled mode: {len(probed)} stock call shapes probed here, "
-            f"{len(probed) - len(failed)} trusted" + "".join(f"\n  fallback: {f}" for f in failed))
+    probes = {(p["call"], p["threads"]): p for p in [*kernel_probes, *mode_tiled.verdicts()]}
+    failed = [p for p in probes.values() if p["failed"]]
+    return (f"tiled mode: {len(probes)} stock call shapes probed by the kernel table and this "
+            f"process, {len(probes) - len(failed)} trusted"
+            + "".join(f"\n  fallback: {p['call']} at {p['threads']} thread(s): {p['failed']}; "
+                      f"rowwise there" for p in failed))
 
 
 def bench_command(json_path: Path, quick: bool = False) -> list[str]:
