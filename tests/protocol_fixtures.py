@@ -1,4 +1,4 @@
-"""Small shared pieces for the protocol tests: a cached tiny model and a prompt item."""
+"""Small shared pieces for the protocol tests: cached tiny models and a prompt item."""
 
 from __future__ import annotations
 
@@ -15,6 +15,25 @@ PROMPT = Item(id="t0", prompt="What is 17*23?", answer="391")
 def tiny(name: str = "tiny-llama"):
     """One load per preset per test session (random weights from a fixed seed)."""
     return load_model(name)
+
+
+_FAMILIES = {"tiny-llama": ("llama", 1), "tiny-qwen2": ("qwen2", 2), "tiny-mistral": ("mistral", 3)}
+
+
+@functools.lru_cache(maxsize=None)
+def small(name: str = "tiny-llama"):
+    """Preset `name` (its family, seed, byte codec and width) at half its depth and heads: 2
+    layers, 2 query heads over 1 KV head (still GQA), head dim 32. For tests whose claim does not
+    need the preset's size: the Triton interpreter and torch.compile cost grows with layers x KV
+    heads. Loaded once per session, like `tiny`."""
+    from harness.protocol import models
+
+    family, seed = _FAMILIES[name]
+    config = {**models._TINY, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 1}
+    if family == "mistral":
+        config["sliding_window"] = None
+    return models._random_model(f"{name}-small", family, config, seed=seed)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,7 @@
-"""harness.runs.blame: the op that first gives the boundary position other bits, and its controls."""
+"""harness.runs.blame: the op that first gives the boundary position other bits, and its controls.
+
+On tiny-llama at 2 layers and one KV head (`protocol_fixtures.small`, built once): the Triton
+stack's kernel runs in the interpreter, and every op of the model is recorded and compared."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import torch
 import kernels
 from harness.runs import blame as blame_lib
 from harness.protocol.backends import Stack
-from harness.protocol.models import load_model
+from protocol_fixtures import small
 
 needs_interpreter = pytest.mark.skipif(not kernels.interpreting(), reason="needs TRITON_INTERPRET=1")
 PLANTED = "model.layers.1.mlp.down_proj"
@@ -20,7 +23,7 @@ def prefix_of(model, length=6):
 
 
 def blame_on(stack: Stack, against="prefill", plant=False):
-    model = load_model("tiny-llama")
+    model = small("tiny-llama")
     prompt, prefix = prefix_of(model)
     with stack.activate(model) as module:
         if plant:  # one batch-variant op: a scale that only calls with more than one row get
@@ -86,7 +89,7 @@ def test_slices_of_query_and_key_dimensions_and_input_verdicts():
 
 @needs_interpreter
 def test_first_differing_position_is_none_when_exact_and_found_for_the_twin():
-    model = load_model("tiny-llama")
+    model = small("tiny-llama")
     prompt, prefix = prefix_of(model)
     with Stack("triton", "fp32", True, threads=1).activate(model) as module:
         assert blame_lib.first_differing_position(module, prefix, len(prompt)) is None
@@ -99,7 +102,7 @@ def test_first_differing_position_is_none_when_exact_and_found_for_the_twin():
 
 
 def test_blame_refuses_other_constructions_and_short_prefixes():
-    model = load_model("tiny-llama")
+    model = small("tiny-llama")
     prompt, prefix = prefix_of(model)
     with Stack("sdpa", "fp32").activate(model) as module:
         with pytest.raises(ValueError, match="prefill"):

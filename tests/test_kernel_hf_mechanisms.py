@@ -24,8 +24,9 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
 def build(kind: str) -> torch.nn.Module:
     import transformers as tf
 
-    if kind == "mistral":
-        config = tf.MistralConfig(**COMMON, sliding_window=6)
+    if kind == "mistral":  # 2 query heads over 1 KV head: the window tests decode in the interpreter
+        config = tf.MistralConfig(**{**COMMON, "num_attention_heads": 2, "num_key_value_heads": 1},
+                                  sliding_window=6)
         cls = tf.MistralForCausalLM
     elif kind == "gemma2":
         config = tf.Gemma2Config(**COMMON, head_dim=32, sliding_window=6, attn_logit_softcapping=5.0,
