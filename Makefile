@@ -22,10 +22,12 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 # Two pytest workers, one per core: each test runs on one torch thread (tests/conftest.py), so
-# the workers do not compete for cores. JOBS=1 runs them in one process.
+# the workers do not compete for cores; tests sharing a costly session fixture go to one worker
+# (--dist loadgroup, tests/conftest.py). JOBS=1 runs them in one process.
 JOBS ?= 2
+PYTEST = -m pytest -q -n $(JOBS) --dist loadgroup tests
 test: install
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(JOBS) tests
+	TRITON_INTERPRET=1 $(BIN)/python $(PYTEST)
 
 # The suite again on the oldest versions setup.py admits, those of the GPU image (torch 2.11,
 # triton 3.6, transformers 5.17), in a second venv. torch 2.11.0 from PyPI is a CUDA build (the
@@ -45,7 +47,7 @@ $(COMPAT)/.installed: setup.py Makefile
 	touch $@
 
 test-compat: install-compat
-	TRITON_INTERPRET=1 $(COMPAT)/bin/python -m pytest -q -n $(JOBS) tests
+	TRITON_INTERPRET=1 $(COMPAT)/bin/python $(PYTEST)
 
 # Environment record, kernel invariance table, speed benches, the default fidelity case (the GPU
 # shape case with CUDA, else SmolLM2 on CPU) into reports/ledger.sqlite, its report under

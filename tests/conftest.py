@@ -31,7 +31,18 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: loads SmolLM2 or runs the interpreter at length")
 
 
+# Session fixtures that cost seconds: every test that takes one joins its group, which
+# `pytest -n N --dist loadgroup` (`make test`) sends to one worker, so it is computed once, not
+# once per worker (measured: quick_kernels took 27 s and 33 s of set-up on the two workers).
+SHARED_FIXTURES = ("quick_kernels",)
+
+
+@pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name in SHARED_FIXTURES:
+            if name in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group(name))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -3,6 +3,11 @@ are refused with exit 2 and a one-line message naming every difference, unless
 `allow_different`, and then the report says first what differs. A run against itself still says
 no regression; the environment variables that change numerics are shown."""
 
+import os
+import sqlite3
+import subprocess
+import sys
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -12,7 +17,7 @@ from harness.cli import main
 from harness.errors import BadInput
 from harness.reports.compare import UnlikeRuns, compare, render_markdown
 from harness.runs.case import load_case
-from harness.runs.matrix import run_case
+from harness.runs.ledger import Ledger
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "cases" / "smoke.toml"
@@ -20,16 +25,26 @@ BASELINE = ROOT / "reports" / "baseline-cpu.sqlite"     # the committed smollm2-
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One ledger: the smoke case on one thread, and the same case on two threads."""
+def runs(smoke_run, tmp_path_factory):
+    """One ledger: the session's smoke run (one thread), and the same case on two threads. The
+    two-thread run is a process of its own with OpenMP's passive wait: in-process, its threads
+    would spin against the other test worker's core (measured: 96 s instead of seconds)."""
     folder = tmp_path_factory.mktemp("refuse")
     two = folder / "smoke-t2.toml"
     text = SMOKE.read_text()
     assert "threads = 1 " in text
     two.write_text(text.replace("threads = 1 ", "threads = 2 "))
     db = folder / "ledger.sqlite"
-    return db, {name: run_case(load_case(path), db, progress=False).run_id
-                for name, path in (("t1", SMOKE), ("t2", two))}
+    smoke_db, smoke_id = smoke_run
+    with closing(sqlite3.connect(smoke_db)) as source, closing(sqlite3.connect(db)) as target:
+        source.backup(target)
+    done = subprocess.run([sys.executable, "-m", "harness.cli", "run", str(two), "--db", str(db),
+                           "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    with Ledger(db, readonly=True) as ledger:
+        (other,) = [run.id for run, _ in ledger.runs() if run.id != smoke_id]
+    return db, {"t1": smoke_id, "t2": other}
 
 
 def test_smoke_against_the_smollm2_cpu_baseline_exits_2_naming_every_difference(runs):

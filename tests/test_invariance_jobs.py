@@ -7,7 +7,7 @@ from kernels import mode_tiled
 
 def test_two_processes_give_the_rows_and_probes_of_one(monkeypatch):
     monkeypatch.setattr(mode_tiled, "_verdicts", {})    # this process's probes: these rows' only
-    options = dict(dtypes=("bf16",), quick=True, ops=("matmul", "rms-norm"), threads=1)
+    options = dict(dtypes=("bf16",), quick=True, ops=("rms-norm",), threads=1)
     alone = invariance.compare_kernels(**options)
     shared = invariance.compare_kernels(**options, jobs=2)
     strip = lambda rows: [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
