@@ -90,3 +90,23 @@ def test_blame_names_the_layer_when_units_agree_alone_but_not_compiled_whole():
     assert "compiled whole, not alone" in text and "model.layers.0 (layer 0, K, position 1)" in text
     assert "no culprit among aligned ops" not in text
     assert result.to_json()["whole_forward"]["module"] == "model.layers.0"
+
+
+@pytest.mark.slow
+def test_blame_under_compile_names_a_module_wherever_the_compiled_states_differ():
+    """Whether the compiled stack is bit-exact is a finding per machine; where it is not, blame
+    names a compiled unit as culprit or, when every unit agrees alone, the decoder layer whose
+    state first differs compiled whole. Each unit compiled alone runs compiled, not eagerly:
+    tiny-llama has 20 units, past dynamo's default recompile limit of 8."""
+    from harness.runs.blame import blame_item
+
+    model = tiny()
+    prompt = model.codec.prompt_ids(PROMPT.prompt)
+    result, first = blame_item(model, Stack("eager", "bf16", True, threads=1, compiled=True),
+                               prompt, 4)
+    names = {name for name, _ in units(model.cast(Stack().torch_dtype, "cpu"))}
+    if first is None:
+        assert not result.culprits and result.whole_forward is None
+        return
+    named = [op.module for op in result.culprits] or [result.whole_forward["module"]]
+    assert all(name in names or name.startswith("model.layers.") for name in named), named
