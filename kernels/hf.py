@@ -40,6 +40,13 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+# Why a model whose attention is this wrapper cannot be compiled whole (measured on tiny-llama,
+# torch 2.13, transformers 5.24, native kernel on CPU): see harness.protocol.compiled.
+COMPILE_BREAKS = ("its attention reads positions and the mask on the host (int(own.max()) and "
+                  "the mask checks in kernels/hf.py), so torch.compile graph-breaks in every "
+                  "layer; the frames dynamo resumes in share transformers' one `wrapped_func` "
+                  "code object, which passes dynamo's recompile_limit (8) and from then on runs "
+                  "eagerly, so a +compile stack would measure a mix of compiled and eager code")
 NAME = "kvfid_triton"
 # Mechanism names the Triton kernel serves (harness.protocol.serving.MECHANISMS; the harness reads
 # this before compute and refuses a model with a layer mechanism not listed); the factory refuses

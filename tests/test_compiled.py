@@ -61,3 +61,53 @@ def test_a_compiled_stack_runs_every_arm_and_restores_the_eager_forward():
     assert record.against_live("incremental").cache.bit_exact
     assert record.replicas[0].comparison.cache.bit_exact
     assert "forward" not in model.cast(Stack().torch_dtype, "cpu").__dict__
+
+
+def test_compiling_the_native_kernel_is_refused_in_one_line_before_compute():
+    """Measured on tiny-llama (torch 2.13): the wrapper's host reads graph-break every layer and
+    transformers' shared decorated frame passes dynamo's recompile limit, so part of a
+    `native+compile` forward would run eagerly; refused (exit 3) before any model loads."""
+    from click.testing import CliRunner
+
+    from harness.cli import main
+
+    with pytest.raises(StackUnavailable, match="recompile_limit"):
+        check_supports(Stack("native", "bf16", True, compiled=True), tiny())
+    result = CliRunner().invoke(main, ["repro", "--model", "tiny-llama", "--backend", "native",
+                                       "--batch-invariant", "--compile", "--prompt", "hi"])
+    assert result.exit_code == 3, result.output
+    errors = [line for line in result.output.splitlines() if line.strip()]
+    assert len(errors) == 1 and "cannot be compiled whole" in errors[0], result.output
+    assert check_supports(Stack("native", "bf16", True), tiny()) is None   # eagerly it runs
+
+
+def test_blame_names_the_layer_when_units_agree_alone_but_not_compiled_whole():
+    from harness.runs.blame import BlameResult, render
+
+    result = BlameResult("incremental (prompt prefill)", "prefill", 19, 1,
+                         whole_forward={"layer": 0, "part": "k", "module": "model.layers.0",
+                                        "first_position": 1})
+    text = render(result, "eager/bf16+bi+compile@t1")
+    assert "compiled whole, not alone" in text and "model.layers.0 (layer 0, K, position 1)" in text
+    assert "no culprit among aligned ops" not in text
+    assert result.to_json()["whole_forward"]["module"] == "model.layers.0"
+
+
+@pytest.mark.slow
+def test_blame_under_compile_names_a_module_wherever_the_compiled_states_differ():
+    """Whether the compiled stack is bit-exact is a finding per machine; where it is not, blame
+    names a compiled unit as culprit or, when every unit agrees alone, the decoder layer whose
+    state first differs compiled whole. Each unit compiled alone runs compiled, not eagerly:
+    tiny-llama has 20 units, past dynamo's default recompile limit of 8."""
+    from harness.runs.blame import blame_item
+
+    model = tiny()
+    prompt = model.codec.prompt_ids(PROMPT.prompt)
+    result, first = blame_item(model, Stack("eager", "bf16", True, threads=1, compiled=True),
+                               prompt, 4)
+    names = {name for name, _ in units(model.cast(Stack().torch_dtype, "cpu"))}
+    if first is None:
+        assert not result.culprits and result.whole_forward is None
+        return
+    named = [op.module for op in result.culprits] or [result.whole_forward["module"]]
+    assert all(name in names or name.startswith("model.layers.") for name in named), named

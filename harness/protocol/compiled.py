@@ -8,6 +8,12 @@ protocol's untimed warm-up (a prompt forward and one decode step) pays those com
 compile time apart from the arms' time. A later new shape (a batch of 2) may still compile inside
 an arm. Dynamo's caches are reset on entry and on exit, so no graph traced under one stack (its
 batch-invariant overrides, its attention) is ever reused by another.
+
+A stack whose forward dynamo cannot compile whole is refused before compute (`native`: its
+attention wrapper's host reads break the graph in every layer and push transformers' shared
+decorated frame past dynamo's recompile limit, so part of it would run eagerly: measured, see
+kernels.hf.COMPILE_BREAKS). `kvfid blame` compiles units one by one (`trace_units`); when they
+all agree alone, blame names the layer whose state first differs with the forward compiled whole.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ def unavailable_reason(backend: str, device: str) -> str | None:
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
         return ("the Triton kernel runs in Triton's interpreter here, which torch.compile cannot "
                 "trace; +compile with --backend triton needs CUDA")
+    if backend == "native":
+        from kernels.hf import COMPILE_BREAKS
+
+        return f"the native kernel cannot be compiled whole: {COMPILE_BREAKS}"
     if not device.startswith("cuda"):
         compiler = os.environ.get("CXX") or "c++"
         if shutil.which(compiler) is None and shutil.which("g++") is None:
@@ -74,8 +84,13 @@ def compiled_units(module: torch.nn.Module, on_call) -> Iterator[None]:
     `+compile` stack is set aside for the block and put back after it."""
     whole = module.__dict__.pop("forward", None)
     torch._dynamo.reset()
-    handles, compiled = [], []
-    for name, unit in units(module):
+    handles, compiled, chosen = [], [], units(module)
+    # transformers' decorated forwards share one code object (`wrapped_func`): past dynamo's
+    # recompile_limit (8) its later units would run eagerly, so each unit gets 8 graphs.
+    limits = torch._dynamo.config.patch(recompile_limit=8 * len(chosen),
+                                        accumulated_recompile_limit=64 * len(chosen) + 256)
+    limits.__enter__()
+    for name, unit in chosen:
         unit.forward = torch.compile(unit.forward, dynamic=True)
         compiled.append(unit)
         handles.append(unit.register_forward_hook(_reporter(name, on_call), with_kwargs=True))
@@ -86,6 +101,7 @@ def compiled_units(module: torch.nn.Module, on_call) -> Iterator[None]:
             handle.remove()
         for unit in compiled:
             del unit.forward
+        limits.__exit__(None, None, None)
         torch._dynamo.reset()
         if whole is not None:
             module.forward = whole

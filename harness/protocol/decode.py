@@ -61,6 +61,12 @@ class Runner:
         return self._counted(input_ids=ids.to(self._device), use_cache=True, logits_to_keep=1,
                              **{self._keyword: cache}, **padding)[:, -1, :]
 
+    def forward_kept(self, ids: torch.Tensor, cache, rows: int) -> torch.Tensor:
+        """Feed `ids` [B, T] after what `cache` holds; the logits of the last `rows` positions
+        [B, rows, V] (a verification pass keeps every row, a prefix-cache hit only the last)."""
+        return self._counted(input_ids=ids.to(self._device), use_cache=True, logits_to_keep=rows,
+                             **{self._keyword: cache})
+
     def forward_all(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """Feed `ids` [B, T] after what `cache` holds (no cache when None), as a trainer scores a
         sequence: logits at every position [B, T, V]."""

@@ -59,18 +59,35 @@ def check_rollback(model, arms) -> None:
 
 def feed(runner: Runner, cache, construction, prompt_length: int, prefix: list[int],
          vocab_size: int) -> tuple[torch.Tensor, tuple[int, ...] | None]:
-    """Feed `prefix` into the empty `cache` the engine's way; the boundary logits [1, V] and, for
-    `spec:k`, the accepted draft count of each verification step."""
+    """Feed `prefix` into the empty `cache` the engine's way; the boundary logits [1, V] (the
+    last row `feed_rows` keeps) and, for `spec:k`, the accepted draft count of each step."""
+    rows, acceptance = feed_rows(runner, cache, construction, prompt_length, prefix, vocab_size,
+                                 first=len(prefix) - 1)
+    return rows[-1:], acceptance
+
+
+def feed_rows(runner: Runner, cache, construction, prompt_length: int, prefix: list[int],
+              vocab_size: int, first: int, cached_length: int | None = None
+              ) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """Feed `prefix` into the empty `cache` the engine's way, keeping the next-token logits of
+    positions `first` .. |P|-1, [|P| - first, V] (a trainer re-scoring a trajectory keeps them
+    all; the boundary is the last), and, for `spec:k`, the acceptance pattern. `first` must not
+    precede what the engine computes logits for: K for `cached:K` (`cached_length` overrides the
+    construction's K), the prompt's last position for `spec:k`."""
     if hasattr(cache, "activate_past_recording"):   # window layers keep what a rollback needs
         cache.activate_past_recording()
     if construction.kind == "cached":
-        logits = _cached(runner, cache, construction.cached_length(prompt_length, len(prefix)),
-                         prefix, vocab_size)
+        k = (construction.cached_length(prompt_length, len(prefix)) if cached_length is None
+             else cached_length)
+        assert k <= first, f"{construction.label}: no logits before position K={k}"
+        rows = _cached(runner, cache, k, prefix, vocab_size, len(prefix) - first)
         acceptance = None
     else:
-        logits, acceptance = _spec(runner, cache, construction, prompt_length, prefix, vocab_size)
+        assert prompt_length - 1 <= first, f"{construction.label}: no logits inside the prompt"
+        rows, acceptance = _spec(runner, cache, construction, prompt_length, prefix, vocab_size)
+        rows = rows[first - (prompt_length - 1):]
     _rollback(cache, 0)   # layers that kept past states for the rollback drop what they no longer need
-    return logits, acceptance
+    return rows, acceptance
 
 
 def _rollback(cache, tokens: int) -> None:
@@ -83,21 +100,25 @@ def _rollback(cache, tokens: int) -> None:
     cache.crop(-tokens)
 
 
-def _cached(runner: Runner, cache, k: int, prefix: list[int], vocab_size: int) -> torch.Tensor:
+def _cached(runner: Runner, cache, k: int, prefix: list[int], vocab_size: int,
+            rows: int) -> torch.Tensor:
+    """The earlier request, the cut back to K, then P[K:] in one call; its last `rows` logits."""
     later = prefix[k:]
     other = [(t + 1) % vocab_size for t in later] + [(later[-1] + 2 + i) % vocab_size
                                                       for i in range(_EXTRA_OTHER)]
     runner.forward(as_batch(prefix[:k] + other), cache)   # the earlier, different request
     _rollback(cache, len(other))
-    return runner.forward(as_batch(later), cache)
+    return runner.forward_kept(as_batch(later), cache, rows)[0]
 
 
 def _spec(runner: Runner, cache, construction, prompt_length: int, prefix: list[int],
           vocab_size: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The prompt, then verification steps; the logits of positions prompt_length-1 .. |P|-1:
+    the prompt's last, then each step's pending token's and its accepted drafts' rows."""
     k, pattern = construction.n, construction.variant
     rng = random.Random(hashlib.sha256(repr((prefix, construction.label)).encode()).digest())
     rate = float(pattern[len("rate"):]) if pattern.startswith("rate") else None
-    logits = runner.forward(as_batch(prefix[:prompt_length]), cache)
+    kept = [runner.forward(as_batch(prefix[:prompt_length]), cache)]   # [1, V]
     _rollback(cache, 0)   # a window layer keeps only its window again (its masks expect that)
     i, acceptance = prompt_length, []   # the cache covers prefix[:i]; prefix[i] is pending
     while i < len(prefix):
@@ -106,12 +127,13 @@ def _spec(runner: Runner, cache, construction, prompt_length: int, prefix: list[
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == truth[accepted]:
             accepted += 1
-        logits = runner.forward(as_batch([prefix[i]] + drafts), cache)
+        step = [prefix[i]] + drafts
+        kept.append(runner.forward_kept(as_batch(step), cache, len(step))[0, :1 + accepted])
         _rollback(cache, len(drafts) - accepted)
         acceptance.append(accepted)
         i += 1 + accepted
-    # The last step ends at |P| only with all its drafts kept, so its last logits are the boundary's.
-    return logits, tuple(acceptance)
+    # The last step ends at |P| only with all its drafts kept, so its last row is the boundary's.
+    return torch.cat(kept), tuple(acceptance)
 
 
 def _drafts(pattern: str, rate: float | None, rng: random.Random, context: list[int],

@@ -17,7 +17,8 @@ class LogprobMismatch:
     """One construction's re-scored logprobs against the step-by-step reference (replay.mismatch):
     tokens whose fp32 logprob bits differ, |delta| max and mean, KL(reference || other) in fp64,
     the first differing position, every token's |delta| (the distribution the report draws) and
-    the SHA-256 of the picked logprobs' bits (what audit compares)."""
+    the SHA-256 of the picked logprobs' bits (what audit compares); for `spec:k`, its
+    acceptance pattern."""
 
     tokens: int
     differ: int
@@ -33,6 +34,7 @@ class LogprobMismatch:
     ratio_min: float | None = None
     ratio_mean: float | None = None
     ratio_max: float | None = None
+    acceptance: tuple[int, ...] | None = None   # spec:k: the accepted draft count of each step
 
     @property
     def exact(self) -> bool:

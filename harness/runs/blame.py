@@ -78,6 +78,9 @@ class BlameResult:
     ops: list[OpVerdict] = field(default_factory=list)
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
+    # A compiled stack whose units, each compiled alone, show no culprit: the decoder layer whose
+    # state first differs when the forward is compiled whole, and which part.
+    whole_forward: dict | None = None
 
     @property
     def culprits(self) -> list[OpVerdict]:
@@ -90,7 +93,8 @@ class BlameResult:
                 "first_culprit": _op_json(culprits[0]) if culprits else None,
                 "culprits": [_op_json(o) for o in culprits],
                 "only_a": self.only_a, "only_b": self.only_b,
-                "diverging_modules": align.diverging_modules(self.only_a, self.only_b)}
+                "diverging_modules": align.diverging_modules(self.only_a, self.only_b),
+                "whole_forward": self.whole_forward}
 
 
 def _op_json(op: OpVerdict) -> dict:
@@ -129,6 +133,17 @@ def first_differing_position(module, prefix: list[int], prompt_length: int, agai
     """The lowest position whose keys or values differ in some layer between the two sides'
     caches over all of P (None when they are bit-exact, the logits included; P's last position
     when only a state without positions, recurrent or conv, differs)."""
+    diff, logits_equal = _states_compared(module, prefix, prompt_length, against)
+    if diff["bit_exact"]:
+        return None if logits_equal else len(prefix) - 1
+    if diff["first_position"] is None:   # only a recurrent or conv state differs: it has no
+        return len(prefix) - 1           # positions, so P's last is the first one we can name
+    return diff["first_position"]
+
+
+def _states_compared(module, prefix: list[int], prompt_length: int, against: str) -> tuple[dict, bool]:
+    """The two sides' boundary states over all of P compared (cache.compare_states), and
+    whether their last logits are bit-equal."""
     from harness.protocol import cache as kv
 
     spans_a, spans_b = _constructions(prefix, prompt_length, against)
@@ -136,12 +151,22 @@ def first_differing_position(module, prefix: list[int], prompt_length: int, agai
     cache_a, logits_a = _build(module, runner, prefix, spans_a)
     cache_b, logits_b = _build(module, runner, prefix, spans_b)
     diff = kv.compare_states(kv.snapshot(cache_a, prefix, logits_a, config=module.config),
-                            kv.snapshot(cache_b, prefix, logits_b, config=module.config))
-    if diff["bit_exact"]:
-        return None if bits_equal(logits_a, logits_b) else len(prefix) - 1
-    if diff["first_position"] is None:   # only a recurrent or conv state differs: it has no
-        return len(prefix) - 1           # positions, so P's last is the first one we can name
-    return diff["first_position"]
+                             kv.snapshot(cache_b, prefix, logits_b, config=module.config))
+    return diff, bits_equal(logits_a, logits_b)
+
+
+def whole_forward_difference(module, prefix: list[int], prompt_length: int,
+                             against: str) -> dict | None:
+    """Under a compiled stack: the decoder layer (module path) whose state first differs between
+    the two sides with the forward compiled whole, and its part; None when none differs."""
+    diff, _ = _states_compared(module, prefix, prompt_length, against)
+    layer, count = diff["first_bad_layer"], module.config.get_text_config().num_hidden_layers
+    if layer is None:
+        return None
+    stack = next((name for name, sub in module.named_modules()
+                  if isinstance(sub, torch.nn.ModuleList) and len(sub) == count), "layers")
+    return {"layer": layer, "part": diff["first_bad_kv"], "module": f"{stack}.{layer}",
+            "first_position": diff["first_position"]}
 
 
 def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
@@ -217,7 +242,10 @@ def blame_item(model, stack, prompt: list[int], boundary: int, against: str = "p
         if stack.compiled:
             from harness.protocol.compiled import trace_units
 
-            return blame(module, prefix, len(prompt), against, chosen, trace_units), first
+            result = blame(module, prefix, len(prompt), against, chosen, trace_units)
+            if first is not None and not result.culprits:   # invariant alone, not compiled whole
+                result.whole_forward = whole_forward_difference(module, prefix, len(prompt), against)
+            return result, first
         return blame(module, prefix, len(prompt), against, chosen), first
 
 
@@ -287,8 +315,15 @@ def render(result: BlameResult, stack_label: str, limit: int = 10) -> str:
         lines.append(f"no culprit: the difference first shows at {first.op} in {first.module} (op "
                      f"#{first.index}), an op with an input that cannot be compared (e.g. the cache of "
                      "earlier positions); blame a shorter prefix (-B) to trace where it starts")
-    elif not culprits:
+    elif not culprits and not result.whole_forward:
         lines.append("no culprit among aligned ops (the difference enters through an unaligned op)")
+    if result.whole_forward:
+        w = result.whole_forward
+        lines.append(f"compiled whole, not alone: each unit compiled alone gives position "
+                     f"{result.position} the same bits on both sides (no culprit), but with the "
+                     f"forward compiled whole (inductor fusing across units, dynamo's graph "
+                     f"breaks) the state first differs in {w['module']} (layer {w['layer']}, "
+                     f"{(w['part'] or '?').upper()}, position {w['first_position']})")
     for i, op in enumerate(culprits[:limit]):
         head = "first culprit" if i == 0 else "culprit"
         lines.append(f"{head}: {op.op} in {op.module or '(model)'} (op #{op.index})")

@@ -26,7 +26,7 @@ from harness.runs.case_fields import CaseError, Validator
 from harness.runs.case_stacks import stack_groups, stack_tables
 from harness.checks import construction_reason, count_reason
 from harness.protocol.items import item_set_reason, load_item_set
-from harness.runs.replay import CONSTRUCTIONS as REPLAY_CONSTRUCTIONS
+from harness.runs.rescore import ALLOWED as REPLAY_ALLOWED, CONSTRUCTIONS as REPLAY_CONSTRUCTIONS
 from harness.protocol.models import PRESETS, model_names
 from harness.protocol.protocol import (CONSTRUCTION_HELP, ItemPlan, ProtocolError, TransplantSpec,
                               parse_transplant)
@@ -252,7 +252,7 @@ def _replay_case(v: "Validator", data: dict, text: str, source: str, model: str,
     constructions = v.constructions(t, "replay", "constructions", ["prefill"])
     for c in constructions:
         if c.partition(":")[0] not in REPLAY_CONSTRUCTIONS:
-            v.fail("replay", "constructions", c, "prefill, chunked:N, batched:N")
+            v.fail("replay", "constructions", c, REPLAY_ALLOWED)
     n = stored if stored is not None else _count_lines(v, path)
     stacks, stack_items = stack_groups(v, data)
     return Case(v.optional(data, "", "name", str, Path(source).stem),

@@ -6,7 +6,9 @@ what a generator computes: the prompt in one call, then one token at a time over
 step's next-token logits at one position (`incremental`, the construction the bridge shows equal
 to live). Each other construction re-scores the whole trajectory the way a trainer does:
 `prefill` (one forward over prompt + continuation, logits at every position), `chunked:N` (the
-same through the cache in chunks of N), `batched:N` (the prefill with N identical rows).
+same through the cache in chunks of N), `batched:N` (the prefill with N identical rows), or an
+engine does: `cached:K` (a prefix-cache hit) and `spec:k` (speculative verification), as
+harness.runs.rescore says.
 
 Per trajectory and construction: the fraction of continuation tokens whose log-probability bits
 differ from the reference, max and mean |delta logprob|, the per-token KL(reference || other)
@@ -40,46 +42,21 @@ from harness.errors import BadInput
 from harness.protocol.plain import as_plain
 from harness.protocol.protocol import parse_construction
 from harness.protocol.record import ItemRef
+from harness.runs.rescore import (ALLOWED, CONSTRUCTIONS, check_constructions,  # noqa: F401
+                                  reference_logits, rescored_logits)
 from harness.runs.replay_gaps import (DECADES, STEP, _quantile, aggregate_gaps,  # noqa: F401
                                       delta_decades, engine_logprobs, gap, render_gaps)
 from harness.protocol.replay_record import LogprobMismatch, ReplayRecord
 from harness.protocol.trajectories import Trajectory, as_row, check_fits, load_trajectories  # noqa: F401
 
-CONSTRUCTIONS = ("prefill", "chunked", "batched")
 
 
 # --------------------------------------------------------------------------- scoring
 
-def reference_logits(runner: Runner, t: Trajectory) -> torch.Tensor:
-    """The generator's next-token logits for each continuation token: [len(tokens), V]."""
-    cache = new_cache(runner.module)
-    rows = [runner.forward(as_batch(t.prompt_ids), cache)[0]]
-    for token in t.tokens[:-1]:
-        rows.append(runner.forward(as_batch([token]), cache)[0])
-    return torch.stack(rows)
-
-
-def rescored_logits(runner: Runner, t: Trajectory, construction: str) -> torch.Tensor:
-    """A trainer's logits for each continuation token under `construction`: [len(tokens), V]."""
-    c = parse_construction(construction)
-    if c.kind not in CONSTRUCTIONS:
-        raise ValueError(f"replay re-scores by {', '.join(CONSTRUCTIONS)}; got {construction!r}")
-    ids = list(t.prompt_ids + t.tokens)
-    if c.kind == "chunked":
-        cache, parts, start = new_cache(runner.module), [], 0
-        for size in c.chunk_sizes(len(t.prompt_ids), len(ids)):
-            parts.append(runner.forward_all(as_batch(ids[start:start + size]), cache)[0])
-            start += size
-        logits = torch.cat(parts)  # [T, V]
-    else:
-        rows = c.n if c.kind == "batched" else 1
-        logits = runner.forward_all(as_batch(ids, rows), None)[0]
-    first = len(t.prompt_ids) - 1  # position whose logits predict the first continuation token
-    return logits[first:first + len(t.tokens)]
-
-
-def mismatch(reference: torch.Tensor, other: torch.Tensor, tokens) -> LogprobMismatch:
-    """Per-token logprob mismatch of `other` against `reference` (both [T, V] logits)."""
+def mismatch(reference: torch.Tensor, other: torch.Tensor, tokens,
+             acceptance: tuple[int, ...] | None = None) -> LogprobMismatch:
+    """Per-token logprob mismatch of `other` against `reference` (both [T, V] logits); a
+    `spec:k` re-scoring's acceptance pattern is kept with it."""
     index = torch.tensor(list(tokens))
     picked_ref, picked = picked_logprobs(reference, index), picked_logprobs(other, index)
     differs = bits(picked_ref) != bits(picked)
@@ -94,7 +71,7 @@ def mismatch(reference: torch.Tensor, other: torch.Tensor, tokens) -> LogprobMis
         first_position=int(differs.nonzero()[0, 0]) if n else None,
         abs_deltas=tuple(float(d) for d in delta), logprobs_sha=sha_tensor(picked),
         k3_mean=picked_gap.k3_mean, ratio_min=picked_gap.ratio_min,
-        ratio_mean=picked_gap.ratio_mean, ratio_max=picked_gap.ratio_max)
+        ratio_mean=picked_gap.ratio_mean, ratio_max=picked_gap.ratio_max, acceptance=acceptance)
 
 
 def picked_logprobs(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -115,8 +92,8 @@ def replay_trajectory(runner: Runner, t: Trajectory, constructions) -> tuple[str
     if sampler is not None:
         engine[STEP] = gap(sampler, picked)
     for c in constructions:
-        other = rescored_logits(runner, t, c)
-        found[c] = mismatch(reference, other, t.tokens)
+        other, acceptance = rescored_logits(runner, t, c)
+        found[c] = mismatch(reference, other, t.tokens, acceptance)
         if sampler is not None:
             engine[c] = gap(sampler, picked_logprobs(other, index))
     return sha_tensor(picked), found, engine
@@ -133,18 +110,11 @@ def replay_unit(model, stack, t: Trajectory, constructions) -> ReplayRecord:
                         engine_constructions=engine)
 
 
-def check_constructions(constructions) -> None:
-    """Refuse a construction a trainer does not re-score by (live, incremental, cobatched)."""
-    for construction in constructions:
-        if parse_construction(construction).kind not in CONSTRUCTIONS:
-            raise ValueError(f"replay re-scores by {', '.join(CONSTRUCTIONS)}; got {construction!r}")
-
-
 def replay(model, stack, trajectories: list[Trajectory], constructions=("prefill",), progress=None) -> dict:
     """Every trajectory re-scored by every construction on `stack`, against the generator's
     step-by-step reference. Returns a JSON-ready dict: per item, and aggregated per construction."""
     check_fits(trajectories, model.config.vocab_size, model.context_length)
-    check_constructions(constructions)
+    check_constructions(constructions, trajectories)
     items = []
     with stack.activate(model) as module:
         runner = Runner(module)
@@ -210,6 +180,7 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
     """`kvfid replay`: the options and the file checked before compute (exit 2 / 3), then `replay`."""
     from harness.runs import repro
     from harness.protocol.backends import check_supports
+    from harness.protocol.engine_arms import check_rollback
     from harness.protocol.models import load_model
 
     repro.check_model_name(model_name)
@@ -222,8 +193,9 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
         except ValueError as err:
             raise BadInput(f"--constructions: {err}") from None
         if kind not in CONSTRUCTIONS:
-            raise BadInput(f"--constructions = {c!r} is not allowed; allowed: prefill, chunked:N, batched:N")
+            raise BadInput(f"--constructions = {c!r} is not allowed; allowed: {ALLOWED}")
     model = load_model(model_name)
+    check_rollback(model, chosen)   # a cut a recurrent state cannot take (exit 3)
     try:
         loaded = load_trajectories(trajectories, model.codec)
         longest = max((len(t.prompt_ids) + len(t.tokens) for t in loaded), default=0)

@@ -7,7 +7,9 @@ harness.runs.replay (the code `kvfid replay` runs), into a ReplayRecord the ledg
 from __future__ import annotations
 
 from harness.protocol.backends import check_supports
+from harness.protocol.engine_arms import check_rollback
 from harness.runs.replay import check_fits, load_trajectories
+from harness.runs.rescore import check_constructions
 from harness.runs.case_fields import CaseError
 
 
@@ -29,6 +31,11 @@ def bind(case, model) -> list:
     if duplicate is not None:
         raise CaseError(f"{case.source}: [replay] trajectories = {path!r}: id {duplicate!r} "
                         f"appears twice; ids name the units")
+    try:
+        check_constructions(case.replay.constructions, trajectories)   # cached:K within prompts
+    except ValueError as err:
+        raise CaseError(f"{case.source}: [replay] constructions: {err}") from None
+    check_rollback(model, case.replay.constructions)   # a cut a recurrent state cannot take (exit 3)
     longest = max(len(t.prompt_ids) + len(t.tokens) for t in trajectories)
     for stack in case.stacks:                   # a model the stack cannot serve (exit 3)
         check_supports(stack, model, longest)
