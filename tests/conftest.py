@@ -34,7 +34,7 @@ def pytest_configure(config):
 # Session fixtures that cost seconds: every test that takes one joins its group, which
 # `pytest -n N --dist loadgroup` (`make test`) sends to one worker, so it is computed once, not
 # once per worker (measured: quick_kernels took 27 s and 33 s of set-up on the two workers).
-SHARED_FIXTURES = ("quick_kernels",)
+SHARED_FIXTURES = ("quick_kernels", "serving_run")
 
 
 @pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the groups
