@@ -87,24 +87,22 @@ def compiled_units(module: torch.nn.Module, on_call) -> Iterator[None]:
     handles, compiled, chosen = [], [], units(module)
     # transformers' decorated forwards share one code object (`wrapped_func`): past dynamo's
     # recompile_limit (8) its later units would run eagerly, so each unit gets 8 graphs.
-    limits = torch._dynamo.config.patch(recompile_limit=8 * len(chosen),
-                                        accumulated_recompile_limit=64 * len(chosen) + 256)
-    limits.__enter__()
-    for name, unit in chosen:
-        unit.forward = torch.compile(unit.forward, dynamic=True)
-        compiled.append(unit)
-        handles.append(unit.register_forward_hook(_reporter(name, on_call), with_kwargs=True))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        for unit in compiled:
-            del unit.forward
-        limits.__exit__(None, None, None)
-        torch._dynamo.reset()
-        if whole is not None:
-            module.forward = whole
+    with torch._dynamo.config.patch(recompile_limit=8 * len(chosen),
+                                    accumulated_recompile_limit=64 * len(chosen) + 256):
+        for name, unit in chosen:
+            unit.forward = torch.compile(unit.forward, dynamic=True)
+            compiled.append(unit)
+            handles.append(unit.register_forward_hook(_reporter(name, on_call), with_kwargs=True))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for unit in compiled:
+                del unit.forward
+            torch._dynamo.reset()
+            if whole is not None:
+                module.forward = whole
 
 
 def trace_units(module: torch.nn.Module, run, on_op) -> None:

@@ -118,27 +118,19 @@ def bench_command(json_path: Path, quick: bool = False) -> list[str]:
     return command
 
 
-def bench_env() -> dict[str, str]:
-    """The environment for the bench subprocess: this one without pytest-xdist's worker
-    variables, which would make pytest-benchmark believe it runs under xdist and disable itself
-    (when `kvfid bench` is itself called from a parallel test session)."""
-    import os
-
-    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-
-
 def _speed(reports: Path, out: BenchOutcome) -> str:
     """Run the pytest-benchmark suite with its JSON written straight into
     reports/<environment key>/bench/ (the one store of bench results; nothing in .benchmarks/),
     and compare it with the previous result of this key."""
     from harness.environment import envinfo
     from harness.reports import benchreport
+    from harness.tasks.local_shards import child_env
 
     key = envinfo.environment_key(envinfo.collect())
     raw = benchreport.new_result_path(reports, key).resolve()  # pytest runs from ROOT
     command = bench_command(raw)
     _log("speed benches: " + " ".join(command[2:]))
-    done = subprocess.run(command, cwd=ROOT, env=bench_env(), capture_output=True, text=True)
+    done = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True)
     if done.returncode != 0 or not raw.is_file():
         raw.unlink(missing_ok=True)     # a failed suite leaves no result in the store
         return f"speed: the bench suite failed (exit {done.returncode}): " + \

@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.tasks.bench import bench_command, bench_env
+from harness.tasks.bench import bench_command
+from harness.tasks.local_shards import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,7 +72,7 @@ def run_step(step: Step, out: Path, log) -> dict:
     start = time.perf_counter()
     log.write(f"\n===== {step.name}: {' '.join(step.argv)}\n")
     log.flush()
-    env = {**bench_env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = child_env()
     try:
         done = subprocess.run(step.argv, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=step.timeout_s)

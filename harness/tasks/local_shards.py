@@ -35,6 +35,16 @@ def default_jobs(case, cuda: bool) -> int:
     return max(1, min((os.cpu_count() or 1) // threads, case.items.n))
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a kvfid child process (a shard, the bench suite, a GPU-check step):
+    this one with this source tree first on PYTHONPATH and without pytest-xdist's worker
+    variables, which would make pytest-benchmark believe it runs under xdist and disable itself
+    (when kvfid is itself called from a parallel test session)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
 def shard_command(case, db: Path, run_id: str, index: int, jobs: int) -> list[str]:
     """The `kvfid run` of shard `index`/`jobs` joining `run_id`."""
     return [sys.executable, "-m", "harness.cli", "run", str(Path(case.source).resolve()),
@@ -56,8 +66,7 @@ def measure(prepared, ledger, jobs: int, progress: bool = True):
     if progress:
         print(f"kvfid run {run.id}: {jobs} processes (--shard I/{jobs}); the bar is shard 0's",
               file=sys.stderr)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = child_env()
     children = []
     try:
         for index in range(1, jobs):
