@@ -29,10 +29,18 @@ $(STAMP): setup.py
 # Two pytest workers, one per core: each test runs on one torch thread (tests/conftest.py), so
 # the workers do not compete for cores; tests sharing a costly session fixture go to one worker
 # (--dist loadgroup, tests/conftest.py). JOBS=1 runs them in one process.
+# `make test` is the suite but for the two tests marked gpu_rehearsal, which rehearse the GPU
+# path at full size on CPU (`kvfid compile` of every config of the GPU default case for three
+# archs, the GPU check's dry run: about 140 s of CPU of a cold machine's 680); `make
+# test-rehearsal` runs those two, `make test-compat` the whole suite, and CI all three.
 JOBS ?= 2
-PYTEST = -m pytest -q -n $(JOBS) --dist loadgroup tests
+PYTEST = -m pytest -q -n $(JOBS) --dist loadgroup
+.PHONY: test-rehearsal
 test: install
-	TRITON_INTERPRET=1 $(BIN)/python $(PYTEST)
+	TRITON_INTERPRET=1 $(BIN)/python $(PYTEST) -m "not gpu_rehearsal" tests
+
+test-rehearsal: install
+	TRITON_INTERPRET=1 $(BIN)/python $(PYTEST) -m gpu_rehearsal tests
 
 # The suite again on the oldest versions setup.py admits, those of the GPU image (torch 2.11,
 # triton 3.6, transformers 5.17), in a second venv. torch 2.11.0 from PyPI is a CUDA build (the
@@ -52,7 +60,7 @@ $(COMPAT)/.installed: setup.py Makefile
 	touch $@
 
 test-compat: install-compat
-	TRITON_INTERPRET=1 $(COMPAT)/bin/python $(PYTEST)
+	TRITON_INTERPRET=1 $(COMPAT)/bin/python $(PYTEST) tests
 
 # Environment record, kernel invariance table, speed benches, the default fidelity case (the GPU
 # shape case with CUDA, else SmolLM2 on CPU) into reports/ledger.sqlite, its report under

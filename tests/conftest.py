@@ -29,6 +29,9 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped on CPU)")
     config.addinivalue_line("markers", "slow: loads SmolLM2 or runs the interpreter at length")
+    config.addinivalue_line("markers", "gpu_rehearsal: rehearses the GPU path on CPU at full "
+                            "size (every kernel config compiled for sm_80/90/100, the GPU "
+                            "check's dry run); `make test` leaves these to `make test-rehearsal`")
 
 
 # Session fixtures that cost seconds: every test that takes one joins its group, which
@@ -49,6 +52,52 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+SERVING_CASE = """name = "serving-compare"
+model = "tiny-llama"
+B = 6
+S = 4
+constructions = ["live", "prefill", "incremental", "cached:prompt", "spec:2", "spec:2+none"]
+ignore_eos = true
+[items]
+set = "arith"
+n = 2
+seed = 0
+[[stacks]]
+backends = ["eager"]
+dtypes = ["bf16"]
+batch_invariant = [true]
+threads = 1
+[[stacks]]
+backends = ["eager"]
+dtypes = ["bf16"]
+batch_invariant = [true]
+compile = [true]
+threads = 1
+items = 1
+[replicas]
+arms = ["prefill"]
+items = 1
+"""
+
+
+@pytest.fixture(scope="session")
+def serving_run(tmp_path_factory):
+    """One run of SERVING_CASE on a one-layer `protocol_fixtures.small` (inductor's compile time
+    grows with the layers), measured once per session: (ledger path, run id). Its second stack is
+    the suite's one whole-forward `+compile` run: the serving compare and the compiled-stack tests
+    read it (a cold inductor cache compiles each graph in seconds)."""
+    from protocol_fixtures import small
+
+    from harness.runs.case import load_case
+    from harness.runs.matrix import run_case
+
+    folder = tmp_path_factory.mktemp("serving")
+    (folder / "case.toml").write_text(SERVING_CASE)
+    db = folder / "ledger.sqlite"
+    return db, run_case(load_case(folder / "case.toml"), db, model=small(layers=1),
+                              progress=False).run_id
 
 
 SMOKE_CASE = Path(__file__).resolve().parent.parent / "cases" / "smoke.toml"

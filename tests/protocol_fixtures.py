@@ -21,19 +21,20 @@ _FAMILIES = {"tiny-llama": ("llama", 1), "tiny-qwen2": ("qwen2", 2), "tiny-mistr
 
 
 @functools.lru_cache(maxsize=None)
-def small(name: str = "tiny-llama"):
-    """Preset `name` (its family, seed, byte codec and width) at half its depth and heads: 2
-    layers, 2 query heads over 1 KV head (still GQA), head dim 32. For tests whose claim does not
+def small(name: str = "tiny-llama", layers: int = 2):
+    """Preset `name` (its family, seed, byte codec and width) at `layers` layers (2: half its
+    depth), 2 query heads over 1 KV head (still GQA), head dim 32. For tests whose claim does not
     need the preset's size: the Triton interpreter and torch.compile cost grows with layers x KV
     heads. Loaded once per session, like `tiny`."""
     from harness.protocol import models
 
     family, seed = _FAMILIES[name]
-    config = {**models._TINY, "num_hidden_layers": 2, "num_attention_heads": 2,
+    config = {**models._TINY, "num_hidden_layers": layers, "num_attention_heads": 2,
               "num_key_value_heads": 1}
     if family == "mistral":
         config["sliding_window"] = None
-    return models._random_model(f"{name}-small", family, config, seed=seed)
+    suffix = "small" if layers == 2 else f"small-{layers}l"
+    return models._random_model(f"{name}-{suffix}", family, config, seed=seed)
 
 
 @contextlib.contextmanager

@@ -9,46 +9,11 @@ from dataclasses import replace
 import pytest
 
 from harness.reports.compare import compare, render_markdown
-from harness.runs.case import load_case
 from harness.runs.ledger import Ledger
-from harness.runs.matrix import run_case
-from protocol_fixtures import tiny
 from test_compare import clone
 
-CASE = """name = "serving-compare"
-model = "tiny-llama"
-B = 6
-S = 4
-constructions = ["live", "prefill", "cached:prompt", "spec:2", "spec:2+none"]
-ignore_eos = true
-[items]
-set = "arith"
-n = 2
-seed = 0
-[[stacks]]
-backends = ["eager"]
-dtypes = ["bf16"]
-batch_invariant = [true]
-threads = 1
-[[stacks]]
-backends = ["eager"]
-dtypes = ["bf16"]
-batch_invariant = [true]
-compile = [true]
-threads = 1
-items = 1
-"""
 SERVING = ("cached:prompt", "spec:2", "spec:2+none")
-STACKS = ("eager/bf16+bi@t1", "eager/bf16+bi+compile@t1")
-
-
-@pytest.fixture(scope="module")
-def serving_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("serving-compare")
-    path = folder / "case.toml"
-    path.write_text(CASE)
-    db = folder / "l.sqlite"
-    return db, run_case(load_case(path), db, model=tiny(), progress=False).run_id
+STACKS = ("eager/bf16+bi@t1", "eager/bf16+bi+compile@t1")    # conftest.SERVING_CASE's
 
 
 def flip(record, arm: str):

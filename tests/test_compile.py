@@ -37,6 +37,7 @@ def test_controls_atomic_split_k_and_fp32_upcast_are_flagged():
     assert "no tensor cores" in upcast["problems"], upcast
 
 
+@pytest.mark.gpu_rehearsal
 def test_kvfid_compile_passes_for_every_config_of_the_gpu_default_case(tmp_path):
     """What the GPU default case launches (bf16 and fp32, every kernel) on every arch: 0 spills,
     0 atomics, shared memory within the limit, tensor cores in every bf16 product. (`kvfid

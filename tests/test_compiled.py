@@ -5,7 +5,6 @@ import pytest
 
 from harness.protocol.backends import Stack, StackUnavailable, check_supports, parse_stack
 from harness.protocol.compiled import units
-from harness.protocol.protocol import ItemPlan, run_item
 from harness.runs.case import load_case
 from harness.runs.case_fields import CaseError
 from protocol_fixtures import PROMPT, small, tiny
@@ -48,19 +47,22 @@ def test_blame_compiles_each_child_of_a_decoder_layer_and_the_leaves_outside_the
 
 
 @pytest.mark.slow
-def test_a_compiled_stack_runs_every_arm_and_restores_the_eager_forward():
+def test_a_compiled_stack_runs_every_arm_and_restores_the_eager_forward(serving_run):
     """What holds on any machine: the compiled forward is deterministic (a replica is bit-exact)
     and live ~ incremental feeds the same shapes (the bridge is bit-exact); whether prefill is
-    bit-exact compiled is a finding per machine, so it is reported, not asserted. The model has 2
-    layers and one KV head: inductor traces and compiles every layer of the graph."""
-    model = small()
-    plan = ItemPlan(6, 2, arms=("live", "incremental", "prefill"), replicas=("prefill",),
-                    ignore_eos=True)
-    record = run_item(model, Stack("eager", "bf16", True, threads=1, compiled=True), PROMPT, plan)
+    bit-exact compiled is a finding per machine, so it is reported, not asserted. The run is the
+    session's serving run (conftest.SERVING_CASE: a one-layer model, the compiled stack on one
+    item)."""
+    from harness.runs.ledger import Ledger
+
+    db, run_id = serving_run
+    with Ledger(db) as ledger:
+        (record,) = [u.record for u in ledger.units(run_id) if u.stack.endswith("+compile@t1")]
     assert record.stack["label"] == "eager/bf16+bi+compile@t1"
+    assert {"incremental", "prefill"} <= {c.b for c in record.comparisons if c.a == "live"}
     assert record.against_live("incremental").cache.bit_exact
     assert record.replicas[0].comparison.cache.bit_exact
-    assert "forward" not in model.cast(Stack().torch_dtype, "cpu").__dict__
+    assert "forward" not in small(layers=1).cast(Stack().torch_dtype, "cpu").__dict__
 
 
 def test_compiling_the_native_kernel_is_refused_in_one_line_before_compute():

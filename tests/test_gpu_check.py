@@ -8,6 +8,7 @@ import torch
 from harness.tasks import gpu_check
 
 
+@pytest.mark.gpu_rehearsal
 def test_dry_run_runs_every_step_into_at_most_eight_flat_files(tmp_path):
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())

