@@ -96,8 +96,8 @@ def serving_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serving")
     (folder / "case.toml").write_text(SERVING_CASE)
     db = folder / "ledger.sqlite"
-    return db, run_case(load_case(folder / "case.toml"), db, model=small(layers=1),
-                              progress=False).run_id
+    result = run_case(load_case(folder / "case.toml"), db, model=small(layers=1), progress=False)
+    return db, result.run_id
 
 
 SMOKE_CASE = Path(__file__).resolve().parent.parent / "cases" / "smoke.toml"
