@@ -51,7 +51,7 @@ def env(fmt: str) -> None:
 @click.option("--threads", type=int, default=1, show_default=True,
               help="torch threads (stock CPU results depend on it).")
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Processes measuring the rows (on a CPU at most one per core: cores / threads).")
+              help="Processes measuring the rows (on a CPU more than cores / threads buys nothing).")
 @click.option("--out", type=click.Path(file_okay=False),
               help="Also write kernels.json and kernels.md into OUT/<environment key>/.")
 @fmt_option

@@ -258,8 +258,13 @@ def _rows_in_processes(pairs, device, shapes, batch_sizes, seed, threads, jobs, 
     found = in_processes(_row_in_a_process, pairs, jobs, done=done,
                          cost=lambda pair: not IMPLEMENTATIONS[pair[0], pair[1]].triton,
                          args=(device, shapes, batch_sizes, seed, threads))
-    probes = {repr(sorted(p.items())): p for _, some in found for p in some}
-    return [row for row, _ in found], list(probes.values())
+    return [row for row, _ in found], union_probes(*(some for _, some in found))
+
+
+def union_probes(*lists: list[dict]) -> list[dict]:
+    """Tiled-mode probe verdicts (kernels.mode_tiled.verdicts) from several processes, each call
+    shape and thread count once."""
+    return list({(p["call"], p["threads"]): p for probes in lists for p in probes}.values())
 
 
 # ---- the comparison ----------------------------------------------------------------------------

@@ -97,10 +97,11 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
 def _tiled_line(kernel_probes: list[dict]) -> str:
     """What the tiled batch-invariant mode's probes found: those of the kernel table (its
     processes) and of this one (kernels.mode_tiled), each call shape once."""
+    from harness.environment.invariance import union_probes
     from kernels import mode_tiled
 
-    probes = {(p["call"], p["threads"]): p for p in [*kernel_probes, *mode_tiled.verdicts()]}
-    failed = [p for p in probes.values() if p["failed"]]
+    probes = union_probes(kernel_probes, mode_tiled.verdicts())
+    failed = [p for p in probes if p["failed"]]
     return (f"tiled mode: {len(probes)} stock call shapes probed by the kernel table and this "
             f"process, {len(probes) - len(failed)} trusted"
             + "".join(f"\n  fallback: {p['call']} at {p['threads']} thread(s): {p['failed']}; "

@@ -61,8 +61,8 @@ def measure(prepared, ledger, jobs: int, progress: bool = True):
     if jobs <= 1:
         return matrix.measure(prepared, ledger, matrix.Shard(), progress)
     run = matrix.start_run(prepared, ledger)   # the file and the run exist before a shard starts
-    planned = matrix.plan_units(prepared.case)
-    stored_before = len(ledger.stored_units(run.id) & {(u.item_index, u.stack) for u in planned})
+    planned = {(u.item_index, u.stack) for u in matrix.plan_units(prepared.case)}
+    stored_before = len(ledger.stored_units(run.id) & planned)
     if progress:
         print(f"kvfid run {run.id}: {jobs} processes (--shard I/{jobs}); the bar is shard 0's",
               file=sys.stderr)
@@ -88,7 +88,7 @@ def measure(prepared, ledger, jobs: int, progress: bool = True):
         raise ShardFailed(f"shard {index}/{jobs} of run {run.id} exited with {code}: {tail}; "
                           f"the run is {status}: `kvfid run {prepared.case.source} --resume "
                           f"{run.id}` measures what is missing")
-    stored = ledger.stored_units(run.id) & {(u.item_index, u.stack) for u in planned}
+    stored = ledger.stored_units(run.id) & planned
     return matrix.RunResult(run.id, status, len(stored) - stored_before, stored_before,
                             len(planned))
 
