@@ -117,22 +117,41 @@ class Model:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
     def cast(self, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
-        """The model in `dtype` on `device`, cast from the fp32 master once and then reused."""
+        """The model in `dtype` on `device` as transformers loads it at that dtype (see
+        `loaded_at`), made from the fp32 master once and then reused."""
         key = (dtype, str(device))
         if key not in self._copies:
             if dtype == torch.float32 and str(device) == "cpu":
                 module = self.master
             else:
-                module = _clone_module(self.master).to(device=device, dtype=dtype)
+                module = loaded_at(self.master, dtype).to(device=device)
             module.eval()
             self._copies[key] = module
         return self._copies[key]
 
 
-def _clone_module(module: torch.nn.Module) -> torch.nn.Module:
-    import copy
+def loaded_at(master: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The master's weights loaded by transformers' own `from_pretrained(dtype=...)`, so the
+    copy is the model a user loads: parameters cast by its dtype plan (`_keep_in_fp32_modules`
+    included), buffers it computes itself computed by it. `module.to(dtype)` is not that model:
+    it also rounds the rotary `inv_freq` buffers to bf16, which transformers (and vLLM) keep in
+    fp32; every layer's rotated keys then differ."""
+    from transformers.utils import logging as hf_logging
 
-    return copy.deepcopy(module)
+    if dtype == torch.float32:
+        import copy
+
+        return copy.deepcopy(master)
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()   # a copy in memory: no loading messages, no progress bar
+    hf_logging.disable_progress_bar()
+    try:
+        return type(master).from_pretrained(None, config=master.config, dtype=dtype,
+                                            state_dict=master.state_dict()).eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 # --------------------------------------------------------------------------- presets
