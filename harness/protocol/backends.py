@@ -304,8 +304,8 @@ def check_supports(stack: Stack, model_or_config, length: int | None = None) -> 
     whose cache state kvfid cannot read whole (harness.protocol.layers.UnknownLayer), a model
     class transformers refuses for the backend, or a layer mechanism the backend does not serve
     (harness.protocol.serving asks what the backend says it refuses, `AttentionBackend`; the
-    triton kernel's set is kernels.hf.SERVES). A window at least `length` tokens long (default: the model's context)
-    covers every key, so it needs no window support. Padding the triton kernel cannot take
+    triton kernel's set is kernels.hf.SERVES). A window at least `length` tokens long (default:
+    the model's context) covers every key, so it needs no window support. Padding the triton kernel cannot take
     (right padding, custom masks) never comes from a config: kvfid's constructions pad on the
     left."""
     from harness.protocol import serving

@@ -12,8 +12,9 @@ batch-invariant overrides, its attention) is ever reused by another.
 A stack whose forward dynamo cannot compile whole is refused before compute: its backend says
 why (`AttentionBackend.compile_refusal`; e.g. the native kernel's host reads break the graph in
 every layer and push transformers' shared decorated frame past dynamo's recompile limit, so part
-of it would run eagerly: measured, see kernels.hf.COMPILE_BREAKS). `kvfid blame` compiles units one by one (`trace_units`); when they
-all agree alone, blame names the layer whose state first differs with the forward compiled whole.
+of it would run eagerly: measured, see kernels.hf.COMPILE_BREAKS). `kvfid blame` compiles units
+one by one (`trace_units`); when they all agree alone, blame names the layer whose state first
+differs with the forward compiled whole.
 """
 
 from __future__ import annotations
