@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils import TransformersKwargs
 
 # Why a model whose attention is this wrapper cannot be compiled whole (measured on tiny-llama,
 # torch 2.13, transformers 5.24, native kernel on CPU): see harness.protocol.compiled.
@@ -53,6 +54,15 @@ NAME = "kvfid_triton"
 # any other active one before calling the kernel.
 SERVES: frozenset[str] = frozenset({"sliding_window", "chunked_attention", "softcap", "sinks",
                                     "split_head_dims"})
+# The Triton kernel's own options (its variant twins, a tiling), given in `kernel_options`.
+OPTIONS: frozenset[str] = frozenset({"align_own", "align_absolute", "config"})
+# The keywords transformers passes an attention function besides the tensors: its typed kwargs and
+# what layers forward or pass per call. Any other keyword is refused, so a misspelt kernel option
+# cannot pass silently.
+CALL_KEYWORDS: frozenset[str] = frozenset(TransformersKwargs.__annotations__) | {
+    "is_causal", "sliding_window", "softcap", "s_aux", "sinks", "position_bias", "position_ids",
+    "cache_position", "use_cache", "cache", "past_key_values", "position_embeddings",
+    "output_attentions", "deterministic"}
 
 
 def _kernel_pattern(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -159,9 +169,23 @@ def _refuse(name: str, what: str) -> ValueError:
     return ValueError(f"{name}: {what} is not supported by this kernel")
 
 
-def make_attention(name: str, attention_into: Callable, serves: frozenset[str]) -> Callable:
+def _check_keywords(name: str, kwargs: dict, kernel_options: dict, options: frozenset[str]) -> None:
+    """Refuse a keyword transformers does not pass, or a kernel option the kernel does not take."""
+    if unknown := sorted(set(kwargs) - CALL_KEYWORDS):
+        raise ValueError(f"{name}: unknown keyword {unknown[0]!r}; allowed: "
+                         f"{', '.join(sorted(CALL_KEYWORDS))}; kernel_options: {_listed(options)}")
+    if unknown := sorted(set(kernel_options) - options):
+        raise ValueError(f"{name}: unknown kernel option {unknown[0]!r}; allowed: {_listed(options)}")
+
+
+def _listed(names: frozenset[str]) -> str:
+    return ", ".join(sorted(names)) or "none"
+
+
+def make_attention(name: str, attention_into: Callable, serves: frozenset[str],
+                   options: frozenset[str] = frozenset()) -> Callable:
     """The AttentionInterface function of a kernel with the shared `attention_into` interface that
-    serves the mechanisms named in `serves`."""
+    serves the mechanisms named in `serves` and takes the extra keywords named in `options`."""
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -169,6 +193,7 @@ def make_attention(name: str, attention_into: Callable, serves: frozenset[str]) 
                   kernel_options: dict | None = None, **kwargs) -> tuple[torch.Tensor, None]:
         """query [B, Hq, T, Dqk], key [B, Hkv, S, Dqk], value [B, Hkv, S, Dv] -> ([B, T, Hq, Dv],
         None). `kernel_options` go to the kernel as they are (tests: its variant twins)."""
+        _check_keywords(name, kwargs, kernel_options or {}, options)
         batch, n_q_heads, q_len, _ = query.shape
         kv_len, v_dim = key.shape[2], value.shape[-1]
         if dropout:
@@ -268,7 +293,7 @@ def _triton_attention_into(out, q, k, v, **kwargs):
     return attention_into(out, q, k, v, **kwargs)
 
 
-kvfid_triton_attention = make_attention(NAME, _triton_attention_into, SERVES)
+kvfid_triton_attention = make_attention(NAME, _triton_attention_into, SERVES, OPTIONS)
 
 
 def register() -> str:

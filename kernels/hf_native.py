@@ -18,7 +18,7 @@ def _native_attention_into(out, q, k, v, **kwargs):
     return attention_into(out, q, k, v, **kwargs)
 
 
-kvfid_native_attention = make_attention(NAME, _native_attention_into, SERVES)
+kvfid_native_attention = make_attention(NAME, _native_attention_into, SERVES, frozenset({"config"}))
 
 
 def register() -> str:

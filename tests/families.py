@@ -1,5 +1,7 @@
 """Tiny random-weight models of the decoder families of issue 17, built from transformers' own
-config classes (no hub) and saved with `save_pretrained` into a folder loadable as `hf:<folder>`.
+config classes (no hub): the tests' one builder of such models. `model` returns one in memory
+(tests/mode_models.py measures it at the transformers level); `build` saves it with
+`save_pretrained` into a folder loadable as `hf:<folder>`.
 
 Every model is small (hidden <= 256, 2-4 layers, the byte codec's 260-token vocabulary) and
 seeded. Windows are small (8 positions) so a short run crosses them; where a family mixes local
@@ -113,17 +115,29 @@ EXTRA = {"falcon-h1": _falcon_h1}   # built by `build` too, not in FAMILIES
 SEED = 17
 
 
-def build(family: str, folder) -> Path:
-    """Save a seeded random-weight model of `family` (fp32) into `folder`; returns the folder.
-    Loaded with `load_model(f"hf:{folder}")` (no tokenizer is saved: the byte codec is used)."""
+def model(family: str, *, dtype: torch.dtype = torch.float32, experts: str | None = None,
+          **config) -> torch.nn.Module:
+    """A seeded random-weight model of `family` (initialised in fp32, then cast to `dtype`), eval
+    mode, CPU; `experts` picks transformers' experts_implementation (None: its default); `config`
+    sets fields of the family's config (e.g. more layers)."""
     builders = {**_BUILDERS, **EXTRA}
     if family not in builders:
         raise ValueError(f"unknown family {family!r}; valid: {', '.join(builders)}")
-    model_cls, config = builders[family]()
+    model_cls, family_config = builders[family]()
+    for name, value in config.items():
+        setattr(family_config, name, value)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED + list(builders).index(family))
-        module = model_cls(config).to(torch.float32).eval()
+        module = model_cls(family_config).to(torch.float32).eval()
+    if experts is not None:
+        module.set_experts_implementation(experts)
+    return module.to(dtype)
+
+
+def build(family: str, folder) -> Path:
+    """Save a seeded random-weight model of `family` (fp32) into `folder`; returns the folder.
+    Loaded with `load_model(f"hf:{folder}")` (no tokenizer is saved: the byte codec is used)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    module.save_pretrained(folder)
+    model(family).save_pretrained(folder)
     return folder

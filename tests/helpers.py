@@ -80,3 +80,36 @@ def tiny_model(kind: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
                         **overrides)
     torch.manual_seed(seed)
     return model_cls(config).eval().to(device())
+
+
+def differing_positions(a: torch.Tensor, b: torch.Tensor) -> list[int]:
+    """Positions t (dim 2) whose [B, H, D] slices are not bitwise equal."""
+    return [t for t in range(a.shape[2]) if not bits_equal(a[:, :, t], b[:, :, t])]
+
+
+def probe_in_batches(attention, dtype: torch.dtype, sizes, on=None):
+    """An attention's batch check: a probe sequence (a 3-query chunk over 21 keys, 2 query heads
+    over 1 KV head) computed alone and as the last row among other sequences in a batch of each
+    size. Yields (n, the probe's row of the batch of n, the probe alone)."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (randn(max(sizes), h, 21, 16, dtype=dtype, gen=gen, on=on) for h in (2, 1, 1))
+    q = q[:, :, -3:]
+    probe = [t[-1:] for t in (q, k, v)]
+    alone = attention(*probe)
+    for n in sizes:
+        yield n, attention(*(torch.cat([t[:n - 1], p]) for t, p in zip((q, k, v), probe)))[-1:], alone
+
+
+def check_rejects_bad_inputs(attention, make_qkv) -> None:
+    """An attention's contract: GQA needs Hq a multiple of Hkv, no more queries than keys, and
+    fp64 is refused."""
+    import pytest
+
+    q, k, v = make_qkv(1, 3, 2, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="multiple"):
+        attention(q, k, v)  # 3 query heads over 2 kv heads
+    q, k, v = make_qkv(1, 2, 1, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="Tq <= Tk"):
+        attention(torch.cat([q, q], dim=2), k, v)
+    with pytest.raises(TypeError):
+        attention(q.double(), k.double(), v.double())

@@ -1,8 +1,9 @@
 """Tiny random-weight MoE and hybrid-recurrent models, and the two bitwise checks run on them.
 
-Built from transformers' own config classes (no hub): Qwen3-MoE, gpt-oss, DeepSeek-V3 (MLA + MoE)
-and Qwen3-Next (Gated DeltaNet + full attention + MoE), hidden 64-128, 2-4 layers, seeded.
-Measured at the transformers level (a DynamicCache), not through kvfid's boundary state:
+The models are tests/families.py's (the tests' one builder): Qwen3-MoE, gpt-oss, DeepSeek-V3
+(MLA + MoE) and Qwen3-Next (Gated DeltaNet + full attention + MoE), with eager attention, so the
+batch-invariant mode reaches every matmul and softmax. Measured at the transformers level (a
+DynamicCache), not through kvfid's boundary state:
 
 * `prefill_vs_incremental`: the prefix in one call against one token at a time (the first token
   alone, as live decoding starts), comparing the last position's logits and every tensor the
@@ -14,47 +15,22 @@ from __future__ import annotations
 
 import torch
 
+import families
+
 FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_next")
+# Qwen3-Next as the recurrence and blame tests read it: three linear layers, then a full one.
+_CONFIG = {"qwen3_next": dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])}
 
 
-def build(family: str, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+def build(family: str, *, dtype: torch.dtype = torch.bfloat16,
           experts: str | None = None) -> torch.nn.Module:
-    """A tiny `family` model in `dtype`, eval mode, CPU; `experts` picks transformers'
-    experts_implementation (None: its default)."""
-    import transformers as tf
-
-    common = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=512, head_dim=16)
-    if family == "qwen3_moe":
-        config = tf.Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=32,
-                                   num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
-    elif family == "gpt_oss":
-        config = tf.GptOssConfig(**common, intermediate_size=32, num_hidden_layers=2, num_local_experts=8,
-                                 num_experts_per_tok=2, sliding_window=8,
-                                 layer_types=["sliding_attention", "full_attention"])
-    elif family == "deepseek_v3":
-        common.pop("head_dim")
-        common["num_key_value_heads"] = 4  # MLA: one latent serves every head
-        config = tf.DeepseekV3Config(**common, intermediate_size=128, moe_intermediate_size=32,
-                                     num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=8,
-                                     num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-                                     q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32,
-                                     qk_rope_head_dim=16, v_head_dim=32)
-    elif family == "qwen3_next":
-        config = tf.Qwen3NextConfig(**common, intermediate_size=128, moe_intermediate_size=32,
-                                    shared_expert_intermediate_size=32, num_hidden_layers=4,
-                                    num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2,
-                                    linear_num_value_heads=4, linear_key_head_dim=16,
-                                    linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                                    layer_types=["linear_attention", "linear_attention",
-                                                 "linear_attention", "full_attention"])
-    else:
+    """families' `family` model (spelt with underscores) in `dtype`, eager attention, eval mode,
+    CPU; `experts` picks transformers' experts_implementation (None: its default)."""
+    if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    if experts is not None:
-        model.set_experts_implementation(experts)
+    model = families.model(family.replace("_", "-"), dtype=dtype, experts=experts,
+                           **_CONFIG.get(family, {}))
+    model.set_attn_implementation("eager")
     return model
 
 

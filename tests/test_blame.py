@@ -111,3 +111,19 @@ def test_blame_refuses_other_constructions_and_short_prefixes():
             blame_lib.blame(module, prefix[:1], 1)
         with pytest.raises(ValueError, match="outside P"):
             blame_lib.blame(module, prefix, len(prompt), position=len(prefix))
+
+
+@pytest.mark.parametrize("position", ["decode step", "inside the prompt"])
+def test_lm_head_is_compared_at_the_blamed_position_not_the_last(position):
+    """On a bit-exact stack, blaming a position before P's last compares lm_head's row at that
+    position on both sides (every op equal), not the last row each call happens to end with."""
+    model = small("tiny-llama")
+    prompt, prefix = prefix_of(model)
+    p = len(prefix) - 3 if position == "decode step" else len(prompt) - 2
+    with Stack("native", "fp32", True, threads=1).activate(model) as module:
+        result = blame_lib.blame(module, prefix, len(prompt), position=p)
+    head = [op for op in result.ops if op.module == "lm_head"]
+    assert head and all(op.kind == "equal" for op in head), head
+    # Each side's lm_head sees every row of its call (a: the decode step or the prompt, b: all of P)
+    rows_a = 1 if position == "decode step" else len(prompt)
+    assert (head[0].shapes_a[0][-2], head[0].shapes_b[0][-2]) == (rows_a, len(prefix))

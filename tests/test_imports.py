@@ -157,3 +157,27 @@ def test_the_check_finds_a_circle_inside_a_package_and_kernels_importing_harness
         "kernels/k.py:1 imports harness.low.b: upward, from floor kernels to harness.low",
         "import circle: harness.low.c -> harness.low.d -> harness.low.c",
         "package circle: harness.low -> kernels -> harness.low"]
+
+
+def backend_name_tests(root: Path) -> list[str]:
+    """`file:line` of every comparison in harness/protocol/ against a built-in backend's name
+    (`backend == "sdpa"`, `name in ("triton", "native")`): the backends say what they refuse."""
+    from harness.names import BACKENDS
+
+    def named(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in BACKENDS
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(map(named, node.elts))
+
+    found = []
+    for path in sorted((root / "harness" / "protocol").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare) and any(map(named, [node.left, *node.comparators])):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_no_protocol_code_tests_a_backend_name(tmp_path):
+    assert backend_name_tests(ROOT) == []
+    planted = _tree(tmp_path, {"harness/protocol/x.py": 'def f(b):\n    return b in ("eager", "x")\n'})
+    assert backend_name_tests(planted) == ["harness/protocol/x.py:2"]   # the check can fail

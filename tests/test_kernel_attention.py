@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref,
-                     bits_equal, device, randn)
+                     bits_equal, check_rejects_bad_inputs, device, differing_positions,
+                     probe_in_batches, randn)
 
 from harness.protocol.twins import attention_twin
 from kernels.attention import BLOCK_M, attention, attention_ref, config_for
@@ -24,11 +25,6 @@ def by_chunks(q, k, v, bounds, fn=attention):
     positions bounds[i]:bounds[i+1] and sees keys 0:bounds[i+1]."""
     outs = [fn(q[:, :, s:e], k[:, :, :e], v[:, :, :e]) for s, e in zip(bounds, bounds[1:])]
     return torch.cat(outs, dim=2)
-
-
-def differing_positions(a: torch.Tensor, b: torch.Tensor) -> list[int]:
-    """Positions t (dim 2) whose [B, H, D] slices are not bitwise equal."""
-    return [t for t in range(a.shape[2]) if not bits_equal(a[:, :, t], b[:, :, t])]
 
 
 # ---- correctness -------------------------------------------------------------------------------
@@ -113,15 +109,9 @@ assert set(ATTENTION_BATCH_SIZES) <= set(BATCH_SIZES)
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_row_alone_equals_row_in_any_batch(dtype):
-    # A 3-query chunk over 21 keys (one program per sequence). The probe sequence is placed last
-    # among different sequences.
-    q, k, v = make_qkv(max(ATTENTION_BATCH_SIZES), 2, 1, 21, 16, dtype, seed=1)
-    q = q[:, :, -3:]
-    probe = [t[-1:] for t in (q, k, v)]
-    alone = attention(*probe)
-    for n in ATTENTION_BATCH_SIZES:
-        batch = [torch.cat([t[:n - 1], p]) for t, p in zip((q, k, v), probe)]
-        assert_bitwise_equal(attention(*batch)[-1:], alone, f"probe as row {n - 1} of a batch of {n}")
+    # A 3-query chunk over 21 keys (one program per sequence), placed last among other sequences.
+    for n, row, alone in probe_in_batches(attention, dtype, ATTENTION_BATCH_SIZES):
+        assert_bitwise_equal(row, alone, f"probe as row {n - 1} of a batch of {n}")
 
 
 # ---- negative controls -------------------------------------------------------------------------
@@ -142,13 +132,8 @@ def test_control_the_construction_check_catches_a_split_kv_twin(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_control_the_batch_check_catches_a_split_kv_twin(dtype):
     """Twin of the batch test: a split count chosen from the batch size is caught at every size."""
-    q, k, v = make_qkv(max(ATTENTION_BATCH_SIZES), 2, 1, 21, 16, dtype, seed=1)
-    q = q[:, :, -3:]
-    probe = [t[-1:] for t in (q, k, v)]
-    alone = attention_twin(*probe)
-    for n in ATTENTION_BATCH_SIZES:
-        out = attention_twin(*(torch.cat([t[:n - 1], p]) for t, p in zip((q, k, v), probe)))[-1:]
-        assert not bits_equal(out, alone), f"batch of {n}: the twin was not caught"
+    for n, row, alone in probe_in_batches(attention_twin, dtype, ATTENTION_BATCH_SIZES):
+        assert not bits_equal(row, alone), f"batch of {n}: the twin was not caught"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -161,11 +146,4 @@ def test_twin_is_a_correct_attention(dtype):
 # ---- contract ----------------------------------------------------------------------------------
 
 def test_attention_rejects_bad_inputs():
-    q, k, v = make_qkv(1, 3, 2, 8, 16, torch.float32)
-    with pytest.raises(ValueError, match="multiple"):
-        attention(q, k, v)  # 3 query heads over 2 kv heads
-    q, k, v = make_qkv(1, 2, 1, 8, 16, torch.float32)
-    with pytest.raises(ValueError, match="Tq <= Tk"):
-        attention(torch.cat([q, q], dim=2), k, v)
-    with pytest.raises(TypeError):
-        attention(q.double(), k.double(), v.double())
+    check_rejects_bad_inputs(attention, make_qkv)

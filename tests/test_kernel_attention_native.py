@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref,
-                     bits_equal, randn)
+                     check_rejects_bad_inputs, differing_positions, probe_in_batches, randn)
 
 from harness.protocol.twins import attention_twin
 from kernels.attention_native import NativeConfig, attention, attention_ref
@@ -24,10 +24,6 @@ def by_chunks(q, k, v, bounds, fn=attention, **kw):
     """All positions, chunk by chunk over a growing cache (fresh tensors, as a cache grows)."""
     return torch.cat([fn(q[:, :, s:e].clone(), k[:, :, :e].clone(), v[:, :, :e].clone(), **kw)
                       for s, e in zip(bounds, bounds[1:])], dim=2)
-
-
-def differing_positions(a, b):
-    return [t for t in range(a.shape[2]) if not bits_equal(a[:, :, t], b[:, :, t])]
 
 
 LENGTH = 100  # crosses a 64-key tile, fills neither the last query tile nor the last key tile
@@ -95,13 +91,8 @@ def test_a_window_cache_gives_the_full_cache_bits(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_row_alone_equals_row_in_any_batch(dtype):
-    q, k, v = make_qkv(max(BATCH_SIZES), 2, 1, 21, 16, dtype, seed=1)
-    q = q[:, :, -3:]
-    probe = [t[-1:] for t in (q, k, v)]
-    alone = attention(*probe)
-    for n in BATCH_SIZES:
-        batch = [torch.cat([t[:n - 1], p]) for t, p in zip((q, k, v), probe)]
-        assert_bitwise_equal(attention(*batch)[-1:], alone, f"probe as row {n - 1} of a batch of {n}")
+    for n, row, alone in probe_in_batches(attention, dtype, BATCH_SIZES, on="cpu"):
+        assert_bitwise_equal(row, alone, f"probe as row {n - 1} of a batch of {n}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -148,14 +139,8 @@ def test_control_tiles_not_aligned_to_positions_differ():
 # ---- contract ----------------------------------------------------------------------------------
 
 def test_native_rejects_bad_inputs():
-    q, k, v = make_qkv(1, 3, 2, 8, 16, torch.float32)
-    with pytest.raises(ValueError, match="multiple"):
-        attention(q, k, v)
+    check_rejects_bad_inputs(attention, make_qkv)
     q, k, v = make_qkv(1, 2, 1, 8, 16, torch.float32)
-    with pytest.raises(ValueError, match="Tq <= Tk"):
-        attention(torch.cat([q, q], dim=2), k, v)
-    with pytest.raises(TypeError):
-        attention(q.double(), k.double(), v.double())
     with pytest.raises(ValueError, match="sinks"):
         attention(q, k, v, sinks=torch.zeros(3))
     with pytest.raises(ValueError, match="tile_n"):

@@ -13,7 +13,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
 from harness.protocol import twins
-from kernels import hf, triton_runs_on
+from kernels import hf, hf_native as native, triton_runs_on
 from kernels.mode import set_batch_invariant_mode
 
 LENGTH = 17  # more than one query tile (16), not a multiple of it
@@ -221,3 +221,23 @@ def test_factory_refuses_what_the_kernel_does_not_serve_before_calling_it():
             _call(bare, 1, 7, position_ids=torch.tensor([[6]]), **kwargs)
     _call(bare, 1, 7, position_ids=torch.tensor([[6]]), sliding_window=7)  # covers every key
     assert len(calls) == 1 and calls[0]["window"] is None
+
+
+def test_factory_refuses_an_unknown_option_naming_the_allowed_ones():
+    calls = []
+    probe = hf.make_attention("probe", _recording_kernel(calls), frozenset(),
+                              options=frozenset({"align_own"}))
+    # a kernel option given as a keyword (how the ragged twin's align_own=False was once dropped)
+    allowed = r"allowed: .*sliding_window.*; kernel_options: align_own$"
+    with pytest.raises(ValueError, match=rf"probe: unknown keyword 'align_own'; {allowed}"):
+        _call(probe, 1, 7, position_ids=torch.tensor([[6]]), align_own=False)
+    # a misspelt kernel option
+    with pytest.raises(ValueError, match=r"probe: unknown kernel option 'align_onw'; allowed: align_own$"):
+        _call(probe, 1, 7, position_ids=torch.tensor([[6]]), kernel_options={"align_onw": False})
+    assert calls == []
+    _call(probe, 1, 7, position_ids=torch.tensor([[6]]), use_cache=True,
+          kernel_options={"align_own": False})
+    assert calls[-1]["align_own"] is False
+    for attention in (hf.kvfid_triton_attention, native.kvfid_native_attention):
+        with pytest.raises(ValueError, match="unknown keyword 'align_onw'"):
+            _call(attention, 1, 7, position_ids=torch.tensor([[6]]), align_onw=False)

@@ -1,5 +1,6 @@
 """Aggregates from hand-made records give known numbers; the report files are self-contained."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -10,8 +11,8 @@ from harness.runs import stats
 from harness.runs.case import load_case
 from harness.runs.ledger import Ledger, StoredUnit
 from harness.protocol import record as rec
-from harness.reports.report import aggregate, crossing_repro_command, headline, markdown, \
-    repro_command, svg_bars, svg_lines, write_report
+from harness.reports.report import aggregate, crossing_repro_command, d_rel_blocks, headline, \
+    markdown, repro_command, svg_bars, svg_lines, write_report
 
 CASE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
 STACK = "sdpa/bf16@t1"  # smoke.toml sets threads = 1
@@ -98,6 +99,27 @@ def test_disagreement_replica_floor_and_cache(summary):
     assert prefill["first_bad_layer"] == {"exact": 1, "0": 1, "1": 2}
     assert prefill["d_rel_per_layer"] == {"k": [0.0, pytest.approx(0.015)],
                                           "v": [0.0, pytest.approx(0.03)]}
+
+
+
+def test_d_rel_per_layer_covers_every_part_of_every_layer_kind():
+    """A hybrid model: layer 0 recurrent (no K/V: its recurrent and conv states), layer 1 full
+    attention; each part's series names the layers that hold it (None elsewhere, not 0)."""
+    recurrent = rec.LayerDiff(0, kind="recurrent", parts={"recurrent": rec.TensorDiff(d_rel=0.2),
+                                                         "conv": rec.TensorDiff(d_rel=0.1)})
+    full = rec.LayerDiff(1, rec.TensorDiff(d_rel=0.03), rec.TensorDiff(d_rel=0.05), span=(0, 2))
+    units = []
+    for unit in UNITS[:4]:
+        c = unit.record.comparisons[0]
+        cache = dataclasses.replace(c.cache, layers=(recurrent, full))
+        units.append(dataclasses.replace(unit, record=dataclasses.replace(
+            unit.record, comparisons=(dataclasses.replace(c, cache=cache),))))
+    prefill = aggregate(units, DESIGN)["stacks"][STACK]["constructions"]["prefill"]
+    assert prefill["d_rel_per_layer"] == {"k": [None, 0.03], "v": [None, 0.05],
+                                          "recurrent": [0.2, None], "conv": [0.1, None]}
+    numbers = markdown(d_rel_blocks(STACK, {"prefill": prefill})[-1][2:])   # the figure's table
+    assert "| layer | prefill K | prefill V | prefill RECURRENT | prefill CONV |" in numbers
+    assert "| 0 | - | - | 0.2 | 0.1 |" in numbers and "| 1 | 0.03 | 0.05 | - | - |" in numbers
 
 
 def test_first_divergence_and_margins(summary):

@@ -147,3 +147,27 @@ def test_a_case_with_a_stack_the_model_cannot_serve_is_refused_before_compute(tm
     assert result.exit_code == 3, result.output
     assert "softcapping (50.0)" in result.output and "twin" in result.output
     assert not db.exists()          # refused before the ledger file is created
+
+
+def test_a_backend_says_what_it_refuses_and_the_checks_ask_it_not_its_name(monkeypatch):
+    """A registered backend's own refusals (a mechanism, a model class, +compile) are what
+    check_supports and the serving table apply; no check looks at the backend's name."""
+    from harness.protocol import backends, serving
+    from harness.protocol.backends import AttentionBackend, StackUnavailable, check_supports
+
+    probe = AttentionBackend("probe", "eager that says it applies no softcap", lambda: "eager",
+                             unserved=lambda: {"softcap": "the probe applies no softcapping",
+                                               "sliding_window": "no window {window} < {length}"},
+                             model_refusal=lambda cls: f"the probe refuses {cls.__name__}",
+                             compile_refusal=lambda: "the probe cannot be compiled")
+    monkeypatch.setitem(backends._BACKENDS, "probe", probe)
+    with pytest.raises(StackUnavailable, match=r"softcap: the probe applies no softcapping \(50.0\)"):
+        check_supports(Stack("probe", "fp32"), gemma2_config(attn_logit_softcapping=50.0), length=32)
+    config = gemma2_config(attn_logit_softcapping=None)
+    with pytest.raises(StackUnavailable, match="no window 64 < 65"):
+        check_supports(Stack("probe", "fp32"), config, length=65)
+    with pytest.raises(StackUnavailable, match="the probe refuses Gemma2ForCausalLM"):
+        check_supports(Stack("probe", "fp32"), config, length=64)   # the window covers every key
+    with pytest.raises(StackUnavailable, match="the probe cannot be compiled"):
+        check_supports(Stack("probe", "fp32", compiled=True), config, length=64)
+    assert serving.model_reason(backends.attention_backend("eager"), type(None)) is None

@@ -25,11 +25,12 @@ def models(model: str | None, length: int | None, fmt: str) -> None:
 
         click.echo(describe_presets(fmt))
         return
+    from harness.protocol.backends import builtin_backends
     from harness.protocol.serving import describe_serving
     from harness.runs.repro import check_model_name
 
     check_model_name(model)
-    click.echo(describe_serving(model, fmt, length))
+    click.echo(describe_serving(model, builtin_backends(), fmt, length))
 
 
 @click.command()

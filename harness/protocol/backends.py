@@ -30,14 +30,27 @@ class StackUnavailable(Unavailable, EnvironmentError):
     """A device or attention implementation this machine cannot run (exit 3)."""
 
 
+def _refuses_nothing(*_) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class AttentionBackend:
     """A named attention implementation; `implementation()` registers it if needed and returns
-    the name transformers knows it by."""
+    the name transformers knows it by. It says itself what it refuses (the protocol asks, and
+    never tests its name): `unserved()`, each mechanism of harness.protocol.serving.MECHANISMS it
+    does not serve and why (`{window}` and `{length}` filled in there); `model_refusal(module
+    class)`, why it cannot run a whole model class; `causal_only`, encoder-decoder models refused;
+    `compile_refusal()`, why `+compile` cannot compile its forward here. A user's function or a
+    transformers implementation refuses nothing: it answers for itself."""
 
     name: str
     description: str
     implementation: Callable[[], str]
+    unserved: Callable[[], dict[str, str]] = dict
+    model_refusal: Callable[[type | None], str | None] = _refuses_nothing
+    causal_only: bool = False
+    compile_refusal: Callable[[], str | None] = _refuses_nothing
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}
@@ -105,13 +118,70 @@ def _twin_implementation() -> str:
     return twins.register_hf()
 
 
+_SDPA_SINKS = ("transformers' sdpa attention takes no sink logits (the model class sets "
+               "_supports_sdpa = False); use --backend eager")
+
+
+def _sdpa_model_refusal(module_class) -> str | None:
+    if module_class is not None and getattr(module_class, "_supports_sdpa", True) is False:
+        return (f"transformers: {module_class.__name__} does not support an attention "
+                "implementation through torch.nn.functional.scaled_dot_product_attention yet")
+    return None
+
+
+def _kernel_unserved(module: str, name: str) -> Callable[[], dict[str, str]]:
+    """What a kernel of ours does not serve: the mechanisms its module's `SERVES` leaves out."""
+    def unserved() -> dict[str, str]:
+        kernel = f"the {name} kernel"
+        reasons = {"sliding_window": "sliding-window attention (window {window} < {length} tokens); "
+                                     f"{kernel} attends to every earlier position",
+                   "chunked_attention": "chunked attention (blocks of {window} < {length} tokens); "
+                                        f"{kernel} attends to every earlier position",
+                   "softcap": f"{kernel} does not apply attention-logit softcapping",
+                   "sinks": f"{kernel} takes no attention sinks",
+                   "split_head_dims": f"{kernel} needs one head dim for q, k and v"}
+        serves = importlib.import_module(module).SERVES   # read when asked: tests narrow it
+        return {m: reason for m, reason in reasons.items() if m not in serves}
+    return unserved
+
+
+def _triton_compile_refusal() -> str | None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return ("the Triton kernel runs in Triton's interpreter here, which torch.compile cannot "
+                "trace; +compile with --backend triton needs CUDA")
+    return None
+
+
+def _native_compile_refusal() -> str:
+    from kernels.hf import COMPILE_BREAKS
+
+    return f"the native kernel cannot be compiled whole: {COMPILE_BREAKS}"
+
+
 # twin is the negative control: correct attention whose split-KV count follows the call's shape,
 # so live, prefill and batched constructions differ on every machine (harness.protocol.twins).
-_IMPLEMENTATIONS = {"sdpa": lambda: "sdpa", "eager": lambda: "eager",
-                    "triton": _triton_implementation, "native": _native_implementation,
-                    "twin": _twin_implementation}
+_SPECS = {
+    "sdpa": dict(implementation=lambda: "sdpa", model_refusal=_sdpa_model_refusal, unserved=lambda: {
+        "softcap": "transformers' sdpa attention does not apply attention-logit softcapping; use "
+                   "--backend eager", "sinks": _SDPA_SINKS}),
+    "eager": dict(implementation=lambda: "eager"),
+    "triton": dict(implementation=_triton_implementation, causal_only=True,
+                   unserved=_kernel_unserved("kernels.hf", "triton"),
+                   compile_refusal=_triton_compile_refusal),
+    "native": dict(implementation=_native_implementation, causal_only=True,
+                   unserved=_kernel_unserved("kernels.hf_native", "native"),
+                   compile_refusal=_native_compile_refusal),
+    "twin": dict(implementation=_twin_implementation, unserved=lambda: {
+        "softcap": "the twin attention ignores attention-logit softcapping",
+        "sinks": "the twin attention ignores the sink logits"}),
+}
 for _name, _description in BACKENDS.items():
-    register_backend(AttentionBackend(_name, _description, _IMPLEMENTATIONS[_name]))
+    register_backend(AttentionBackend(_name, _description, **_SPECS[_name]))
+
+
+def builtin_backends() -> list[AttentionBackend]:
+    """The built-in backends, in harness.names' order (the columns of `kvfid models MODEL`)."""
+    return [_BACKENDS[name] for name in BACKENDS]
 
 
 @dataclass(frozen=True)
@@ -202,7 +272,8 @@ class Stack:
             if self.compiled:
                 from harness.protocol.compiled import compiled_forward
 
-                restore.enter_context(compiled_forward(module, self.label))
+                restore.enter_context(compiled_forward(module, self.label,
+                                                       attention_backend(self.backend)))
             yield module
 
 
@@ -232,29 +303,30 @@ def check_supports(stack: Stack, model_or_config, length: int | None = None) -> 
     """Refuse, before any compute, a model this stack cannot serve (exit 3, one line): a layer
     whose cache state kvfid cannot read whole (harness.protocol.layers.UnknownLayer), a model
     class transformers refuses for the backend, or a layer mechanism the backend does not serve
-    (harness.protocol.serving: the table per mechanism and backend; the triton kernel's set is
-    kernels.hf.SERVES). A window at least `length` tokens long (default: the model's context)
-    covers every key, so it needs no window support. Padding the triton kernel cannot take
+    (harness.protocol.serving asks what the backend says it refuses, `AttentionBackend`; the
+    triton kernel's set is kernels.hf.SERVES). A window at least `length` tokens long (default:
+    the model's context) covers every key, so it needs no window support. Padding the triton kernel cannot take
     (right padding, custom masks) never comes from a config: kvfid's constructions pad on the
     left."""
     from harness.protocol import serving
 
+    backend = attention_backend(stack.backend)
     if stack.compiled:
         from harness.protocol.compiled import unavailable_reason
 
-        reason = unavailable_reason(stack.backend, stack.device)
+        reason = unavailable_reason(backend, stack.device)
         if reason:
             raise StackUnavailable(f"stack {stack.label} cannot run here: {reason}")
     config = serving.text_config(model_or_config)
     refuse = f"model {getattr(config, 'model_type', '?')} cannot run on stack {stack.label}"
-    if stack.backend in ("triton", "native") and getattr(config, "is_encoder_decoder", False):
+    if backend.causal_only and getattr(config, "is_encoder_decoder", False):
         raise StackUnavailable(f"{refuse}: the {stack.backend} kernel is causal decoder attention only")
     infos = serving.describe_layers(model_or_config)
     need = length or int(getattr(config, "max_position_embeddings", 0) or 0)
     for info in infos:
-        reason = serving.layer_reason(stack.backend, info, need)
+        reason = serving.layer_reason(backend, info, need)
         if reason:
             raise StackUnavailable(f"{refuse}: layer {info.index} ({info.layer_type}) {reason}")
-    reason = serving.model_reason(stack.backend, serving.module_class(model_or_config))
+    reason = serving.model_reason(backend, serving.module_class(model_or_config))
     if reason:
         raise StackUnavailable(f"{refuse}: {reason}")

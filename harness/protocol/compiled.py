@@ -9,11 +9,12 @@ compile time apart from the arms' time. A later new shape (a batch of 2) may sti
 an arm. Dynamo's caches are reset on entry and on exit, so no graph traced under one stack (its
 batch-invariant overrides, its attention) is ever reused by another.
 
-A stack whose forward dynamo cannot compile whole is refused before compute (`native`: its
-attention wrapper's host reads break the graph in every layer and push transformers' shared
-decorated frame past dynamo's recompile limit, so part of it would run eagerly: measured, see
-kernels.hf.COMPILE_BREAKS). `kvfid blame` compiles units one by one (`trace_units`); when they
-all agree alone, blame names the layer whose state first differs with the forward compiled whole.
+A stack whose forward dynamo cannot compile whole is refused before compute: its backend says
+why (`AttentionBackend.compile_refusal`; e.g. the native kernel's host reads break the graph in
+every layer and push transformers' shared decorated frame past dynamo's recompile limit, so part
+of it would run eagerly: measured, see kernels.hf.COMPILE_BREAKS). `kvfid blame` compiles units
+one by one (`trace_units`); when they all agree alone, blame names the layer whose state first
+differs with the forward compiled whole.
 """
 
 from __future__ import annotations
@@ -28,15 +29,12 @@ import torch
 from harness.errors import Unavailable
 
 
-def unavailable_reason(backend: str, device: str) -> str | None:
-    """Why inductor cannot compile this stack's forward here, or None."""
-    if backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
-        return ("the Triton kernel runs in Triton's interpreter here, which torch.compile cannot "
-                "trace; +compile with --backend triton needs CUDA")
-    if backend == "native":
-        from kernels.hf import COMPILE_BREAKS
-
-        return f"the native kernel cannot be compiled whole: {COMPILE_BREAKS}"
+def unavailable_reason(backend, device: str) -> str | None:
+    """Why inductor cannot compile this stack's forward here (its attention backend's own
+    refusal, then the device's), or None. `backend`: a harness.protocol.backends.AttentionBackend."""
+    reason = backend.compile_refusal()
+    if reason:
+        return reason
     if not device.startswith("cuda"):
         compiler = os.environ.get("CXX") or "c++"
         if shutil.which(compiler) is None and shutil.which("g++") is None:
@@ -45,10 +43,10 @@ def unavailable_reason(backend: str, device: str) -> str | None:
 
 
 @contextlib.contextmanager
-def compiled_forward(module: torch.nn.Module, label: str) -> Iterator[None]:
+def compiled_forward(module: torch.nn.Module, label: str, backend) -> Iterator[None]:
     """`module.forward` compiled (dynamic shapes) inside the block; the eager forward and empty
-    dynamo caches after it."""
-    reason = unavailable_reason(label.split("/")[0], str(next(module.parameters()).device))
+    dynamo caches after it. `backend`: the stack's AttentionBackend."""
+    reason = unavailable_reason(backend, str(next(module.parameters()).device))
     if reason:
         raise Unavailable(f"stack {label}: {reason}")
     torch._dynamo.reset()

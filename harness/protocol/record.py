@@ -53,6 +53,12 @@ class LayerDiff:
     parts: dict[str, TensorDiff] = field(default_factory=dict)
     uncompared: tuple[str, ...] = ()
 
+    def part_diffs(self) -> dict[str, TensorDiff]:
+        """Every part this layer holds, by name: K and V (not for a recurrent layer, whose K/V
+        are only defaults; records without spans hold them), then its other parts."""
+        kv = {} if self.span is None and self.kind.startswith("recurrent") else {"k": self.k, "v": self.v}
+        return {**kv, **self.parts}
+
 
 @dataclass(frozen=True)
 class CacheDiff:

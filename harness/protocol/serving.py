@@ -1,6 +1,6 @@
 """Which stacks serve which layers: each layer's state and mechanisms, read from the config and
-transformers' cache classes (never from a family's name), against a table of what each built-in
-attention backend serves.
+transformers' cache classes (never from a family's name), against what each attention backend
+says it refuses (harness.protocol.backends.AttentionBackend; no backend is named here).
 
 Mechanisms: `sliding_window` (a layer that attends to its last W positions), `chunked_attention`
 (block-local attention), `softcap` (attention-logit softcapping), `sinks` (a per-head sink logit in
@@ -8,7 +8,7 @@ the softmax denominator: an attention module with a `sinks` parameter), `split_h
 head dim != query/key head dim, e.g. MLA), `recurrent` (linear attention / state-space layers:
 they call no attention backend, so every backend serves them). A backend serves a layer when it
 serves each of the layer's mechanisms; our kernels serve those in `kernels.hf.SERVES` (triton) and
-`kernels.hf_native.SERVES` (native).
+`kernels.hf_native.SERVES` (native). A window covering every key of a run needs no window support.
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ from harness.protocol.layers import UnknownLayer, cache_layers, layer_kind
 
 MECHANISMS = ("sliding_window", "chunked_attention", "softcap", "sinks", "split_head_dims",
               "recurrent")
-STACKS = ("sdpa", "eager", "triton", "native", "twin")
-# Our kernels' backends and the module whose `SERVES` names the mechanisms each serves.
-_KERNEL_SERVES = {"triton": "kernels.hf", "native": "kernels.hf_native"}
 
 
 @dataclass(frozen=True)
@@ -119,53 +116,22 @@ def describe_layers(model_or_config, module=None) -> list[LayerInfo]:
 
 # --------------------------------------------------------------------------- the table
 
-_SDPA_SINKS = ("transformers' sdpa attention takes no sink logits (the model class sets "
-               "_supports_sdpa = False); use --backend eager")
-
-
-def mechanism_reason(backend: str, mechanism: str, window: int | None = None,
+def mechanism_reason(backend, mechanism: str, window: int | None = None,
                      length: int | None = None) -> str | None:
-    """None when `backend` serves `mechanism`, else the one-line reason. Backends outside the
-    built-in ones are not known: served (a user's function answers for itself)."""
-    if mechanism == "recurrent":
-        return None
-    if backend == "sdpa":
-        return {"softcap": "transformers' sdpa attention does not apply attention-logit "
-                           "softcapping; use --backend eager",
-                "sinks": _SDPA_SINKS}.get(mechanism)
-    if backend == "twin":
-        return {"softcap": "the twin attention ignores attention-logit softcapping",
-                "sinks": "the twin attention ignores the sink logits"}.get(mechanism)
-    if backend in _KERNEL_SERVES:
-        import importlib
-
-        if mechanism in importlib.import_module(_KERNEL_SERVES[backend]).SERVES:
-            return None
-        if mechanism in ("sliding_window", "chunked_attention") and window is not None \
-                and length is not None and window >= length:
-            return None   # the window covers every key a run of `length` tokens has
-        kernel = f"the {backend} kernel"
-        return {"sliding_window": f"sliding-window attention (window {window} < {length} "
-                                  f"tokens); {kernel} attends to every earlier position",
-                "chunked_attention": f"chunked attention (blocks of {window} < {length} "
-                                     f"tokens); {kernel} attends to every earlier position",
-                "softcap": f"{kernel} does not apply attention-logit softcapping",
-                "sinks": f"{kernel} takes no attention sinks",
-                "split_head_dims": f"{kernel} needs one head dim for q, k and v"
-                }.get(mechanism)
-    return None
+    """None when `backend` (an AttentionBackend) serves `mechanism`, else its one-line reason."""
+    reason = None if mechanism == "recurrent" else backend.unserved().get(mechanism)
+    if reason is None or mechanism in ("sliding_window", "chunked_attention") and \
+            window is not None and length is not None and window >= length:
+        return None   # served, or the window covers every key a run of `length` tokens has
+    return reason.format(window=window, length=length)
 
 
-def model_reason(backend: str, module_class) -> str | None:
-    """What transformers itself refuses for the whole model (its class flags)."""
-    if backend == "sdpa" and module_class is not None and \
-            getattr(module_class, "_supports_sdpa", True) is False:
-        return (f"transformers: {module_class.__name__} does not support an attention "
-                "implementation through torch.nn.functional.scaled_dot_product_attention yet")
-    return None
+def model_reason(backend, module_class) -> str | None:
+    """What `backend` refuses for the whole model class (e.g. transformers' class flags)."""
+    return backend.model_refusal(module_class)
 
 
-def layer_reason(backend: str, info: LayerInfo, length: int | None = None) -> str | None:
+def layer_reason(backend, info: LayerInfo, length: int | None = None) -> str | None:
     """Every mechanism of the layer the backend does not serve, with its reason, on one line."""
     reasons = []
     for mechanism in info.mechanisms:
@@ -215,9 +181,10 @@ def load_config(name: str):
     return load_model(name).config
 
 
-def serving_table(name: str, length: int | None = None) -> dict:
+def serving_table(name: str, backends: list, length: int | None = None) -> dict:
     """Each group of like layers of a model (layer type, state kind, mechanisms) and, per
-    built-in stack, None (served) or why not; before any compute, from the config only."""
+    backend of `backends` (AttentionBackends), None (served) or why not; before any compute,
+    from the config only."""
     config = text_config(load_config(name))
     model_type = getattr(config, "model_type", "?")
     try:
@@ -232,7 +199,7 @@ def serving_table(name: str, length: int | None = None) -> dict:
         groups.setdefault(key, []).append(info)
     rows = []
     for (layer_type, cache_class, kind, mechanisms, window), members in groups.items():
-        stacks = {b: layer_reason(b, members[0], need) or model_reason(b, cls) for b in STACKS}
+        stacks = {b.name: layer_reason(b, members[0], need) or model_reason(b, cls) for b in backends}
         rows.append({"layers": [m.index for m in members], "layer_type": layer_type,
                      "cache_class": cache_class, "state": kind, "window": window,
                      "mechanisms": list(mechanisms), "stacks": stacks})
@@ -249,11 +216,11 @@ def _ranges(indices: list[int]) -> str:
     return ",".join(out)
 
 
-def describe_serving(name: str, fmt: str = "text", length: int | None = None) -> str:
-    """`kvfid models MODEL`: the serving table as text or JSON."""
+def describe_serving(name: str, backends: list, fmt: str = "text", length: int | None = None) -> str:
+    """`kvfid models MODEL`: the serving table (columns: `backends`) as text or JSON."""
     import json
 
-    table = serving_table(name, length)
+    table = serving_table(name, backends, length)
     if fmt == "json":
         return json.dumps(table, indent=2)
     lines = [f"{name} ({table['model_type']})"]

@@ -163,22 +163,7 @@ def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple
         [[c, ", ".join(f"{k}: {n}" if k == "exact" else f"L{k}: {n}"
                        for k, n in x["first_bad_layer"].items()) or "-"]
          for c, x in cons.items()])]
-    layers = max((len(x["d_rel_per_layer"]["k"]) for x in cons.values()), default=0)
-    series = [(f"{c} {kv.upper()}", x["d_rel_per_layer"][kv]) for c, x in cons.items()
-              for kv in ("k", "v")]
-    if layers and not any(v for _, ys in series for v in ys):
-        out += [("h3", "Median d_rel per layer"),
-                ("p", "0 at every layer, K and V, for every construction: the median item's "
-                      "cache is bit-exact layer by layer.")]
-    elif layers:
-        out += [("h3", "Median d_rel per layer"),
-                ("figure", svg_lines(series, "layer", "median d_rel (log scale)"),
-                 f"Median over items of ||a-b||_F/||a||_F per layer, K and V apart, {label}; "
-                 f"hollow marks on the 0 line are bit-exact layers."),
-                ("details", "the figure's numbers", _table(
-                    ["layer"] + [name for name, _ in series],
-                    [[i] + [number(ys[i]) if i < len(ys) else "-" for _, ys in series]
-                     for i in range(layers)]))]
+    out += d_rel_blocks(label, cons)
     out += [("h3", "First divergence and margins"), _table(
         ["construction", "diverging", "first divergence median [q1, q3]",
          "live margin at divergence median [q1, q3]", "live margin at other steps median [q1, q3]"],
@@ -232,6 +217,28 @@ def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple
                 _table(["item", "construction", "first divergence", "live margin there",
                         "command"], shown)]
     return out
+
+
+def d_rel_blocks(label: str, cons: dict) -> list[tuple]:
+    """The median d_rel per layer of each construction, one series per part (k, v, recurrent,
+    conv, ...): a figure and its numbers, or one line when every layer is bit-exact."""
+    series = [(f"{c} {part.upper()}", ys) for c, x in cons.items()
+              for part, ys in x["d_rel_per_layer"].items()]
+    layers = max((len(ys) for _, ys in series), default=0)
+    if not layers:
+        return []
+    if not any(v for _, ys in series for v in ys):
+        return [("h3", "Median d_rel per layer"),
+                ("p", "0 at every layer and part, for every construction: the median item's "
+                      "cache is bit-exact layer by layer.")]
+    return [("h3", "Median d_rel per layer"),
+            ("figure", svg_lines(series, "layer", "median d_rel (log scale)"),
+             f"Median over items of ||a-b||_F/||a||_F per layer, each part apart, {label}; "
+             f"hollow marks on the 0 line are bit-exact layers."),
+            ("details", "the figure's numbers", _table(
+                ["layer"] + [name for name, _ in series],
+                [[i] + [number(ys[i]) if i < len(ys) and ys[i] is not None else "-"   # no such part
+                         for _, ys in series] for i in range(layers)]))]
 
 
 def _controls(case) -> str:

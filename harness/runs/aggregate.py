@@ -123,10 +123,9 @@ def _construction(rows: list, kind: str, replicas: dict, S: int) -> dict:
             "exact" if c.first_bad_layer is None else str(c.first_bad_layer)
             for c in caches).items(), key=lambda kv: (kv[0] != "exact", _int(kv[0])))),
         "d_rel_median": stats.median([c.d_rel for c in caches]),
-        "d_rel_per_layer": {kv: [stats.median([getattr(c.layers[i], kv).d_rel for c in caches
-                                               if i < len(c.layers)]) for i in range(layers)]
-                            for kv in ("k", "v")},
-        "d_rel_aggregation": "median over items of each layer's ||a-b||_F/||a||_F (K and V apart)",
+        "d_rel_per_layer": _d_rel_per_layer(caches, layers),
+        "d_rel_aggregation": "median over items of each layer's ||a-b||_F/||a||_F, each part "
+                             "(k, v, recurrent, conv, ...) apart; None where a layer lacks it",
         "first_divergence": {**_spread(divergence),
                              "histogram": stats.histogram(divergence, edges) if divergence else []},
         "margin_at_divergence": _spread(at_divergence),
@@ -134,6 +133,18 @@ def _construction(rows: list, kind: str, replicas: dict, S: int) -> dict:
         "correctness": stats.paired_difference([a for a, _ in pairs], [b for _, b in pairs])
         if pairs else None,
     }
+
+
+def _d_rel_per_layer(caches: list, layers: int) -> dict[str, list[float | None]]:
+    """Per part, per layer: the median d_rel over the items whose layer holds that part."""
+    diffs = [[layer.part_diffs() for layer in c.layers] for c in caches]
+    names = dict.fromkeys(["k", "v"] + [name for c in diffs for layer in c for name in layer])
+    out = {}
+    for name in names:
+        series = [[c[i][name].d_rel for c in diffs if i < len(c) and name in c[i]] for i in range(layers)]
+        if any(series):
+            out[name] = [stats.median(xs) if xs else None for xs in series]
+    return out
 
 
 def _replay(units: list) -> dict:

@@ -198,7 +198,9 @@ def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
         side_a[key] = Side([tuple(t.shape) for t in inputs], inputs, outputs)
         order_a.append(key)
 
-    tracer(module, lambda: runner.forward(as_batch(prefix[span_a[0]:span_a[1]]), cache_a), record_a)
+    # Every position's logits, so lm_head's row at p is computed on both sides (kept to the last
+    # position, each side's lm_head would see its own call's last row, which need not be p).
+    tracer(module, lambda: runner.forward_all(as_batch(prefix[span_a[0]:span_a[1]]), cache_a), record_a)
 
     kind_a = "prompt prefill" if span_a[0] == 0 and span_a[1] > 1 else "decode step"
     result = BlameResult(f"incremental ({kind_a})", parse_construction(against).label, len(prefix), p)
@@ -220,7 +222,7 @@ def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
             verdict.n_diff, verdict.max_abs, verdict.max_ulp = _diff(a.outputs, outputs, spans)
         result.ops.append(verdict)
 
-    tracer(module, lambda: runner.forward(as_batch(prefix[span_b[0]:span_b[1]]), cache_b), record_b)
+    tracer(module, lambda: runner.forward_all(as_batch(prefix[span_b[0]:span_b[1]]), cache_b), record_b)
     result.only_a = [f"{key[0]} {key[2]}" for key in order_a if key not in matched]
     return result
 
