@@ -34,12 +34,12 @@ What the function reads from transformers (5.17 through 5.2x, public names only)
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.utils import TransformersKwargs
 
 # Why a model whose attention is this wrapper cannot be compiled whole (measured on tiny-llama,
 # torch 2.13, transformers 5.24, native kernel on CPU): see harness.protocol.compiled.
@@ -56,14 +56,6 @@ SERVES: frozenset[str] = frozenset({"sliding_window", "chunked_attention", "soft
                                     "split_head_dims"})
 # The Triton kernel's own options (its variant twins, a tiling), given in `kernel_options`.
 OPTIONS: frozenset[str] = frozenset({"align_own", "align_absolute", "config"})
-# The keywords transformers passes an attention function besides the tensors: its typed kwargs and
-# what layers forward or pass per call. Any other keyword is refused, so a misspelt kernel option
-# cannot pass silently.
-CALL_KEYWORDS: frozenset[str] = frozenset(TransformersKwargs.__annotations__) | {
-    "is_causal", "sliding_window", "softcap", "s_aux", "sinks", "position_bias", "position_ids",
-    "cache_position", "use_cache", "cache", "past_key_values", "position_embeddings",
-    "output_attentions", "deterministic"}
-
 
 def _kernel_pattern(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """[q_len, kv_len] bool: query i (absolute position kv_len - q_len + i) sees key j <= it."""
@@ -170,12 +162,15 @@ def _refuse(name: str, what: str) -> ValueError:
 
 
 def _check_keywords(name: str, kwargs: dict, kernel_options: dict, options: frozenset[str]) -> None:
-    """Refuse a keyword transformers does not pass, or a kernel option the kernel does not take."""
-    if unknown := sorted(set(kwargs) - CALL_KEYWORDS):
-        raise ValueError(f"{name}: unknown keyword {unknown[0]!r}; allowed: "
-                         f"{', '.join(sorted(CALL_KEYWORDS))}; kernel_options: {_listed(options)}")
+    """Refuse a kernel option the kernel does not take, and a kernel option (or a near miss of
+    one) given as a plain keyword, where it would be dropped. Other keywords are transformers'
+    (each family passes its own: `s_aux`, `position_ids`, ...) and pass through unread."""
     if unknown := sorted(set(kernel_options) - options):
         raise ValueError(f"{name}: unknown kernel option {unknown[0]!r}; allowed: {_listed(options)}")
+    for keyword in sorted(kwargs):
+        if keyword in options or difflib.get_close_matches(keyword, options, n=1, cutoff=0.75):
+            raise ValueError(f"{name}: keyword {keyword!r} looks like a kernel option; give it in "
+                             f"kernel_options (allowed: {_listed(options)})")
 
 
 def _listed(names: frozenset[str]) -> str:

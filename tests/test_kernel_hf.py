@@ -228,9 +228,10 @@ def test_factory_refuses_an_unknown_option_naming_the_allowed_ones():
     probe = hf.make_attention("probe", _recording_kernel(calls), frozenset(),
                               options=frozenset({"align_own"}))
     # a kernel option given as a keyword (how the ragged twin's align_own=False was once dropped)
-    allowed = r"allowed: .*sliding_window.*; kernel_options: align_own$"
-    with pytest.raises(ValueError, match=rf"probe: unknown keyword 'align_own'; {allowed}"):
-        _call(probe, 1, 7, position_ids=torch.tensor([[6]]), align_own=False)
+    for keyword in ("align_own", "align_onw"):
+        with pytest.raises(ValueError, match=rf"probe: keyword '{keyword}' looks like a kernel "
+                                             r"option; give it in kernel_options \(allowed: align_own\)$"):
+            _call(probe, 1, 7, position_ids=torch.tensor([[6]]), **{keyword: False})
     # a misspelt kernel option
     with pytest.raises(ValueError, match=r"probe: unknown kernel option 'align_onw'; allowed: align_own$"):
         _call(probe, 1, 7, position_ids=torch.tensor([[6]]), kernel_options={"align_onw": False})
@@ -238,6 +239,8 @@ def test_factory_refuses_an_unknown_option_naming_the_allowed_ones():
     _call(probe, 1, 7, position_ids=torch.tensor([[6]]), use_cache=True,
           kernel_options={"align_own": False})
     assert calls[-1]["align_own"] is False
+    _call(probe, 1, 7, position_ids=torch.tensor([[6]]), some_new_family_keyword=1)
+    assert len(calls) == 2     # transformers' own keywords (a new family's too) pass through
     for attention in (hf.kvfid_triton_attention, native.kvfid_native_attention):
-        with pytest.raises(ValueError, match="unknown keyword 'align_onw'"):
-            _call(attention, 1, 7, position_ids=torch.tensor([[6]]), align_onw=False)
+        with pytest.raises(ValueError, match="keyword 'confg' looks like a kernel option"):
+            _call(attention, 1, 7, position_ids=torch.tensor([[6]]), confg=None)
