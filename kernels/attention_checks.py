@@ -57,4 +57,3 @@ def first_valid_rows(first_valid: torch.Tensor | None, batch: int, key_start: in
         raise ValueError(f"first_valid must be >= 0; got {first_valid.tolist()}")
     # A row padded past every key so far (a chunk of pure padding) has no valid key yet.
     return first_valid.to(device=device, dtype=torch.int64).clamp(max=key_start + kv_len).contiguous()
-

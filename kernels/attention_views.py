@@ -57,8 +57,8 @@ def as_visibility(mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> to
     return mask.expand(batch, q_len, kv_len)
 
 
-def runs(visibility: torch.Tensor) -> list[list[Run]]:
-    """Each batch row's runs from a [B, Tq, Tk] bool mask whose queries are the last Tq keys."""
+def check_causal(visibility: torch.Tensor) -> None:
+    """Refuse a [B, Tq, Tk] mask with a query that sees a later key or does not see itself."""
     batch, q_len, kv_len = visibility.shape
     index = torch.arange(q_len, device=visibility.device) + (kv_len - q_len)  # [Tq] held index
     cols = torch.arange(kv_len, device=visibility.device)
@@ -68,6 +68,14 @@ def runs(visibility: torch.Tensor) -> list[list[Run]]:
     if not bool(visibility[:, torch.arange(q_len), index].all()):
         raise ValueError("visibility mask: a query does not see itself (right padding or an empty "
                          "row); feed left-padded batches or give each query its own key")
+
+
+def runs(visibility: torch.Tensor) -> list[list[Run]]:
+    """Each batch row's runs from a [B, Tq, Tk] bool mask whose queries are the last Tq keys."""
+    check_causal(visibility)
+    batch, q_len, kv_len = visibility.shape
+    index = torch.arange(q_len, device=visibility.device) + (kv_len - q_len)  # [Tq] held index
+    cols = torch.arange(kv_len, device=visibility.device)
     # Query i joins i - 1's run when both see the same keys below i's index.
     changed = (visibility[:, 1:] != visibility[:, :-1]) & (cols[None, None, :] < index[None, 1:, None])
     starts = torch.ones(batch, q_len, dtype=torch.bool, device=visibility.device)
