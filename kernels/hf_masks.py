@@ -122,7 +122,9 @@ def _own_positions(name: str, mask: torch.Tensor | None, position_ids, batch: in
                          "attention kwargs (to place the held keys)")
     own = torch.zeros(batch, dtype=torch.long) if own is None else own.cpu()
     if mask is None or _is_kernel_pattern(mask, q_len, kv_len):
-        return own
+        # No padding: a held key 0 below own position 0 means position ids that are not held
+        # indexes (a stage program's parallel branches), so the keys start at 0.
+        return own.clamp(min=0)
     allowed = _allowed(mask) if mask.dim() == 4 and tuple(mask.shape[-2:]) == (q_len, kv_len) else None
     if allowed is None:
         return None
