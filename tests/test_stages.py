@@ -1,0 +1,87 @@
+"""Stage programs (harness/protocol/stages.py, `kvfid repro --program`): the packed layout's
+segments and positions, live vs rebuilt arms at the merge boundary (the faithful stack bit-exact,
+stock sdpa/bf16 the control), and bad programs refused in one line before compute."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from harness.cli import main
+from harness.protocol import stages
+from harness.protocol.backends import Stack
+from protocol_fixtures import tiny
+
+PROGRAM = "packed:2x3+2:parallel"  # two branches of 3 tokens, a merge of 2 (each after a delimiter)
+
+
+def test_packed_layout_places_segments_and_positions():
+    spec = stages.parse_program("packed:2x3+2:parallel")
+    layout = stages.Layout.start(spec)
+    layout.extend([1, 2, 3], 0)
+    layout.extend([4, 5], 1)
+    layout.extend([6, 7], 2)
+    layout.extend([8], 3)
+    assert layout.positions == [0, 1, 2, 3, 4, 3, 4, 5]  # branches restart, the merge continues
+    assert layout.segments == [0, 0, 0, 1, 1, 2, 2, 3]
+    rows = layout.mask(0, 8, __import__("torch").float32)[0, 0] == 0  # [8, 8] visible
+    assert rows[5].tolist() == [True, True, True, False, False, True, False, False]  # branch 2
+    assert rows[7].all()  # the merge sees everything
+    continuing = stages.Layout.start(stages.parse_program("packed:2x3+2"))
+    continuing.extend([1, 2], 0)
+    continuing.extend([3], 1)
+    continuing.extend([4], 2)
+    assert continuing.positions == [0, 1, 2, 3]
+
+
+def test_faithful_stack_is_bit_exact_at_the_merge_boundary_and_stock_bf16_differs():
+    spec = stages.parse_program(PROGRAM)
+    arms = ("live", "prefill", "chunked:5")
+    faithful = stages.run_program(tiny(), Stack("native", "fp32", True), "2+3=", spec, 3, arms)
+    assert [c["arm"] for c in faithful["comparisons"]] == ["prefill", "chunked:5"]
+    for c in faithful["comparisons"]:
+        assert c["bit_exact"] and c["logits"]["equal"] and c["suffix"]["identical"], c
+    assert [s["segment"] for s in faithful["segments"]] == ["prompt", "branch 1", "branch 2", "merge"]
+    stock = stages.run_program(tiny(), Stack("sdpa", "bf16"), "2+3=", spec, 3, ("live", "prefill"))
+    control = stock["comparisons"][0]
+    assert not control["bit_exact"] and control["first_bad_segment"] is not None
+
+
+def test_repro_program_through_the_command_line():
+    args = ["repro", "--model", "tiny-llama", "--prompt", "2+3=", "--backend", "native",
+            "--dtype", "fp32", "--batch-invariant", "--program", PROGRAM, "-S", "2",
+            "--arms", "live,prefill", "--expect", "bit-exact", "--format", "json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["verdict"] == "bit-exact" and record["program"] == PROGRAM
+    assert record["environment_key"]
+
+
+@pytest.mark.parametrize("program, message", [
+    ("packed:0x8+4", "an empty stage"),
+    ("packed:3x0+4", "an empty stage"),
+    ("packed:3x8+0", "an empty stage"),
+    ("batched:3x8+4", "layout 'batched' is not available"),
+    ("packed:3x8+4:sideways", "positions 'sideways'"),
+    ("packed:3x8", "spell it LAYOUT:NxL+M"),
+    ("packed:16x400+8", "exceed the model's context"),
+])
+def test_bad_programs_exit_2_in_one_line_before_compute(program, message):
+    result = CliRunner().invoke(main, ["repro", "--model", "tiny-llama", "--prompt", "x",
+                                       "--program", program])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--arms", "live,batched:2"], "a stage program is rebuilt by"),
+    (["--replicas", "prefill"], "--replicas: not available with --program"),
+    (["--transplant", "live<-prefill"], "--transplant: not available with --program"),
+])
+def test_options_a_program_cannot_take_exit_2(extra, message):
+    result = CliRunner().invoke(main, ["repro", "--model", "tiny-llama", "--prompt", "x",
+                                       "--program", PROGRAM, *extra])
+    assert result.exit_code == 2 and message in result.output, result.output
