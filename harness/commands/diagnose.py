@@ -38,8 +38,12 @@ from harness.names import BIT_EXACT, CONSTRUCTION_HELP, DIVERGES, VERDICT_HELP
 def repro(fmt, expect, **options) -> None:
     """Reproduce one item on one stack: every arm against live, cache and suffix verdicts, and
     the environment it ran in (in --format json)."""
-    from harness.runs.repro import repro as run_repro
+    if options["program"]:  # a stage program's merge boundary
+        from harness.runs.program_repro import repro_program as run_repro
+    else:
+        from harness.runs.repro import repro as run_repro
 
+        options.pop("program")
     outcome = run_repro(**options)
     click.echo(json.dumps(outcome.to_json(), indent=1) if fmt == "json" else outcome.text())
     exit_with(outcome.passed(expect))

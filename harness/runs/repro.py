@@ -166,11 +166,6 @@ def repro(**options) -> ReproOutcome:
     environment it was measured in."""
     from harness.environment import envinfo
 
-    if options.get("program"):  # a stage program's merge boundary (harness.runs.program_repro)
-        from harness.runs.program_repro import repro_program
-
-        return repro_program(**options)
-    options.pop("program", None)
     checked = prepare(**options)
     record = measure(checked)
     environment = envinfo.collect()
