@@ -32,8 +32,10 @@ reached, because every construction runs the same arithmetic for t:
   the layer's head dim only; a long prefill on the split path runs as query chunks, which the
   invariance makes bit-identical).
 
-Rows are independent programs (batch rows and heads are grid axes), so batch size cannot change a
-row. The query heads that share one key/value head are stacked into one tile (GQA), so each key
+A visibility mask (`visibility`, any causal pattern given as a mask: packed branches, trees) is
+computed by kernels.attention_visible, each query in its view's coordinates, with the same tile
+update (attention_math.tile_update). Rows are independent programs (batch rows and heads are grid
+axes), so batch size cannot change a row. The query heads that share one key/value head are stacked into one tile (GQA), so each key
 tile is loaded once per group.
 
 Left-padded batches (`first_valid`, a row's first valid key as an absolute position, as

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref, bits_equal, randn
+from dataclasses import replace
+
+from helpers import (DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref, bits_equal,
+                     device, randn)
 
 from kernels import attention as triton_attention
 from kernels import attention_native as native
-from kernels.attention_config import AttentionConfig
+from kernels.attention_config import AttentionConfig, config_for
 from kernels.attention_reference import attention_ref, segment_mask
 
 # Small key tiles so a few dozen keys span several tiles (the interpreter's default is 128 keys).
@@ -19,6 +22,7 @@ SMALL = {"triton": {"config": AttentionConfig(block_n=16, max_tile_rows=64, num_
                                               num_stages=1, use_dot=False)},
          "native": {"config": native.NativeConfig(tile_m=16, tile_n=16)}}
 KERNELS = {"triton": triton_attention.attention, "native": native.attention}
+ON = {"triton": device(), "native": torch.device("cpu")}  # the native path is the CPU's
 
 
 def program(prompt: int, branches: list[int], merge: int, batch: int = 1):
@@ -46,9 +50,9 @@ def tree_mask(parents: list[int], prefix: int) -> torch.Tensor:
     return mask[None]
 
 
-def qkv(batch, length, dtype, seed=0, n_q=4, n_kv=2, dim=32):
+def qkv(batch, length, dtype, seed=0, n_q=4, n_kv=2, dim=32, on="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    return tuple(randn(batch, h, length, dim, dtype=dtype, gen=gen, on="cpu")
+    return tuple(randn(batch, h, length, dim, dtype=dtype, gen=gen, on=on)
                  for h in (n_q, n_kv, n_kv))
 
 
@@ -63,7 +67,7 @@ MASKS = {"packed": lambda: segment_mask(*program(11, [7, 9, 5], 6, batch=2)),
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_visibility_matches_fp64_reference(kernel, mask, dtype):
     visibility = MASKS[mask]()
-    q, k, v = qkv(visibility.shape[0], visibility.shape[-1], dtype)
+    q, k, v = qkv(visibility.shape[0], visibility.shape[-1], dtype, on=ON[kernel])
     ref = attention_ref(q.double(), k.double(), v.double(), visibility=visibility)  # reference
     out = KERNELS[kernel](q, k, v, visibility=visibility, **SMALL[kernel])  # kernel
     assert_close_to_ref(out, ref, dtype)  # compare
@@ -72,7 +76,7 @@ def test_visibility_matches_fp64_reference(kernel, mask, dtype):
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_visibility_with_softcap_and_sinks_matches_fp64_reference(kernel):
     visibility = MASKS["packed"]()
-    q, k, v = qkv(2, visibility.shape[-1], torch.float32)
+    q, k, v = qkv(2, visibility.shape[-1], torch.float32, on=ON[kernel])
     extra = dict(softcap=5.0, sinks=torch.linspace(-1.0, 2.0, 4))
     ref = attention_ref(q.double(), k.double(), v.double(), visibility=visibility, **extra)
     assert_close_to_ref(KERNELS[kernel](q, k, v, visibility=visibility, **extra), ref, torch.float32)
@@ -98,7 +102,7 @@ def _alone(fn, q, k, v, visibility, b, i, **kw):
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_every_query_has_the_causal_bits_of_its_visible_keys(kernel, dtype):
     visibility = MASKS["packed"]()
-    q, k, v = qkv(2, visibility.shape[-1], dtype)
+    q, k, v = qkv(2, visibility.shape[-1], dtype, on=ON[kernel])
     fn, kw = KERNELS[kernel], SMALL[kernel]
     out = fn(q, k, v, visibility=visibility, **kw)
     for b in range(2):
@@ -110,7 +114,7 @@ def test_every_query_has_the_causal_bits_of_its_visible_keys(kernel, dtype):
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_prefill_under_the_mask_equals_decode_steps(kernel):
     visibility = MASKS["tree"]()
-    q, k, v = qkv(1, visibility.shape[-1], torch.bfloat16)
+    q, k, v = qkv(1, visibility.shape[-1], torch.bfloat16, on=ON[kernel])
     fn, kw = KERNELS[kernel], SMALL[kernel]
     prefill = fn(q, k, v, visibility=visibility, **kw)
     for i in range(visibility.shape[-1]):  # query i alone over the cache up to it
@@ -119,19 +123,19 @@ def test_prefill_under_the_mask_equals_decode_steps(kernel):
         assert_bitwise_equal(step[:, :, 0], prefill[:, :, i], f"{kernel} query {i}")
 
 
-def _shifted(seed: int):
+def _shifted(seed: int, on="cpu"):
     """The last branch and the merge of two programs: invisible branches 7 + 9 before the last
     branch, or 4 + 6 + 10 (other values, one more segment, the branch across a 16-key tile edge)."""
     ids_a, sees_a = program(11, [7, 9, 5], 6)
     ids_b, sees_b = program(11, [4, 6, 10, 5], 6)
-    q, k, v = qkv(1, ids_b.shape[-1], torch.float32, seed=seed)
+    q, k, v = qkv(1, ids_b.shape[-1], torch.float32, seed=seed, on=on)
     a = [torch.cat([x[:, :, :11], x[:, :, 11:27] * 0.5 + 1.0, x[:, :, -11:]], 2) for x in (q, k, v)]
     return (a, segment_mask(ids_a, sees_a)), ((q, k, v), segment_mask(ids_b, sees_b))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_invisible_keys_and_segments_change_no_bit_of_a_branch(kernel):
-    (qkv_a, mask_a), (qkv_b, mask_b) = _shifted(seed=1)
+    (qkv_a, mask_a), (qkv_b, mask_b) = _shifted(seed=1, on=ON[kernel])
     fn, kw = KERNELS[kernel], SMALL[kernel]
     out_a, out_b = fn(*qkv_a, visibility=mask_a, **kw), fn(*qkv_b, visibility=mask_b, **kw)
     # the last branch (5 queries) sees the prompt and itself in both
@@ -173,7 +177,7 @@ def test_control_key_tiles_at_held_indexes_are_caught():
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_masks_the_kernels_cannot_serve_are_refused(kernel):
     fn = KERNELS[kernel]
-    q, k, v = qkv(1, 6, torch.float32)
+    q, k, v = qkv(1, 6, torch.float32, on=ON[kernel])
     causal = torch.tril(torch.ones(1, 6, 6, dtype=torch.bool))
     for bad, match in ((torch.ones(1, 6, 6, dtype=torch.bool), "sees a later key"),
                        (causal & ~torch.eye(6, dtype=torch.bool), "does not see itself"),
@@ -185,3 +189,19 @@ def test_masks_the_kernels_cannot_serve_are_refused(kernel):
                          ({"first_valid": torch.tensor([1])}, "left padding")):
         with pytest.raises(ValueError, match=match):
             fn(q, k, v, visibility=causal, **extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gpu_visibility_has_the_unsplit_causal_bits_of_its_visible_keys(dtype):
+    """On a GPU (tl.dot, the arch's config) at SmolLM2's heads: correct, and each query's bits
+    are the causal kernel's over its visible keys with the config's split path off."""
+    visibility = segment_mask(*program(61, [70, 50, 64], 56)).cuda()
+    q, k, v = qkv(1, visibility.shape[-1], dtype, n_q=9, n_kv=3, dim=64, on="cuda")
+    out = triton_attention.attention(q, k, v, visibility=visibility)
+    assert_close_to_ref(out, attention_ref(q.double(), k.double(), v.double(), visibility=visibility), dtype)
+    unsplit = replace(config_for(q.device, dtype, 64), segment=0)
+    for i in range(visibility.shape[-1]):
+        assert_bitwise_equal(out[0, :, i], _alone(triton_attention.attention, q, k, v, visibility, 0, i,
+                                                  config=unsplit), f"query {i}")

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from harness.protocol import cache as kv
+from harness.protocol import stages_batched
 from harness.protocol.constructions import ProtocolError, parse_construction
 from harness.protocol.decode import Greedy, Runner, new_cache, top2
 
-LAYOUTS = ("packed",)
+LAYOUTS = ("packed", "batched")
 POSITIONS = ("continuing", "parallel")
 ARMS = ("prefill", "incremental", "chunked:N")
 MAX_BRANCHES = 16
@@ -60,7 +61,7 @@ def parse_program(text: str) -> Program:
     layout, n, length, merge, positions = found.groups()
     if layout not in LAYOUTS:
         raise ProtocolError(f"--program {text!r}: layout {layout!r} is not available; valid: "
-                            f"{', '.join(LAYOUTS)} (batched is not built yet)")
+                            f"{', '.join(LAYOUTS)}")
     positions = positions or "continuing"
     if positions not in POSITIONS:
         raise ProtocolError(f"--program {text!r}: positions {positions!r}; valid: {', '.join(POSITIONS)}")
@@ -170,14 +171,20 @@ def _choose(logits: torch.Tensor, eos_ids) -> tuple[int, float]:
 
 
 def run_live(module, program: Program, prompt: list[int], openers: list[list[int]], eos_ids):
-    """The live packed program: prompt, then each stage's delimiter fed and its tokens generated
-    one at a time. Returns (layout, state, generated margins, runner)."""
-    runner, cache, layout = Runner(module), new_cache(module), Layout.start(program)
+    """The live program: prompt, then each stage's delimiter fed and its tokens generated one at
+    a time (packed: in one sequence; batched: the branches as rows, composed). Returns (layout,
+    state, generated margins, runner, cache)."""
+    layout = Layout.start(program)
     layout.extend(prompt, 0)
-    _feed(runner, cache, layout, 0, len(prompt))
-    margins = []
     stages = [(i + 1, program.branch_tokens) for i in range(program.branches)]
     stages.append((program.branches + 1, program.merge_tokens))
+    if program.layout == "batched":  # the branches as rows, composed (stages_batched)
+        cache, margins, runner = stages_batched.run_branches(module, layout, program, prompt,
+                                                             openers, _choose, eos_ids)
+        stages, openers = stages[-1:], openers[-1:]
+    else:
+        runner, cache, margins = Runner(module), new_cache(module), []
+        _feed(runner, cache, layout, 0, len(prompt))
     for (segment, length), opener in zip(stages, openers):
         start = len(layout.tokens)
         layout.extend(opener, segment)
@@ -249,6 +256,8 @@ def run_program(model, stack, prompt_text: str, program: Program, S: int, arms: 
     eos = frozenset() if ignore_eos else codec.eos_ids
     prompt, openers = codec.prompt_ids(prompt_text), delimiters(codec, program)
     check_program_fits(len(prompt), program, [len(o) for o in openers], S, model.context_length)
+    if program.layout == "batched":
+        stages_batched.check_batched(program, openers)
     built = {}
     with stack.activate(model) as module:
         start = time.perf_counter()

@@ -81,6 +81,10 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
     prompt_length = len(model.codec.prompt_ids(item.prompt))
     openers = [len(o) for o in stages.delimiters(model.codec, spec)]
     stages.check_program_fits(prompt_length, spec, openers, suffix, model.context_length)
+    if spec.layout == "batched":
+        from harness.protocol.stages_batched import check_batched
+
+        check_batched(spec, stages.delimiters(model.codec, spec))
     check_supports(stack, model, stages.program_length(prompt_length, spec, openers) + suffix)
     record = stages.run_program(model, stack, item.prompt, spec, suffix, chosen, ignore_eos)
     environment = envinfo.collect()
