@@ -29,7 +29,8 @@ from harness.names import BIT_EXACT, CONSTRUCTION_HELP, DIVERGES, VERDICT_HELP
                               "(comma-separated), P frozen from this stack's live run.")
 @click.option("--program", help="A stage program instead of one stream: LAYOUT:NxL+M[:POSITIONS], "
               "e.g. packed:3x8+8:parallel (N branches of L tokens from the prompt, then a merge "
-              "of M; positions continuing or parallel); the arms are compared at its merge "
+              "of M; layout packed or batched; positions continuing or parallel); the arms are "
+              "compared at its merge "
               "boundary (-B is not used; arms: live, prefill, incremental, chunked:N).")
 @click.option("--expect", type=click.Choice([BIT_EXACT, DIVERGES]),
               help=f"Exit 1 unless the verdict is this one (or when nothing was compared with "
