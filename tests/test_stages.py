@@ -45,11 +45,14 @@ def test_faithful_stack_is_bit_exact_at_the_merge_boundary_and_the_twin_is_caugh
     for c in faithful["comparisons"]:
         assert c["bit_exact"] and c["logits"]["equal"] and c["suffix"]["identical"], c
     assert [s["segment"] for s in faithful["segments"]] == ["prompt", "branch 1", "branch 2", "merge"]
+    assert faithful["comparisons"][0]["segments_exact"] == dict.fromkeys(
+        ["prompt", "branch 1", "branch 2", "merge"], True)
     # the control: the deliberately variant attention twin (split count from the call's shape)
     # under the same mode; stock sdpa/bf16 is a per-machine finding (docs/protocol.md), not a test
     twin = stages.run_program(tiny(), Stack("twin", "fp32", True), "2+3=", spec, 3, ("live", "prefill"))
     control = twin["comparisons"][0]
     assert not control["bit_exact"] and control["first_bad_segment"] is not None
+    assert not control["segments_exact"][control["first_bad_segment"]]
 
 
 def test_batched_layout_composes_the_packed_state_on_the_faithful_stack():

@@ -239,6 +239,23 @@ def _copy(layout: Layout) -> Layout:
                   list(layout.positions))
 
 
+def segments_exact(a, b, layout: Layout) -> dict:
+    """Per segment: whether its positions' keys and values have the same bits in every layer that
+    holds the whole prefix (a window layer holds only the last positions and is left out)."""
+    out = {}
+    for seg in range(len(layout.sees)):
+        at = torch.tensor([i for i, x in enumerate(layout.segments) if x == seg])
+        same = True
+        for la, lb in zip(a.layers, b.layers):
+            if la.span != (0, len(layout.tokens)):
+                continue
+            for part in ("k", "v"):
+                if part in la.parts:
+                    same &= kv.bits_equal(la.parts[part][:, :, at], lb.parts[part][:, :, at])
+        out[layout.first_segment(int(at[0]))] = bool(same)
+    return out
+
+
 @dataclass
 class ProgramArm:
     label: str
@@ -284,6 +301,7 @@ def run_program(model, stack, prompt_text: str, program: Program, S: int, arms: 
             "first_bad_layer": cache_cmp["first_bad_layer"], "first_bad_kv": cache_cmp["first_bad_kv"],
             "first_position": cache_cmp["first_position"],
             "first_bad_segment": layout.first_segment(cache_cmp["first_position"]),
+            "segments_exact": segments_exact(live.state, arm.state, layout),
             "max_abs": cache_cmp["max_abs"], "d_rel": cache_cmp["d_rel"],
             "logits": kv.compare_logits(live.state.logits, arm.state.logits),
             "suffix": kv.compare_suffixes(live.suffix.tokens, arm.suffix.tokens,

@@ -46,6 +46,10 @@ class ProgramOutcome:
             lines.append(f"  {c['arm']:<14} {'bit-exact' if c['bit_exact'] else 'differs':<10} "
                          f"{bad:<28} {'equal' if c['logits']['equal'] else 'differ':<8} "
                          f"{'identical' if c['suffix']['identical'] else 'diverges at ' + str(c['suffix']['first_divergence'])}")
+        for c in r["comparisons"]:
+            differ = [name for name, same in c["segments_exact"].items() if not same]
+            if differ:
+                lines.append(f"  {c['arm']}: segments whose keys or values differ: {', '.join(differ)}")
         shown = self.verdict or "none (nothing was compared with live)"
         return "\n".join(lines) + f"\n\nverdict: {shown}"
 
