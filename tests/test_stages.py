@@ -70,11 +70,14 @@ def test_batched_layout_composes_the_packed_state_on_the_faithful_stack():
 def test_repro_program_through_the_command_line():
     args = ["repro", "--model", "tiny-llama", "--prompt", "2+3=", "--backend", "native",
             "--dtype", "fp32", "--batch-invariant", "--program", PROGRAM, "-S", "2",
-            "--arms", "live,prefill", "--expect", "bit-exact", "--format", "json"]
+            "--arms", "live,prefill", "--replicas", "live,prefill", "--expect", "bit-exact",
+            "--format", "json"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
     assert record["verdict"] == "bit-exact" and record["program"] == PROGRAM
+    assert record["replicas"] == [{"arm": a, "bit_exact": True, "suffix_identical": True}
+                                  for a in ("live", "prefill")]
     assert record["environment_key"]
 
 
@@ -98,7 +101,8 @@ def test_bad_programs_exit_2_in_one_line_before_compute(program, message):
 
 @pytest.mark.parametrize("extra, message", [
     (["--arms", "live,batched:2"], "a stage program is rebuilt by"),
-    (["--replicas", "prefill"], "--replicas: not available with --program"),
+    (["--arms", "live,prefill", "--replicas", "incremental"], "--replicas incremental: not among"),
+    (["--arms", "prefill"], "compared with live; include it"),
     (["--transplant", "live<-prefill"], "--transplant: not available with --program"),
 ])
 def test_options_a_program_cannot_take_exit_2(extra, message):

@@ -266,9 +266,10 @@ class ProgramArm:
 
 
 def run_program(model, stack, prompt_text: str, program: Program, S: int, arms: tuple[str, ...],
-                ignore_eos: bool = False) -> dict:
+                ignore_eos: bool = False, replicas: tuple[str, ...] = ()) -> dict:
     """Measure one stage program on one stack: live and each rebuilt arm at the merge boundary,
-    compared with live (cache per layer, the first bad segment, boundary logits, suffix)."""
+    compared with live (cache per layer, the first bad segment, boundary logits, suffix); each
+    arm of `replicas` built again from scratch and compared with its first build."""
     codec = model.codec
     eos = frozenset() if ignore_eos else codec.eos_ids
     prompt, openers = codec.prompt_ids(prompt_text), delimiters(codec, program)
@@ -290,6 +291,14 @@ def run_program(model, stack, prompt_text: str, program: Program, S: int, arms: 
             suffix = decode_suffix(runner, layout, rebuilt, S, eos)
             built[label] = ProgramArm(label, rebuilt, suffix, time.perf_counter() - start,
                                       runner.calls)
+        again = {}
+        for label in replicas:
+            if label == "live":
+                _, state, _, runner, cache = run_live(module, program, prompt, openers, codec.eos_ids)
+                del cache
+            else:
+                state, runner = rebuild(module, layout, label, len(prompt))
+            again[label] = (state, decode_suffix(runner, layout, state, S, eos))
     live = built["live"]
     comparisons = []
     for label, arm in built.items():
@@ -306,8 +315,11 @@ def run_program(model, stack, prompt_text: str, program: Program, S: int, arms: 
             "logits": kv.compare_logits(live.state.logits, arm.state.logits),
             "suffix": kv.compare_suffixes(live.suffix.tokens, arm.suffix.tokens,
                                           live.suffix.margins, arm.suffix.margins)})
+    replica_rows = [{"arm": label, "bit_exact": kv.compare_states(built[label].state, state)["bit_exact"],
+                     "suffix_identical": list(suffix.tokens) == list(built[label].suffix.tokens)}
+                    for label, (state, suffix) in again.items()]
     return {
-        "program": program.label, "stack": stack.describe(), "prompt_length": len(prompt),
+        "program": program.label, "replicas": replica_rows, "stack": stack.describe(), "prompt_length": len(prompt),
         "boundary_length": len(layout.tokens), "S": S,
         "segments": [{"segment": layout.first_segment(layout.segments.index(s)),
                       "start": layout.segments.index(s), "length": layout.segments.count(s),

@@ -46,6 +46,9 @@ class ProgramOutcome:
             lines.append(f"  {c['arm']:<14} {'bit-exact' if c['bit_exact'] else 'differs':<10} "
                          f"{bad:<28} {'equal' if c['logits']['equal'] else 'differ':<8} "
                          f"{'identical' if c['suffix']['identical'] else 'diverges at ' + str(c['suffix']['first_divergence'])}")
+        for rep in r["replicas"]:
+            lines.append(f"  replica of {rep['arm']}: cache {'bit-exact' if rep['bit_exact'] else 'differs'}, "
+                         f"suffix {'identical' if rep['suffix_identical'] else 'differs'}")
         for c in r["comparisons"]:
             differ = [name for name, same in c["segments_exact"].items() if not same]
             if differ:
@@ -66,16 +69,22 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
     from harness.runs.repro import check_model_name, checked_stack, pick_item
 
     spec = stages.parse_program(program)
-    for given, option in ((replicas, "--replicas"), (transplants, "--transplant"), (cross, "--cross")):
+    for given, option in ((transplants, "--transplant"), (cross, "--cross")):
         if given:
             raise BadInput(f"{option}: not available with --program yet (the merge boundary's "
-                           "replicas, transplants and crossing are still to come)")
+                           "transplants and crossing are still to come)")
     if suffix < 1:
         raise BadInput(f"-S = {suffix}: a stage program needs a suffix of at least 1 token")
     check_model_name(model_name)
     stack = checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
                           faithful_recurrence)
     chosen = tuple(a for a in arms.split(",") if a)
+    again = tuple(r for r in replicas.split(",") if r)
+    if "live" not in chosen:
+        raise BadInput(f"--arms {arms}: a stage program's arms are compared with live; include it")
+    for label in again:
+        if label not in chosen:
+            raise BadInput(f"--replicas {label}: not among --arms ({arms})")
     try:
         stages.check_arms(chosen)
     except ValueError as err:
@@ -90,6 +99,6 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
 
         check_batched(spec, stages.delimiters(model.codec, spec))
     check_supports(stack, model, stages.program_length(prompt_length, spec, openers) + suffix)
-    record = stages.run_program(model, stack, item.prompt, spec, suffix, chosen, ignore_eos)
+    record = stages.run_program(model, stack, item.prompt, spec, suffix, chosen, ignore_eos, again)
     environment = envinfo.collect()
     return ProgramOutcome(record, environment, envinfo.environment_key(environment))
