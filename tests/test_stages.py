@@ -103,9 +103,28 @@ def test_bad_programs_exit_2_in_one_line_before_compute(program, message):
     (["--arms", "live,batched:2"], "a stage program is rebuilt by"),
     (["--arms", "live,prefill", "--replicas", "incremental"], "--replicas incremental: not among"),
     (["--arms", "prefill"], "compared with live; include it"),
-    (["--transplant", "live<-prefill"], "--transplant: not available with --program"),
+    (["--cross", "fp32"], "--cross: not available with --program"),
+    (["--arms", "live,prefill", "--transplant", "live<-incremental"], "incremental is not among the arms"),
+    (["--arms", "live,prefill", "--transplant", "live<-prefill:segment=branch7"], "segment 'branch7'"),
 ])
 def test_options_a_program_cannot_take_exit_2(extra, message):
     result = CliRunner().invoke(main, ["repro", "--model", "tiny-llama", "--prompt", "x",
                                        "--program", PROGRAM, *extra])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_segment_transplants_move_one_stage_of_the_donor():
+    from harness.protocol import stages_transplant
+
+    spec = stages.parse_program(PROGRAM)
+    ranges = stages_transplant.segment_ranges(7, spec, [12, 12, 10])
+    assert ranges == {"prompt": (0, 7), "branch1": (7, 22), "branch2": (22, 37), "merge": (37, 49)}
+    move = stages_transplant.parse("live<-prefill:segment=branch2+keys", ranges, ("live", "prefill"))
+    assert move.selection.positions == (22, 37) and move.selection.keys and not move.selection.values
+    record = stages.run_program(tiny(), Stack("twin", "fp32", True), "2+3=", spec, 3,
+                                ("live", "prefill"), transplants=(move,))
+    (row,) = record["transplants"]
+    assert row["transplant"] == "live<-prefill:keys+positions=22-37"
+    assert row["outcome"] in ("donor", "recipient", "third", "boundary")
+    if row["outcome"] != "boundary":
+        assert len(row["suffix"]) == 3

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.protocol import cache as kv
-from harness.protocol import stages_batched
+from harness.protocol import stages_batched, stages_transplant
 from harness.protocol.constructions import ProtocolError, parse_construction
 from harness.protocol.decode import Greedy, Runner, new_cache, top2
 
@@ -266,10 +266,12 @@ class ProgramArm:
 
 
 def run_program(model, stack, prompt_text: str, program: Program, S: int, arms: tuple[str, ...],
-                ignore_eos: bool = False, replicas: tuple[str, ...] = ()) -> dict:
+                ignore_eos: bool = False, replicas: tuple[str, ...] = (),
+                transplants: tuple = ()) -> dict:
     """Measure one stage program on one stack: live and each rebuilt arm at the merge boundary,
     compared with live (cache per layer, the first bad segment, boundary logits, suffix); each
-    arm of `replicas` built again from scratch and compared with its first build."""
+    arm of `replicas` built again from scratch and compared with its first build; each of
+    `transplants` (stages_transplant) decoded and classified."""
     codec = model.codec
     eos = frozenset() if ignore_eos else codec.eos_ids
     prompt, openers = codec.prompt_ids(prompt_text), delimiters(codec, program)
@@ -299,6 +301,8 @@ def run_program(model, stack, prompt_text: str, program: Program, S: int, arms: 
             else:
                 state, runner = rebuild(module, layout, label, len(prompt))
             again[label] = (state, decode_suffix(runner, layout, state, S, eos))
+        moved = [stages_transplant.run(module, spec, built, layout, len(prompt), S, eos,
+                                       decode_suffix) for spec in transplants]
     live = built["live"]
     comparisons = []
     for label, arm in built.items():
@@ -319,7 +323,7 @@ def run_program(model, stack, prompt_text: str, program: Program, S: int, arms: 
                      "suffix_identical": list(suffix.tokens) == list(built[label].suffix.tokens)}
                     for label, (state, suffix) in again.items()]
     return {
-        "program": program.label, "replicas": replica_rows, "stack": stack.describe(), "prompt_length": len(prompt),
+        "program": program.label, "replicas": replica_rows, "transplants": moved, "stack": stack.describe(), "prompt_length": len(prompt),
         "boundary_length": len(layout.tokens), "S": S,
         "segments": [{"segment": layout.first_segment(layout.segments.index(s)),
                       "start": layout.segments.index(s), "length": layout.segments.count(s),

@@ -49,6 +49,9 @@ class ProgramOutcome:
         for rep in r["replicas"]:
             lines.append(f"  replica of {rep['arm']}: cache {'bit-exact' if rep['bit_exact'] else 'differs'}, "
                          f"suffix {'identical' if rep['suffix_identical'] else 'differs'}")
+        for t in r["transplants"]:
+            lines.append(f"  transplant {t['transplant']}: {t['outcome']}"
+                         + (" (the two suffixes are the same)" if t["same_suffixes"] else ""))
         for c in r["comparisons"]:
             differ = [name for name, same in c["segments_exact"].items() if not same]
             if differ:
@@ -69,10 +72,9 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
     from harness.runs.repro import check_model_name, checked_stack, pick_item
 
     spec = stages.parse_program(program)
-    for given, option in ((transplants, "--transplant"), (cross, "--cross")):
-        if given:
-            raise BadInput(f"{option}: not available with --program yet (the merge boundary's "
-                           "transplants and crossing are still to come)")
+    if cross:
+        raise BadInput("--cross: not available with --program yet (the merge boundary's "
+                       "precision crossing is still to come)")
     if suffix < 1:
         raise BadInput(f"-S = {suffix}: a stage program needs a suffix of at least 1 token")
     check_model_name(model_name)
@@ -98,7 +100,12 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
         from harness.protocol.stages_batched import check_batched
 
         check_batched(spec, stages.delimiters(model.codec, spec))
+    from harness.protocol import stages_transplant
+
+    ranges = stages_transplant.segment_ranges(prompt_length, spec, openers)
+    moves = tuple(stages_transplant.parse(t, ranges, chosen) for t in transplants)
     check_supports(stack, model, stages.program_length(prompt_length, spec, openers) + suffix)
-    record = stages.run_program(model, stack, item.prompt, spec, suffix, chosen, ignore_eos, again)
+    record = stages.run_program(model, stack, item.prompt, spec, suffix, chosen, ignore_eos, again,
+                                moves)
     environment = envinfo.collect()
     return ProgramOutcome(record, environment, envinfo.environment_key(environment))
