@@ -99,6 +99,17 @@ def test_bad_programs_exit_2_in_one_line_before_compute(program, message):
     assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
 
 
+def test_a_model_with_local_layers_is_refused_in_one_line():
+    from harness.protocol.serving import LayerInfo
+
+    layers = [LayerInfo(0, "full_attention", "DynamicLayer", "full", ()),
+              LayerInfo(1, "sliding_attention", "DynamicSlidingWindowLayer", "window",
+                        ("sliding_window",), 4096)]
+    with pytest.raises(stages.ProtocolError, match="layer 1 is sliding_window"):
+        stages.check_layers(layers)
+    stages.check_layers(layers[:1])
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--arms", "live,batched:2"], "a stage program is rebuilt by"),
     (["--arms", "live,prefill", "--replicas", "incremental"], "--replicas incremental: not among"),

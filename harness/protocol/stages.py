@@ -104,6 +104,17 @@ def check_arms(arms: tuple[str, ...]) -> None:
                                 f"{', '.join(ARMS)}")
 
 
+def check_layers(layers) -> None:
+    """Refuse a model whose layers a stage program's mask cannot describe: the 4-D mask reaches
+    every layer as it is, so a sliding-window or chunked layer would lose its window on one
+    backend and be refused by another; a recurrent layer sees no mask at all."""
+    for info in layers:
+        local = set(info.mechanisms) & {"sliding_window", "chunked_attention", "recurrent"}
+        if local:
+            raise ProtocolError(f"--program: layer {info.index} is {sorted(local)[0]}; stage "
+                                "programs serve models whose layers attend through the mask only")
+
+
 @dataclass
 class Layout:
     """The packed sequence as it grows: tokens, each position's segment and position id."""

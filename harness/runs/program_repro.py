@@ -69,6 +69,7 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
     from harness.protocol import stages
     from harness.protocol.backends import check_supports
     from harness.protocol.models import load_model
+    from harness.protocol.serving import describe_layers
     from harness.runs.repro import check_model_name, checked_stack, pick_item
 
     spec = stages.parse_program(program)
@@ -105,6 +106,7 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
     ranges = stages_transplant.segment_ranges(prompt_length, spec, openers)
     moves = tuple(stages_transplant.parse(t, ranges, chosen) for t in transplants)
     check_supports(stack, model, stages.program_length(prompt_length, spec, openers) + suffix)
+    stages.check_layers(describe_layers(model))
     record = stages.run_program(model, stack, item.prompt, spec, suffix, chosen, ignore_eos, again,
                                 moves)
     environment = envinfo.collect()
