@@ -252,9 +252,15 @@ def visible_targets(arch: str, dtype: str) -> list[Target]:
                           "V_DIM_PAD": _attention.head_dim_pad(head_dim),
                           "BLOCK_M": _attention.BLOCK_M, "BLOCK_N": config.block_n,
                           "USE_DOT": config.use_dot, "SOFTCAP": False, "SINKS": False}
+            size, n_q = _SIZE[dtype], n_kv * group
+            pairs = q_len * kv_len if q_len == 1 else q_len * (q_len + 1) // 2  # every key visible
+            work = Work(f"visible {phase} B{batch} Hq{n_q} Hkv{n_kv} Tq{q_len} Tk{kv_len} (all seen)",
+                        batch * (n_q * q_len + n_kv * kv_len) * 2 * head_dim * size,
+                        2 * batch * n_q * pairs * 2 * head_dim)
             out.append(Target("attention", "kernels.attention_visible:_visible_kernel", arch, dtype,
                               f"visible-{phase}-D{head_dim}-G{group}", args, constexprs,
-                              _options(config.num_warps, config.num_stages), dtype != "fp32"))
+                              _options(config.num_warps, config.num_stages), dtype != "fp32",
+                              (work,)))
     return out
 
 
