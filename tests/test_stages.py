@@ -114,7 +114,7 @@ def test_a_model_with_local_layers_is_refused_in_one_line():
     (["--arms", "live,batched:2"], "a stage program is rebuilt by"),
     (["--arms", "live,prefill", "--replicas", "incremental"], "--replicas incremental: not among"),
     (["--arms", "prefill"], "compared with live; include it"),
-    (["--cross", "fp32"], "--cross: not available with --program"),
+    (["--cross", "int4"], "--cross int4"),
     (["--arms", "live,prefill", "--transplant", "live<-incremental"], "incremental is not among the arms"),
     (["--arms", "live,prefill", "--transplant", "live<-prefill:segment=branch7"], "segment 'branch7'"),
 ])
@@ -139,3 +139,19 @@ def test_segment_transplants_move_one_stage_of_the_donor():
     assert row["outcome"] in ("donor", "recipient", "third", "boundary")
     if row["outcome"] != "boundary":
         assert len(row["suffix"]) == 3
+
+
+def test_the_crossing_freezes_the_program_from_the_reference_live_run():
+    from harness.protocol.stages_crossing import run_crossing
+
+    spec, stack = stages.parse_program(PROGRAM), Stack("native", "bf16", True)
+    record = stages.run_program(tiny(), stack, "2+3=", spec, 3, ("live", "prefill"))
+    crossing = run_crossing(tiny(), spec, record, [stack.with_dtype("fp32"), stack], 3, frozenset())
+    assert [(c["stack"], c["arm"]) for c in crossing["cells"]] == [
+        ("native/fp32+bi", "incremental"), ("native/fp32+bi", "prefill"),
+        ("native/bf16+bi", "incremental"), ("native/bf16+bi", "prefill")]
+    # the reference stack's own cells rebuild its live state: its suffix, its cache bits
+    own = [c for c in crossing["cells"] if c["stack"] == "native/bf16+bi"]
+    assert all(c["suffix_equals_reference"] for c in own)
+    assert own[1]["cache_sha"] == record["arms"]["live"]["cache_sha"]
+    assert all(row["bit_exact"] for row in crossing["within"])

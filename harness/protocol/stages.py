@@ -342,6 +342,7 @@ def run_program(model, stack, prompt_text: str, program: Program, S: int, arms: 
                                     max(p for p, x in zip(layout.positions, layout.segments) if x == s)]}
                      for s in range(len(layout.sees))],
         "prefix_sha": kv.sha_ids(layout.tokens), "live_margins": margins,
+        "layout": {"tokens": layout.tokens, "segments": layout.segments, "positions": layout.positions},
         "arms": {label: {"cache_sha": kv.sha_cache(arm.state), "suffix": list(arm.suffix.tokens),
                          "wall_s": arm.wall_s, "forward_calls": arm.forward_calls}
                  for label, arm in built.items()},

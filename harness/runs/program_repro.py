@@ -52,6 +52,14 @@ class ProgramOutcome:
         for t in r["transplants"]:
             lines.append(f"  transplant {t['transplant']}: {t['outcome']}"
                          + (" (the two suffixes are the same)" if t["same_suffixes"] else ""))
+        if "crossing" in r:
+            lines.append(f"crossing (the program frozen from {r['crossing']['reference']}'s live run):")
+            for cell in r["crossing"]["cells"]:
+                lines.append(f"  {cell['stack']:<16} {cell['arm']:<12} suffix "
+                             f"{'= reference' if cell['suffix_equals_reference'] else '!= reference'}")
+            for row in r["crossing"]["within"]:
+                lines.append(f"  {row['stack']}: incremental vs prefill cache "
+                             f"{'bit-exact' if row['bit_exact'] else 'differs'}")
         for c in r["comparisons"]:
             differ = [name for name, same in c["segments_exact"].items() if not same]
             if differ:
@@ -73,14 +81,15 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
     from harness.runs.repro import check_model_name, checked_stack, pick_item
 
     spec = stages.parse_program(program)
-    if cross:
-        raise BadInput("--cross: not available with --program yet (the merge boundary's "
-                       "precision crossing is still to come)")
     if suffix < 1:
         raise BadInput(f"-S = {suffix}: a stage program needs a suffix of at least 1 token")
     check_model_name(model_name)
     stack = checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
                           faithful_recurrence)
+    try:
+        crossed = [stack.with_dtype(d) for d in cross.split(",")] if cross else []
+    except ValueError as err:
+        raise BadInput(f"--cross {cross}: {err}") from None
     chosen = tuple(a for a in arms.split(",") if a)
     again = tuple(r for r in replicas.split(",") if r)
     if "live" not in chosen:
@@ -105,9 +114,15 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
 
     ranges = stages_transplant.segment_ranges(prompt_length, spec, openers)
     moves = tuple(stages_transplant.parse(t, ranges, chosen) for t in transplants)
-    check_supports(stack, model, stages.program_length(prompt_length, spec, openers) + suffix)
+    for each in [stack, *crossed]:
+        check_supports(each, model, stages.program_length(prompt_length, spec, openers) + suffix)
     stages.check_layers(describe_layers(model))
     record = stages.run_program(model, stack, item.prompt, spec, suffix, chosen, ignore_eos, again,
                                 moves)
+    if crossed:
+        from harness.protocol.stages_crossing import run_crossing
+
+        eos = frozenset() if ignore_eos else model.codec.eos_ids
+        record["crossing"] = run_crossing(model, spec, record, crossed, suffix, eos)
     environment = envinfo.collect()
     return ProgramOutcome(record, environment, envinfo.environment_key(environment))
