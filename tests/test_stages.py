@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from harness.cli import main
-from harness.protocol import stages
+from harness.protocol import stages, stages_checks
 from harness.protocol.backends import Stack
 from protocol_fixtures import tiny
 
@@ -105,9 +105,9 @@ def test_a_model_with_local_layers_is_refused_in_one_line():
     layers = [LayerInfo(0, "full_attention", "DynamicLayer", "full", ()),
               LayerInfo(1, "sliding_attention", "DynamicSlidingWindowLayer", "window",
                         ("sliding_window",), 4096)]
-    with pytest.raises(stages.ProtocolError, match="layer 1 is sliding_window"):
-        stages.check_layers(layers)
-    stages.check_layers(layers[:1])
+    with pytest.raises(stages_checks.ProtocolError, match="layer 1 is sliding_window"):
+        stages_checks.check_layers(layers)
+    stages_checks.check_layers(layers[:1])
 
 
 @pytest.mark.parametrize("extra, message", [

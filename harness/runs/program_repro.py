@@ -74,7 +74,7 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
                   compiled: bool = False, faithful_recurrence: bool = False) -> ProgramOutcome:
     """Check the program and the options, then measure it (harness.protocol.stages)."""
     from harness.environment import envinfo
-    from harness.protocol import stages
+    from harness.protocol import stages, stages_checks
     from harness.protocol.backends import check_supports
     from harness.protocol.models import load_model
     from harness.protocol.serving import describe_layers
@@ -98,14 +98,14 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
         if label not in chosen:
             raise BadInput(f"--replicas {label}: not among --arms ({arms})")
     try:
-        stages.check_arms(chosen)
+        stages_checks.check_arms(chosen)
     except ValueError as err:
         raise BadInput(str(err)) from None
     item = pick_item(prompt, item_set, item_index)
     model = load_model(model_name)
     prompt_length = len(model.codec.prompt_ids(item.prompt))
     openers = [len(o) for o in stages.delimiters(model.codec, spec)]
-    stages.check_program_fits(prompt_length, spec, openers, suffix, model.context_length)
+    stages_checks.check_program_fits(prompt_length, spec, openers, suffix, model.context_length)
     if spec.layout == "batched":
         from harness.protocol.stages_batched import check_batched
 
@@ -115,8 +115,8 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
     ranges = stages_transplant.segment_ranges(prompt_length, spec, openers)
     moves = tuple(stages_transplant.parse(t, ranges, chosen) for t in transplants)
     for each in [stack, *crossed]:
-        check_supports(each, model, stages.program_length(prompt_length, spec, openers) + suffix)
-    stages.check_layers(describe_layers(model))
+        check_supports(each, model, stages_checks.program_length(prompt_length, spec, openers) + suffix)
+    stages_checks.check_layers(describe_layers(model))
     record = stages.run_program(model, stack, item.prompt, spec, suffix, chosen, ignore_eos, again,
                                 moves)
     if crossed:
