@@ -32,8 +32,10 @@ reached, because every construction runs the same arithmetic for t:
   the layer's head dim only; a long prefill on the split path runs as query chunks, which the
   invariance makes bit-identical).
 
-Rows are independent programs (batch rows and heads are grid axes), so batch size cannot change a
-row. The query heads that share one key/value head are stacked into one tile (GQA), so each key
+A visibility mask (`visibility`, any causal pattern given as a mask: packed branches, trees) is
+computed by kernels.attention_visible, each query in its view's coordinates, with the same tile
+update (attention_math.tile_update). Rows are independent programs (batch rows and heads are grid
+axes), so batch size cannot change a row. The query heads that share one key/value head are stacked into one tile (GQA), so each key
 tile is loaded once per group.
 
 Left-padded batches (`first_valid`, a row's first valid key as an absolute position, as
@@ -72,7 +74,9 @@ from .attention_config import (BLOCK_M, CONFIGS, INTERPRETER_CONFIG, MAX_HEAD_DI
                                merge_launch, WORKSPACE_BYTES, group_tile_for, head_dim_pad)
 from .attention_reference import attention_ref  # noqa: F401  (the kernel's reference, here)
 from .attention_checks import check_inputs, check_mechanisms, first_valid_rows
-from .attention_math import merge, tanh, with_sink
+from .attention_math import merge, tanh, tile_update, with_sink
+from .attention_views import check_visibility
+from .attention_visible import visible_attention_into
 from .dot import mma
 
 
@@ -214,21 +218,7 @@ def _attention_kernel(
                 s = softcap * tanh(s / softcap)
             keep = (cols[None, :] >= row_lo[:, None]) & (cols[None, :] <= pos[:, None])
             s = tl.where(keep, s, float("-inf"))
-            m_tile = tl.max(s, axis=1)
-            live = m_tile > float("-inf")  # the row sees a key of this tile
-            m_new = tl.maximum(m_i, m_tile)
-            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # no inf - inf before its first key
-            # A row that sees no key here is scaled by exactly 1 and gets exactly -0.0 added:
-            # x * 1 and x + (-0.0) are x, bit for bit (signed zeros too): its state is unchanged.
-            alpha = tl.where(live, tl.exp(m_i - m_use), 1.0)
-            p = tl.exp(s - m_use[:, None])
-            l_i = l_i * alpha + tl.where(live, tl.sum(p, axis=1), -0.0)
-            if USE_DOT:
-                pv = mma(p.to(v.dtype), v, tl.zeros([ROWS, V_DIM_PAD], tl.float32))
-            else:
-                pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            acc = acc * alpha[:, None] + tl.where(live[:, None], pv, -0.0)
-            m_i = m_new
+            m_i, l_i, acc = tile_update(m_i, l_i, acc, s, v, USE_DOT)
 
     if SINKS and (MERGE or SEGMENT == 0):  # the sink joins the denominator of the final state
         sink = tl.load(sink_ptr + kv_head * GROUP + g, mask=g < GROUP, other=0.0).to(tl.float32)
@@ -250,9 +240,11 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                    key_start: int = 0, window: int | None = None, chunk: int | None = None,
                    softcap: float | None = None, sinks: torch.Tensor | None = None,
                    align_own: bool = True, align_absolute: bool = True,
-                   config: AttentionConfig | None = None) -> torch.Tensor:
+                   config: AttentionConfig | None = None,
+                   visibility: torch.Tensor | None = None) -> torch.Tensor:
     """`attention` written into `out` ([B, Hq, Tq, Dv], any strides); returns `out`. Padded query
-    positions are not written. `align_own=False` (tiles on padded positions) and
+    positions are not written. `visibility` ([B, Tq, Tk] bool): the mask instead of the
+    positions' pattern (kernels.attention_visible). `align_own=False` (tiles on padded positions) and
     `align_absolute=False` (key tiles from held key 0) are the control twins: correct, but
     padding- and window-cache-variant (for tests only). `config` overrides the path's tiling (tests
     run the GPU configs in the interpreter)."""
@@ -266,6 +258,10 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {(batch, n_q_heads, q_len, v_dim)}")
     if q_len == 0 or batch == 0 or n_q_heads == 0:
         return out
+    if visibility is not None:
+        check_visibility(first_valid, window, chunk, align_own and align_absolute)
+        return visible_attention_into(out, q, k, v, visibility, scale, softcap=softcap, sinks=sinks,
+                                      config=config)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     group = n_q_heads // n_kv_heads
     config = config or config_for(q.device, q.dtype, max(head_dim, v_dim))
@@ -338,8 +334,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
               scale: float | None = None, first_valid: torch.Tensor | None = None,
               key_start: int = 0, window: int | None = None, chunk: int | None = None,
               softcap: float | None = None, sinks: torch.Tensor | None = None,
-              config: AttentionConfig | None = None) -> torch.Tensor:
-    """Causal attention; q [B, Hq, Tq, Dqk] are the last Tq positions of k [B, Hkv, Tk, Dqk],
+              config: AttentionConfig | None = None,
+              visibility: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention (or under `visibility`, as in `attention_into`); q [B, Hq, Tq, Dqk] are the last Tq positions of k [B, Hkv, Tk, Dqk],
     v [B, Hkv, Tk, Dv]; returns [B, Hq, Tq, Dv]. Held key j is absolute position key_start + j.
     Bits per position do not depend on batch, construction or what a window cache still holds.
     `first_valid` [B] (absolute) left-pads rows (their padded queries are 0); the mechanisms are
@@ -347,4 +344,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     empty = torch.zeros if first_valid is not None else torch.empty
     out = empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
     return attention_into(out, q, k, v, scale, first_valid, key_start=key_start, window=window,
-                          chunk=chunk, softcap=softcap, sinks=sinks, config=config)
+                          chunk=chunk, softcap=softcap, sinks=sinks, config=config,
+                          visibility=visibility)

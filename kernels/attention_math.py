@@ -1,8 +1,11 @@
 """The attention kernel's elementwise pieces, one definition each so every path runs the same
-arithmetic: tanh for softcapping, the merge of two partial softmax states, the sink."""
+arithmetic: tanh for softcapping, one key tile's online-softmax update, the merge of two partial
+softmax states, the sink."""
 
 import triton
 import triton.language as tl
+
+from .dot import mma
 
 
 @triton.jit
@@ -36,3 +39,24 @@ def with_sink(m, l, acc, sink):
     m_f = tl.maximum(m, sink)
     a = tl.exp(m - m_f)
     return l * a + tl.exp(sink - m_f), acc * a[:, None]
+
+
+@triton.jit
+def tile_update(m_i, l_i, acc, s, v, USE_DOT: tl.constexpr):
+    """The online softmax state (m_i, l_i [ROWS], acc [ROWS, Dv], fp32) after one key tile:
+    s [ROWS, BLOCK_N] scaled scores, -inf where a row does not see the key; v [BLOCK_N, Dv] (fp32
+    off the GPU). A row that sees no key here is scaled by exactly 1 and gets exactly -0.0 added:
+    x * 1 and x + (-0.0) are x, bit for bit (signed zeros too): its state is unchanged."""
+    m_tile = tl.max(s, axis=1)
+    live = m_tile > float("-inf")  # the row sees a key of this tile
+    m_new = tl.maximum(m_i, m_tile)
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # no inf - inf before its first key
+    alpha = tl.where(live, tl.exp(m_i - m_use), 1.0)
+    p = tl.exp(s - m_use[:, None])
+    l_i = l_i * alpha + tl.where(live, tl.sum(p, axis=1), -0.0)
+    if USE_DOT:
+        pv = mma(p.to(v.dtype), v, tl.zeros_like(acc))
+    else:
+        pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    acc = acc * alpha[:, None] + tl.where(live[:, None], pv, -0.0)
+    return m_new, l_i, acc

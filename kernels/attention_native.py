@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from . import FLOAT_DTYPES
+from .attention_reference import attention_ref  # noqa: F401  (the same contract's reference)
+from .attention_views import as_visibility, check_visibility, runs
 from .mode import stock_ops
 
 
@@ -181,9 +183,13 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                    scale: float | None = None, first_valid: torch.Tensor | None = None, *,
                    key_start: int = 0, window: int | None = None, chunk: int | None = None,
                    softcap: float | None = None, sinks: torch.Tensor | None = None,
-                   config: NativeConfig | None = None) -> torch.Tensor:
+                   config: NativeConfig | None = None,
+                   visibility: torch.Tensor | None = None) -> torch.Tensor:
     """`attention` written into `out` ([B, Hq, Tq, Dv], any strides); returns `out`. Padded query
-    positions (before a row's `first_valid`) are not written."""
+    positions (before a row's `first_valid`) are not written. `visibility` [B, Tq, Tk] bool: the
+    mask instead of the positions' pattern, each run of queries over its view's keys alone
+    (kernels.attention_views), so a query's bits are those of the causal path over the keys it
+    sees; fully invisible key tiles are never computed."""
     _check(q, k, v, sinks)
     expected = (*q.shape[:3], v.shape[-1])
     if tuple(out.shape) != expected:
@@ -193,6 +199,16 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     pads = _first_valid(first_valid, q.shape[0])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     config = config or DEFAULT_CONFIG
+    if visibility is not None:
+        check_visibility(first_valid, window, chunk, True)
+        row_runs = runs(as_visibility(visibility.to(q.device), *q.shape[:1], q.shape[2], k.shape[2]))
+        with stock_ops():
+            for b, row in enumerate(row_runs):
+                for run in row:  # its queries are the last keys of its view
+                    at = slice(run.first, run.first + run.count)
+                    _row(out[b, :, at], q[b, :, at], k[b][:, run.keys], v[b][:, run.keys], scale, 0,
+                         0, None, None, softcap, sinks, config)
+        return out
     with stock_ops():  # every call below has a fixed shape already: no mode override needed
         for b, pad in enumerate(pads):
             _row(out[b], q[b], k[b], v[b], scale, pad, key_start, window, chunk, softcap, sinks, config)
@@ -203,43 +219,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
               scale: float | None = None, first_valid: torch.Tensor | None = None,
               key_start: int = 0, window: int | None = None, chunk: int | None = None,
               softcap: float | None = None, sinks: torch.Tensor | None = None,
-              config: NativeConfig | None = None) -> torch.Tensor:
-    """Causal attention; q [B, Hq, Tq, Dqk] are the last Tq positions of k [B, Hkv, Tk, Dqk],
+              config: NativeConfig | None = None,
+              visibility: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention (or under `visibility`, as in `attention_into`); q [B, Hq, Tq, Dqk] are the last Tq positions of k [B, Hkv, Tk, Dqk],
     v [B, Hkv, Tk, Dv]; k[:, :, 0] is at absolute position `key_start`. Returns [B, Hq, Tq, Dv]
     in q's dtype, with bits per position independent of batch size and of how the positions were
     split into prefill, chunks or decode steps. `first_valid` [B]: row b's first valid key
     (absolute position; earlier keys are padding, never read; those queries are 0)."""
     out = q.new_zeros(*q.shape[:3], v.shape[-1])
     return attention_into(out, q, k, v, scale, first_valid, key_start=key_start, window=window,
-                          chunk=chunk, softcap=softcap, sinks=sinks, config=config)
-
-
-def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                  scale: float | None = None, first_valid: torch.Tensor | None = None,
-                  key_start: int = 0, window: int | None = None, chunk: int | None = None,
-                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain PyTorch attention with the same contract as `attention` (one masked softmax)."""
-    batch, n_q, q_len, head_dim = q.shape
-    n_kv, kv_len = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    group = n_q // n_kv
-    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))  # [B, Hq, Tk, D]
-    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale  # [B, Hq, Tq, Tk]
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
-    pad = (first_valid if first_valid is not None else torch.zeros(batch, dtype=torch.long))
-    pad = pad.to(q.device).view(batch, 1, 1)
-    keys = torch.arange(kv_len, device=q.device) + key_start  # absolute
-    queries = torch.arange(q_len, device=q.device) + key_start + kv_len - q_len
-    k_own, p_own = keys[None, None, :] - pad, queries[None, :, None] - pad  # [B, 1|Tq, Tk|1]
-    keep = (k_own >= 0) & (k_own <= p_own)
-    if window is not None:
-        keep &= k_own > p_own - window
-    if chunk is not None:
-        keep &= torch.div(k_own, chunk, rounding_mode="floor") == torch.div(p_own, chunk, rounding_mode="floor")
-    s = s.masked_fill(~keep[:, None], float("-inf"))
-    if sinks is not None:
-        s = torch.cat([s, sinks.to(s.dtype).view(1, n_q, 1, 1).expand(batch, n_q, q_len, 1)], -1)
-    p = torch.softmax(s, dim=-1)[..., :kv_len].nan_to_num(0.0)
-    out = torch.einsum("bhqk,bhkd->bhqd", p, v)
-    return out.masked_fill((p_own < 0)[:, None], 0.0)
+                          chunk=chunk, softcap=softcap, sinks=sinks, config=config,
+                          visibility=visibility)

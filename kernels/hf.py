@@ -13,7 +13,8 @@ q [B, Hq, Tq, Dqk], k [B, Hkv, Tk, Dqk], v [B, Hkv, Tk, Dv]. Held key j sits at 
 in its *own* positions (absolute minus its padding). `window`: query p sees keys k with
 p - window < k <= p; `chunk`: keys with k // chunk == p // chunk (and k <= p), in own positions;
 `softcap`: s = softcap * tanh(s / softcap) on the scaled scores; `sinks` [Hq]: a per-head logit in
-the softmax denominator. The kernel applies all of it from positions, so it needs no mask.
+the softmax denominator. The kernel applies all of it from positions, so it needs no mask;
+`visibility` [B, Tq, Tk] bool (kernels.attention_views), when given, is the whole pattern instead.
 
 What the function reads from transformers (5.17 through 5.2x, public names only):
 * scaling (None: 1/sqrt(Dqk)), `sliding_window` and `softcap` from the call's kwargs; sinks from
@@ -25,11 +26,14 @@ What the function reads from transformers (5.17 through 5.2x, public names only)
   The last query is always a real token, so row b's held key 0 sits at own position
   `position_ids[b, -1] - (Tk - 1)`: negative while pad keys are still held, positive once a window
   cache has dropped keys. Without position ids the held keys are taken to start at 0 (a full cache).
-* the mask: ours (`kvfid_mask`) builds it the stock `sdpa` way and passes None exactly when it is
-  the plain causal pattern. Any other mask must equal the pattern the kernel applies from the
-  positions above (causal, left padding, window, chunk); anything else (right padding, a static
-  cache's unfilled slots, custom masks) is refused before compute, as is a mechanism the kernel
-  does not serve (`serves`).
+* the mask (kernels.hf_masks): ours (`kvfid_mask`) builds it the stock `sdpa` way and passes None
+  exactly when it is the plain causal pattern. A mask equal to the pattern the kernel applies from
+  the positions above (causal, left padding, window, chunk) is read as padding; any other mask in
+  which each query sees itself and no later key (a visibility mask, e.g. packed branches given to
+  the model as a 4-D `attention_mask`) goes to a kernel serving "visibility" as
+  `visibility=[B, Tq, Tk]` bool, and is refused on a sliding-window or chunked layer; anything
+  else (right padding, a static cache's unfilled slots, bidirectional masks) is refused before
+  compute, as is a mechanism the kernel does not serve (`serves`).
 """
 
 from __future__ import annotations
@@ -39,12 +43,14 @@ from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface
+
+from .hf_masks import kvfid_mask, left_padding, own_starts, place_keys  # noqa: F401  (public here)
 
 # Why a model whose attention is this wrapper cannot be compiled whole (measured on tiny-llama,
 # torch 2.13, transformers 5.24, native kernel on CPU): see harness.protocol.compiled.
 COMPILE_BREAKS = ("its attention reads positions and the mask on the host (int(own.max()) and "
-                  "the mask checks in kernels/hf.py), so torch.compile graph-breaks in every "
+                  "the mask checks in kernels/hf_masks.py), so torch.compile graph-breaks in every "
                   "layer; the frames dynamo resumes in share transformers' one `wrapped_func` "
                   "code object, which passes dynamo's recompile_limit (8) and from then on runs "
                   "eagerly, so a +compile stack would measure a mix of compiled and eager code")
@@ -52,83 +58,11 @@ NAME = "kvfid_triton"
 # Mechanism names the Triton kernel serves (harness.protocol.serving.MECHANISMS; the harness reads
 # this before compute and refuses a model with a layer mechanism not listed); the factory refuses
 # any other active one before calling the kernel.
+# "visibility": a mask other than the positions' pattern (kernels.hf_masks), taken as it is.
 SERVES: frozenset[str] = frozenset({"sliding_window", "chunked_attention", "softcap", "sinks",
-                                    "split_head_dims"})
+                                    "split_head_dims", "visibility"})
 # The Triton kernel's own options (its variant twins, a tiling), given in `kernel_options`.
 OPTIONS: frozenset[str] = frozenset({"align_own", "align_absolute", "config"})
-
-def _kernel_pattern(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """[q_len, kv_len] bool: query i (absolute position kv_len - q_len + i) sees key j <= it."""
-    q_pos = torch.arange(q_len, device=device) + (kv_len - q_len)
-    return torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
-
-
-def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
-    """A 4-D mask as bool (True = attend), or None when it is neither bool nor a 0 / -inf float mask."""
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.is_floating_point() and bool((mask[mask != 0] <= torch.finfo(mask.dtype).min / 2).all()):
-        return mask == 0
-    return None
-
-
-def _is_kernel_pattern(mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
-    """True when a 4-D mask (bool, True = attend; or additive float) is exactly the plain causal one."""
-    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (q_len, kv_len):
-        return False
-    allowed = _allowed(mask)
-    return allowed is not None and torch.equal(
-        allowed, _kernel_pattern(q_len, kv_len, mask.device).expand(mask.shape))
-
-
-def expected_pattern(own_start: torch.Tensor, q_len: int, kv_len: int, window: int | None = None,
-                     chunk: int | None = None) -> torch.Tensor:
-    """[B, q_len, kv_len] bool: what the kernel lets each query see, from each row's own position of
-    held key 0 (`own_start` [B]; negative positions are padding)."""
-    keys = own_start[:, None, None] + torch.arange(kv_len, device=own_start.device)  # [B, 1, kv]
-    queries = keys[:, :, -q_len:].transpose(1, 2)  # [B, q, 1]
-    allowed = (keys >= 0) & (keys <= queries)
-    if window is not None:
-        allowed &= keys > queries - window
-    if chunk is not None:
-        allowed &= torch.div(keys, chunk, rounding_mode="floor") == torch.div(queries, chunk,
-                                                                              rounding_mode="floor")
-    return allowed
-
-
-def left_padding(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor | None:
-    """[B] first valid key per row when a 4-D mask ([B or 1, H or 1, q, kv]; bool, True = attend,
-    or additive float) is exactly causal with left padding; None for any other mask."""
-    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (q_len, kv_len):
-        return None
-    allowed = _allowed(mask)
-    if allowed is None:
-        return None
-    pad = _held_padding(allowed)
-    if pad is None:
-        return None
-    return pad if torch.equal(allowed, expected_pattern(-pad, q_len, kv_len)[:, None].expand(
-        allowed.shape)) else None
-
-
-def _held_padding(allowed: torch.Tensor) -> torch.Tensor | None:
-    """[B] held keys the last query does not see before its first visible one (its left padding,
-    or all keys for a row with none), from a bool mask [B, H, q, kv]; None if heads disagree."""
-    last = allowed[..., -1, :]  # [B, H, kv]
-    kv_len = last.shape[-1]
-    first = torch.where(last.any(-1), last.int().argmax(-1), torch.full_like(last[..., 0], kv_len,
-                                                                            dtype=torch.long))
-    return first[:, 0] if bool((first == first[:, :1]).all()) else None
-
-
-def kvfid_mask(*args, **kwargs) -> torch.Tensor | None:
-    """Mask function for `AttentionMaskInterface`: None when the kernel's own causality is the mask."""
-    kwargs["allow_is_causal_skip"] = False  # always materialize, so it can be inspected
-    mask = sdpa_mask(*args, **kwargs)  # [B, 1, q, kv] bool
-    if mask is None:
-        return None
-    q_len, kv_len = mask.shape[-2:]
-    return None if _is_kernel_pattern(mask, q_len, kv_len) else mask
 
 
 kvfid_triton_mask = kvfid_mask  # the name tests and older callers use
@@ -147,14 +81,6 @@ def layer_mechanisms(module: torch.nn.Module, kwargs: dict) -> dict:
         chunk = getattr(config, "attention_chunk_size", None)
     return {"window": kwargs.get("sliding_window"), "chunk": chunk, "softcap": kwargs.get("softcap"),
             "sinks": sinks}
-
-
-def own_starts(position_ids: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
-    """[B] own position of each row's held key 0, from the queries' position ids; None without them."""
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 \
-            or position_ids.dtype.is_floating_point or position_ids.shape[0] not in (1, batch):
-        return None
-    return (position_ids[:, -1].to(torch.long) - (kv_len - 1)).expand(batch)
 
 
 def _refuse(name: str, what: str) -> ValueError:
@@ -210,69 +136,17 @@ def make_attention(name: str, attention_into: Callable, serves: frozenset[str],
                 ("split_head_dims", v_dim != query.shape[-1], "different q/k and v head dims")):
             if active and mechanism not in serves:
                 raise _refuse(name, what)
-        own = _own_positions(name, attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len,
-                             mech["window"], mech["chunk"])
-        key_start = max(0, int(own.max()))
-        first_valid = key_start - own  # [B] absolute position of each row's first valid key
-        padded = bool(first_valid.any())
+        placed = place_keys(name, attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len,
+                            mech["window"], mech["chunk"], serves, query.device)
         # Padded query positions are not computed by the kernel: zeros, not uninitialized memory.
-        empty = torch.zeros if padded else torch.empty
+        empty = torch.zeros if placed.get("first_valid") is not None else torch.empty
         out = empty((batch, q_len, n_q_heads, v_dim), dtype=query.dtype, device=query.device)
         attention_into(out.transpose(1, 2), query, key, value,  # writes a [B, Hq, T, Dv] view
-                       scale=scaling, first_valid=first_valid.to(query.device) if padded else None,
-                       key_start=key_start, **mech, **(kernel_options or {}))
+                       scale=scaling, **placed, **mech, **(kernel_options or {}))
         return out, None
 
     attention.__name__ = attention.__qualname__ = f"{name}_attention"
     return attention
-
-
-def _own_positions(name: str, mask: torch.Tensor | None, position_ids, batch: int, q_len: int,
-                   kv_len: int, window: int | None, chunk: int | None) -> torch.Tensor:
-    """[B] (CPU) own position of each row's held key 0, checked against the mask; refuses a mask
-    that is not exactly the pattern the kernel applies."""
-    own = own_starts(position_ids, batch, kv_len)
-    if own is None and (chunk is not None or window is not None):
-        raise ValueError(f"{name}: a sliding-window or chunked layer needs position_ids in the "
-                         "attention kwargs (to place the held keys)")
-    own = torch.zeros(batch, dtype=torch.long) if own is None else own.cpu()
-    if mask is None or _is_kernel_pattern(mask, q_len, kv_len):
-        return own
-    allowed = _allowed(mask) if mask.dim() == 4 and tuple(mask.shape[-2:]) == (q_len, kv_len) else None
-    if allowed is None:
-        raise _mask_error(name)
-    allowed = allowed.cpu()
-
-    def matches(starts: torch.Tensor) -> bool:
-        return torch.equal(allowed, expected_pattern(starts, q_len, kv_len, window, chunk)[:, None]
-                           .expand(allowed.shape))
-
-    if matches(own):  # position ids count each row's own positions (generate, kvfid's co-batches)
-        return own
-    # Else one padded-absolute range for every row (a plain forward with a mask): a row's padding
-    # is what its last query does not see before the first key its window or chunk would show.
-    first = _held_padding(allowed)
-    if first is None or not bool((own == own[:1]).all()):
-        raise _mask_error(name)
-    first = first.expand(batch)
-    local = torch.zeros(batch, dtype=torch.long)
-    if window is not None:
-        local = torch.full((batch,), max(0, kv_len - window))
-    if chunk is not None:
-        last = own + kv_len - 1
-        local = torch.maximum(local, (torch.div(last, chunk, rounding_mode="floor") * chunk - own).clamp(min=0))
-    own = torch.where(first == kv_len, -kv_len, torch.where(first > local, -first, own))
-    if not matches(own):
-        raise _mask_error(name)
-    return own
-
-
-def _mask_error(name: str) -> ValueError:
-    return ValueError(
-        f"{name}: got an attention mask that is neither the plain causal pattern nor causal with "
-        "left padding (and the layer's window or chunk) (right padding, a custom mask, or a static "
-        "cache with unfilled slots). The kernel cannot honour other masks; feed left-padded batches "
-        "with a dynamic cache.")
 
 
 def register_kernel(name: str, attention: Callable) -> str:

@@ -9,7 +9,7 @@ from .hf import make_attention, register_kernel
 NAME = "kvfid_native"
 # Every mechanism of the shared interface (kernels.hf): the native kernel applies them all.
 SERVES: frozenset[str] = frozenset({"sliding_window", "chunked_attention", "softcap", "sinks",
-                                    "split_head_dims"})
+                                    "split_head_dims", "visibility"})
 
 
 def _native_attention_into(out, q, k, v, **kwargs):

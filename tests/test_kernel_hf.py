@@ -152,7 +152,7 @@ def test_left_padding_runs_and_right_padding_is_refused():
     with torch.no_grad():
         model(ids, attention_mask=torch.ones_like(ids))  # an all-ones mask is fine
         model(ids, attention_mask=left)
-        with pytest.raises(ValueError, match="neither the plain causal pattern nor causal with left"):
+        with pytest.raises(ValueError, match="a query does not see itself"):
             model(ids, attention_mask=right)
 
 
@@ -170,9 +170,13 @@ def test_custom_masks_are_refused_before_compute():
     q = torch.zeros(1, 2, 4, 16, device=device())
     module = torch.nn.Module()
     custom = torch.ones(1, 1, 4, 4, dtype=torch.bool, device=device())  # bidirectional
-    with pytest.raises(ValueError, match="neither the plain causal pattern"):
+    with pytest.raises(ValueError, match="kvfid_triton: visibility mask: a query sees a later key"):
         hf.kvfid_triton_attention(module, q, q, q, custom)
-    assert hf.SERVES == {"sliding_window", "chunked_attention", "softcap", "sinks", "split_head_dims"}
+    ragged = torch.tensor([0.0, -1.0, 2.0, 0.0]).expand(1, 1, 4, 4)  # neither bool nor 0 / -inf
+    with pytest.raises(ValueError, match="neither the plain causal pattern"):
+        hf.kvfid_triton_attention(module, q, q, q, ragged)
+    assert hf.SERVES == {"sliding_window", "chunked_attention", "softcap", "sinks", "split_head_dims",
+                         "visibility"}
 
 
 # ---- the kernel-agnostic factory: what a kernel is told --------------------------------------

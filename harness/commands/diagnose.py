@@ -27,6 +27,11 @@ from harness.names import BIT_EXACT, CONSTRUCTION_HELP, DIVERGES, VERDICT_HELP
               "end-of-turn token (tiny random models end early otherwise).")
 @click.option("--cross", help="Also run the fixed-prefix precision crossing over these dtypes "
                               "(comma-separated), P frozen from this stack's live run.")
+@click.option("--program", help="A stage program instead of one stream: LAYOUT:NxL+M[:POSITIONS], "
+              "e.g. packed:3x8+8:parallel (N branches of L tokens from the prompt, then a merge "
+              "of M; layout packed or batched; positions continuing or parallel); the arms are "
+              "compared at its merge "
+              "boundary (-B is not used; arms: live, prefill, incremental, chunked:N).")
 @click.option("--expect", type=click.Choice([BIT_EXACT, DIVERGES]),
               help=f"Exit 1 unless the verdict is this one (or when nothing was compared with "
                    f"live). {VERDICT_HELP}")
@@ -34,8 +39,12 @@ from harness.names import BIT_EXACT, CONSTRUCTION_HELP, DIVERGES, VERDICT_HELP
 def repro(fmt, expect, **options) -> None:
     """Reproduce one item on one stack: every arm against live, cache and suffix verdicts, and
     the environment it ran in (in --format json)."""
-    from harness.runs.repro import repro as run_repro
+    if options["program"]:  # a stage program's merge boundary
+        from harness.runs.program_repro import repro_program as run_repro
+    else:
+        from harness.runs.repro import repro as run_repro
 
+        options.pop("program")
     outcome = run_repro(**options)
     click.echo(json.dumps(outcome.to_json(), indent=1) if fmt == "json" else outcome.text())
     exit_with(outcome.passed(expect))

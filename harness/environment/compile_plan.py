@@ -225,6 +225,45 @@ def row_targets(arch: str, dtype: str) -> list[Target]:
 KERNELS = ("attention", "matmul", *ROW_WIDTHS)
 
 
+def visible_targets(arch: str, dtype: str) -> list[Target]:
+    """The visibility-mask kernel (kernels.attention_visible) at each of LONG_SHAPES' (head dim,
+    group), decode and prefill strides: it has no split path and no per-phase constexprs, so one
+    binary per (head dim, group, dtype) serves every call."""
+    out = []
+    for head_dim, group in LONG_SHAPES:
+        config = _attention.CONFIGS[(arch, DTYPES[dtype])]
+        group_tile = _attention.group_tile_for(group, config)
+        n_kv = 2
+        for phase, batch, q_len in (("decode", DECODE_BATCH, 1), ("prefill", 1, PREFILL)):
+            kv_len = PREFILL
+            args = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
+                    "o_ptr": f"*{dtype}", "plan_ptr": "*i64", "keys_ptr": "*i64",
+                    "sink_ptr": "*fp32", "n_kv_heads": n_kv,
+                    "n_group_chunks": -(-group // group_tile), "per_row": 7,
+                    "scale": 0.125, "softcap": 1.0}
+            for name, shape in (("q", (batch, n_kv * group, q_len, head_dim)),
+                                ("k", (batch, n_kv, kv_len, head_dim)),
+                                ("v", (batch, n_kv, kv_len, head_dim)),
+                                ("o", (batch, n_kv * group, q_len, head_dim))):
+                args.update(zip((f"s{name}b", f"s{name}h", f"s{name}t", f"s{name}d"),
+                                _contiguous_strides(*shape)))
+            constexprs = {"GROUP": group, "GROUP_TILE": group_tile, "HEAD_DIM": head_dim,
+                          "HEAD_DIM_PAD": _attention.head_dim_pad(head_dim), "V_DIM": head_dim,
+                          "V_DIM_PAD": _attention.head_dim_pad(head_dim),
+                          "BLOCK_M": _attention.BLOCK_M, "BLOCK_N": config.block_n,
+                          "USE_DOT": config.use_dot, "SOFTCAP": False, "SINKS": False}
+            size, n_q = _SIZE[dtype], n_kv * group
+            pairs = q_len * kv_len if q_len == 1 else q_len * (q_len + 1) // 2  # every key visible
+            work = Work(f"visible {phase} B{batch} Hq{n_q} Hkv{n_kv} Tq{q_len} Tk{kv_len} (all seen)",
+                        batch * (n_q * q_len + n_kv * kv_len) * 2 * head_dim * size,
+                        2 * batch * n_q * pairs * 2 * head_dim)
+            out.append(Target("attention", "kernels.attention_visible:_visible_kernel", arch, dtype,
+                              f"visible-{phase}-D{head_dim}-G{group}", args, constexprs,
+                              _options(config.num_warps, config.num_stages), dtype != "fp32",
+                              (work,)))
+    return out
+
+
 def plan(archs=ARCHS, dtypes=tuple(DTYPES), kernels=None, quick=False) -> list[Target]:
     """Every target for the given archs and dtypes (optionally only some kernels; `quick`: the
     attention shapes of the GPU default case only); ValueError names an unknown one."""
@@ -238,6 +277,7 @@ def plan(archs=ARCHS, dtypes=tuple(DTYPES), kernels=None, quick=False) -> list[T
     targets = [t for arch, dtype in itertools.product(archs, dtypes)
                for t in (*attention_targets(arch, dtype, shapes, variants),
                          *(() if quick else long_decode_targets(arch, dtype)),
+                         *(() if quick else visible_targets(arch, dtype)),
                          *matmul_targets(arch, dtype),
                          *row_targets(arch, dtype))]
     return [t for t in targets if kernels is None or t.kernel in kernels]
