@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from harness.protocol.layers import (POSITIONAL, LayerState, layer_tensors, read_layer,
-                                     restore_layer)
+from harness.protocol.layers import (POSITIONAL, LayerState, cache_tensors, read_cache,
+                                     restore_cache)
 
 
 @dataclass(frozen=True, init=False)
@@ -60,11 +60,7 @@ class BoundaryState:
         from harness.protocol.decode import new_cache
 
         cache = new_cache(module)
-        if len(cache.layers) != len(self.layers):
-            raise ValueError(f"a state of {len(self.layers)} layers cannot go into a cache of "
-                             f"{len(cache.layers)}")
-        for index, (layer, state) in enumerate(zip(cache.layers, self.layers)):
-            restore_layer(layer, state, index)
+        restore_cache(cache, self.layers)
         return cache
 
 
@@ -85,7 +81,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def rows_identical(cache, logits: torch.Tensor) -> bool:
     """Whether every batch row of a dynamic cache (every tensor of every layer) and of logits
     [rows, V] has row 0's bits."""
-    tensors = [t for layer in cache.layers for t in layer_tensors(layer)] + [logits]
+    tensors = cache_tensors(cache) + [logits]
     return all(bool((bits(t) == bits(t[:1])).all()) for t in tensors)
 
 
@@ -95,7 +91,7 @@ def snapshot(cache, prefix, logits: torch.Tensor, row: int = 0, pad: int = 0,
     left-padded row drops its first `pad` positions, so the state covers exactly the prefix
     (a full layer all of it, a window layer its last positions). `config`: the model's, which
     tells an MLA layer's latent from K/V."""
-    layers = tuple(read_layer(layer, config, row, pad) for layer in cache.layers)
+    layers = read_cache(cache, config, row, pad)
     state = BoundaryState(prefix, logits=logits[row].clone(), layers=layers)
     for index, layer in enumerate(layers):
         span = layer.span
@@ -149,8 +145,9 @@ def ulp_ordered(t: torch.Tensor) -> torch.Tensor:
 def tensor_diff(a: torch.Tensor, b: torch.Tensor, start: int | None = 0) -> dict:
     """Bitwise comparison of two same-shape tensors: `equal` and `n_diff` over raw bits; max
     |diff|, max ULP (through zero), `max_abs_rel` = max |diff| / max |a|, `d_rel`, and the first
-    absolute position with a differing bit for K/V [1, H, T, D] whose first position is `start`
-    (`start=None`: a part without a position axis, first_position stays None)."""
+    absolute position with a differing bit for a part whose dim -2 is positions (K/V [1, H, T, D],
+    an indexer's keys [1, T, D]) and whose first position is `start` (`start=None`: a part
+    without a position axis, first_position stays None)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"cannot compare {a.dtype}{tuple(a.shape)} with {b.dtype}{tuple(b.shape)}")
     differs = bits(a) != bits(b)
@@ -166,7 +163,7 @@ def tensor_diff(a: torch.Tensor, b: torch.Tensor, start: int | None = 0) -> dict
         out["max_abs_rel"] = out["max_abs"] / scale if scale else (0.0 if out["max_abs"] == 0 else float("inf"))
         out["d_rel"] = float(torch.linalg.vector_norm(a64 - b64)) / norm if norm else float("inf")
         if start is not None:
-            positions = differs.flatten(0, 1).any(dim=0).any(dim=-1)   # [T]
+            positions = differs.movedim(-2, 0).flatten(1).any(dim=1)   # [T]
             out["first_position"] = start + int(positions.nonzero()[0, 0])
     return out
 
