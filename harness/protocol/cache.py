@@ -202,8 +202,10 @@ def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
                 continue
             positional = name in POSITIONAL
             diff = tensor_diff(la.parts[name], lb.parts[name], la.start if positional else None)
-            entry[name if positional else "parts"] = diff if positional else \
-                {**entry["parts"], name: diff}
+            if name in ("k", "v"):      # the record's own fields; every other part by name
+                entry[name] = diff
+            else:
+                entry["parts"] = {**entry["parts"], name: diff}
             pairs.append((la.parts[name], lb.parts[name]))
             if not diff["equal"]:
                 bad.append((index, name, diff))

@@ -120,3 +120,22 @@ def restore_cache_parts(cache, states) -> None:
 def cache_length(cache) -> int:
     """Layers a cache covers: its layers, or longer per-layer lists of its own."""
     return max([len(cache.layers), *(len(v) for v in cache_lists(cache).values())])
+
+
+def mechanisms(layer) -> tuple[str, ...]:
+    """What a layer's held state says it computes: `sparse_indexer` (it keeps an indexer's keys:
+    each query attends to the keys an indexer selects, folded into the attention mask) and
+    `compressed_kv` (it keeps compressed entries that attention reads beside its window)."""
+    names = set()
+    for name, value in vars(layer).items():
+        if name in BASE_ATTRS:
+            continue
+        names.add(name)
+        if isinstance(value, dict):
+            names |= {str(key) for key in value}
+    out = []
+    if any(n.startswith("indexer") for n in names):
+        out.append("sparse_indexer")
+    if "compressed_kv" in names:
+        out.append("compressed_kv")
+    return tuple(out)
