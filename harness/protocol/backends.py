@@ -206,6 +206,9 @@ class Stack:
 
                 restore.enter_context(faithful_recurrence(module))
             restore.enter_context(torch.inference_mode())
+            from harness.protocol.selection import recorded_selections
+
+            restore.enter_context(recorded_selections(module))   # sparse attention's choices
             if self.compiled:
                 from harness.protocol.compiled import compiled_forward
 

@@ -158,7 +158,8 @@ def tensor_diff(a: torch.Tensor, b: torch.Tensor, start: int | None = 0) -> dict
         a64, b64 = a.double(), b.double()
         norm = float(torch.linalg.vector_norm(a64))
         out["max_abs"] = float((a64 - b64).abs().max())
-        out["max_ulp"] = int((ulp_ordered(a) - ulp_ordered(b)).abs().max())
+        if a.is_floating_point():   # an integer part (selected key indices) has no ULPs
+            out["max_ulp"] = int((ulp_ordered(a) - ulp_ordered(b)).abs().max())
         scale = float(a64.abs().max())
         out["max_abs_rel"] = out["max_abs"] / scale if scale else (0.0 if out["max_abs"] == 0 else float("inf"))
         out["d_rel"] = float(torch.linalg.vector_norm(a64 - b64)) / norm if norm else float("inf")

@@ -11,8 +11,9 @@ beside its layers: read by what is there (tensors, dicts of tensors), never by a
 * A model's own cache class (MiniMax's `MiniMaxCache`) may hold per-layer state in a list beside
   `layers` (`linear_cache[i]`): each such list gives layer i a part named after it.
 
-`indexer_keys` has a position axis at dim -2, like k and v (`POSITIONAL_HELD`); every other held
-part is compared whole.
+`indexer_keys` and the recorded selection of an indexer (`kvfid_selection`, written by
+harness.protocol.selection) have a position axis at dim -2, like k and v (`POSITIONAL_HELD`);
+every other held part is compared whole.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 # Attributes the known base classes own (read and restored by harness.protocol.layers itself).
 BASE_ATTRS = frozenset({"keys", "values", "is_initialized", "device", "dtype", "sliding_window",
                         "cumulative_length", "_sliding_window_tensor", "record_past"})
-POSITIONAL_HELD = ("indexer_keys",)
+POSITIONAL_HELD = ("indexer_keys", "kvfid_selection")   # harness.protocol.selection
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 
