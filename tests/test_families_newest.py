@@ -22,6 +22,18 @@ SDPA_REFUSES = {"deepseek-v4": "sinks"}
 RECURRENT = {"minimax", "nemotron-h", "qwen3.5", "kimi-linear", "olmo-hybrid", "granite-4h"}
 
 
+def _has_stateless_layers() -> bool:
+    """transformers >= 5.2x gives a layer without a state of its own a `DummyLayer` entry (5.17
+    gives shared layers none and MLP blocks an empty linear-attention layer)."""
+    from transformers import cache_utils
+
+    return hasattr(cache_utils, "DummyLayer")
+
+
+needs_stateless = pytest.mark.skipif(not _has_stateless_layers(),
+                                     reason="this transformers has no DummyLayer entries")
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root, out = tmp_path_factory.mktemp("newest"), {}
@@ -62,7 +74,8 @@ def test_each_family_is_described_by_what_its_layers_hold(folders):
               "minimax": (["full", "recurrent"], {"recurrent"}),
               "nemotron-h": (["recurrent", "stateless", "full", "stateless"], {"recurrent"})}
     for family, (kinds, mechanisms) in expect.items():
-        if isinstance(folders[family], str):
+        if isinstance(folders[family], str) or (family in ("gemma4", "nemotron-h")
+                                                and not _has_stateless_layers()):
             continue
         infos = describe_layers(AutoConfig.from_pretrained(folders[family]))
         assert [i.kind for i in infos] == kinds, family
@@ -96,6 +109,7 @@ def test_the_table_no_internal_error_and_the_faithful_stack_bit_exact(folders, f
         assert not scan.bit_exact and not scan.uncompared
 
 
+@needs_stateless
 def test_a_shared_layer_is_compared_and_transplanted_through_its_owner(folders):
     module, live = _live(_folder(folders, "gemma4"))
     layers = live.state.layers

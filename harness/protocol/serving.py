@@ -129,7 +129,7 @@ def _per_layer_configs(config, n: int) -> list:
         per_layer = list(config.per_layer_config)
     except (AttributeError, TypeError):
         per_layer = []
-    return per_layer if len(per_layer) == n else [config] * n
+    return per_layer[:n] if len(per_layer) >= n else [config] * n   # older: cached layers first
 
 
 # --------------------------------------------------------------------------- the table
