@@ -1,7 +1,7 @@
 """Issue 27's families as a test (tests/families.py NEWEST: tiny random weights from transformers'
 config classes): every layer state known or refused naming the mechanism, read by what it holds;
 on sdpa, eager+bi and native+bi no internal error; the faithful CPU stack (native+bi) bit-exact
-live~prefill with every part compared where it serves the model, and its chunked-scan twin
+live~prefill and live~chunked with every part compared where it serves the model, and its chunked-scan twin
 (`+bi+scan`) differing where a layer is recurrent; one transplant per new state kind following the
 donor. A family the installed transformers lacks is skipped, saying so."""
 
@@ -94,16 +94,18 @@ def test_the_table_no_internal_error_and_the_faithful_stack_bit_exact(folders, f
             assert refused.value.exit_code == 3 and "\n" not in str(refused.value)
             assert refuses[family] in str(refused.value)
             continue
-        record = _repro(folder, stack)
+        arms = "live,prefill,chunked:3" if stack.startswith("native") else "live,prefill"
+        record = _repro(folder, stack, arms)
         assert record.status == "ok"
-        cache = record.against_live("prefill").cache
-        assert not cache.uncompared, cache.uncompared
-        outcomes[stack] = cache
+        for arm in arms.split(",")[1:]:
+            cache = record.against_live(arm).cache
+            assert not cache.uncompared, cache.uncompared
+            outcomes[(stack, arm)] = cache
     if family in NATIVE_REFUSES:
         return
-    faithful = outcomes["native/fp32+bi"]
-    assert faithful.bit_exact, (faithful.first_bad_layer, faithful.first_bad_kv)
-    assert all(layer.kind for layer in faithful.layers)
+    for arm in ("prefill", "chunked:3"):
+        faithful = outcomes[("native/fp32+bi", arm)]
+        assert faithful.bit_exact, (arm, faithful.first_bad_layer, faithful.first_bad_kv)
     if family in RECURRENT:   # the control: the chunked scan is another algorithm than the step
         scan = _repro(folder, "native/fp32+bi+scan").against_live("prefill").cache
         assert not scan.bit_exact and not scan.uncompared
