@@ -124,7 +124,8 @@ def layer_kind(layer, config, index: int | None = None) -> str:
     base = next((c for c in cls.__mro__ if c in attention), None)
     if base is None or any(c in recurrent for c in cls.__mro__):
         raise UnknownLayer(f"cache layer {cls.__name__} holds a state kvfid does not know; "
-                           f"known: {', '.join(known_classes())} and their subclasses")
+                           f"known: {', '.join(known_classes())} and subclasses of the "
+                           "attention ones")
     if base is not cls:
         try:
             layers_held.check_readable(layer)

@@ -116,9 +116,14 @@ def describe_layers(model_or_config, module=None) -> list[LayerInfo]:
             mechanisms += [m for m, on in (("softcap", softcap), ("sinks", index in sinks),
                                            ("split_head_dims", split)) if on]
             mechanisms += held_mechanisms(layer)
-        out.append(LayerInfo(index, layer_type, type(layer).__name__, kind, tuple(mechanisms),
-                             int(window) if window is not None else None,
-                             float(cap) if softcap and kind != "recurrent" else None))
+        info = LayerInfo(index, layer_type, type(layer).__name__, kind, tuple(mechanisms),
+                         int(window) if window is not None else None,
+                         float(cap) if softcap and kind != "recurrent" else None)
+        if kind.startswith("shared:"):   # attends like the layer whose K/V it reads
+            owner = out[int(kind.split(":")[1])]
+            info = LayerInfo(index, owner.layer_type, info.cache_class, kind, owner.mechanisms,
+                             owner.window, owner.softcap)
+        out.append(info)
     return out
 
 
