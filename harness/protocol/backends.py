@@ -206,9 +206,10 @@ class Stack:
 
                 restore.enter_context(faithful_recurrence(module))
             restore.enter_context(torch.inference_mode())
-            from harness.protocol.selection import recorded_selections
+            if not self.compiled:   # a hook would be traced into the compiled graph
+                from harness.protocol.selection import recorded_selections
 
-            restore.enter_context(recorded_selections(module))   # sparse attention's choices
+                restore.enter_context(recorded_selections(module))   # sparse attention's choices
             if self.compiled:
                 from harness.protocol.compiled import compiled_forward
 
