@@ -26,7 +26,8 @@ _TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_l
              moe_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
              num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=32,
              kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32,
-             v_head_dim=32, sliding_window=8, initializer_range=0.08)
+             v_head_dim=32, sliding_window=8, initializer_range=0.08,
+             vocab_size_per_layer_input=260, hidden_size_per_layer_input=16)
 
 
 def _first_line(err: BaseException) -> str:
@@ -68,6 +69,13 @@ def tiny(model_type: str, folder: Path) -> Path:
         module = model_cls(config).to(torch.float32).eval()
     if sum(p.numel() for p in module.parameters()) > 20_000_000:
         raise ValueError("not tiny with these fields (over 20M parameters)")
+    ids = torch.tensor([[3, 4, 5]])
+    try:   # transformers' own prefill and one decode step, before kvfid touches it
+        with torch.no_grad():
+            cache = module(input_ids=ids, use_cache=True).get("past_key_values")
+            module(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    except Exception as err:   # noqa: BLE001
+        raise ValueError(f"transformers' own forward fails: {_first_line(err)}") from None
     module.save_pretrained(folder)
     return folder
 

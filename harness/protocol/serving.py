@@ -8,7 +8,9 @@ the softmax denominator: an attention module with a `sinks` parameter), `split_h
 head dim != query/key head dim, e.g. MLA), `recurrent` (linear attention / state-space layers:
 they call no attention backend, so every backend serves them), `sparse_indexer` (each query
 attends to the keys an indexer selects, passed as the attention mask: DeepSeek-V3.2's DSA),
-`compressed_kv` (compressed entries read beside a window: DeepSeek-V4). A backend serves a layer when it
+`compressed_kv` (compressed entries read beside a window: DeepSeek-V4), `bidirectional` (an
+attention module with `is_causal = False`: a decoder built without its causal mask). A backend
+serves a layer when it
 serves each of the layer's mechanisms; our kernels serve those in `kernels.hf.SERVES` (triton) and
 `kernels.hf_native.SERVES` (native).
 """
@@ -22,7 +24,7 @@ from harness.protocol.layers import UnknownLayer, cache_layers, layer_kind
 from harness.protocol.layers_held import mechanisms as held_mechanisms
 
 MECHANISMS = ("sliding_window", "chunked_attention", "softcap", "sinks", "split_head_dims",
-              "recurrent", "sparse_indexer", "compressed_kv")
+              "recurrent", "sparse_indexer", "compressed_kv", "bidirectional")
 STACKS = ("sdpa", "eager", "triton", "native", "twin")
 # Our kernels' backends and the module whose `SERVES` names the mechanisms each serves.
 _KERNEL_SERVES = {"triton": "kernels.hf", "native": "kernels.hf_native"}
@@ -97,7 +99,9 @@ def describe_layers(model_or_config, module=None) -> list[LayerInfo]:
         except UnknownLayer as err:
             raise UnknownLayer(f"model {getattr(config, 'model_type', '?')}: layer {index} "
                                f"({layer_type}): {err}") from None
-    sinks = sink_layers(module if module is not None else skeleton(config))
+    modules = module if module is not None else skeleton(config)
+    sinks = sink_layers(modules)
+    bidirectional = any(getattr(m, "is_causal", None) is False for m in modules.modules())
     cap = getattr(config, "attn_logit_softcapping", None)
     softcap = cap is not None
     per_layer = _per_layer_configs(config, len(layers))
@@ -115,7 +119,7 @@ def describe_layers(model_or_config, module=None) -> list[LayerInfo]:
         if kind not in ("recurrent", "stateless"):   # the layer calls the attention backend
             mechanisms += [m for m, on in (("softcap", softcap), ("sinks", index in sinks),
                                            ("split_head_dims", split)) if on]
-            mechanisms += held_mechanisms(layer)
+            mechanisms += held_mechanisms(layer) + (("bidirectional",) if bidirectional else ())
         info = LayerInfo(index, layer_type, type(layer).__name__, kind, tuple(mechanisms),
                          int(window) if window is not None else None,
                          float(cap) if softcap and kind != "recurrent" else None)
@@ -175,7 +179,8 @@ def mechanism_reason(backend: str, mechanism: str, window: int | None = None,
                 "sparse_indexer": f"{kernel} applies its own causal pattern, not the keys the "
                                   "indexer selects (passed as the attention mask)",
                 "compressed_kv": f"{kernel} places keys by their positions; the compressed "
-                                 "entries read beside the window have none"
+                                 "entries read beside the window have none",
+                "bidirectional": f"{kernel} is causal decoder attention only"
                 }.get(mechanism)
     return None
 
