@@ -184,12 +184,13 @@ def _uncomparable(index: int, name: str, a: LayerState, b: LayerState) -> str | 
 
 
 def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
-    """Per layer and part (k, v, recurrent, conv), plus over the concatenated inventory; `a` is
-    the reference for d_rel. A part that cannot be compared is listed in `uncompared` and makes
-    the comparison not bit-exact."""
+    """Per layer and part (k, v, recurrent, conv, held parts), plus over the concatenated
+    inventory; `a` is the reference for d_rel. An integer part (a selection of key indices)
+    counts in `n_diff` and the verdict, not in |diff|, ULP or d_rel. A part that cannot be
+    compared is listed in `uncompared` and makes the comparison not bit-exact."""
     if a.prefix != b.prefix:
         raise ValueError("states cover different prefixes; compare only states over the same P")
-    layers, uncompared, pairs, bad = [], [], [], []
+    layers, uncompared, pairs, bad, counted = [], [], [], [], []
     if len(a.layers) != len(b.layers):
         uncompared.append(f"{len(a.layers)} layers against {len(b.layers)}")
     for index, (la, lb) in enumerate(zip(a.layers, b.layers)):
@@ -207,7 +208,10 @@ def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
                 entry[name] = diff
             else:
                 entry["parts"] = {**entry["parts"], name: diff}
-            pairs.append((la.parts[name], lb.parts[name]))
+            if la.parts[name].is_floating_point():   # an index part is counted, not measured
+                pairs.append((la.parts[name], lb.parts[name]))
+            else:
+                counted.append(diff)
             if not diff["equal"]:
                 bad.append((index, name, diff))
         if la.kind != lb.kind:
@@ -215,9 +219,10 @@ def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
         entry["uncompared"] = tuple(missing)
         uncompared += missing
         layers.append(entry)
-    diffs = [d for e in layers for d in [e.get("k"), e.get("v"), *e["parts"].values()] if d]
+    diffs = [d for e in layers for d in [e.get("k"), e.get("v"), *e["parts"].values()]
+             if d and not any(d is c for c in counted)]   # float parts: |diff|, ULP, d_rel
     d_rel = 0.0
-    if bad:   # over the concatenated inventory; only worth the fp64 copy when something differs
+    if bad and pairs:   # over the concatenated inventory; worth the fp64 copy when something differs
         flat_a = torch.cat([x.flatten().double() for x, _ in pairs])
         flat_b = torch.cat([y.flatten().double() for _, y in pairs])
         norm = float(torch.linalg.vector_norm(flat_a))
@@ -227,7 +232,7 @@ def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
         "first_bad_layer": bad[0][0] if bad else None,
         "first_bad_kv": bad[0][1] if bad else None,
         "bad_layers": sorted({layer for layer, _, _ in bad}),
-        "n_diff": sum(d["n_diff"] for d in diffs),
+        "n_diff": sum(d["n_diff"] for d in diffs + counted),
         "max_abs": max((d["max_abs"] for d in diffs), default=0.0),
         "max_ulp": max((d["max_ulp"] for d in diffs), default=0),
         "max_abs_rel": max((d["max_abs_rel"] for d in diffs), default=0.0),
