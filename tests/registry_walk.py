@@ -25,7 +25,7 @@ _TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_l
              bos_token_id=256, eos_token_id=257, pad_token_id=257, tie_word_embeddings=False,
              moe_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
              num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=32,
-             kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32,
+             kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32,
              v_head_dim=32, sliding_window=8, initializer_range=0.08,
              vocab_size_per_layer_input=260, hidden_size_per_layer_input=16)
 
