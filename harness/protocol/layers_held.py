@@ -31,8 +31,15 @@ class Unreadable(ValueError):
     """An attribute kvfid cannot read whole (its name and type in the message)."""
 
 
-def _narrow(t: torch.Tensor, row: int, drop: int, positional: bool) -> torch.Tensor:
-    t = t[row:row + 1]
+def _narrow(t: torch.Tensor, row: int, drop: int, positional: bool,
+            batch: int | None) -> torch.Tensor:
+    """Row `row` of t along its batch axis: the first of size `batch` (position ids keep theirs
+    second: [dims, B, T]); a positional part without its first `drop` positions."""
+    if t.dim() and t.shape[0] != batch and batch in t.shape:
+        axis = list(t.shape).index(batch)
+        t = t.narrow(axis, row, 1)
+    elif t.dim():
+        t = t[row:row + 1]
     return (t.narrow(-2, drop, t.shape[-2] - drop) if positional and drop else t).clone()
 
 
@@ -41,15 +48,17 @@ def held(layer, row: int = 0, drop: int = 0) -> tuple[dict, dict]:
     (a positional one without its first `drop` positions), and the scalars that restore it.
     Unreadable names the first attribute of another kind."""
     parts, meta = {}, {}
+    keys = getattr(layer, "keys", None)
+    batch = keys.shape[0] if isinstance(keys, torch.Tensor) and keys.dim() else None
     for name, value in vars(layer).items():
         if name in BASE_ATTRS:
             continue
         if isinstance(value, torch.Tensor):
-            parts[name] = _narrow(value, row, drop, name in POSITIONAL_HELD)
+            parts[name] = _narrow(value, row, drop, name in POSITIONAL_HELD, batch)
         elif isinstance(value, dict):
             for key, entry in value.items():
                 if isinstance(entry, torch.Tensor):
-                    parts[f"{name}.{key}"] = _narrow(entry, row, drop, False)
+                    parts[f"{name}.{key}"] = _narrow(entry, row, drop, False, batch)
                 elif isinstance(entry, _SCALARS):
                     meta[f"{name}.{key}"] = entry
                 else:
