@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.errors import Unavailable
-from harness.protocol import layers_held
+from harness.protocol import layers_held, selection
 
 POSITIONAL = ("k", "v", *layers_held.POSITIONAL_HELD)   # parts with a position axis (dim -2)
 RECURRENT = ("recurrent", "conv")
@@ -191,6 +191,8 @@ def read_layer(layer, config, row: int = 0, pad: int = 0, index: int | None = No
         start = first + drop - pad
     if layer is not None and kind in ("full", "window", "latent") and type(layer) not in _classes()[0]:
         extra, meta = layers_held.held(layer, row, drop)
+        if selection.ATTRIBUTE in extra:   # recorded in the padded row's key indices
+            extra[selection.ATTRIBUTE] = selection.unpadded(extra[selection.ATTRIBUTE], pad)
         parts.update(extra)
     own = layers_held.cache_parts(cache, index, row) if cache is not None else {}
     if own:

@@ -63,3 +63,15 @@ def recorded_selections(model: torch.nn.Module):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def unpadded(selection: torch.Tensor, pad: int) -> torch.Tensor:
+    """A left-padded row's recorded selection [1, T, K] in the row's own positions: key indices
+    shifted by `pad`, pad keys (masked, chosen only when fewer than K keys were visible) dropped
+    like masked keys, visible ones first in increasing order, then -1."""
+    if not pad:
+        return selection
+    shifted = torch.where(selection >= pad, selection - pad, torch.full_like(selection, -1))
+    big = torch.iinfo(torch.int64).max
+    ordered = torch.sort(torch.where(shifted < 0, big, shifted.long()), dim=-1).values
+    return torch.where(ordered == big, -1, ordered).to(selection.dtype)
