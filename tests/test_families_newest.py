@@ -218,3 +218,11 @@ def _follows_donor(module, live, donor, moved):
     assert own.tokens == live.suffix.tokens     # to_cache restores the state the live run had
     assert theirs.tokens != own.tokens          # the donor's suffix differs...
     assert followed.tokens == theirs.tokens     # ...and the transplanted state follows it
+
+
+def test_a_padded_rows_selection_is_read_in_its_own_positions():
+    from harness.protocol.selection import unpadded
+
+    recorded = torch.tensor([[[0, 2, 3], [1, 3, 5], [-1, -1, -1]]])   # pad = 2: keys 0, 1 pads
+    assert unpadded(recorded, 2).tolist() == [[[0, 1, -1], [1, 3, -1], [-1, -1, -1]]]
+    assert unpadded(recorded, 0) is recorded
