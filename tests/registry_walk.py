@@ -64,11 +64,13 @@ def tiny(model_type: str, folder: Path) -> Path:
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError("an encoder-decoder model")
     model_cls = getattr(transformers, registry()[model_type])
+    with torch.device("meta"):   # counted before any memory is spent on it
+        size = sum(p.numel() for p in model_cls(config).parameters())
+    if size > 20_000_000:
+        raise ValueError(f"not tiny with these fields ({size / 1e6:.0f}M parameters)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         module = model_cls(config).to(torch.float32).eval()
-    if sum(p.numel() for p in module.parameters()) > 20_000_000:
-        raise ValueError("not tiny with these fields (over 20M parameters)")
     ids = torch.tensor([[3, 4, 5]])
     try:   # transformers' own prefill and one decode step, before kvfid touches it
         with torch.no_grad():
