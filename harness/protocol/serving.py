@@ -191,6 +191,13 @@ def model_reason(backend: str, module_class) -> str | None:
             getattr(module_class, "_supports_sdpa", True) is False:
         return (f"transformers: {module_class.__name__} does not support an attention "
                 "implementation through torch.nn.functional.scaled_dot_product_attention yet")
+    can_set = getattr(module_class, "_can_set_attn_implementation", None)
+    if backend not in ("sdpa", "eager") and callable(can_set) and not can_set():
+        # transformers' own test (its modeling code calls no registered attention function):
+        # set_attn_implementation only warns, and the stack's attention would never run.
+        return (f"transformers: {module_class.__name__} computes its attention itself, not "
+                f"through a registered attention function, so the {backend} attention would "
+                "not run")
     return None
 
 
