@@ -15,6 +15,10 @@ alone than inside a batch (`tests/bench/mode_families.py`):
   sum over the taps, accumulated in fp32, so a position's output does not depend on the length of
   the call; other convolutions go to the stock kernel;
 * `linalg_solve_triangular` (the chunked scan's UT transform): each matrix solved alone;
+* `topk` (a sparse-attention indexer's key selection, a MoE router's experts): a stable sort, so
+  among equal scores the lower index wins, whatever the row's width (the stock kernel breaks ties
+  differently for rows of different widths: which keys a query selects would then depend on the
+  construction before any rounding); the values come back in that order, `sorted` or not;
 * element-wise transcendental functions (`exp`, `sigmoid`, `silu`, `softplus`, `tanh`, ...): on
   a CPU the stock kernel computes a vectorized body and a scalar tail, which can round
   differently, so an element's bits depend on where it sits in the tensor (measured: `silu`,
@@ -44,7 +48,8 @@ ELEMENTWISE_OPS = ("exp", "sigmoid", "silu", "softplus", "tanh", "gelu", "log1p"
 REDUCTION_OPS = ("sum.dim_IntList", "cumsum")
 MOE_OPS = ("_grouped_mm",)
 SCAN_OPS = ("convolution", "linalg_solve_triangular")
-OPS = MOE_OPS + REDUCTION_OPS + SCAN_OPS + ELEMENTWISE_OPS
+SELECT_OPS = ("topk",)
+OPS = MOE_OPS + REDUCTION_OPS + SCAN_OPS + SELECT_OPS + ELEMENTWISE_OPS
 
 LANES = 256     # a multiple of any CPU vector loop's step (2 x 512-bit vectors of 1-byte elements)
 BLOCK = 16384   # elements per call: a multiple of LANES, below ATen's parallel grain (32768)
@@ -180,6 +185,18 @@ def _solve_triangular(impl: str, original) -> Callable:
     return solve_triangular
 
 
+# --- selection ------------------------------------------------------------------------------------
+
+def _topk(impl: str, original) -> Callable:
+    """x [..., n] along `dim`: the k largest (smallest) by a stable sort: ties in index order."""
+    def topk(keys, x, k, dim=-1, largest=True, sorted=True):
+        if not _dense_float(x) or x.dim() == 0:
+            return original.call_boxed(keys, x, k, dim, largest, sorted)
+        order = torch.sort(x, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
+        return torch.gather(x, dim, order), order
+    return topk
+
+
 # --- element-wise ---------------------------------------------------------------------------------
 
 def lane_uniform(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -203,6 +220,7 @@ def _elementwise(impl: str, original) -> Callable:
 
 FACTORIES = {"_grouped_mm": _grouped_mm, "sum.dim_IntList": _sum_dim, "cumsum": _cumsum,
              "convolution": _convolution, "linalg_solve_triangular": _solve_triangular,
+             "topk": _topk,
              **{op: _elementwise for op in ELEMENTWISE_OPS}}
 
 

@@ -15,10 +15,18 @@ the layer's own first-call path, as incremental decoding's first token does.
 
 A recurrent layer is found from its attributes, never from a model's name: a module with a
 `layer_idx` that owns a depthwise 1-d convolution (`nn.Conv1d` with groups == channels: the
-causal short convolution that keeps a conv state). A model without one is left as it is.
+causal short convolution that keeps a conv state), or the innermost module with a `layer_idx`
+whose layer type in the config is a recurrent-only one (`linear_attention`, `conv`: a linear
+attention without a convolution, e.g. a lightning attention whose prefill runs in blocks and whose
+step runs the recurrence) and whose forward takes the cache. A model without one is left as it is.
+
+Cost: a stepped layer runs one call per token of the prefill (measured on a 2-layer tiny model:
+see docs/protocol.md); everything outside the stepped layers still runs the call at once.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -46,11 +54,33 @@ def _depthwise_conv1d(module: torch.nn.Module) -> bool:
             and module.groups == module.in_channels == module.out_channels)
 
 
+# transformers' layer types whose cache layer holds only a recurrent / conv state
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
+
+
+def _recurrent_by_type(model: torch.nn.Module, module: torch.nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(config, "layer_types", None) or ()
+    index = getattr(module, "layer_idx", None)
+    if not isinstance(index, int) or not 0 <= index < len(types) or \
+            types[index] not in RECURRENT_LAYER_TYPES:
+        return False
+    if any(hasattr(m, "layer_idx") for m in module.modules() if m is not module):
+        return False   # a block around the mixer: step the mixer only
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(k in params for k in CACHE_KEYWORDS)
+
+
 def recurrent_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(path, module) of each recurrent layer: a module with `layer_idx` that owns a depthwise
-    1-d convolution as a direct child."""
+    1-d convolution as a direct child, or the innermost module of a recurrent-only layer type."""
     return [(name, m) for name, m in model.named_modules()
-            if hasattr(m, "layer_idx") and any(_depthwise_conv1d(c) for c in m.children())]
+            if hasattr(m, "layer_idx") and (any(_depthwise_conv1d(c) for c in m.children())
+                                            or _recurrent_by_type(model, m))]
 
 
 def _token(value, length: int, t: int):

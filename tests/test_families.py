@@ -17,10 +17,10 @@ from tests.families import FAMILIES, build
 B, S = 10, 3            # B crosses the windows (8 positions) of the window families
 PROMPT = "Hi there"
 
-# Measured at this revision (eager/bf16+bi, live vs prefill): where the mode is not bit-exact
-# today, and the part that differs first. Qwen3-Next: its linear-attention layer builds the
-# prefill state by a chunked scan and the decode state by the recurrent step (two algorithms).
-NOT_BIT_EXACT_EAGER_BI = {"qwen3-next": (0, "recurrent")}
+# The chunked-scan control (eager/bf16+bi+scan, live vs prefill): Qwen3-Next's linear-attention
+# layer builds the prefill state by a chunked scan and the decode state by the recurrent step (two
+# algorithms), so it differs first in the recurrent state; `+bi` steps it and is bit-exact.
+SCAN_DIFFERS = {"qwen3-next": (0, "recurrent")}
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +30,12 @@ def folders(tmp_path_factory):
 
 
 def _repro(folder, backend, dtype="bf16", batch_invariant=False, b=B, s=S,
-           arms="live,prefill", transplants=()):
+           arms="live,prefill", transplants=(), faithful_recurrence=None):
     from harness.runs import repro
 
     prepared = repro.prepare(f"hf:{folder}", PROMPT, None, None, backend, dtype,
                              batch_invariant, "cpu", None, b, s, arms, "", list(transplants),
-                             "", ignore_eos=True)
+                             "", ignore_eos=True, faithful_recurrence=faithful_recurrence)
     return repro.measure(prepared)
 
 
@@ -69,12 +69,13 @@ def test_no_internal_error_on_sdpa_and_eager_with_the_mode_bit_exact_where_it_is
     assert record.status == "ok"
     cache = record.against_live("prefill").cache
     assert not cache.uncompared
-    if family in NOT_BIT_EXACT_EAGER_BI:
+    assert cache.bit_exact and record.against_live("prefill").logits.equal
+    assert record.against_live("prefill").suffix.identical   # decoded from to_cache
+    if family in SCAN_DIFFERS:
+        scan = _repro(folders[family], "eager", batch_invariant=True, faithful_recurrence=False)
+        cache = scan.against_live("prefill").cache
         assert not cache.bit_exact
-        assert (cache.first_bad_layer, cache.first_bad_kv) == NOT_BIT_EXACT_EAGER_BI[family]
-    else:
-        assert cache.bit_exact and record.against_live("prefill").logits.equal
-        assert record.against_live("prefill").suffix.identical   # decoded from to_cache
+        assert (cache.first_bad_layer, cache.first_bad_kv) == SCAN_DIFFERS[family]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -170,19 +171,29 @@ def test_a_state_over_other_positions_is_not_compared_as_equal(folders):
     assert any("layer 0 part k: positions" in u for u in diff["uncompared"])
 
 
-def test_a_cache_layer_kvfid_does_not_know_is_refused_before_compute():
+def test_a_cache_layer_kvfid_does_not_know_is_refused_before_compute(monkeypatch):
     from transformers import MistralConfig
+    from transformers import cache_utils as cu
 
     from harness.protocol.backends import Stack, check_supports
 
+    class PagedLayer(cu.DynamicLayer):   # holds a list of pages: not a state kvfid can read whole
+        def __init__(self, **kwargs):
+            super().__init__()
+            self.pages = []
+
+    class StepLayer(cu.LinearAttentionLayer):   # a recurrent class's subclass: read only in part
+        pass
+
     config = MistralConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
-    config.layer_types = ["full_attention", "indexed_attention"]
-    # transformers 5.24 builds a DynamicIndexedLayer for it (a class kvfid does not read); 5.17
-    # knows no such layer type: either way exit 3, naming the layer.
-    with pytest.raises(KvfidError, match="DynamicIndexedLayer|'indexed_attention'") as refused:
-        check_supports(Stack("eager", "fp32"), config, 16)
-    assert refused.value.exit_code == 3
+    for name, cls, said in (("paged_attention", PagedLayer, "holds pages \\(list\\)"),
+                            ("step_attention", StepLayer, "StepLayer holds a state")):
+        monkeypatch.setitem(cu.DYNAMIC_LAYER_TYPE_MAPPING, name, cls)
+        config.layer_types = ["full_attention", name]
+        with pytest.raises(KvfidError, match=f"layer 1 \\({name}\\).*{said}") as refused:
+            check_supports(Stack("eager", "fp32"), config, 16)
+        assert refused.value.exit_code == 3
 
 
 def test_old_layer_records_still_read():

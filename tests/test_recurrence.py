@@ -93,10 +93,15 @@ def test_a_stack_turns_the_faithful_form_on_and_restores_it(next_bf16):
     from harness.protocol.backends import parse_stack
     from kernels.recurrence import is_stepped
 
-    stack = parse_stack("eager/bf16+bi+fr")
-    assert stack.faithful_recurrence and stack.batch_invariant and stack.label == "eager/bf16+bi+fr"
+    stack = parse_stack("eager/bf16+bi+fr")      # an earlier label reads as the faithful stack
+    assert stack.faithful_recurrence and stack.batch_invariant and stack.label == "eager/bf16+bi"
+    assert stack == parse_stack("eager/bf16+bi")  # +bi steps the recurrence unless asked not to
     assert stack.describe()["faithful_recurrence"] is True and stack.with_dtype("fp32").faithful_recurrence
-    assert "faithful_recurrence" not in parse_stack("eager/bf16+bi").describe()  # records read as before
+    scan = parse_stack("eager/bf16+bi+scan")
+    assert not scan.faithful_recurrence and scan.label == "eager/bf16+bi+scan"
+    assert scan.describe()["faithful_recurrence"] is False   # a +bi record says which ran
+    assert parse_stack("eager/bf16+fr").label == "eager/bf16+fr"
+    assert "faithful_recurrence" not in parse_stack("eager/bf16").describe()  # records read as before
 
     class Prepared:  # what Stack.activate needs of a kvfid model
         def cast(self, dtype, device):
@@ -109,9 +114,10 @@ def test_a_stack_turns_the_faithful_form_on_and_restores_it(next_bf16):
 
 
 def test_the_command_line_and_case_files_turn_the_faithful_form_on(tmp_path):
-    """`--faithful-recurrence` (and `faithful_recurrence = [...]` in a case's stacks) reach the
-    stack: Qwen3-Next's prefill, stepped by its decode recurrence, is bit-exact with live, where
-    the same command without it differs in the recurrent state (the control)."""
+    """`--batch-invariant` steps the recurrence unless `--chunked-scan` (and `faithful_recurrence
+    = [...]` in a case's stacks) asks for the scan: Qwen3-Next's prefill, stepped by its decode
+    recurrence, is bit-exact with live, where the chunked scan differs in the recurrent state (the
+    control)."""
     from click.testing import CliRunner
 
     from families import build
@@ -122,12 +128,17 @@ def test_the_command_line_and_case_files_turn_the_faithful_form_on(tmp_path):
     args = ["repro", "--model", f"hf:{folder}", "--prompt", "What is 17*23?", "--backend", "eager",
             "--batch-invariant", "--threads", "1", "-B", "8", "-S", "3", "--ignore-eos",
             "--arms", "live,prefill"]
-    assert CliRunner().invoke(main, args + ["--expect", "diverges"]).exit_code == 0
-    faithful = CliRunner().invoke(main, args + ["--faithful-recurrence", "--expect", "bit-exact"])
+    scan = CliRunner().invoke(main, args + ["--chunked-scan", "--expect", "diverges"])
+    assert scan.exit_code == 0, scan.output
+    assert "eager/bf16+bi+scan@t1" in scan.output
+    faithful = CliRunner().invoke(main, args + ["--expect", "bit-exact"])
     assert faithful.exit_code == 0, faithful.output
-    assert "eager/bf16+bi+fr@t1" in faithful.output
+    assert "eager/bf16+bi@t1" in faithful.output
     case = tmp_path / "case.toml"
     case.write_text('name = "c"\nmodel = "tiny-llama"\nB = 4\nS = 4\n[items]\nset = "arith"\n'
                     'n = 1\n[stacks]\nbackends = ["eager"]\ndtypes = ["bf16"]\nthreads = 1\n'
                     'faithful_recurrence = [false, true]\n')
     assert [s.label for s in load_case(case).stacks] == ["eager/bf16@t1", "eager/bf16+fr@t1"]
+    case.write_text(case.read_text().replace("faithful_recurrence = [false, true]\n",
+                                             "batch_invariant = [true]\n"))
+    assert [s.label for s in load_case(case).stacks] == ["eager/bf16+bi@t1"]

@@ -45,9 +45,11 @@ stack_options = options(
                  help=f"Precision: {', '.join(DTYPE_NAMES)}."),
     click.option("--batch-invariant", is_flag=True,
                  help="Swap in batch-invariant matmul/norm/softmax."),
-    click.option("--faithful-recurrence", is_flag=True,
+    click.option("--faithful-recurrence/--chunked-scan", default=None,
                  help="Compute a recurrent layer's multi-token call by its decode step, one token "
-                      "at a time (the prefill then runs the decode's algorithm); part of the stack."),
+                      "at a time (the prefill then runs the decode's algorithm), or by its chunked "
+                      "scan; default: stepped with --batch-invariant, scanned without; part of "
+                      "the stack (`+bi` steps, `+bi+scan` scans)."),
     click.option("--compile", "compiled", is_flag=True,
                  help="Run the model's forward under torch.compile (inductor); part of the stack."),
     click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N."),

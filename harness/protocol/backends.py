@@ -129,6 +129,19 @@ def _sdpa_model_refusal(module_class) -> str | None:
     return None
 
 
+def _registered_model_refusal(name: str) -> Callable[[type | None], str | None]:
+    """A backend registered with transformers runs only where the modeling code calls a registered
+    attention function (transformers' own test; set_attn_implementation merely warns there)."""
+    def refusal(module_class) -> str | None:
+        can_set = getattr(module_class, "_can_set_attn_implementation", None)
+        if callable(can_set) and not can_set():
+            return (f"transformers: {module_class.__name__} computes its attention itself, not "
+                    f"through a registered attention function, so the {name} attention would "
+                    "not run")
+        return None
+    return refusal
+
+
 def _kernel_unserved(module: str, name: str) -> Callable[[], dict[str, str]]:
     """What a kernel of ours does not serve: the mechanisms its module's `SERVES` leaves out."""
     def unserved() -> dict[str, str]:
@@ -139,7 +152,12 @@ def _kernel_unserved(module: str, name: str) -> Callable[[], dict[str, str]]:
                                         f"{kernel} attends to every earlier position",
                    "softcap": f"{kernel} does not apply attention-logit softcapping",
                    "sinks": f"{kernel} takes no attention sinks",
-                   "split_head_dims": f"{kernel} needs one head dim for q, k and v"}
+                   "split_head_dims": f"{kernel} needs one head dim for q, k and v",
+                   "sparse_indexer": f"{kernel} applies its own causal pattern, not the keys the "
+                                     "indexer selects (passed as the attention mask)",
+                   "compressed_kv": f"{kernel} places keys by their positions; the compressed "
+                                    "entries read beside the window have none",
+                   "bidirectional": f"{kernel} is causal decoder attention only"}
         serves = importlib.import_module(module).SERVES   # read when asked: tests narrow it
         return {m: reason for m, reason in reasons.items() if m not in serves}
     return unserved
@@ -167,11 +185,14 @@ _SPECS = {
     "eager": dict(implementation=lambda: "eager"),
     "triton": dict(implementation=_triton_implementation, causal_only=True,
                    unserved=_kernel_unserved("kernels.hf", "triton"),
+                   model_refusal=_registered_model_refusal("triton"),
                    compile_refusal=_triton_compile_refusal),
     "native": dict(implementation=_native_implementation, causal_only=True,
                    unserved=_kernel_unserved("kernels.hf_native", "native"),
+                   model_refusal=_registered_model_refusal("native"),
                    compile_refusal=_native_compile_refusal),
-    "twin": dict(implementation=_twin_implementation, unserved=lambda: {
+    "twin": dict(implementation=_twin_implementation, model_refusal=_registered_model_refusal("twin"),
+                 unserved=lambda: {
         "softcap": "the twin attention ignores attention-logit softcapping",
         "sinks": "the twin attention ignores the sink logits"}),
 }
@@ -196,8 +217,9 @@ class Stack:
     threads: int | None = None
     compiled: bool = False   # the forward under torch.compile (harness.protocol.compiled)
     # Recurrent layers compute a multi-token call by their decode step's recurrence, one token at a
-    # time (kernels.recurrence.faithful_recurrence); off by default, and absent from describe() then.
-    faithful_recurrence: bool = False
+    # time (kernels.recurrence.faithful_recurrence). None: on with the batch-invariant mode (the
+    # faithful stack), off without; False with the mode asks for the chunked scan (`+bi+scan`).
+    faithful_recurrence: bool | None = None
 
     def __post_init__(self) -> None:
         attention_backend(self.backend)  # raises ValueError naming the valid ones
@@ -205,6 +227,8 @@ class Stack:
             raise ValueError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be positive, got {self.threads}")
+        if self.faithful_recurrence is None:
+            object.__setattr__(self, "faithful_recurrence", self.batch_invariant)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -224,9 +248,12 @@ class Stack:
     @property
     def label(self) -> str:
         """Short name, e.g. `sdpa/bf16`, `triton/fp32+bi`, or `sdpa/bf16@t1` when the stack sets
-        the thread count (on CPU the thread count changes numerics, so it names the stack)."""
-        return (f"{self.backend}/{self.dtype}" + ("+bi" if self.batch_invariant else "")
-                + ("+fr" if self.faithful_recurrence else "")
+        the thread count (on CPU the thread count changes numerics, so it names the stack).
+        Which recurrence runs: `+bi` steps it (faithful), `+bi+scan` runs the chunked scan, `+fr`
+        steps it without the mode."""
+        bi, fr = self.batch_invariant, self.faithful_recurrence
+        return (f"{self.backend}/{self.dtype}" + ("+bi" if bi else "")
+                + ("+scan" if bi and not fr else "+fr" if fr and not bi else "")
                 + ("+compile" if self.compiled else "")
                 + (f"@t{self.threads}" if self.threads is not None else ""))
 
@@ -234,8 +261,9 @@ class Stack:
         """The stack as the ledger stores it."""
         described = {**asdict(self), "label": self.label, "batch_invariant_impl": self.batch_invariant_impl}
         for option in ("compiled", "faithful_recurrence"):   # off: records read as before
-            if not described[option]:
-                del described[option]
+            if not described[option] and not (option == "faithful_recurrence"
+                                              and self.batch_invariant):
+                del described[option]   # a +bi record always says which recurrence ran
         return described
 
     def with_dtype(self, dtype: str) -> "Stack":
@@ -269,6 +297,10 @@ class Stack:
 
                 restore.enter_context(faithful_recurrence(module))
             restore.enter_context(torch.inference_mode())
+            if not self.compiled:   # a hook would be traced into the compiled graph
+                from harness.protocol.selection import recorded_selections
+
+                restore.enter_context(recorded_selections(module))   # sparse attention's choices
             if self.compiled:
                 from harness.protocol.compiled import compiled_forward
 
@@ -278,8 +310,9 @@ class Stack:
 
 
 def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> Stack:
-    """`sdpa/bf16`, `triton/fp32+bi`, `eager/bf16+bi+fr+compile`, `sdpa/bf16@t1` -> Stack (a
-    label's `@tN` wins over `threads`; `+fr`: the faithful recurrence; `+compile`: torch.compile)."""
+    """`sdpa/bf16`, `triton/fp32+bi`, `eager/bf16+bi+scan+compile`, `sdpa/bf16@t1` -> Stack (a
+    label's `@tN` wins over `threads`; `+fr`: the faithful recurrence, which `+bi` implies (earlier
+    labels `+bi+fr` read the same); `+scan`: the chunked scan; `+compile`: torch.compile)."""
     body, _, thread_text = text.partition("@t")
     if thread_text:
         if not thread_text.isdigit():
@@ -287,12 +320,12 @@ def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> S
         threads = int(thread_text)
     compiled = body.endswith("+compile")
     body = body[:-len("+compile")] if compiled else body
-    faithful = body.endswith("+fr")
-    body = body[:-3] if faithful else body
+    faithful = True if body.endswith("+fr") else False if body.endswith("+scan") else None
+    body = body.rsplit("+", 1)[0] if faithful is not None else body
     batch_invariant = body.endswith("+bi")
     body = body[:-3] if batch_invariant else body
     if body.count("/") != 1:
-        raise ValueError(f"stack {text!r}: expected BACKEND/DTYPE[+bi][+fr][+compile][@tN], "
+        raise ValueError(f"stack {text!r}: expected BACKEND/DTYPE[+bi][+scan|+fr][+compile][@tN], "
                          "e.g. sdpa/bf16")
     backend, dtype = body.split("/")
     return Stack(backend, dtype, batch_invariant, device, threads, compiled,

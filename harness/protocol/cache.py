@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from harness.protocol.layers import (POSITIONAL, LayerState, layer_tensors, read_layer,
-                                     restore_layer)
+from harness.protocol.layers import (POSITIONAL, LayerState, cache_tensors, read_cache,
+                                     restore_cache)
 
 
 @dataclass(frozen=True, init=False)
@@ -60,11 +60,7 @@ class BoundaryState:
         from harness.protocol.decode import new_cache
 
         cache = new_cache(module)
-        if len(cache.layers) != len(self.layers):
-            raise ValueError(f"a state of {len(self.layers)} layers cannot go into a cache of "
-                             f"{len(cache.layers)}")
-        for index, (layer, state) in enumerate(zip(cache.layers, self.layers)):
-            restore_layer(layer, state, index)
+        restore_cache(cache, self.layers)
         return cache
 
 
@@ -85,7 +81,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def rows_identical(cache, logits: torch.Tensor) -> bool:
     """Whether every batch row of a dynamic cache (every tensor of every layer) and of logits
     [rows, V] has row 0's bits."""
-    tensors = [t for layer in cache.layers for t in layer_tensors(layer)] + [logits]
+    tensors = cache_tensors(cache) + [logits]
     return all(bool((bits(t) == bits(t[:1])).all()) for t in tensors)
 
 
@@ -95,7 +91,7 @@ def snapshot(cache, prefix, logits: torch.Tensor, row: int = 0, pad: int = 0,
     left-padded row drops its first `pad` positions, so the state covers exactly the prefix
     (a full layer all of it, a window layer its last positions). `config`: the model's, which
     tells an MLA layer's latent from K/V."""
-    layers = tuple(read_layer(layer, config, row, pad) for layer in cache.layers)
+    layers = read_cache(cache, config, row, pad)
     state = BoundaryState(prefix, logits=logits[row].clone(), layers=layers)
     for index, layer in enumerate(layers):
         span = layer.span
@@ -149,8 +145,9 @@ def ulp_ordered(t: torch.Tensor) -> torch.Tensor:
 def tensor_diff(a: torch.Tensor, b: torch.Tensor, start: int | None = 0) -> dict:
     """Bitwise comparison of two same-shape tensors: `equal` and `n_diff` over raw bits; max
     |diff|, max ULP (through zero), `max_abs_rel` = max |diff| / max |a|, `d_rel`, and the first
-    absolute position with a differing bit for K/V [1, H, T, D] whose first position is `start`
-    (`start=None`: a part without a position axis, first_position stays None)."""
+    absolute position with a differing bit for a part whose dim -2 is positions (K/V [1, H, T, D],
+    an indexer's keys [1, T, D]) and whose first position is `start` (`start=None`: a part
+    without a position axis, first_position stays None)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"cannot compare {a.dtype}{tuple(a.shape)} with {b.dtype}{tuple(b.shape)}")
     differs = bits(a) != bits(b)
@@ -161,12 +158,13 @@ def tensor_diff(a: torch.Tensor, b: torch.Tensor, start: int | None = 0) -> dict
         a64, b64 = a.double(), b.double()
         norm = float(torch.linalg.vector_norm(a64))
         out["max_abs"] = float((a64 - b64).abs().max())
-        out["max_ulp"] = int((ulp_ordered(a) - ulp_ordered(b)).abs().max())
+        if a.is_floating_point():   # an integer part (selected key indices) has no ULPs
+            out["max_ulp"] = int((ulp_ordered(a) - ulp_ordered(b)).abs().max())
         scale = float(a64.abs().max())
         out["max_abs_rel"] = out["max_abs"] / scale if scale else (0.0 if out["max_abs"] == 0 else float("inf"))
         out["d_rel"] = float(torch.linalg.vector_norm(a64 - b64)) / norm if norm else float("inf")
         if start is not None:
-            positions = differs.flatten(0, 1).any(dim=0).any(dim=-1)   # [T]
+            positions = differs.movedim(-2, 0).flatten(1).any(dim=1)   # [T]
             out["first_position"] = start + int(positions.nonzero()[0, 0])
     return out
 
@@ -186,12 +184,13 @@ def _uncomparable(index: int, name: str, a: LayerState, b: LayerState) -> str | 
 
 
 def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
-    """Per layer and part (k, v, recurrent, conv), plus over the concatenated inventory; `a` is
-    the reference for d_rel. A part that cannot be compared is listed in `uncompared` and makes
-    the comparison not bit-exact."""
+    """Per layer and part (k, v, recurrent, conv, held parts), plus over the concatenated
+    inventory; `a` is the reference for d_rel. An integer part (a selection of key indices)
+    counts in `n_diff` and the verdict, not in |diff|, ULP or d_rel. A part that cannot be
+    compared is listed in `uncompared` and makes the comparison not bit-exact."""
     if a.prefix != b.prefix:
         raise ValueError("states cover different prefixes; compare only states over the same P")
-    layers, uncompared, pairs, bad = [], [], [], []
+    layers, uncompared, pairs, bad, counted = [], [], [], [], []
     if len(a.layers) != len(b.layers):
         uncompared.append(f"{len(a.layers)} layers against {len(b.layers)}")
     for index, (la, lb) in enumerate(zip(a.layers, b.layers)):
@@ -205,9 +204,14 @@ def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
                 continue
             positional = name in POSITIONAL
             diff = tensor_diff(la.parts[name], lb.parts[name], la.start if positional else None)
-            entry[name if positional else "parts"] = diff if positional else \
-                {**entry["parts"], name: diff}
-            pairs.append((la.parts[name], lb.parts[name]))
+            if name in ("k", "v"):      # the record's own fields; every other part by name
+                entry[name] = diff
+            else:
+                entry["parts"] = {**entry["parts"], name: diff}
+            if la.parts[name].is_floating_point():   # an index part is counted, not measured
+                pairs.append((la.parts[name], lb.parts[name]))
+            else:
+                counted.append(diff)
             if not diff["equal"]:
                 bad.append((index, name, diff))
         if la.kind != lb.kind:
@@ -215,9 +219,10 @@ def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
         entry["uncompared"] = tuple(missing)
         uncompared += missing
         layers.append(entry)
-    diffs = [d for e in layers for d in [e.get("k"), e.get("v"), *e["parts"].values()] if d]
+    diffs = [d for e in layers for d in [e.get("k"), e.get("v"), *e["parts"].values()]
+             if d and not any(d is c for c in counted)]   # float parts: |diff|, ULP, d_rel
     d_rel = 0.0
-    if bad:   # over the concatenated inventory; only worth the fp64 copy when something differs
+    if bad and pairs:   # over the concatenated inventory; worth the fp64 copy when something differs
         flat_a = torch.cat([x.flatten().double() for x, _ in pairs])
         flat_b = torch.cat([y.flatten().double() for _, y in pairs])
         norm = float(torch.linalg.vector_norm(flat_a))
@@ -227,7 +232,7 @@ def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
         "first_bad_layer": bad[0][0] if bad else None,
         "first_bad_kv": bad[0][1] if bad else None,
         "bad_layers": sorted({layer for layer, _, _ in bad}),
-        "n_diff": sum(d["n_diff"] for d in diffs),
+        "n_diff": sum(d["n_diff"] for d in diffs + counted),
         "max_abs": max((d["max_abs"] for d in diffs), default=0.0),
         "max_ulp": max((d["max_ulp"] for d in diffs), default=0),
         "max_abs_rel": max((d["max_abs_rel"] for d in diffs), default=0.0),

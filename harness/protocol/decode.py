@@ -22,10 +22,11 @@ def cache_keyword(module: torch.nn.Module) -> str:
 
 
 def new_cache(module: torch.nn.Module):
-    """An empty dynamic KV cache for this model (sliding-window layers included)."""
-    from transformers import DynamicCache
+    """An empty cache for this model: a dynamic cache with its layer classes, or the cache class
+    the model brings (harness.protocol.layers.empty_cache)."""
+    from harness.protocol.layers import empty_cache
 
-    return DynamicCache(config=module.config)
+    return empty_cache(module)
 
 
 @dataclass

@@ -6,7 +6,11 @@ Mechanisms: `sliding_window` (a layer that attends to its last W positions), `ch
 (block-local attention), `softcap` (attention-logit softcapping), `sinks` (a per-head sink logit in
 the softmax denominator: an attention module with a `sinks` parameter), `split_head_dims` (value
 head dim != query/key head dim, e.g. MLA), `recurrent` (linear attention / state-space layers:
-they call no attention backend, so every backend serves them). A backend serves a layer when it
+they call no attention backend, so every backend serves them), `sparse_indexer` (each query
+attends to the keys an indexer selects, passed as the attention mask: DeepSeek-V3.2's DSA),
+`compressed_kv` (compressed entries read beside a window: DeepSeek-V4), `bidirectional` (an
+attention module with `is_causal = False`: a decoder built without its causal mask). A backend
+serves a layer when it
 serves each of the layer's mechanisms; our kernels serve those in `kernels.hf.SERVES` (triton) and
 `kernels.hf_native.SERVES` (native). A window covering every key of a run needs no window support.
 """
@@ -17,9 +21,10 @@ import re
 from dataclasses import dataclass
 
 from harness.protocol.layers import UnknownLayer, cache_layers, layer_kind
+from harness.protocol.layers_held import mechanisms as held_mechanisms
 
 MECHANISMS = ("sliding_window", "chunked_attention", "softcap", "sinks", "split_head_dims",
-              "recurrent")
+              "recurrent", "sparse_indexer", "compressed_kv", "bidirectional")
 
 
 @dataclass(frozen=True)
@@ -87,17 +92,20 @@ def describe_layers(model_or_config, module=None) -> list[LayerInfo]:
     layers = cache_layers(config)
     for index, (layer_type, layer) in enumerate(zip(_layer_types(config), layers)):
         try:
-            layer_kind(layer, config)   # an unknown state is refused before the skeleton is built
+            layer_kind(layer, config, index)   # an unknown state: refused before the skeleton
         except UnknownLayer as err:
             raise UnknownLayer(f"model {getattr(config, 'model_type', '?')}: layer {index} "
                                f"({layer_type}): {err}") from None
-    sinks = sink_layers(module if module is not None else skeleton(config))
+    modules = module if module is not None else skeleton(config)
+    sinks = sink_layers(modules)
+    bidirectional = any(getattr(m, "is_causal", None) is False for m in modules.modules())
     cap = getattr(config, "attn_logit_softcapping", None)
     softcap = cap is not None
-    split = split_head_dims(config)
+    per_layer = _per_layer_configs(config, len(layers))
     out = []
     for index, (layer_type, layer) in enumerate(zip(_layer_types(config), layers)):
-        kind = layer_kind(layer, config)
+        kind = layer_kind(layer, config, index)
+        split = split_head_dims(per_layer[index])
         mechanisms = []
         window = getattr(layer, "sliding_window", None)
         if kind.endswith("window"):
@@ -105,13 +113,29 @@ def describe_layers(model_or_config, module=None) -> list[LayerInfo]:
                               else "sliding_window")
         if kind.startswith("recurrent"):
             mechanisms.append("recurrent")
-        if kind != "recurrent":   # the layer calls the attention backend
+        if kind not in ("recurrent", "stateless"):   # the layer calls the attention backend
             mechanisms += [m for m, on in (("softcap", softcap), ("sinks", index in sinks),
                                            ("split_head_dims", split)) if on]
-        out.append(LayerInfo(index, layer_type, type(layer).__name__, kind, tuple(mechanisms),
-                             int(window) if window is not None else None,
-                             float(cap) if softcap and kind != "recurrent" else None))
+            mechanisms += held_mechanisms(layer) + (("bidirectional",) if bidirectional else ())
+        info = LayerInfo(index, layer_type, type(layer).__name__, kind, tuple(mechanisms),
+                         int(window) if window is not None else None,
+                         float(cap) if softcap and kind != "recurrent" else None)
+        if kind.startswith("shared:"):   # attends like the layer whose K/V it reads
+            owner = out[int(kind.split(":")[1])]
+            info = LayerInfo(index, owner.layer_type, info.cache_class, kind, owner.mechanisms,
+                             owner.window, owner.softcap)
+        out.append(info)
     return out
+
+
+def _per_layer_configs(config, n: int) -> list:
+    """Each layer's own config where the config is heterogeneous (per-layer head dims: reading
+    such a field globally raises), else the config itself for every layer."""
+    try:
+        per_layer = list(config.per_layer_config)
+    except (AttributeError, TypeError):
+        per_layer = []
+    return per_layer[:n] if len(per_layer) >= n else [config] * n   # older: cached layers first
 
 
 # --------------------------------------------------------------------------- the table

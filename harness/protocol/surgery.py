@@ -5,6 +5,9 @@ A selection names layers [A, B), parts (`keys`, `values`, `recurrent`, `conv`; d
 positions (absolute, half-open; `prompt` / `generated`). Positions apply to the parts with a
 position axis (K/V, of a full layer or of the positions a window holds); a recurrent or conv
 state has no positions, so with a position range it moves only when the selection names it.
+A layer that holds no state and reads another layer's K/V (`shared:J`) is transplanted through
+its owner J: selecting it moves J's state. Held parts (an indexer's keys, compressor buffers, a
+model cache's own per-layer state) move with `all`; `indexer_keys` has positions like k and v.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ class Selection:
         base = name.split(".")[0]
         if self.parts is not None:
             return base in self.parts
-        if base in POSITIONAL:
-            return self.keys if base == "k" else self.values
+        if base in POSITIONAL:   # an indexer's keys move with the keys
+            return self.values if base == "v" else self.keys
         return self.keys and self.values and self.positions is None
 
     @property
@@ -99,7 +102,10 @@ def transplant(recipient, donor, selection: Selection, prompt_length: int):
         raise ValueError(f"position range {p_lo}-{p_hi} outside 0-{length}")
 
     layers = list(recipient.layers)
-    for index in range(lo, hi):
+    selected = set(range(lo, hi))
+    # A layer that reads another layer's K/V (`shared:J`) moves through its owner J.
+    selected |= {recipient.layers[i].owner for i in selected} - {None}
+    for index in sorted(selected):
         own, other = recipient.layers[index], donor.layers[index]
         if own.cache_class != other.cache_class or own.span != other.span:
             raise ValueError(f"layer {index}: the donor's {other.kind} state does not fit the "
@@ -113,8 +119,8 @@ def transplant(recipient, donor, selection: Selection, prompt_length: int):
                 continue
             a, b = max(p_lo, own.start) - own.start, min(p_hi, own.span[1]) - own.start
             out = tensor.clone()
-            if a < b:
-                out[:, :, a:b] = other.parts[name][:, :, a:b]   # [1, H, T, D] along T
+            if a < b:   # along the position axis: [1, H, T, D] (k, v) or [1, T, D] (indexer)
+                out.narrow(-2, a, b - a).copy_(other.parts[name].narrow(-2, a, b - a))
             moved[name] = out
         layers[index] = own.replace(**moved)
     return BoundaryState(recipient.prefix, logits=recipient.logits, layers=tuple(layers))

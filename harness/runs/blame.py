@@ -272,7 +272,7 @@ class BlameOutcome:
 def blame_command(model_name: str, prompt: str | None, item_set: str | None, item_index: int | None,
                   backend: str, dtype: str, batch_invariant: bool, device: str, threads: int | None,
                   boundary: int, against: str, position: int | None,
-                  compiled: bool = False, faithful_recurrence: bool = False) -> BlameOutcome:
+                  compiled: bool = False, faithful_recurrence: bool | None = None) -> BlameOutcome:
     """`kvfid blame`: every option checked before compute (exit 2 / 3), then `blame_item`."""
     from harness.runs import repro
     from harness.protocol.backends import check_supports

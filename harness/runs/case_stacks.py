@@ -43,8 +43,9 @@ def product_stacks(v, t: dict) -> tuple[Stack, ...]:
     compiled = t.get("compile", [False])
     if not isinstance(compiled, list) or not compiled or not all(isinstance(c, bool) for c in compiled):
         v.fail("stacks", "compile", compiled, "a non-empty list of true/false")
-    faithful = t.get("faithful_recurrence", [False])
-    if not isinstance(faithful, list) or not faithful or not all(isinstance(f, bool) for f in faithful):
+    faithful = t.get("faithful_recurrence", [None])   # absent: the stack's default (+bi steps)
+    if "faithful_recurrence" in t and (not isinstance(faithful, list) or not faithful
+                                       or not all(isinstance(f, bool) for f in faithful)):
         v.fail("stacks", "faithful_recurrence", faithful, "a non-empty list of true/false")
     device = v.optional(t, "stacks", "device", str, "cpu")
     v.check("stacks", "device", device, device_reason)

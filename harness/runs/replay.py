@@ -176,7 +176,7 @@ def render(result: dict) -> str:
 
 def replay_command(trajectories: str, model_name: str, backend: str, dtype: str, batch_invariant: bool,
                    device: str, threads: int | None, constructions: str, progress=None,
-                   compiled: bool = False, faithful_recurrence: bool = False) -> dict:
+                   compiled: bool = False, faithful_recurrence: bool | None = None) -> dict:
     """`kvfid replay`: the options and the file checked before compute (exit 2 / 3), then `replay`."""
     from harness.runs import repro
     from harness.protocol.backends import check_supports

@@ -37,7 +37,7 @@ def prepare(model_name: str, prompt: str | None, item_set: str | None, item_inde
             backend: str, dtype: str, batch_invariant: bool, device: str, threads: int | None,
             boundary: int, suffix: int, arms: str, replicas: str, transplants, cross,
             ignore_eos: bool = False, compiled: bool = False,
-            faithful_recurrence: bool = False) -> Repro:
+            faithful_recurrence: bool | None = None) -> Repro:
     """Check every option, then load the model and check what needs it (layers, context)."""
     check_model_name(model_name)
     stack = checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
@@ -73,7 +73,7 @@ def check_model_name(model_name: str) -> None:
 
 def checked_stack(backend: str, dtype: str, batch_invariant: bool, device: str,
                   threads: int | None, compiled: bool = False,
-                  faithful_recurrence: bool = False) -> Stack:
+                  faithful_recurrence: bool | None = None) -> Stack:
     """The stack of a command's options, each checked (exit 2 naming what is allowed)."""
     checks.device_and_threads(device, threads)
     try:
