@@ -116,3 +116,16 @@ def test_every_route_gives_a_row_its_bits_in_any_batch_and_in_a_sequence(fresh_r
         assert_bitwise_equal(alone[0], wide, "widened row 0")
     assert any(v["route"] == route.spec() and v["call"].startswith(f"addmm [{route.tile}, 96]")
                and ("widened to fp32" in v["call"]) == route.widen for v in mode_tiled.verdicts())
+
+
+def test_the_kernel_table_names_each_dtypes_route(quick_kernels):
+    from harness.reports.invariance_table import invariance_document
+    from harness.reports.document import markdown
+
+    routes = quick_kernels["tiled_routes"]
+    assert set(routes) == {"bf16@t1", "fp32@t1"}
+    for name, record in routes.items():
+        dtype = torch.bfloat16 if name.startswith("bf16") else torch.float32
+        assert Route(**record["route"]) in mode_route.candidates(dtype) or "pinned" in record["source"]
+    text = markdown(invariance_document(quick_kernels))
+    assert "Tiled mode routes" in text and "- bf16@t1: " in text and "tiles of" in text
