@@ -118,16 +118,17 @@ def measure(dtype: torch.dtype) -> dict:
 
 # ---- where routes are kept ---------------------------------------------------------------------
 
-def machine_key() -> str:
+def machine_key(threads: int | None = None) -> str:
     """What a route depends on: CPU model, torch's dispatch capability, the ISA variables, torch
     version and thread count (the environment key's CPU part, plus what it does not name)."""
+    threads = torch.get_num_threads() if threads is None else threads
     model = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             model = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), model)
     isa = ",".join(f"{name}={os.environ[name]}" for name in ISA_ENV if os.environ.get(name))
     return "|".join([model, torch.backends.cpu.get_cpu_capability(), f"torch {torch.__version__}",
-                     f"threads {torch.get_num_threads()}", isa or "isa default"])
+                     f"threads {threads}", isa or "isa default"])
 
 
 def store_path() -> Path:
@@ -213,6 +214,15 @@ def route(dtype: torch.dtype, device: torch.device) -> Route:
                 _routes[dtype, threads] = chosen
             found = _routes[dtype, threads]
     return found
+
+
+def kept() -> dict[str, dict]:
+    """The routes kept for this machine at any thread count ("bf16@t1" -> record), read without
+    timing: what a tiled call here takes unless KVFID_TILED_ROUTE pins another (for the
+    environment record)."""
+    store = _read(store_path())
+    return {f"{name}@t{n}": record for n in range(1, (os.cpu_count() or 1) + 1)
+            for name, record in store.get(machine_key(n), {}).items()}
 
 
 def routes() -> dict[str, dict]:
