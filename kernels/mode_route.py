@@ -185,17 +185,22 @@ def _choose_now(dtype: torch.dtype, threads: int) -> tuple[Route, dict]:
     if dtype in pins:
         return pins[dtype], {"route": asdict(pins[dtype]), "source": f"pinned by {PIN_ENV}"}
     path, key, name = store_path(), machine_key(), NAMES[dtype]
-    with _locked(path):
-        kept = _read(path)
-        mine = kept.setdefault(key, {})
-        source = f"kept in {path}"
-        if name not in mine:
-            with _stock_block():
-                mine[name] = measure(dtype)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
-            tmp.replace(path)
-            source = f"timed now, kept in {path}"
+    try:
+        with _locked(path):
+            kept = _read(path)
+            mine = kept.setdefault(key, {})
+            source = f"kept in {path}"
+            if name not in mine:
+                with _stock_block():
+                    mine[name] = measure(dtype)
+                tmp = path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
+                tmp.replace(path)
+                source = f"timed now, kept in {path}"
+    except OSError as err:      # no writable store: this process's own timing (said in the source)
+        with _stock_block():
+            mine = {name: measure(dtype)}
+        source = f"timed now, NOT kept ({path}: {err.strerror or err}); pin it with {PIN_ENV}"
     return Route(**mine[name]["route"]), {**mine[name], "source": source, "machine": key}
 
 

@@ -65,12 +65,12 @@ def test_a_route_is_timed_once_per_machine_then_read_back(fresh_routes, monkeypa
     first = mode_route.route(BF16, torch.device("cpu"))
     kept = json.loads((fresh_routes / "tiled-routes.json").read_text())
     assert kept[mode_route.machine_key()]["bf16"]["route"] == {"tile": first.tile, "widen": first.widen}
-    assert "timed now" in mode_route.routes()["bf16@t1"]["source"]
+    assert "timed now" in mode_route.routes()[f"bf16@t{torch.get_num_threads()}"]["source"]
     # A second process of this machine reads it, whatever timing would say now.
     monkeypatch.setattr(mode_route, "_routes", {})
     monkeypatch.setattr(mode_route, "measure", lambda dtype: pytest.fail("timed again"))
     assert mode_route.route(BF16, torch.device("cpu")) == first
-    assert mode_route.routes()["bf16@t1"]["source"].startswith("kept in")
+    assert mode_route.routes()[f"bf16@t{torch.get_num_threads()}"]["source"].startswith("kept in")
 
 
 def test_the_isa_variables_are_part_of_the_machine_key(monkeypatch):
@@ -129,3 +129,11 @@ def test_the_kernel_table_names_each_dtypes_route(quick_kernels):
         assert Route(**record["route"]) in mode_route.candidates(dtype) or "pinned" in record["source"]
     text = markdown(invariance_document(quick_kernels))
     assert "Tiled mode routes" in text and "- bf16@t1: " in text and "tiles of" in text
+
+
+def test_without_a_writable_store_the_route_is_timed_and_says_it_is_not_kept(fresh_routes, monkeypatch):
+    blocked = fresh_routes / "blocked"
+    blocked.write_text("a file where the store's folder would be")
+    monkeypatch.setenv("KVFID_CACHE", str(blocked / "below"))
+    assert mode_route.route(BF16, torch.device("cpu")) in mode_route.candidates(BF16)
+    assert "NOT kept" in mode_route.routes()[f"bf16@t{torch.get_num_threads()}"]["source"]
