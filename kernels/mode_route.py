@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import platform
 import threading
@@ -69,17 +68,34 @@ def candidates(dtype: torch.dtype) -> list[Route]:
     return routes + ([Route(t, widen=True) for t in tiles] if dtype in (torch.bfloat16, torch.float16) else [])
 
 
-def score(route: Route, cost_ms: float, stock_decode_ms: float, stock_prefill_ms: float) -> float:
-    """The route's worse ratio to stock: one decode row, and PREFILL_ROWS rows of a prefill."""
-    return max(cost_ms / stock_decode_ms, math.ceil(PREFILL_ROWS / route.tile) * cost_ms / stock_prefill_ms)
+def score(decode_ms: float, prefill_ms: float, stock_decode_ms: float, stock_prefill_ms: float) -> float:
+    """A route's worse ratio to stock: one decode row, and PREFILL_ROWS rows of a prefill."""
+    return max(decode_ms / stock_decode_ms, prefill_ms / stock_prefill_ms)
 
 
-def choose(costs: dict[Route, float], stock_decode_ms: float, stock_prefill_ms: float,
+def choose(costs: dict[Route, tuple[float, float]], stock_decode_ms: float, stock_prefill_ms: float,
            order: list[Route]) -> Route:
-    """The earliest route of `order` whose score is within NEAR of the best one."""
-    scores = {r: score(r, costs[r], stock_decode_ms, stock_prefill_ms) for r in order if r in costs}
+    """The earliest route of `order` whose score (costs: decode and prefill ms) is within NEAR of
+    the best one."""
+    scores = {r: score(*costs[r], stock_decode_ms, stock_prefill_ms) for r in order if r in costs}
     best = min(scores.values())
     return next(r for r in order if r in scores and scores[r] <= best * NEAR)
+
+
+def in_tiles(fn, rows: torch.Tensor, tile: int) -> torch.Tensor:
+    """fn over rows [M, K] -> [M, N], `tile` rows a call, zero rows padding the last tile: the
+    tiled mode's one loop (kernels.mode_tiled), so what is timed here is what runs."""
+    m, width = rows.shape
+    outs = []
+    for start in range(0, m, tile):
+        part = rows[start:start + tile]
+        if part.shape[0] == tile:
+            block = part.clone(memory_format=torch.contiguous_format)
+        else:
+            block = rows.new_zeros(tile, width)
+            block[:part.shape[0]] = part
+        outs.append(fn(block)[:part.shape[0]])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 # ---- timing ------------------------------------------------------------------------------------
@@ -95,23 +111,24 @@ def _median_ms(fn) -> float:
 
 
 def measure(dtype: torch.dtype) -> dict:
-    """Time every candidate route of `dtype` (under kernels.mode's stock block, so torch.mm is the
-    stock kernel); the chosen route and the timings."""
+    """Time every candidate route of `dtype` on a decode row and a PREFILL_ROWS prefill, each
+    through the tiled loop (under kernels.mode's stock block, so torch.mm is the stock kernel);
+    the chosen route and the timings."""
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(OUT, WIDTH, generator=gen) * WIDTH ** -0.5).to(dtype).t()  # [K, N] as F.linear
     wide = w.float()
-    rows = {m: torch.randn(m, WIDTH, generator=gen).to(dtype) for m in {1, PREFILL_ROWS, *TILES}}
-    stock_decode = _median_ms(lambda: torch.mm(rows[1], w))
-    stock_prefill = _median_ms(lambda: torch.mm(rows[PREFILL_ROWS], w))
+    rows = torch.randn(PREFILL_ROWS, WIDTH, generator=gen).to(dtype)
+    stock_decode = _median_ms(lambda: torch.mm(rows[:1], w))
+    stock_prefill = _median_ms(lambda: torch.mm(rows, w))
     costs = {}
     for route in candidates(dtype):
-        x = rows[route.tile]
-        costs[route] = (_median_ms(lambda: torch.mm(x.float(), wide).to(dtype)) if route.widen
-                        else _median_ms(lambda: torch.mm(x, w)))
+        fn = (lambda t: torch.mm(t.float(), wide).to(dtype)) if route.widen else (lambda t: torch.mm(t, w))
+        costs[route] = (_median_ms(lambda: in_tiles(fn, rows[:1], route.tile)),
+                        _median_ms(lambda: in_tiles(fn, rows, route.tile)))
     chosen = choose(costs, stock_decode, stock_prefill, candidates(dtype))
     return {"route": asdict(chosen), "stock_ms": {"decode": round(stock_decode, 4),
                                                   "prefill": round(stock_prefill, 4)},
-            "costs_ms": {r.spec(): round(c, 4) for r, c in costs.items()},
+            "costs_ms": {r.spec(): [round(d, 4), round(p, 4)] for r, (d, p) in costs.items()},
             "product": f"[T, {WIDTH}] x [{WIDTH}, {OUT}]", "prefill_rows": PREFILL_ROWS,
             "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 

@@ -82,16 +82,7 @@ def by_tiles(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], rows: to
     tile_rows = route.tile
     if not trusted(key, fn, width, rows.dtype, rows.device, scale, route):
         return torch.cat([fn(_fresh(rows[i:i + 1])) for i in range(m)])
-    outs = []
-    for start in range(0, m, tile_rows):
-        part = rows[start:start + tile_rows]
-        if part.shape[0] == tile_rows:
-            tile = _fresh(part)
-        else:
-            tile = rows.new_zeros(tile_rows, width)
-            tile[:part.shape[0]] = part
-        outs.append(fn(tile)[:part.shape[0]])
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    return mode_route.in_tiles(fn, rows, tile_rows)
 
 
 def product(key: Hashable, call: Callable, a: torch.Tensor, b: torch.Tensor,

@@ -26,10 +26,13 @@ def fresh_routes(monkeypatch, tmp_path):
     return tmp_path
 
 
-def _costs(per_row_ms: float, fixed_ms: float, widened_row_ms: float) -> dict[Route, float]:
-    """A cost model: a tile of T rows costs fixed + T * per_row (stock) or widened (fp32)."""
-    return {r: (fixed_ms + r.tile * (widened_row_ms if r.widen else per_row_ms))
-            for r in mode_route.candidates(BF16)}
+def _costs(per_row_ms: float, fixed_ms: float, widened_row_ms: float, call_ms: float = 0.0):
+    """A cost model: a call of T rows costs fixed + T * per_row (stock) or widened (fp32), plus
+    call_ms of overhead; (decode, prefill of PREFILL_ROWS) per route."""
+    def one(r):
+        return fixed_ms + call_ms + r.tile * (widened_row_ms if r.widen else per_row_ms)
+    rows = mode_route.PREFILL_ROWS
+    return {r: (one(r), -(-rows // r.tile) * one(r)) for r in mode_route.candidates(BF16)}
 
 
 def test_choose_keeps_large_stock_tiles_where_rows_are_nearly_free():
@@ -38,17 +41,16 @@ def test_choose_keeps_large_stock_tiles_where_rows_are_nearly_free():
 
 
 def test_choose_widens_where_stock_half_precision_is_slow():
-    costs = _costs(per_row_ms=1.3, fixed_ms=0.0, widened_row_ms=0.01)         # AVX2-EPYC-like
-    costs.update({r: 0.11 + 0.012 * r.tile for r in costs if r.widen})
+    costs = _costs(per_row_ms=1.3, fixed_ms=0.0, widened_row_ms=0.012, call_ms=0.11)  # AVX2-EPYC-like
     chosen = mode_route.choose(costs, 1.32, 87.0, mode_route.candidates(BF16))
-    assert chosen.widen and chosen.tile <= 4
+    assert chosen.widen and chosen.tile <= 8
 
 
 def test_choose_prefers_the_earlier_route_at_a_near_tie():
     order = [Route(8), Route(1)]
-    costs = {Route(8): 0.115, Route(1): 0.1}      # scores 1.15 and 1.0: within NEAR
+    costs = {Route(8): (0.115, 0.92), Route(1): (0.1, 6.4)}   # scores 1.15 and 1.0: within NEAR
     assert mode_route.choose(costs, 0.1, 6.4, order) == Route(8)
-    costs[Route(8)] = 0.2                          # 2.0: out of the tie
+    costs[Route(8)] = (0.2, 1.6)                              # 2.0: out of the tie
     assert mode_route.choose(costs, 0.1, 6.4, order) == Route(1)
 
 

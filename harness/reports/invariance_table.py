@@ -69,10 +69,11 @@ def route_lines(routes: dict[str, dict]) -> list[str]:
     for name, r in sorted(routes.items()):
         route, stock = r["route"], r.get("stock_ms")
         text = f"{name}: {'widened to fp32' if route['widen'] else 'stock'}, tiles of {route['tile']}"
-        if stock:
-            spec = ("widen:" if route["widen"] else "") + str(route["tile"])
-            text += (f" ({r['product']}: stock 1 row {stock['decode']:.3g} ms, {r['prefill_rows']} "
-                     f"rows {stock['prefill']:.3g} ms; this route {r['costs_ms'][spec]:.3g} ms a tile)")
+        spec = ("widen:" if route["widen"] else "") + str(route["tile"])
+        if stock and isinstance(r.get("costs_ms", {}).get(spec), list):
+            decode, prefill = r["costs_ms"][spec]
+            text += (f" ({r['product']}, 1 row / {r['prefill_rows']} rows: stock {stock['decode']:.3g} / "
+                     f"{stock['prefill']:.3g} ms, this route {decode:.3g} / {prefill:.3g} ms)")
         lines.append(f"{text}; {r.get('source', '')}")
     return lines
 
