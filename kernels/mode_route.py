@@ -7,11 +7,12 @@ product there 12x the fp32 one). So before the first tiled call of a dtype the m
 candidate routes on that product: the stock kernel at each tile size of `TILES`, and, for bf16 and
 fp16, the product **widened**: the exact fp32 copies of the half-precision inputs multiplied by the
 fp32 kernel and rounded back once (bf16 x bf16 products are exact in fp32; only the fp32
-accumulation order, fixed by the tile's shape, decides the bits). Each candidate is scored by its
-worse ratio to the stock kernel: a decode call (one row, padded to the tile) against one stock row,
-and a prefill (`PREFILL_ROWS` rows in tiles) against one stock call of all its rows. The best
-score wins, except that a route within `NEAR` of it and earlier in `candidates()` is kept, so
-timing noise between near-equal routes does not flip the choice.
+accumulation order, fixed by the tile's shape, decides the bits). Each candidate runs the tiled
+mode's own loop (`in_tiles`: padding, copies, a call per tile) on a decode row (padded to the tile)
+and on a prefill of `PREFILL_ROWS` rows, and is scored by its worse ratio to the stock kernel (one
+row; one call of all the rows). The best score wins, except that a route within `NEAR` of it and
+earlier in `candidates()` is taken, so that noise between near-equal routes is less likely to
+make two machines of one kind choose differently.
 
 The choice changes result bits (another tile shape, another kernel), so it is made once per
 machine and kept in `$KVFID_CACHE/tiled-routes.json` (default `~/.cache/kvfid`) under
@@ -62,7 +63,8 @@ class Route:
 
 
 def candidates(dtype: torch.dtype) -> list[Route]:
-    """In order of preference at a tie: stock before widened, the old default first."""
+    """In order of preference at a tie: stock before widened, the old default (32) first, then
+    larger tiles first (fewer calls)."""
     tiles = sorted(TILES, key=lambda t: (t != DEFAULT_TILE, -t))
     routes = [Route(t) for t in tiles]
     return routes + ([Route(t, widen=True) for t in tiles] if dtype in (torch.bfloat16, torch.float16) else [])
