@@ -189,8 +189,10 @@ def model_steps(rows: list[dict]) -> list[dict]:
         extra = row["extra_info"]
         base = next((r for r in steps if r["group"] == row["group"]
                      and r["extra_info"].get("stack") == extra.get("baseline")), None)
+        cpu = lambda r: r["extra_info"].get("cpu_s_per_call")  # noqa: E731
         out.append({"group": row["group"], "phase": extra.get("phase"), "stack": extra.get("stack"),
                     "context": extra.get("context"), "median_s": row["median_s"],
+                    "cpu_ratio": cpu(row) / cpu(base) if base and cpu(row) and cpu(base) else None,
                     "baseline": extra.get("baseline"),
                     "ratio": row["median_s"] / base["median_s"] if base else None,
                     "interpreter": bool(extra.get("interpreter")),
@@ -242,12 +244,15 @@ def model_steps_document(rows: list[dict]) -> list:
         return []
     return [Heading("Model steps", level=2),
             Paragraph("One forward step of the model per stack, on the bench's thread count; the "
-                      "ratio is to the baseline stack's median in the same run. A Triton stack "
+                      "ratio is to the baseline stack's median in the same run (and, beside it, "
+                      "of this thread's CPU time per call, which other jobs on a shared machine "
+                      "stretch much less than wall time). A Triton stack "
                       "on a CPU runs its attention in the Triton interpreter: that is what a CPU "
                       "harness run costs, not the kernel's GPU speed."),
-            Table(["step", "stack", "median", "x baseline", "note"],
+            Table(["step", "stack", "median", "x baseline", "CPU time x baseline", "note"],
                   [[s["group"], s["stack"], seconds(s["median_s"]),
                     f"{s['ratio']:.2f}x {s['baseline']}" if s["ratio"] is not None else "-",
+                    f"{s['cpu_ratio']:.2f}x" if s["cpu_ratio"] is not None else "-",
                     _note(s)] for s in steps]),
             *scale_document(steps)]
 

@@ -17,6 +17,7 @@ steps" table, and the medians by context in its scale curve.
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -121,7 +122,11 @@ def test_bench_model(benchmark, request, smollm2, built, phase, context, label):
             rounds = 1   # seconds per call: one timed call (the bench's budget)
         else:
             rounds, _ = schedule(step, budget_s=budget(request.config, 2.0))
+        cpu = time.thread_time()
         result = benchmark.pedantic(step, rounds=rounds, iterations=1)  # the last call's
+        # This thread's CPU seconds per call beside the wall median: on a shared machine other
+        # jobs stretch wall time (measured: 2-4x at a load of 8-12 on 2 cores), much less CPU time.
+        cpu_s = (time.thread_time() - cpu) / rounds
         logits = (result if phase == "decode" else result[1])[0, -1].float()
         routes = mode_route.routes() if stack.batch_invariant_impl == "tiled" else {}
     # A fast wrong stack is not a result: its next-token logits must be those of the fp32 model.
@@ -129,6 +134,6 @@ def test_bench_model(benchmark, request, smollm2, built, phase, context, label):
     benchmark.extra_info.update({
         "op": "model", "phase": phase, "stack": label, "baseline": BASELINE, "model": MODEL,
         "context": context, "threads": torch.get_num_threads(), "interpreter": interpreted,
-        "batch_invariant_impl": stack.batch_invariant_impl,
+        "batch_invariant_impl": stack.batch_invariant_impl, "cpu_s_per_call": cpu_s,
         "tiled_routes": {name: r["route"] for name, r in routes.items()},
     })
