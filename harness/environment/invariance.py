@@ -262,7 +262,6 @@ def _rows_in_processes(pairs, device, shapes, batch_sizes, seed, threads, jobs, 
     return [row for row, _ in found], union_probes(*(some for _, some in found))
 
 
-
 # ---- the comparison ----------------------------------------------------------------------------
 
 def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu", quick: bool = False,
