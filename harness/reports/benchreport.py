@@ -209,13 +209,15 @@ def _note(step: dict) -> str:
 
 
 def scale_curve(steps: list[dict]) -> dict[tuple[str, str], list[tuple[int, float, float | None]]]:
-    """(stack, phase) -> [(context, median s, ratio to the baseline)] by context, for the stacks
-    measured at more than one context."""
+    """(stack, phase) -> [(context, median s, ratio to the baseline)] by context, where the run
+    measured more than one context (a stack run at one length only, e.g. the interpreter, is a
+    point)."""
     curves: dict = {}
     for s in steps:
         if s["context"] is not None:
             curves.setdefault((s["stack"], s["phase"]), []).append((s["context"], s["median_s"], s["ratio"]))
-    return {k: sorted(v) for k, v in curves.items() if len({c for c, _, _ in v}) > 1}
+    lengths = {c for v in curves.values() for c, _, _ in v}
+    return {k: sorted(v) for k, v in curves.items()} if len(lengths) > 1 else {}
 
 
 def scale_document(steps: list[dict]) -> list:
