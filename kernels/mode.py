@@ -13,12 +13,11 @@ Three implementations:
 
 * `"triton"` (the product): the Triton kernels of this package (`matmul`, `norm`, `softmax`);
   CPU tensors on a machine that runs Triton natively (no interpreter) take the rowwise path.
-* `"rowwise"`: each row is computed alone by the previously registered stock kernel, on a freshly
-  allocated copy of the row, so the call a row sees is identical whatever the batch: invariant by
-  construction, and much faster than the Triton interpreter on a CPU (see tests/bench).
+* `"rowwise"`: each row computed alone by the previously registered stock kernel, on a fresh copy
+  of the row: invariant by construction, and much faster than the Triton interpreter on a CPU.
 * `"tiled"`: the stock kernel on fixed tiles of rows (kernels.mode_tiled): one call shape whatever
-  M, each (op, shape) probed on this machine before its tiles are trusted, row by row where the
-  probe fails. Fewer, larger calls than rowwise.
+  M, tile size and dtype route timed on this machine (kernels.mode_route), each (op, shape)
+  probed before its tiles are trusted, row by row where the probe fails.
 
 `stock_ops()` lets a block that already fixes its call shapes itself (the native attention's tiles,
 kernels.attention_native) reach the stock kernels directly while the mode is on.
@@ -39,6 +38,7 @@ import torch
 from contextlib import contextmanager
 
 from . import matmul as _matmul
+from . import mode_route as _route
 from . import mode_tiled as _tiled
 from . import mode_ops as _mode_ops
 from . import norm as _norm
@@ -113,8 +113,8 @@ def _mm(impl: str, original) -> Callable:
         if _triton(impl, a):
             return _matmul.matmul(a, b)
         if impl == "tiled":
-            return _tiled.by_tiles(_key("mm", a.shape[1], b, a.dtype),
-                                   lambda t: original.call_boxed(keys, t, b), a)
+            return _tiled.product(_key("mm", a.shape[1], b, a.dtype),
+                                  lambda t, w: original.call_boxed(keys, t, w), a, b)
         return torch.cat([original.call_boxed(keys, _fresh(a[i:i + 1]), b) for i in range(a.shape[0])])
     return mm
 
@@ -142,8 +142,8 @@ def _addmm(impl: str, original) -> Callable:
         if _triton(impl, a):
             return _matmul.matmul(a, b, bias)
         if impl == "tiled":
-            return _tiled.by_tiles(_key("addmm", a.shape[1], b, a.dtype, tuple(bias.shape)),
-                                   lambda t: original.call_boxed(keys, bias, t, b), a)
+            return _tiled.product(_key("addmm", a.shape[1], b, a.dtype, tuple(bias.shape)),
+                                  lambda t, w, c: original.call_boxed(keys, c, t, w), a, b, bias)
         return torch.cat([original.call_boxed(keys, bias, _fresh(a[i:i + 1]), b)
                           for i in range(a.shape[0])])
     return addmm
@@ -157,9 +157,8 @@ def _bmm(impl: str, original) -> Callable:
             return _matmul.bmm(a, b)
         if impl == "tiled":
             key = _key("bmm", a.shape[2], b[0], a.dtype)
-            return torch.stack([_tiled.by_tiles(key, lambda t, b_item=_fresh(b[i:i + 1]):
-                                                original.call_boxed(keys, t[None], b_item)[0], a[i])
-                                for i in range(a.shape[0])])
+            return torch.stack([_tiled.product(key, lambda t, w: original.call_boxed(keys, t[None], w)[0],
+                                               a[i], _fresh(b[i:i + 1])) for i in range(a.shape[0])])
         items = []
         for i in range(a.shape[0]):
             b_item = _fresh(b[i:i + 1])  # [1, K, N]
@@ -231,13 +230,8 @@ def _out_form(functional: str) -> Callable:
 
 
 _FACTORIES = {
-    "mm": _mm,
-    "mm.dtype": _mm_dtype,
-    "addmm": _addmm,
-    "bmm": _bmm,
-    "mean.dim": _mean_dim,
-    "_softmax": _softmax_like(log=False),
-    "_log_softmax": _softmax_like(log=True),
+    "mm": _mm, "mm.dtype": _mm_dtype, "addmm": _addmm, "bmm": _bmm, "mean.dim": _mean_dim,
+    "_softmax": _softmax_like(log=False), "_log_softmax": _softmax_like(log=True),
     **{op: _out_form(op.split(".")[0]) for op in OUT_OPS},
 }
 # MoE, recurrent-scan and element-wise ops (kernels/mode_ops.py).
@@ -291,6 +285,9 @@ def _stock_kernel(op: str, key: str):
         if op in OVERRIDDEN_OPS:
             raise
         return None
+
+
+_route.use_stock_block(stock_ops)    # the tiled routes are timed on the stock kernels
 
 
 def _remove(lib: torch.library.Library) -> None:

@@ -56,7 +56,7 @@ def test_speed_benches_write_their_json_only_into_the_reports_store(tmp_path, mo
     data = json.loads(stored[0].read_text())
     assert data["benchmarks"] and data["machine_info"]["kvfid"]["environment_key"] == \
         envinfo.environment_key(envinfo.collect())
-    assert all(p.with_suffix(".md").is_file() for p in stored)
+    assert all(p.with_suffix(".md").is_file() and p.with_suffix(".html").is_file() for p in stored)
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == \
-        sorted(n for p in stored for n in (p.name, p.with_suffix(".md").name))
+        sorted(n for p in stored for n in (p.name, p.with_suffix(".md").name, p.with_suffix(".html").name))
     assert files() == before

@@ -142,6 +142,33 @@ def test_model_steps_table_gives_each_stack_its_ratio_to_the_baseline_of_the_sam
                                    "baseline": "sdpa/bf16", "interpreter": stack.startswith("triton")}
     text = render_bench(compare_bench(data, None))
     table = text[text.index("Model steps"):]
-    assert "| model-decode-smollm2-135m-ctx64 | native/bf16+bi | 250 ms | 2.50x sdpa/bf16 |" in table
-    assert "30.00x sdpa/bf16 | Triton interpreter |" in table and "| g |" not in table
+    assert "| model-decode-smollm2-135m-ctx64 | native/bf16+bi | 250 ms | 2.50x sdpa/bf16 | - |" in table
+    assert "30.00x sdpa/bf16 | - | Triton interpreter |" in table and "| g |" not in table
     assert "Model steps" not in render_bench(compare_bench(bench_json({"a": 1.0}), None))
+
+
+def test_the_scale_curve_gives_each_stack_its_median_and_ratio_by_prefix_length():
+    """Model steps at three prefix lengths: a table row per (stack, step) with a cell per length,
+    a log-log plot in the HTML page (not in the Markdown), and the tiled route in the note."""
+    from harness.reports.benchreport import render_bench_html
+
+    medians = {f"{stack}-{ctx}": base * ctx / 64 * (2.0 if stack == "native" else 1.0)
+               for stack, base in (("sdpa", 0.1), ("native", 0.1)) for ctx in (64, 512, 2048)}
+    data = bench_json(medians)
+    for bench in data["benchmarks"]:
+        stack, ctx = bench["param"].split("-")
+        bench["group"] = f"model-prefill-smollm2-135m-ctx{ctx}"
+        bench["extra_info"] = {"op": "model", "phase": "prefill", "context": int(ctx),
+                               "stack": "sdpa/bf16" if stack == "sdpa" else "native/bf16+bi",
+                               "baseline": "sdpa/bf16", "interpreter": False,
+                               "cpu_s_per_call": bench["stats"]["median"] * (0.75 if stack == "native" else 1),
+                               "tiled_routes": {"bf16@t1": {"tile": 2, "widen": False}}
+                               if stack == "native" else {}}
+    comparison = compare_bench(data, None)
+    text = render_bench(comparison)
+    curve = text[text.index("Scale curve"):]
+    assert "| stack | step | 64 tokens | 512 tokens | 2048 tokens |" in curve
+    assert "| native/bf16+bi | prefill | 200 ms (2.00x) | 1.6 s (2.00x) | 6.4 s (2.00x) |" in curve
+    assert "| 2.00x sdpa/bf16 | 1.50x | tiled bf16@t1: tiles of 2 |" in text and "<svg" not in text
+    page = render_bench_html(comparison)
+    assert page.count("<svg") == 1 and page.count("<circle") == 6 and ">2048<" in page

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from helpers import BATCH_SIZES, assert_bitwise_equal, randn
 
-from kernels import mode_tiled
+from kernels import mode_route, mode_tiled
 from kernels.mode import set_batch_invariant_mode
+from kernels.mode_route import Route
 
 
 def place_dependent(t: torch.Tensor) -> torch.Tensor:
@@ -22,21 +23,22 @@ def test_every_call_has_the_tile_shape_whatever_m():
         shapes.append(tuple(t.shape))
         return t * 2
 
+    tile = mode_route.route(torch.float32, torch.device("cpu")).tile   # this machine's
     for m in (1, 31, 32, 33, 70):
         out = mode_tiled.by_tiles(("recording", 8, None, torch.float32), recording, randn(m, 8, on="cpu"))
         assert out.shape == (m, 8)
-    assert set(shapes) == {(mode_tiled.TILE_ROWS, 8)}
+    assert set(shapes) == {(tile, 8)}
 
 
 def test_control_a_place_dependent_kernel_fails_its_probe_and_runs_row_by_row():
-    key = ("place-dependent", 12, None, torch.float32)
+    key, route = ("place-dependent", 12, None, torch.float32), Route(8)   # a tile with places to differ
     rows = randn(40, 12, on="cpu")
-    out = mode_tiled.by_tiles(key, place_dependent, rows)
-    assert not mode_tiled.trusted(key, place_dependent, 12, torch.float32, torch.device("cpu"))
+    out = mode_tiled.by_tiles(key, place_dependent, rows, route=route)
+    assert not mode_tiled.trusted(key, place_dependent, 12, torch.float32, torch.device("cpu"), route=route)
     # Row by row: every row at place 0 of a one-row call, so each has its bits alone.
     for i in (0, 7, 31, 39):
         assert_bitwise_equal(out[i:i + 1], place_dependent(rows[i:i + 1].clone()), f"row {i}")
-    assert any(line.startswith(f"place-dependent [{mode_tiled.TILE_ROWS}, 12] float32") and "rowwise there" in line
+    assert any(line.startswith("place-dependent [8, 12] float32") and "rowwise there" in line
                for line in mode_tiled.fallbacks())
 
 
@@ -51,4 +53,5 @@ def test_tiled_linear_rows_alone_equal_rows_in_any_batch():
             out = torch.nn.functional.linear(x[:n].clone(), w)
             for i in range(n):
                 assert_bitwise_equal(out[i:i + 1], alone[i], f"row {i} of {n}")
-    assert any(v["call"].startswith(f"mm [{mode_tiled.TILE_ROWS}, 96]") for v in mode_tiled.verdicts())
+    tile = mode_route.route(torch.bfloat16, torch.device("cpu")).tile
+    assert any(v["call"].startswith(f"mm [{tile}, 96]") for v in mode_tiled.verdicts())

@@ -22,7 +22,7 @@ import numpy
 import torch
 
 from harness.environment.cpu import collect_cpu, numerics_env
-from kernels import LAUNCH_OPTIONS
+from kernels import LAUNCH_OPTIONS, mode_route
 
 _GPU_FIELDS = (
     "name", "uuid", "compute_capability", "driver_version", "cuda_driver_version",
@@ -53,6 +53,9 @@ def collect(nvml=None) -> dict:
         "cpu": collect_cpu(),
         "numerics_env": numerics_env(),
         "triton_launch_options": dict(LAUNCH_OPTIONS),
+        # The tiled batch-invariant mode's routes kept for this machine (kernels.mode_route): a
+        # route changes a +bi stack's bits, and is timed once per machine, so it is recorded.
+        "tiled_routes": {name: r["route"] for name, r in mode_route.kept().items()},
         "platform": platform.platform(),
         "git": _git_revision(),
     }
@@ -273,6 +276,9 @@ def describe(record: dict) -> str:
         "numerics env " + (", ".join(f"{k}={v}" for k, v in (record.get("numerics_env") or {}).items()
                                      if v is not None) or "none set"),
         f"Triton launch options {_show(record.get('triton_launch_options'))}",
+        "tiled mode routes " + (", ".join(f"{k} {'widened, ' if r['widen'] else ''}tiles of {r['tile']}"
+                                          for k, r in sorted((record.get("tiled_routes") or {}).items()))
+                                or "none kept for this machine yet"),
         "git " + ("none (not a git checkout)" if git is None else
                   f"{git['revision']}{' (dirty)' if git['dirty'] else ''}"),
         f"key {environment_key(record)}",

@@ -38,6 +38,7 @@ from kernels import DTYPES
 from harness.protocol.cache import bits_equal  # noqa: F401 (re-exported: the one bitwise comparison)
 from harness.environment.measure import BATCH_SIZES, max_abs_diff, randn
 from harness.environment.probes import probe_stock
+from harness.environment.tiled import tiled_routes, union_probes
 from harness.environment.implementations import (  # noqa: F401 (re-exported)
     ATTENTION_OPS, IMPLEMENTATIONS, OPS, Implementation, attention_eager, attention_sdpa,
     attention_triton, log_softmax_triton, matmul_stock, matmul_triton, rms_norm_stock,
@@ -261,12 +262,6 @@ def _rows_in_processes(pairs, device, shapes, batch_sizes, seed, threads, jobs, 
     return [row for row, _ in found], union_probes(*(some for _, some in found))
 
 
-def union_probes(*lists: list[dict]) -> list[dict]:
-    """Tiled-mode probe verdicts (kernels.mode_tiled.verdicts) from several processes, each call
-    shape and thread count once."""
-    return list({(p["call"], p["threads"]): p for probes in lists for p in probes}.values())
-
-
 # ---- the comparison ----------------------------------------------------------------------------
 
 def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu", quick: bool = False,
@@ -281,6 +276,7 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
     the shapes, the environment record and its key, and the duration. `quick`: small shapes and
     QUICK_BATCH_SIZES (for tests); batch sizes default to BATCH_SIZES otherwise. `stock_probes`:
     stock mm and SDPA searched over a grid of shapes for a witness of variance (harness.environment.probes).
+    `tiled_routes`: the tiled mode's tile and dtype route per dtype on this machine (kernels.mode_route).
     `jobs` > 1: the rows measured in that many processes (harness.environment.invariance_jobs).
     """
     import kernels  # selects the Triton interpreter before triton loads, when there is no CUDA
@@ -322,6 +318,7 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
             rows, tiled_probes = measure_rows(pairs, device, shapes, batch_sizes, seed, progress)
         stock_probes = probe_stock(dtypes, device)
         threads_used = torch.get_num_threads()
+        routes = tiled_routes(any(i.mode == "tiled" for i in selected), dtypes, torch_device)
     return {
         "ok": all(r["ok"] for r in rows),
         "device": str(torch_device),
@@ -333,6 +330,7 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
         "rows": rows,
         "stock_probes": stock_probes,
         "tiled_probes": tiled_probes,
+        "tiled_routes": routes,
         "skipped": skipped,
         "duration_s": round(time.perf_counter() - started, 3),
         "environment": environment,

@@ -1,8 +1,9 @@
 """The run report's figures: inline SVG, drawn here with no plotting library.
 
 `svg_lines` draws median d_rel per layer on a log axis (bit-exact layers on a band marked 0);
-`svg_bars` draws grouped histograms (first-divergence index). Both return one `<svg>` element
-that harness.reports.report embeds in its self-contained HTML page.
+`svg_bars` draws grouped histograms (first-divergence index); `svg_curves` draws points on
+log-log axes (the bench report's scale curve). Each returns one `<svg>` element that a
+self-contained HTML page embeds (harness.reports.report, harness.reports.benchreport).
 """
 
 from __future__ import annotations
@@ -91,4 +92,35 @@ def svg_bars(histograms: dict[str, list], xlabel: str, ylabel: str = "suffixes",
             body.append(f'<rect x="{_L + width * b + width * 0.1 + bar * k:.1f}" '
                         f'y="{_H - _B - height:.1f}" width="{bar:.1f}" height="{height:.1f}" '
                         f'fill="{color}"><title>{html.escape(name)}: {count}</title></rect>')
+    return _frame(xlabel, ylabel, body, legend)
+
+
+def svg_curves(series: list[tuple[str, list[tuple[float, float]]]], xlabel: str, ylabel: str) -> str:
+    """(x, y) points per series on log-log axes, x ticks at the points' x values (the bench's
+    scale curve: step median by prefix length)."""
+    points = [(x, y) for _, pts in series for x, y in pts if x > 0 and y > 0]
+    if not points:
+        return _frame(xlabel, ylabel, [], [])
+    log = lambda v: math.log10(v)  # noqa: E731
+    xs = sorted({x for x, _ in points})
+    x_lo, x_hi = log(xs[0]), max(log(xs[-1]), log(xs[0]) + 1e-9)
+    y_lo = math.floor(log(min(y for _, y in points)))
+    y_hi = max(y_lo + 1, math.ceil(log(max(y for _, y in points))))
+    px = lambda v: _L + 14 + (_W - _L - _R - 28) * (log(v) - x_lo) / (x_hi - x_lo)  # noqa: E731
+    py = lambda v: _T + (_H - _T - _B) * (1 - (log(v) - y_lo) / (y_hi - y_lo))  # noqa: E731
+    body = []
+    for e in range(y_lo, y_hi + 1):
+        body.append(f'<line x1="{_L}" x2="{_W - _R}" y1="{py(10.0 ** e):.1f}" y2="{py(10.0 ** e):.1f}" '
+                    f'stroke="#eee"/><text x="{_L - 4}" y="{py(10.0 ** e) + 4:.1f}" '
+                    f'text-anchor="end">1e{e}</text>')
+    body += [f'<text x="{px(x):.1f}" y="{_H - _B + 14}" text-anchor="middle">{x:g}</text>' for x in xs]
+    legend = []
+    for k, (name, pts) in enumerate(series):
+        color, dash = PALETTE[(k // 2) % len(PALETTE)], "" if k % 2 == 0 else "5 3"
+        kept = [(x, y) for x, y in sorted(pts) if x > 0 and y > 0]
+        body.append(f'<polyline points="{" ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in kept)}" '
+                    f'fill="none" stroke="{color}" stroke-width="1.6" stroke-dasharray="{dash}"/>')
+        body += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{color}">'
+                 f'<title>{html.escape(name)}: {x:g}, {y:.3g}</title></circle>' for x, y in kept]
+        legend.append((name, color, dash))
     return _frame(xlabel, ylabel, body, legend)

@@ -63,12 +63,29 @@ def probe_blocks(rows: list[dict]) -> list:
                       "this machine):"), Bullets(items)]
 
 
-def tiled_blocks(probes: list[dict]) -> list:
-    """The tiled mode's probes of this run: how many call shapes were trusted, and a line for each
-    that runs row by row instead (a row's bits depended on its place in the tile here)."""
+def route_lines(routes: dict[str, dict]) -> list[str]:
+    """The tiled mode's route per dtype (kernels.mode_route) and the timings it was chosen by."""
+    lines = []
+    for name, r in sorted(routes.items()):
+        route, stock = r["route"], r.get("stock_ms")
+        text = f"{name}: {'widened to fp32' if route['widen'] else 'stock'}, tiles of {route['tile']}"
+        spec = ("widen:" if route["widen"] else "") + str(route["tile"])
+        if stock and isinstance(r.get("costs_ms", {}).get(spec), list):
+            decode, prefill = r["costs_ms"][spec]
+            text += (f" ({r['product']}, 1 row / {r['prefill_rows']} rows: stock {stock['decode']:.3g} / "
+                     f"{stock['prefill']:.3g} ms, this route {decode:.3g} / {prefill:.3g} ms)")
+        lines.append(f"{text}; {r.get('source', '')}")
+    return lines
+
+
+def tiled_blocks(probes: list[dict], routes: dict[str, dict] | None = None) -> list:
+    """The tiled mode's routes and probes of this run: how many call shapes were trusted, and a
+    line for each that runs row by row instead (a row's bits depended on its place in the tile)."""
     failed = [p for p in probes if p["failed"]]
     lines = [f"{p['call']} at {p['threads']} thread(s): {p['failed']}; rowwise there" for p in failed]
-    return [Paragraph(f"Tiled mode probes (each stock call shape checked on this machine before "
+    head = ([Paragraph("Tiled mode routes (timed on this machine, kept per machine; "
+                       "`KVFID_TILED_ROUTE` pins them):"), Bullets(route_lines(routes))] if routes else [])
+    return head + [Paragraph(f"Tiled mode probes (each stock call shape checked on this machine before "
                       f"its tiles are trusted): {len(probes) - len(failed)} of {len(probes)} "
                       f"trusted" + (", the others run row by row:" if failed else ".")),
             *([Bullets(lines)] if lines else [])]
@@ -98,7 +115,7 @@ def invariance_document(result: dict) -> list:
     if result.get("stock_probes"):
         doc += probe_blocks(result["stock_probes"])
     if result.get("tiled_probes") is not None:
-        doc += tiled_blocks(result["tiled_probes"])
+        doc += tiled_blocks(result["tiled_probes"], result.get("tiled_routes") or {})
     if result["skipped"]:
         doc.append(Bullets([f"Not run here: {i['op']} / {i['impl']} ({i['why']})."
                             for i in result["skipped"]]))

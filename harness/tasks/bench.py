@@ -90,22 +90,33 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
     out.seconds["fidelity"] = time.perf_counter() - start
     out.lines += [f"fidelity: run {done.result.run_id} of {chosen.name} ({done.result.status}), "
                   f"report {done.files['markdown']}", done.headline(),
-                  _tiled_line(kernels["tiled_probes"])]
+                  _tiled_line(kernels["tiled_probes"], kernels.get("tiled_routes") or {})]
     return out
 
 
-def _tiled_line(kernel_probes: list[dict]) -> str:
+def _tiled_line(kernel_probes: list[dict], kernel_routes: dict[str, dict]) -> str:
     """What the tiled batch-invariant mode's probes found: those of the kernel table (its
-    processes) and of this one (kernels.mode_tiled), each call shape once."""
+    processes) and of this one (kernels.mode_tiled), each call shape once; and the route each
+    dtype takes on this machine (kernels.mode_route)."""
     from harness.environment.invariance import union_probes
-    from kernels import mode_tiled
+    from kernels import mode_route, mode_tiled
 
     probes = union_probes(kernel_probes, mode_tiled.verdicts())
+    kernel_routes = {**kernel_routes, **mode_route.routes()}
     failed = [p for p in probes if p["failed"]]
     return (f"tiled mode: {len(probes)} stock call shapes probed by the kernel table and this "
-            f"process, {len(probes) - len(failed)} trusted"
+            f"process, {len(probes) - len(failed)} trusted; {route_text(kernel_routes)}"
             + "".join(f"\n  fallback: {p['call']} at {p['threads']} thread(s): {p['failed']}; "
                       f"rowwise there" for p in failed))
+
+
+def route_text(routes: dict[str, dict]) -> str:
+    """The tiled mode's routes (kernels.mode_route.routes(), e.g. of the kernel table) in words."""
+    if not routes:
+        return "routes: none chosen (no tiled call on this CPU)"
+    return "routes: " + ", ".join(
+        f"{name} {'widened to fp32, ' if r['route']['widen'] else 'stock, '}tiles of {r['route']['tile']}"
+        for name, r in sorted(routes.items()))
 
 
 def bench_command(json_path: Path, quick: bool = False) -> list[str]:
@@ -142,6 +153,7 @@ def _speed(reports: Path, out: BenchOutcome) -> str:
     previous = benchreport.latest_previous(saved.parent, exclude=saved)
     comparison = benchreport.compare_bench(saved, previous, 0.10)
     (saved.with_suffix(".md")).write_text(benchreport.render_bench(comparison) + "\n")
+    (saved.with_suffix(".html")).write_text(benchreport.render_bench_html(comparison))  # + the plot
     out.files["bench"] = str(saved)
     if previous is None:
         return f"speed: {len(comparison['rows'])} benchmarks filed ({saved}); no previous result " \

@@ -1,0 +1,141 @@
+"""kernels.mode_route: the tiled mode's tile and dtype route, chosen from timings on this machine,
+kept per machine, pinnable; every route bitwise batch- and sequence-invariant (with its control)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import BATCH_SIZES, assert_bitwise_equal, randn
+
+from kernels import mode_route, mode_tiled
+from kernels.mode import set_batch_invariant_mode
+from kernels.mode_route import Route
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def fresh_routes(monkeypatch, tmp_path):
+    """This process's routes forgotten and the store in tmp_path, restored afterwards."""
+    monkeypatch.setattr(mode_route, "_routes", {})
+    monkeypatch.setattr(mode_route, "_records", {})
+    monkeypatch.setenv("KVFID_CACHE", str(tmp_path))
+    monkeypatch.delenv(mode_route.PIN_ENV, raising=False)
+    return tmp_path
+
+
+def _costs(per_row_ms: float, fixed_ms: float, widened_row_ms: float, call_ms: float = 0.0):
+    """A cost model: a call of T rows costs fixed + T * per_row (stock) or widened (fp32), plus
+    call_ms of overhead; (decode, prefill of PREFILL_ROWS) per route."""
+    def one(r):
+        return fixed_ms + call_ms + r.tile * (widened_row_ms if r.widen else per_row_ms)
+    rows = mode_route.PREFILL_ROWS
+    return {r: (one(r), -(-rows // r.tile) * one(r)) for r in mode_route.candidates(BF16)}
+
+
+def test_choose_keeps_large_stock_tiles_where_rows_are_nearly_free():
+    costs = _costs(per_row_ms=0.001, fixed_ms=0.14, widened_row_ms=0.014)     # AMX-like
+    assert mode_route.choose(costs, 0.14, 0.2, mode_route.candidates(BF16)) == Route(32)
+
+
+def test_choose_widens_where_stock_half_precision_is_slow():
+    costs = _costs(per_row_ms=1.3, fixed_ms=0.0, widened_row_ms=0.012, call_ms=0.11)  # AVX2-EPYC-like
+    chosen = mode_route.choose(costs, 1.32, 87.0, mode_route.candidates(BF16))
+    assert chosen.widen and chosen.tile <= 8
+
+
+def test_choose_prefers_the_earlier_route_at_a_near_tie():
+    order = [Route(8), Route(1)]
+    costs = {Route(8): (0.115, 0.92), Route(1): (0.1, 6.4)}   # scores 1.15 and 1.0: within NEAR
+    assert mode_route.choose(costs, 0.1, 6.4, order) == Route(8)
+    costs[Route(8)] = (0.2, 1.6)                              # 2.0: out of the tie
+    assert mode_route.choose(costs, 0.1, 6.4, order) == Route(1)
+
+
+def test_pinned_routes_parse_and_bad_ones_are_refused(monkeypatch):
+    monkeypatch.setenv(mode_route.PIN_ENV, "bf16=widen:1, fp32=16")
+    assert mode_route.pinned() == {BF16: Route(1, widen=True), torch.float32: Route(16)}
+    for bad in ("bf16=0", "fp32=widen:4", "int8=4", "bf16=wide:2", "bf16"):
+        monkeypatch.setenv(mode_route.PIN_ENV, bad)
+        with pytest.raises(ValueError, match=mode_route.PIN_ENV):
+            mode_route.pinned()
+
+
+def test_a_route_is_timed_once_per_machine_then_read_back(fresh_routes, monkeypatch):
+    first = mode_route.route(BF16, torch.device("cpu"))
+    kept = json.loads((fresh_routes / "tiled-routes.json").read_text())
+    assert kept[mode_route.machine_key()]["bf16"]["route"] == {"tile": first.tile, "widen": first.widen}
+    assert "timed now" in mode_route.routes()[f"bf16@t{torch.get_num_threads()}"]["source"]
+    # A second process of this machine reads it, whatever timing would say now.
+    monkeypatch.setattr(mode_route, "_routes", {})
+    monkeypatch.setattr(mode_route, "measure", lambda dtype: pytest.fail("timed again"))
+    assert mode_route.route(BF16, torch.device("cpu")) == first
+    assert mode_route.routes()[f"bf16@t{torch.get_num_threads()}"]["source"].startswith("kept in")
+
+
+def test_the_isa_variables_are_part_of_the_machine_key(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    plain = mode_route.machine_key()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert mode_route.machine_key() != plain and "ONEDNN_MAX_CPU_ISA=AVX2" in mode_route.machine_key()
+
+
+def test_a_weight_is_widened_once_per_version():
+    weight = torch.nn.Parameter(randn(6, 4, dtype=BF16, on="cpu"), requires_grad=False)
+    wide = mode_route.widened(weight.t())
+    assert wide.dtype == torch.float32 and wide.stride() == weight.t().stride()
+    assert mode_route.widened(weight.t()) is wide
+    with torch.no_grad():
+        weight.mul_(2)                              # a new version: widened again, new bits
+    again = mode_route.widened(weight.t())
+    assert again is not wide and torch.equal(again, weight.t().float())
+
+
+ROUTES = (Route(32), Route(8), Route(1), Route(16, widen=True), Route(1, widen=True))
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: r.spec())
+def test_every_route_gives_a_row_its_bits_in_any_batch_and_in_a_sequence(fresh_routes, monkeypatch, route):
+    """Pinned to each candidate route: linear (addmm) rows alone equal the rows in every batch
+    and inside one long [1, T, K] sequence, bit for bit; widened, a row is the fp32 product of
+    the exact fp32 copies, rounded once."""
+    monkeypatch.setenv(mode_route.PIN_ENV, f"bf16={route.spec()}")
+    x = randn(max(BATCH_SIZES), 96, dtype=BF16, on="cpu")
+    layer = torch.nn.Linear(96, 80).to(BF16)
+    with torch.inference_mode(), set_batch_invariant_mode(impl="tiled"):
+        alone = [layer(x[i:i + 1].clone()) for i in range(x.shape[0])]
+        for n in BATCH_SIZES:
+            out = layer(x[:n].clone())
+            for i in range(n):
+                assert_bitwise_equal(out[i:i + 1], alone[i], f"row {i} of {n}")
+        sequence = layer(x[None, :40].clone())[0]
+        for t in range(40):
+            assert_bitwise_equal(sequence[t:t + 1], alone[t], f"position {t}")
+    if route.widen:
+        wide = torch.addmm(layer.bias.float(), x[:1].float(), layer.weight.t().float()).to(BF16)
+        assert_bitwise_equal(alone[0], wide, "widened row 0")
+    assert any(v["route"] == route.spec() and v["call"].startswith(f"addmm [{route.tile}, 96]")
+               and ("widened to fp32" in v["call"]) == route.widen for v in mode_tiled.verdicts())
+
+
+def test_the_kernel_table_names_each_dtypes_route(quick_kernels):
+    from harness.reports.invariance_table import invariance_document
+    from harness.reports.document import markdown
+
+    routes = quick_kernels["tiled_routes"]
+    assert set(routes) == {"bf16@t1", "fp32@t1"}
+    for name, record in routes.items():
+        dtype = torch.bfloat16 if name.startswith("bf16") else torch.float32
+        assert Route(**record["route"]) in mode_route.candidates(dtype) or "pinned" in record["source"]
+    text = markdown(invariance_document(quick_kernels))
+    assert "Tiled mode routes" in text and "- bf16@t1: " in text and "tiles of" in text
+
+
+def test_without_a_writable_store_the_route_is_timed_and_says_it_is_not_kept(fresh_routes, monkeypatch):
+    blocked = fresh_routes / "blocked"
+    blocked.write_text("a file where the store's folder would be")
+    monkeypatch.setenv("KVFID_CACHE", str(blocked / "below"))
+    assert mode_route.route(BF16, torch.device("cpu")) in mode_route.candidates(BF16)
+    assert "NOT kept" in mode_route.routes()[f"bf16@t{torch.get_num_threads()}"]["source"]
