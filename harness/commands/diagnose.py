@@ -98,6 +98,8 @@ def replay(fmt, expect_exact, **options) -> None:
               show_default=True, help="Who samples: transformers (sdpa/fp32, one thread) or vLLM "
                                       "(installed by `make install-vllm`).")
 @click.option("--dtype", default="bf16", show_default=True, help="vLLM's precision (--engine vllm).")
+@click.option("--faithful", is_flag=True,
+              help="--engine vllm with kvfid's batch-invariant attention and mode (its plugin).")
 @click.option("--server", help="Sample from an OpenAI-compatible completions server at this URL "
                                "(e.g. http://127.0.0.1:8000) instead.")
 def rollouts(**options) -> None:
@@ -124,6 +126,10 @@ def rollouts(**options) -> None:
               help="The chunked-prefill budget (tokens per step; a multiple of 32).")
 @click.option("--batch-invariant", is_flag=True,
               help="Set VLLM_BATCH_INVARIANT=1 (the output says where vLLM does not apply it).")
+@click.option("--kv", is_flag=True,
+              help="Also read each layer's K and V out of vLLM's paged cache and compare them bitwise.")
+@click.option("--faithful", is_flag=True,
+              help="Run vLLM with kvfid's batch-invariant attention and mode (its plugin).")
 @fmt_option
 def engine_check(fmt, **options) -> None:
     """vLLM's own constructions on the same tokens, bitwise: decode vs prefill re-scoring,
