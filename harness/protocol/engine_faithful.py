@@ -39,6 +39,15 @@ def _backend_classes():
     class FaithfulAttentionImpl(CPUAttentionBackendImpl):
         """kvfid's native attention over vLLM's paged cache, one request at a time."""
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            from vllm.config import get_current_vllm_config
+
+            ops = list(get_current_vllm_config().compilation_config.custom_ops)
+            if ops != COMPILATION["custom_ops"]:   # vLLM's C++ norm / rotary / SiLU would run
+                raise RuntimeError(f"kvfid's faithful engine needs compilation_config "
+                                   f"custom_ops={COMPILATION['custom_ops']}; this engine has {ops}")
+
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                     output_scale=None, output_block_scale=None):
             if attn_metadata is None:                 # vLLM's warm-up
