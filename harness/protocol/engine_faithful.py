@@ -125,6 +125,7 @@ def _install():
     """Install the overrides; returns the function that removes them."""
     from vllm.model_executor import custom_op
     from vllm.model_executor.layers import utils
+    from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     member = AttentionBackendEnum.CPU_ATTN
@@ -133,6 +134,7 @@ def _install():
     backend = _backend_classes()
     globals()["FaithfulAttentionBackend"] = backend          # the path vLLM resolves
     register_backend(member, f"{__name__}.FaithfulAttentionBackend")
+    selector._cached_get_attn_backend.cache_clear()      # vLLM caches the class it resolved
     utils.dispatch_cpu_unquantized_gemm = lambda layer, remove_weight: _linear(layer, remove_weight, stock)
     norm = _rms_norm_class()
     previous_norm = custom_op.op_registry_oot.pop("RMSNorm", None)
@@ -147,6 +149,7 @@ def _install():
             register_backend(member, had_override)
         else:
             member.clear_override()
+        selector._cached_get_attn_backend.cache_clear()
     return remove
 
 

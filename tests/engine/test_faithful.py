@@ -68,6 +68,7 @@ def test_the_plugin_is_an_entry_point_and_restores_what_it_overrides():
         assert custom_op.op_registry_oot["RMSNorm"].__name__ == "FaithfulRMSNorm"
         assert batch_invariant_mode() == engine_faithful.mode_impl()
     assert not member.is_overridden() and utils.dispatch_cpu_unquantized_gemm is stock
+    assert member.get_class().get_impl_cls().__name__ == "CPUAttentionBackendImpl"
     assert "RMSNorm" not in custom_op.op_registry_oot and batch_invariant_mode() is None
 
 
