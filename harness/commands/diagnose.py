@@ -1,5 +1,5 @@
 """Commands that look closely at one item or one set of trajectories: `repro`, `blame`, `replay`,
-`rollouts`."""
+`rollouts`; and inside vLLM: `engine-check`, `engine-bench`."""
 
 from __future__ import annotations
 
@@ -141,4 +141,24 @@ def engine_check(fmt, **options) -> None:
     click.echo(text)
 
 
-COMMANDS = [repro, blame, replay, rollouts, engine_check]
+@click.command("engine-bench")
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+              help="smollm2-135m or hf:<folder> (vLLM loads folders).")
+@click.option("--dtype", default="bf16", show_default=True, help="bf16, fp16 or fp32.")
+@click.option("-n", "count", type=click.IntRange(1, 1000), default=4, show_default=True,
+              help="Prompts, all in one generate call (the first n items of --item-set).")
+@click.option("--item-set", default="arith", show_default=True,
+              help="Prompts: arith | arith-easy | jsonl:<path>.")
+@click.option("--tokens", type=click.IntRange(2, 4096), default=32, show_default=True,
+              help="Greedy tokens per prompt in the decode call.")
+@fmt_option
+def engine_bench(fmt, **options) -> None:
+    """The faithful engine's price: stock and faithful vLLM on the same requests, prefill and
+    decode tokens per second (medians of 3) and how many times slower faithful is."""
+    from harness.protocol import engine_bench as bench
+
+    result = bench.engine_bench(progress=lambda s: click.echo(f"engine-bench: {s}", err=True), **options)
+    click.echo(json.dumps(result, indent=1) if fmt == "json" else bench.render(result))
+
+
+COMMANDS = [repro, blame, replay, rollouts, engine_check, engine_bench]
