@@ -110,3 +110,37 @@ def test_faithful_rollouts_replay_with_three_gaps_of_exactly_zero(tiny_folder, t
 def test_stock_rollouts_replay_with_an_engine_gap(tiny_folder, tmp_path):
     engine = _gaps(tiny_folder, tmp_path)["engine_aggregate"]
     assert engine["step-by-step"]["differ"] > 0
+
+
+ENGINE_PROCESS = """
+import os, sys
+def info(worker):
+    from harness.protocol.engine_kv import _attention_layers
+    from kernels.mode import batch_invariant_mode
+    return (os.getpid(), sorted({type(l.impl).__name__ for l in _attention_layers(worker.model_runner)}),
+            batch_invariant_mode())
+if __name__ == "__main__":
+    import vllm
+    llm = vllm.LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=128,
+                   block_size=32, compilation_config={"custom_ops": ["none"]})
+    [(pid, impls, mode)] = llm.collective_rpc(info)
+    print(pid != os.getpid(), impls, mode)
+"""
+
+
+def test_the_entry_point_installs_the_faithful_engine_in_vllms_engine_process(tiny_folder, tmp_path):
+    """vLLM's own engine process (multiprocessing on), started with KVFID_FAITHFUL=1: the plugin
+    loaded there runs kvfid's attention and mode (without the variable `register` changes
+    nothing: the test above)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "engine_process.py"
+    script.write_text(ENGINE_PROCESS)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_LOGGING_LEVEL": "ERROR",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "KVFID_FAITHFUL": "1"}   # the rpc is a function
+    shown = subprocess.run([sys.executable, str(script), str(tiny_folder)], capture_output=True,
+                           text=True, timeout=600, env=env)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert shown.stdout.strip().splitlines()[-1] == f"True ['FaithfulAttentionImpl'] {engine_faithful.mode_impl()}"
