@@ -33,8 +33,10 @@ def _wall(call) -> float:
 
 def _measure(llm, prompts, tokens: int, repeats: int) -> dict:
     vllm_engine.generate(llm, prompts, 2, ignore_eos=True)              # warm-up, not timed
-    prefill = [_wall(lambda: vllm_engine.generate(llm, prompts, 1, ignore_eos=True)) for _ in range(repeats)]
-    full = [_wall(lambda: vllm_engine.generate(llm, prompts, tokens, ignore_eos=True)) for _ in range(repeats)]
+    def timed(n: int) -> list[float]:
+        return [_wall(lambda: vllm_engine.generate(llm, prompts, n, ignore_eos=True)) for _ in range(repeats)]
+
+    prefill, full = timed(1), timed(tokens)
     prompt_tokens, decoded = sum(len(p) for p in prompts), len(prompts) * (tokens - 1)
     p_wall, f_wall = statistics.median(prefill), statistics.median(full)
     return {"prefill_tok_s": prompt_tokens / p_wall, "decode_tok_s": decoded / max(f_wall - p_wall, 1e-9),

@@ -110,7 +110,8 @@ def _rms_norm_class():
         """transformers' order: the residual added in the model dtype, then the norm of that sum."""
 
         def forward_native(self, x, residual=None):
-            weight = self.weight.data if (self.pass_weight if residual is None else self.pass_weight_add) else None
+            passed = self.pass_weight if residual is None else self.pass_weight_add
+            weight = self.weight.data if passed else None
             if residual is None:
                 return native(x, weight, self.variance_epsilon, self.variance_size_override)
             summed = x + residual

@@ -143,4 +143,5 @@ def test_the_entry_point_installs_the_faithful_engine_in_vllms_engine_process(ti
     shown = subprocess.run([sys.executable, str(script), str(tiny_folder)], capture_output=True,
                            text=True, timeout=600, env=env)
     assert shown.returncode == 0, shown.stderr[-2000:]
-    assert shown.stdout.strip().splitlines()[-1] == f"True ['FaithfulAttentionImpl'] {engine_faithful.mode_impl()}"
+    expected = f"True ['FaithfulAttentionImpl'] {engine_faithful.mode_impl()}"
+    assert shown.stdout.strip().splitlines()[-1] == expected
