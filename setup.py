@@ -29,5 +29,9 @@ setup(
         # group stops landing on one worker (pytest-dev/pytest-xdist#1386; seen here with 9.2.0).
         "test": ["pytest>=8,<9.2", "pytest-benchmark>=4", "pytest-xdist>=3"],
     },
-    entry_points={"console_scripts": ["kvfid=harness.cli:main"]},
+    entry_points={
+        "console_scripts": ["kvfid=harness.cli:main"],
+        # vLLM loads these in every engine process; kvfid's acts only with KVFID_FAITHFUL=1.
+        "vllm.general_plugins": ["kvfid_faithful=harness.protocol.engine_faithful:register"],
+    },
 )

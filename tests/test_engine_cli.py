@@ -21,8 +21,12 @@ def no_vllm(monkeypatch):
 
 
 @pytest.mark.parametrize("args", [["engine-check", "--model", "smollm2-135m"],
+                                  ["engine-check", "--kv", "--faithful", "--model", "smollm2-135m"],
+                                  ["engine-bench", "--model", "smollm2-135m"],
                                   ["rollouts", "--engine", "vllm", "--model", "smollm2-135m",
-                                   "--out", "never.jsonl"]])
+                                   "--out", "never.jsonl"],
+                                  ["rollouts", "--engine", "vllm", "--faithful", "--model",
+                                   "smollm2-135m", "--out", "never.jsonl"]])
 def test_without_vllm_the_commands_exit_3_saying_how_to_install_it(no_vllm, args, tmp_path,
                                                                    monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -30,6 +34,13 @@ def test_without_vllm_the_commands_exit_3_saying_how_to_install_it(no_vllm, args
     assert shown.exit_code == 3, shown.output
     assert "make install-vllm" in shown.output and len(shown.output.strip().splitlines()) == 1
     assert not (tmp_path / "never.jsonl").exists()
+
+
+def test_faithful_is_for_the_vllm_engine_only(tmp_path):
+    shown = CliRunner().invoke(main, ["rollouts", "--faithful", "--model", "tiny-llama", "-n", "1",
+                                      "--out", str(tmp_path / "r.jsonl")])
+    assert shown.exit_code == 2 and "--engine vllm" in shown.output, shown.output
+    assert not (tmp_path / "r.jsonl").exists()
 
 
 def test_server_refusals(tmp_path):

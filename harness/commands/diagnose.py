@@ -1,5 +1,5 @@
 """Commands that look closely at one item or one set of trajectories: `repro`, `blame`, `replay`,
-`rollouts`."""
+`rollouts`; and inside vLLM: `engine-check`, `engine-bench`."""
 
 from __future__ import annotations
 
@@ -107,6 +107,8 @@ def replay(fmt, expect_exact, **options) -> None:
               show_default=True, help="Who samples: transformers (sdpa/fp32, one thread) or vLLM "
                                       "(installed by `make install-vllm`).")
 @click.option("--dtype", default="bf16", show_default=True, help="vLLM's precision (--engine vllm).")
+@click.option("--faithful", is_flag=True,
+              help="--engine vllm with kvfid's batch-invariant attention and mode (its plugin).")
 @click.option("--server", help="Sample from an OpenAI-compatible completions server at this URL "
                                "(e.g. http://127.0.0.1:8000) instead.")
 def rollouts(**options) -> None:
@@ -133,6 +135,10 @@ def rollouts(**options) -> None:
               help="The chunked-prefill budget (tokens per step; a multiple of 32).")
 @click.option("--batch-invariant", is_flag=True,
               help="Set VLLM_BATCH_INVARIANT=1 (the output says where vLLM does not apply it).")
+@click.option("--kv", is_flag=True,
+              help="Also read each layer's K and V out of vLLM's paged cache and compare them bitwise.")
+@click.option("--faithful", is_flag=True,
+              help="Run vLLM with kvfid's batch-invariant attention and mode (its plugin).")
 @fmt_option
 def engine_check(fmt, **options) -> None:
     """vLLM's own constructions on the same tokens, bitwise: decode vs prefill re-scoring,
@@ -144,4 +150,24 @@ def engine_check(fmt, **options) -> None:
     click.echo(text)
 
 
-COMMANDS = [repro, blame, replay, rollouts, engine_check]
+@click.command("engine-bench")
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+              help="smollm2-135m or hf:<folder> (vLLM loads folders).")
+@click.option("--dtype", default="bf16", show_default=True, help="bf16, fp16 or fp32.")
+@click.option("-n", "count", type=click.IntRange(1, 1000), default=4, show_default=True,
+              help="Prompts, all in one generate call (the first n items of --item-set).")
+@click.option("--item-set", default="arith", show_default=True,
+              help="Prompts: arith | arith-easy | jsonl:<path>.")
+@click.option("--tokens", type=click.IntRange(2, 4096), default=32, show_default=True,
+              help="Greedy tokens per prompt in the decode call.")
+@fmt_option
+def engine_bench(fmt, **options) -> None:
+    """The faithful engine's price: stock and faithful vLLM on the same requests, prefill and
+    decode tokens per second (medians of 3) and how many times slower faithful is."""
+    from harness.protocol import engine_bench as bench
+
+    result = bench.engine_bench(progress=lambda s: click.echo(f"engine-bench: {s}", err=True), **options)
+    click.echo(json.dumps(result, indent=1) if fmt == "json" else bench.render(result))
+
+
+COMMANDS = [repro, blame, replay, rollouts, engine_check, engine_bench]

@@ -85,16 +85,19 @@ class EngineConfig:
 
     prefix_caching: bool = False
     chunk: int | None = None          # max tokens per scheduler step; None: no prompt is split
+    faithful: bool = False            # kvfid's attention and batch-invariant mode inside (engine_faithful)
 
     def label(self) -> str:
         return (f"prefix cache {'on' if self.prefix_caching else 'off'}, "
-                + (f"chunked prefill by {self.chunk}" if self.chunk else "no chunking"))
+                + (f"chunked prefill by {self.chunk}" if self.chunk else "no chunking")
+                + (", faithful" if self.faithful else ""))
 
 
 @contextlib.contextmanager
 def engine(folder: str, dtype: str, config: EngineConfig = EngineConfig(), max_len: int = 1024,
            seed: int = 0):
-    """A vLLM engine on `folder` (eager, in this process), shut down on exit."""
+    """A vLLM engine on `folder` (eager, in this process), shut down on exit; a faithful one
+    (`config.faithful`) with kvfid's plugin installed for its life."""
     vllm = require_vllm()
     if dtype not in DTYPES:
         raise BadInput(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
@@ -104,21 +107,28 @@ def engine(folder: str, dtype: str, config: EngineConfig = EngineConfig(), max_l
     limit = json.loads((Path(folder) / "config.json").read_text()).get("max_position_embeddings")
     max_len = min(max_len, int(limit)) if limit else max_len
     budget = config.chunk or max(max_len, 2048)
-    try:
-        llm = vllm.LLM(model=folder, dtype=DTYPES[dtype], enforce_eager=True, seed=seed,
-                       max_model_len=max_len, block_size=BLOCK, max_num_batched_tokens=budget,
-                       max_num_seqs=min(budget, 64), enable_prefix_caching=config.prefix_caching,
-                       enable_chunked_prefill=True)
-    except Exception as err:   # vLLM raises ValueError, pydantic errors, RuntimeError, ... here
-        first = (str(err).splitlines() or [""])[0][:240]
-        raise Unavailable(f"vLLM did not start on {folder} ({type(err).__name__}: {first})") from None
-    try:
-        yield llm
-    finally:
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    with contextlib.ExitStack() as stack:
+        extra = {}
+        if config.faithful:
+            from harness.protocol import engine_faithful
+
+            stack.enter_context(engine_faithful.installed())
+            extra["compilation_config"] = engine_faithful.COMPILATION
+        try:
+            llm = vllm.LLM(model=folder, dtype=DTYPES[dtype], enforce_eager=True, seed=seed,
+                           max_model_len=max_len, block_size=BLOCK, max_num_batched_tokens=budget,
+                           max_num_seqs=min(budget, 64), enable_prefix_caching=config.prefix_caching,
+                           enable_chunked_prefill=True, **extra)
+        except Exception as err:   # vLLM raises ValueError, pydantic errors, RuntimeError, ... here
+            first = (str(err).splitlines() or [""])[0][:240]
+            raise Unavailable(f"vLLM did not start on {folder} ({type(err).__name__}: {first})") from None
+        try:
+            yield llm
+        finally:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
 
 
 def _prompts(ids_list):
@@ -128,9 +138,10 @@ def _prompts(ids_list):
 
 
 def generate(llm, prompts, tokens: int, temperature: float = 0.0, seed: int | None = None,
-             stop_ids=(), ignore_eos: bool = False) -> list[tuple[list[int], list[float]]]:
+             stop_ids=(), ignore_eos: bool = False,
+             requests: list | None = None) -> list[tuple[list[int], list[float]]]:
     """One generate call over every prompt (one batch): per prompt, the tokens and the engine's
-    logprob of each (what it sampled with)."""
+    logprob of each (what it sampled with). `requests` receives the engine's request ids."""
     from vllm import SamplingParams
 
     params = [SamplingParams(temperature=temperature, max_tokens=tokens, logprobs=0,
@@ -139,13 +150,16 @@ def generate(llm, prompts, tokens: int, temperature: float = 0.0, seed: int | No
               for i in range(len(prompts))]
     out = []
     for request in llm.generate(_prompts(prompts), params, use_tqdm=False):
+        if requests is not None:
+            requests.append(request.request_id)
         completion = request.outputs[0]
         ids = list(completion.token_ids)
         out.append((ids, [float(step[token].logprob) for step, token in zip(completion.logprobs, ids)]))
     return out
 
 
-def rescore(llm, sequences, start: list[int], read_cache: bool = False) -> list[tuple[list, int]]:
+def rescore(llm, sequences, start: list[int], read_cache: bool = False,
+            requests: list | None = None) -> list[tuple[list, int]]:
     """Prefill re-scoring in one call (`prompt_logprobs`): per sequence, the logprob of each token
     from index `start[i]` on, and how many tokens the prefix cache served. `read_cache` lets a
     re-scoring read the prefix cache (vLLM skips it for prompt logprobs by default); a position
@@ -157,6 +171,8 @@ def rescore(llm, sequences, start: list[int], read_cache: bool = False) -> list[
     out = []
     for request, ids, first in zip(llm.generate(_prompts(sequences), params, use_tqdm=False),
                                    sequences, start):
+        if requests is not None:
+            requests.append(request.request_id)
         served = int(request.num_cached_tokens or 0)
         steps = request.prompt_logprobs     # steps[i]: token i given tokens < i (position i - 1)
         out.append(([None if i - 1 < served else float(steps[i][ids[i]].logprob)

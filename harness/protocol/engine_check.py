@@ -19,12 +19,14 @@ items exact. Decoded tokens that diverge between two runs are compared up to the
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 
 from harness.errors import BadInput, Unavailable
 from harness.protocol import engine as vllm_engine
+from harness.protocol import engine_kv
 from harness.protocol.engine import EngineConfig
 
 
@@ -49,14 +51,17 @@ def _compare(a: list[list[float]], b: list[list[float]]) -> dict:
 
 
 def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: int,
-                 item_set: str = "arith", batch_invariant: bool = False, progress=None) -> dict:
+                 item_set: str = "arith", batch_invariant: bool = False, kv: bool = False,
+                 faithful: bool = False, progress=None) -> dict:
     """The in-engine table for one model and dtype on vLLM (see the module docstring), with
-    VLLM_BATCH_INVARIANT set to `batch_invariant` for its engines and restored after."""
+    VLLM_BATCH_INVARIANT set to `batch_invariant` for its engines and restored after. `kv`: each
+    row also compares the engine states (engine_kv.py); `faithful`: the engines run kvfid's
+    batch-invariant attention and mode (engine_faithful.py)."""
     before = os.environ.get("VLLM_BATCH_INVARIANT")
     os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
     try:
         return _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invariant,
-                             progress)
+                             kv, faithful, progress)
     finally:                       # what the process had before, as it had it
         if before is None:
             os.environ.pop("VLLM_BATCH_INVARIANT", None)
@@ -64,7 +69,33 @@ def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: in
             os.environ["VLLM_BATCH_INVARIANT"] = before
 
 
-def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invariant, progress):
+def _decode(llm, prompts, tokens, kv):
+    """One generate call; with `kv`, each request's engine state (the prompt and every generated
+    token but the last, which is never fed)."""
+    requests = []
+    made = vllm_engine.generate(llm, prompts, tokens, ignore_eos=True, requests=requests)
+    states = engine_kv.read_states(llm, requests, [p + ids[:-1] for p, (ids, _) in zip(prompts, made)]) \
+        if kv else [None] * len(made)
+    return made, states
+
+
+def _rescore(llm, sequences, starts, kv, read_cache=False):
+    """One re-scoring call; with `kv`, each request's engine state over its whole sequence."""
+    requests = []
+    scored = vllm_engine.rescore(llm, sequences, starts, read_cache, requests=requests)
+    states = engine_kv.read_states(llm, requests, sequences) if kv else [None] * len(scored)
+    return scored, states
+
+
+def _alone(call, llm, items, *rest):
+    """`call` once per item (one request per generate call); the outputs and states in order."""
+    made = [call(llm, [item], *[[r[i]] if isinstance(r, list) else r for r in rest])
+            for i, item in enumerate(items)]
+    return [m[0][0] for m in made], [m[1][0] for m in made]
+
+
+def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invariant, kv,
+                  faithful, progress):
     from harness.protocol.trajectories import items_and_codec
 
     vllm_engine.require_vllm()
@@ -76,43 +107,48 @@ def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invar
     prompts = [codec.prompt_ids(i.prompt) for i in chosen]
     say = progress or (lambda _: None)
     start = time.perf_counter()
-    rows, served = [], []
+    rows = []
     longest = max(len(p) for p in prompts) + tokens + 1
-    with vllm_engine.engine(folder, dtype, max_len=longest) as llm:
+    config = functools.partial(EngineConfig, faithful=faithful)
+    with vllm_engine.engine(folder, dtype, config(), max_len=longest) as llm:
         say("decode, one request at a time")
-        alone = [vllm_engine.generate(llm, [p], tokens, ignore_eos=True)[0] for p in prompts]
+        alone, kv_alone = _alone(_decode, llm, prompts, tokens, kv)
         say("decode, every prompt in one batch")
-        batched = vllm_engine.generate(llm, prompts, tokens, ignore_eos=True)
+        batched, kv_batched = _decode(llm, prompts, tokens, kv)
         sequences = [p + ids for p, (ids, _) in zip(prompts, alone)]
         starts = [len(p) for p in prompts]
         say("prefill re-scoring, alone and batched")
-        pre_alone = [vllm_engine.rescore(llm, [s], [f])[0][0] for s, f in zip(sequences, starts)]
-        pre_batched = [lp for lp, _ in vllm_engine.rescore(llm, sequences, starts)]
+        pre_alone, kv_pre = _alone(_rescore, llm, sequences, starts, kv)
+        pre_batched, kv_pre_batched = _rescore(llm, sequences, starts, kv)
     decoded = [lp for _, lp in alone]
-    rows.append(("decode vs prefill re-scoring", _compare(decoded, pre_alone)))
+    pre_alone = [lp for lp, _ in pre_alone]
+    rows.append(("decode vs prefill re-scoring", _compare(decoded, pre_alone), (kv_alone, kv_pre, None)))
     same = [_common(a, b) for (a, _), (b, _) in zip(alone, batched)]
     row = _compare([lp[:n] for (_, lp), n in zip(alone, same)],
                    [lp[:n] for (_, lp), n in zip(batched, same)])
     row["diverged"] = sum(n < len(ids) for (ids, _), n in zip(alone, same))
-    rows.append(("decode alone vs batched", row))
-    rows.append(("prefill alone vs batched", _compare(pre_alone, pre_batched)))
+    lengths = [len(p) + min(n, len(ids) - 1) for p, (ids, _), n in zip(prompts, alone, same)]
+    rows.append(("decode alone vs batched", row, (kv_alone, kv_batched, lengths)))
+    rows.append(("prefill alone vs batched", _compare(pre_alone, [lp for lp, _ in pre_batched]),
+                 (kv_pre, kv_pre_batched, None)))
     say(f"chunked prefill by {chunk}")
-    with vllm_engine.engine(folder, dtype, EngineConfig(chunk=chunk), longest) as llm:
-        chunked = [vllm_engine.rescore(llm, [s], [f])[0][0] for s, f in zip(sequences, starts)]
-    rows.append((f"chunked prefill off vs on ({chunk})", _compare(pre_alone, chunked)))
+    with vllm_engine.engine(folder, dtype, config(chunk=chunk), longest) as llm:
+        chunked, kv_chunked = _alone(_rescore, llm, sequences, starts, kv)
+    rows.append((f"chunked prefill off vs on ({chunk})", _compare(pre_alone, [lp for lp, _ in chunked]),
+                 (kv_pre, kv_chunked, None)))
     say("prefix cache, cold then warm")
-    with vllm_engine.engine(folder, dtype, EngineConfig(prefix_caching=True), longest) as llm:
-        cold = [vllm_engine.rescore(llm, [s], [f])[0][0] for s, f in zip(sequences, starts)]
-        warm = [vllm_engine.rescore(llm, [s], [f], read_cache=True)[0] for s, f in zip(sequences, starts)]
-    served = [n for _, n in warm]
-    row = _compare(cold, [lp for lp, _ in warm])
-    row["served_tokens"] = sum(served)
-    rows.append(("prefix cache cold vs warm", row))
+    with vllm_engine.engine(folder, dtype, config(prefix_caching=True), longest) as llm:
+        cold, kv_cold = _alone(_rescore, llm, sequences, starts, kv)
+        warm, kv_warm = _alone(_rescore, llm, sequences, starts, kv, True)
+    row = _compare([lp for lp, _ in cold], [lp for lp, _ in warm])
+    row["served_tokens"] = sum(n for _, n in warm)
+    rows.append(("prefix cache cold vs warm", row, (kv_cold, kv_warm, None)))
+    made = [{"construction": name, **r, **({"kv": engine_kv.compare_rows(*states)} if kv else {})}
+            for name, r, states in rows]
     return {"model": model_name, "folder": folder, "dtype": dtype, "engine": f"vllm {vllm_engine.version()}",
             "prompts": len(prompts), "tokens": tokens, "chunk": chunk,
-            "batch_invariant": batch_invariant, "batch_invariant_note": note,
-            "rows": [{"construction": name, **r} for name, r in rows],
-            "wall_s": time.perf_counter() - start}
+            "batch_invariant": batch_invariant, "batch_invariant_note": note, "faithful": faithful,
+            "kv": kv, "rows": made, "wall_s": time.perf_counter() - start}
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -123,10 +159,11 @@ def _common(a: list[int], b: list[int]) -> int:
 
 
 def render(result: dict) -> str:
-    """The in-engine table, one row per pair of constructions."""
+    """The in-engine table, one row per pair of constructions; with `kv`, the engine-state table."""
     lines = [f"kvfid engine-check  {result['engine']}  model {result['model']}  {result['dtype']}  "
              f"{result['prompts']} prompts x {result['tokens']} greedy tokens"
-             + ("  VLLM_BATCH_INVARIANT=1" if result["batch_invariant"] else "")]
+             + ("  VLLM_BATCH_INVARIANT=1" if result["batch_invariant"] else "")
+             + ("  faithful (kvfid attention + batch-invariant mode)" if result.get("faithful") else "")]
     if result.get("batch_invariant_note"):
         lines.append(f"note: {result['batch_invariant_note']}")
     lines.append(f"  {'constructions':<34} {'tokens differ':>15} {'max |dlogp|':>12}  items exact")
@@ -136,12 +173,26 @@ def render(result: dict) -> str:
                  if r.get("diverged") else "")
         lines.append(f"  {r['construction']:<34} {r['differ']:>7}/{r['tokens']:<7} "
                      f"{r['max_abs']:>12.4g}  {r['items_exact']}/{r['items']}{extra}")
+    if result.get("kv"):
+        lines += ["", "engine state (each layer's K and V read from vLLM's paged cache), bitwise:",
+                  f"  {'constructions':<34} {'KV exact':>8} {'1st bad layer':>13} {'1st pos':>7} "
+                  f"{'elements':>9} {'max |diff|':>10} {'max ULP':>7} {'d_rel':>9}  d_rel per layer"]
+        for r in result["rows"]:
+            k = r["kv"]
+            show = lambda v: "-" if v is None else str(v)   # noqa: E731
+            lines.append(f"  {r['construction']:<34} {k['items_exact']:>4}/{k['items']:<3} "
+                         f"{show(k['first_bad_layer']):>13} {show(k['first_position']):>7} "
+                         f"{k['n_diff']:>9} {k['max_abs']:>10.3g} {k['max_ulp']:>7} {k['d_rel']:>9.2e}  "
+                         + " ".join(f"{d:.1e}" for d in k["d_rel_per_layer"]))
+        lines.append("  (d_rel: the worst item; per layer the worst of K and V; positions compared: "
+                     "those both states hold over identical tokens)")
     return "\n".join(lines)
 
 
 def engine_rollouts(model_name: str, item_set: str, count: int, tokens: int, temperature: float,
-                    seed: int, dtype: str) -> list[dict]:
-    """`kvfid rollouts --engine vllm`: sampled by vLLM (seeded per request), its logprobs kept."""
+                    seed: int, dtype: str, faithful: bool = False) -> list[dict]:
+    """`kvfid rollouts --engine vllm`: sampled by vLLM (seeded per request), its logprobs kept;
+    `faithful`: by the faithful engine."""
     from harness.protocol.trajectories import Trajectory, as_row, items_and_codec
 
     vllm_engine.require_vllm()
@@ -149,10 +200,11 @@ def engine_rollouts(model_name: str, item_set: str, count: int, tokens: int, tem
     chosen, codec = items_and_codec(model_name, item_set, count)
     prompts = [codec.prompt_ids(i.prompt) for i in chosen]
     longest = max(len(p) for p in prompts) + tokens + 1
-    with vllm_engine.engine(folder, dtype, max_len=longest, seed=seed) as llm:
+    with vllm_engine.engine(folder, dtype, EngineConfig(faithful=faithful), max_len=longest,
+                            seed=seed) as llm:
         made = vllm_engine.generate(llm, prompts, tokens, temperature, seed * 100003,
                                     stop_ids=sorted(codec.eos_ids))
-    label = f"vllm {vllm_engine.version()}/{dtype}"
+    label = f"vllm {vllm_engine.version()}/{dtype}" + ("+faithful" if faithful else "")
     return [as_row(Trajectory(i.id, tuple(p), tuple(ids), tuple(lp)), model=model_name,
                    stack=label, temperature=temperature, seed=seed)
             for i, p, (ids, lp) in zip(chosen, prompts, made) if ids]

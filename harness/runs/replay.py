@@ -207,9 +207,10 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
 
 def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, temperature: float,
                      seed: int, out: str, engine: str = "transformers", server: str | None = None,
-                     dtype: str = "bf16") -> tuple[list[dict], str]:
+                     dtype: str = "bf16", faithful: bool = False) -> tuple[list[dict], str]:
     """`kvfid rollouts`: sample on sdpa/fp32 (one thread), with vLLM (`engine="vllm"`, at
-    `dtype`) or from an OpenAI-compatible server, and write the JSONL atomically."""
+    `dtype`; `faithful`: its faithful engine) or from an OpenAI-compatible server, and write the
+    JSONL atomically."""
     from harness.protocol import items
     from harness.runs import repro
     from harness.protocol.backends import Stack
@@ -217,6 +218,8 @@ def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, te
     from harness.outputs import write_files
 
     repro.check_model_name(model_name)
+    if faithful and (engine != "vllm" or server is not None):
+        raise BadInput("--faithful is for --engine vllm (kvfid's plugin runs inside vLLM)")
     if server is not None:
         from harness.protocol.server import server_rollouts
 
@@ -224,7 +227,7 @@ def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, te
     elif engine == "vllm":
         from harness.protocol.engine_check import engine_rollouts
 
-        rows = engine_rollouts(model_name, item_set, count, tokens, temperature, seed, dtype)
+        rows = engine_rollouts(model_name, item_set, count, tokens, temperature, seed, dtype, faithful)
     else:
         try:
             chosen = items.load_item_set(item_set, count)

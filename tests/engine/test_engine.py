@@ -59,15 +59,33 @@ def test_replay_shows_the_three_gaps_and_engine_vs_prefill_is_independently_righ
     assert "engine~step-by-step" in text and "engine~prefill" in text and "step-by-step~prefill" in text
 
 
-def test_engine_check_measures_every_construction(tiny_folder):
-    result = engine_check(f"hf:{tiny_folder}", "bf16", 2, 8, 32)
+def test_engine_check_measures_every_construction_and_stock_kv_differs(tiny_folder):
+    """`kvfid engine-check --kv` in its own process (vLLM-CPU's threads as a user's run gets
+    them: in the test process, one thread, stock decode and prefill agree on this tiny model,
+    measured). The control for the faithful engine: stock decode-built KV is not prefill-built."""
+    import os
+    import subprocess
+    import sys
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: vLLM-CPU's attention does not split, decode and prefill may agree")
+    shown = subprocess.run([sys.executable, "-m", "harness.cli", "engine-check", "--kv", "--model",
+                            f"hf:{tiny_folder}", "--dtype", "fp32", "-n", "2", "--tokens", "8",
+                            "--format", "json"], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    result = json.loads(shown.stdout)
     names = [r["construction"] for r in result["rows"]]
     assert names == ["decode vs prefill re-scoring", "decode alone vs batched",
                      "prefill alone vs batched", "chunked prefill off vs on (32)",
                      "prefix cache cold vs warm"]
     assert all(r["tokens"] > 0 and 0 <= r["differ"] <= r["tokens"] for r in result["rows"])
     assert result["rows"][-1]["served_tokens"] >= 32   # the warm run really read the cache
-    assert "prefix cache cold vs warm" in render(result)
+    assert "prefix cache cold vs warm" in render(result) and "engine state" in render(result)
+    decode = result["rows"][0]["kv"]
+    assert decode["items_exact"] < decode["items"] and decode["n_diff"] > 0
+    assert decode["first_bad_layer"] is not None and decode["first_position"] is not None
+    assert decode["max_ulp"] > 0 and decode["d_rel"] > 0
 
 
 def test_a_preset_vllm_cannot_load_is_refused():
