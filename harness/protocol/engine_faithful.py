@@ -33,7 +33,7 @@ def _backend_classes():
     """The faithful backend and its implementation (classes built once vLLM imports)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-    from harness.protocol.engine_kv import _layout, _unpack
+    from harness.protocol.engine_kv import paged_layout, unpack_blocks
     from kernels import attention_native
 
     class FaithfulAttentionImpl(CPUAttentionBackendImpl):
@@ -61,7 +61,7 @@ def _backend_classes():
                 raise NotImplementedError(f"kvfid's faithful vLLM attention does not serve {unsupported[0]}")
             blocks, heads, block, width = kv_cache.shape
             head = width // 2
-            where_k, where_v = _layout(layer.isa, kv_cache.dtype, block, head)
+            where_k, where_v = paged_layout(layer.isa, kv_cache.dtype, block, head)
             starts = attn_metadata.query_start_loc.tolist()
             for r, length in enumerate(attn_metadata.seq_lens.tolist()):
                 q0, q1 = starts[r], starts[r + 1]
@@ -69,8 +69,8 @@ def _backend_classes():
                     continue
                 ids = attn_metadata.block_table[r, :-(-length // block)].long()
                 memory = kv_cache[ids].view(len(ids), heads, 2, block * head)
-                k = _unpack(memory[:, :, 0], where_k, block, head)[None, :, :length]   # [1, Hkv, T, D]
-                v = _unpack(memory[:, :, 1], where_v, block, head)[None, :, :length]
+                k = unpack_blocks(memory[:, :, 0], where_k, block, head)[None, :, :length]   # [1, Hkv, T, D]
+                v = unpack_blocks(memory[:, :, 1], where_v, block, head)[None, :, :length]
                 q = query[q0:q1].view(1, q1 - q0, self.num_heads, head).transpose(1, 2)  # [1, Hq, Tq, D]
                 done = attention_native.attention(q, k, v, scale=self.scale)            # [1, Hq, Tq, D]
                 rows = output[q0:q1]

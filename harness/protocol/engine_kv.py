@@ -4,7 +4,7 @@ in-engine KV rows compared with the protocol's own code (`cache.compare_states`)
 vLLM-CPU keeps a layer's cache as [blocks, H_kv, block, 2 * D]: the first half of a block's
 memory holds its keys, the second its values, each in a layout its writer chooses per ISA (AMX
 bf16 packs pairs of key dims and pairs of value positions; the vector ISA stores keys transposed).
-The layout is not guessed: `_layout` writes index-coded keys and values with vLLM's own writer
+The layout is not guessed: `paged_layout` writes index-coded keys and values with vLLM's own writer
 (`cpu_attn_reshape_and_cache`) and records where each element landed, so reading inverts exactly
 what the engine did. A request's blocks come from the model runner (`requests[id].block_ids`),
 which keeps a finished request until the next step starts; `read_states` is called right after
@@ -22,7 +22,7 @@ from harness.protocol.cache import BoundaryState, compare_states
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(isa: str, dtype: torch.dtype, block: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_layout(isa: str, dtype: torch.dtype, block: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per part (k, v): `where[m]` = the index (position * head + dim) of the element the writer
     stores at memory offset m of a [block, head] block. Index-coded in base 256 (bf16-exact)."""
     from vllm import _custom_ops as ops
@@ -43,14 +43,14 @@ def _layout(isa: str, dtype: torch.dtype, block: int, head: int) -> tuple[torch.
     return where
 
 
-def _unpack(memory: torch.Tensor, where: torch.Tensor, block: int, head: int) -> torch.Tensor:
+def unpack_blocks(memory: torch.Tensor, where: torch.Tensor, block: int, head: int) -> torch.Tensor:
     """[blocks, H, block * head] in the writer's layout -> [H, blocks * block, head]."""
     out = torch.empty_like(memory)
     out[..., where] = memory                                            # scatter back to index order
     return out.view(memory.shape[0], memory.shape[1], block, head).permute(1, 0, 2, 3).flatten(1, 2)
 
 
-def _attention_layers(runner) -> list:
+def attention_layers(runner) -> list:
     """The runner's attention layers in layer order."""
     context = runner.compilation_config.static_forward_context
     named = [(name, layer) for name, layer in context.items()
@@ -68,15 +68,15 @@ def read_on_worker(worker, wanted: dict[str, int]) -> dict[str, tuple[list, list
         if request not in held:
             raise RuntimeError(f"request {request} is no longer held by the model runner")
         keys, values = [], []
-        for layer in _attention_layers(runner):
+        for layer in attention_layers(runner):
             cache = layer.kv_cache                           # [blocks, H, block, 2 * D]
             blocks, heads, block, width = cache.shape
             head = width // 2
             ids = torch.tensor(held[request].block_ids[0][:-(-length // block)], dtype=torch.long)
-            where_k, where_v = _layout(layer.isa, cache.dtype, block, head)
+            where_k, where_v = paged_layout(layer.isa, cache.dtype, block, head)
             memory = cache[ids].view(len(ids), heads, 2, block * head)
-            keys.append(_unpack(memory[:, :, 0], where_k, block, head)[None, :, :length].clone())
-            values.append(_unpack(memory[:, :, 1], where_v, block, head)[None, :, :length].clone())
+            keys.append(unpack_blocks(memory[:, :, 0], where_k, block, head)[None, :, :length].clone())
+            values.append(unpack_blocks(memory[:, :, 1], where_v, block, head)[None, :, :length].clone())
         out[request] = (keys, values)
     return out
 

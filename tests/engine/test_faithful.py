@@ -38,10 +38,10 @@ def test_the_reader_inverts_vllms_writer(isa, dtype):
     k_cache, v_cache = cache.view(8, heads, 2 * block, head).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(keys, values, k_cache, v_cache, slots, isa, k_scale=1.0,
                                    v_scale=1.0, kv_cache_dtype="auto")
-    where_k, where_v = engine_kv._layout(isa, dtype, block, head)
+    where_k, where_v = engine_kv.paged_layout(isa, dtype, block, head)
     memory = cache[table].view(3, heads, 2, block * head)
-    read_k = engine_kv._unpack(memory[:, :, 0], where_k, block, head)[:, :tokens]   # [H, T, D]
-    read_v = engine_kv._unpack(memory[:, :, 1], where_v, block, head)[:, :tokens]
+    read_k = engine_kv.unpack_blocks(memory[:, :, 0], where_k, block, head)[:, :tokens]   # [H, T, D]
+    read_v = engine_kv.unpack_blocks(memory[:, :, 1], where_v, block, head)[:, :tokens]
     assert torch.equal(read_k, keys.transpose(0, 1)) and torch.equal(read_v, values.transpose(0, 1))
     if dtype == torch.float32 or isa == "amx":   # the writer does not store plainly: a real inversion
         plain = cache[table].view(3, heads, 2 * block, head)[:, :, :block].permute(1, 0, 2, 3).flatten(1, 2)
@@ -119,9 +119,9 @@ def test_stock_rollouts_replay_with_an_engine_gap(tiny_folder, tmp_path, dtype):
 ENGINE_PROCESS = """
 import os, sys
 def info(worker):
-    from harness.protocol.engine_kv import _attention_layers
+    from harness.protocol.engine_kv import attention_layers
     from kernels.mode import batch_invariant_mode
-    return (os.getpid(), sorted({type(l.impl).__name__ for l in _attention_layers(worker.model_runner)}),
+    return (os.getpid(), sorted({type(l.impl).__name__ for l in attention_layers(worker.model_runner)}),
             batch_invariant_mode())
 if __name__ == "__main__":
     import vllm
