@@ -74,10 +74,9 @@ from .attention_config import (BLOCK_M, CONFIGS, INTERPRETER_CONFIG, MAX_HEAD_DI
                                merge_launch, WORKSPACE_BYTES, group_tile_for, head_dim_pad)
 from .attention_reference import attention_ref  # noqa: F401  (the kernel's reference, here)
 from .attention_checks import check_inputs, check_mechanisms, first_valid_rows
-from .attention_math import merge, tanh, tile_update, with_sink
+from .attention_math import merge, tile_scores, tile_update, with_sink
 from .attention_views import check_visibility
 from .attention_visible import visible_attention_into
-from .dot import mma
 
 
 @triton.jit
@@ -206,16 +205,7 @@ def _attention_kernel(
                         other=0.0)
             v = tl.load(v_base + cols[:, None] * svt, mask=held_ok[:, None] & (dv < V_DIM)[None, :],
                         other=0.0)
-            # [ROWS, BLOCK_N]; fp32 accumulation either way
-            if USE_DOT:
-                s = mma(q, tl.trans(k), tl.zeros([ROWS, BLOCK_N], tl.float32))
-            else:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-                s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-            s = s * scale
-            if SOFTCAP:
-                s = softcap * tanh(s / softcap)
+            s = tile_scores(q, k, scale, softcap, SOFTCAP, USE_DOT, ROWS, BLOCK_N)  # [ROWS, BLOCK_N]
             keep = (cols[None, :] >= row_lo[:, None]) & (cols[None, :] <= pos[:, None])
             s = tl.where(keep, s, float("-inf"))
             m_i, l_i, acc = tile_update(m_i, l_i, acc, s, v, USE_DOT)

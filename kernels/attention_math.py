@@ -1,6 +1,6 @@
 """The attention kernel's elementwise pieces, one definition each so every path runs the same
-arithmetic: tanh for softcapping, one key tile's online-softmax update, the merge of two partial
-softmax states, the sink."""
+arithmetic: tanh for softcapping, one key tile's scores and its online-softmax update, the merge
+of two partial softmax states, the sink."""
 
 import triton
 import triton.language as tl
@@ -42,6 +42,22 @@ def with_sink(m, l, acc, sink):
 
 
 @triton.jit
+def tile_scores(q, k, scale, softcap, SOFTCAP: tl.constexpr, USE_DOT: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[ROWS, BLOCK_N] fp32 scores of q [ROWS, D] against one key tile k [BLOCK_N, D], scaled and
+    softcapped: by the tensor-core product on a GPU, else by an fp32 broadcast product reduced with
+    `tl.sum` (the interpreter's `tl.dot` bits depend on a row's place in the tile)."""
+    if USE_DOT:
+        s = mma(q, tl.trans(k), tl.zeros([ROWS, BLOCK_N], tl.float32))
+    else:
+        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    s = s * scale
+    if SOFTCAP:
+        s = softcap * tanh(s / softcap)
+    return s
+
+
+@triton.jit
 def tile_update(m_i, l_i, acc, s, v, USE_DOT: tl.constexpr):
     """The online softmax state (m_i, l_i [ROWS], acc [ROWS, Dv], fp32) after one key tile:
     s [ROWS, BLOCK_N] scaled scores, -inf where a row does not see the key; v [BLOCK_N, Dv] (fp32
@@ -57,6 +73,6 @@ def tile_update(m_i, l_i, acc, s, v, USE_DOT: tl.constexpr):
     if USE_DOT:
         pv = mma(p.to(v.dtype), v, tl.zeros_like(acc))
     else:
-        pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
     acc = acc * alpha[:, None] + tl.where(live[:, None], pv, -0.0)
     return m_new, l_i, acc

@@ -28,9 +28,8 @@ import triton.language as tl
 
 from . import LAUNCH_OPTIONS
 from .attention_config import BLOCK_M, AttentionConfig, config_for, group_tile_for, head_dim_pad
-from .attention_math import tanh, tile_update, with_sink
+from .attention_math import tile_scores, tile_update, with_sink
 from .attention_views import as_visibility, runs, tile_plan
-from .dot import mma
 
 
 @triton.jit
@@ -93,15 +92,7 @@ def _visible_kernel(
                     other=0.0)
         v = tl.load(v_base + held[:, None] * svt, mask=col_ok[:, None] & (dv < V_DIM)[None, :],
                     other=0.0)
-        if USE_DOT:
-            s = mma(q, tl.trans(k), tl.zeros([ROWS, BLOCK_N], tl.float32))
-        else:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-        s = s * scale
-        if SOFTCAP:
-            s = softcap * tanh(s / softcap)
+        s = tile_scores(q, k, scale, softcap, SOFTCAP, USE_DOT, ROWS, BLOCK_N)  # [ROWS, BLOCK_N]
         s = tl.where(cols[None, :] <= pos[:, None], s, float("-inf"))  # causal in the view
         m_i, l_i, acc = tile_update(m_i, l_i, acc, s, v, USE_DOT)
 
