@@ -47,6 +47,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32} 
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
 
+class KernelRefusal(ValueError):
+    """A call one of our kernels cannot serve (a mechanism, mask or bias it does not apply),
+    found during the forward: the harness reports it as a refusal (exit 3), not a crash."""
+
+
 def check_row_input(name: str, x: torch.Tensor) -> None:
     """Refuse a tensor the row kernels (norm, softmax) cannot take, with a clear message."""
     if not triton_runs_on(x.device):

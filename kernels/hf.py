@@ -45,6 +45,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from . import KernelRefusal
 from .hf_masks import kvfid_mask, left_padding, own_starts, place_keys  # noqa: F401  (public here)
 
 # Why a model whose attention is this wrapper cannot be compiled whole (measured on tiny-llama,
@@ -83,8 +84,8 @@ def layer_mechanisms(module: torch.nn.Module, kwargs: dict) -> dict:
             "sinks": sinks}
 
 
-def _refuse(name: str, what: str) -> ValueError:
-    return ValueError(f"{name}: {what} is not supported by this kernel")
+def _refuse(name: str, what: str) -> KernelRefusal:
+    return KernelRefusal(f"{name}: {what} is not supported by this kernel")
 
 
 def _check_keywords(name: str, kwargs: dict, kernel_options: dict, options: frozenset[str]) -> None:
@@ -118,12 +119,12 @@ def make_attention(name: str, attention_into: Callable, serves: frozenset[str],
         batch, n_q_heads, q_len, _ = query.shape
         kv_len, v_dim = key.shape[2], value.shape[-1]
         if dropout:
-            raise ValueError(f"{name}: attention dropout ({dropout}) is not supported; use the model "
-                             "in eval mode")
+            raise KernelRefusal(f"{name}: attention dropout ({dropout}) is not supported; use the model "
+                                 "in eval mode")
         if kwargs.get("position_bias") is not None:
             raise _refuse(name, "an additive position bias")
         if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
-            raise ValueError(f"{name}: only causal (decoder) attention is supported")
+            raise KernelRefusal(f"{name}: only causal (decoder) attention is supported")
         mech = layer_mechanisms(module, kwargs)
         if mech["window"] is not None and mech["window"] >= kv_len:
             mech["window"] = None  # covers every key a query can see: plain causal attention

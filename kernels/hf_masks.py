@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from transformers.masking_utils import sdpa_mask
 
+from . import KernelRefusal
 from .attention_reference import visible
 from .attention_views import as_visibility, check_causal
 
@@ -102,13 +103,13 @@ def place_keys(name: str, mask: torch.Tensor | None, position_ids, batch: int, q
     if allowed is None or "visibility" not in serves:
         raise _mask_error(name)
     if window is not None or chunk is not None:
-        raise ValueError(f"{name}: a visibility mask on a sliding-window or chunked layer is not "
-                         "supported (the kernel takes the mask as the whole pattern)")
+        raise KernelRefusal(f"{name}: a visibility mask on a sliding-window or chunked layer is not "
+                             "supported (the kernel takes the mask as the whole pattern)")
     try:
         visibility = as_visibility(allowed, batch, q_len, kv_len)
         check_causal(visibility)
     except (ValueError, TypeError) as error:
-        raise ValueError(f"{name}: {error}") from None
+        raise KernelRefusal(f"{name}: {error}") from None
     return {"visibility": visibility.to(device)}
 
 
@@ -118,8 +119,8 @@ def _own_positions(name: str, mask: torch.Tensor | None, position_ids, batch: in
     applies from positions (causal, left padding, window, chunk); None for any other mask."""
     own = own_starts(position_ids, batch, kv_len)
     if own is None and (chunk is not None or window is not None):
-        raise ValueError(f"{name}: a sliding-window or chunked layer needs position_ids in the "
-                         "attention kwargs (to place the held keys)")
+        raise KernelRefusal(f"{name}: a sliding-window or chunked layer needs position_ids in the "
+                             "attention kwargs (to place the held keys)")
     own = torch.zeros(batch, dtype=torch.long) if own is None else own.cpu()
     if mask is None or _is_kernel_pattern(mask, q_len, kv_len):
         # No padding: a held key 0 below own position 0 means position ids that are not held
@@ -152,8 +153,8 @@ def _own_positions(name: str, mask: torch.Tensor | None, position_ids, batch: in
     return own if matches(own) else None
 
 
-def _mask_error(name: str) -> ValueError:
-    return ValueError(
+def _mask_error(name: str) -> KernelRefusal:
+    return KernelRefusal(
         f"{name}: got an attention mask that is neither the plain causal pattern nor causal with "
         "left padding (and the layer's window or chunk) nor a visibility mask this kernel serves "
         "(a custom mask, or a static cache with unfilled slots). Feed left-padded batches with a "

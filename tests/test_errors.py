@@ -91,3 +91,31 @@ def test_sqlite_and_os_write_failures_map_to_environment_kinds(tmp_path):
     assert isinstance(write_failure(OSError(errno.EROFS, "Read-only file system"), "f"), ReadOnly)
     assert write_failure(sqlite3.OperationalError("no such table: t"), "f") is None
     assert write_failure(KeyError("x"), "f") is None
+
+
+def test_a_kernel_refusal_met_inside_a_forward_is_exit_3_not_a_crash():
+    """What the checks before compute cannot see in a config (a model passing an additive
+    position bias to its attention: inkling_text in transformers 5.24) is refused by the kernel
+    during the forward; the Runner reports it as Unavailable (exit 3), never as exit 70."""
+    import torch
+
+    from harness.protocol.decode import Runner
+    from kernels import KernelRefusal, hf_native
+
+    class BiasedAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, input_ids, **kwargs):
+            q = torch.randn(1, 2, input_ids.shape[1], 8)
+            hf_native.kvfid_native_attention(self, q, q, q, None, position_bias=torch.zeros(1),
+                                             position_ids=torch.arange(input_ids.shape[1])[None])
+            raise AssertionError("the kernel served an additive position bias")
+
+    with pytest.raises(KernelRefusal):                       # the kernel's own refusal ...
+        BiasedAttention()(torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(Unavailable, match="cannot serve this model: kvfid_native: an additive "
+                                          "position bias") as caught:   # ... reported as one
+        Runner(BiasedAttention()).full_logits(torch.zeros(1, 3, dtype=torch.long))
+    assert caught.value.exit_code == 3

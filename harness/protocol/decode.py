@@ -8,11 +8,15 @@ overhead. Nothing here knows which attention backend or precision runs.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+from harness.errors import Unavailable
+from kernels import KernelRefusal
 
 
 def cache_keyword(module: torch.nn.Module) -> str:
@@ -45,7 +49,8 @@ class Runner:
     def _counted(self, **kwargs) -> torch.Tensor:
         """One timed, counted forward call; the model's logits."""
         start = time.perf_counter()
-        logits = self.module(**kwargs).logits
+        with refusals_as_unavailable():
+            logits = self.module(**kwargs).logits
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         self.seconds += time.perf_counter() - start
@@ -76,8 +81,19 @@ class Runner:
 
     def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """No-cache forward over all of `ids` [B, T]; logits at every position [B, T, V]."""
-        out = self.module(input_ids=ids.to(self._device), use_cache=False)
+        with refusals_as_unavailable():
+            out = self.module(input_ids=ids.to(self._device), use_cache=False)
         return out.logits
+
+
+@contextlib.contextmanager
+def refusals_as_unavailable():
+    """A kernel's refusal met inside a forward (a mechanism the checks before compute could not
+    see in the config) is the refusal it is, exit 3, not an internal error."""
+    try:
+        yield
+    except KernelRefusal as err:
+        raise Unavailable(f"the stack cannot serve this model: {err}") from None
 
 
 def top2(logits: torch.Tensor) -> tuple[int, float]:
