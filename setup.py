@@ -32,6 +32,6 @@ setup(
     entry_points={
         "console_scripts": ["kvfid=harness.cli:main"],
         # vLLM loads these in every engine process; kvfid's acts only with KVFID_FAITHFUL=1.
-        "vllm.general_plugins": ["kvfid_faithful=harness.protocol.engine_faithful:register"],
+        "vllm.general_plugins": ["kvfid_faithful=harness.engines.faithful:register"],
     },
 )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 
-# The built-in attention backends and what each is (harness.protocol.backends registers them).
+# The built-in attention backends and what each is (harness.stacks.backends registers them).
 BACKENDS = {
     "sdpa": "PyTorch scaled_dot_product_attention",
     "eager": "transformers' eager matmul + softmax",
@@ -19,7 +19,7 @@ BACKENDS = {
     "twin": "deliberately shape-variant attention (negative control)",
 }
 
-# The model presets (harness.protocol.models builds one loader per name), then any local folder.
+# The model presets (harness.inputs.models builds one loader per name), then any local folder.
 PRESET_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-mistral", "smollm2-135m", "qwen2.5-0.5b-shape",
                 "llama-3.2-1b-shape")
 MODEL_NAMES = (*PRESET_NAMES, "hf:<folder>")
@@ -28,7 +28,7 @@ CONSTRUCTION_HELP = ("live, prefill, incremental, incremental-1, chunked:N, batc
                      "cobatched:N, cobatched:N+decode (N >= 2), cached:K (K tokens, a fraction "
                      "or `prompt`), spec:k[+all|+none|+ngram|+rateR] (k >= 1 drafts)")
 
-# The verdicts of `kvfid repro` (harness.runs.repro.verdict).
+# The verdicts of `kvfid repro` (harness.diagnoses.repro.verdict).
 BIT_EXACT, DIVERGES = "bit-exact", "diverges"
 VERDICT_HELP = (f"{BIT_EXACT}: every arm compared with live (the --arms; not replicas, transplants "
                 f"or the crossing) has live's boundary prefix, a bit-identical KV cache and the "

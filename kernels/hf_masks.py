@@ -3,9 +3,9 @@ query sees (kernels.hf's factory calls `place_keys` before every kernel call).
 
 Three kinds of mask are served. None or the plain causal pattern: the kernel's own causality.
 Causal with left padding (and the layer's window or chunk): the kernel's positions' pattern
-(kernels.attention_reference.visible, the one statement of it), read as each row's padding. Any
+(kernels.attention.reference.visible, the one statement of it), read as each row's padding. Any
 other mask in which every query sees itself and no later key (a visibility mask: packed branches,
-a tree's ancestors, documents): passed to the kernel as it is (kernels.attention_views), where the
+a tree's ancestors, documents): passed to the kernel as it is (kernels.attention.views), where the
 kernel serves `visibility`; on a sliding-window or chunked layer it is refused, since the mask is
 then not the whole pattern. Right padding, a static cache's unfilled slots below a query, a
 bidirectional mask: refused in one line before compute.
@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from transformers.masking_utils import sdpa_mask
 
-from . import KernelRefusal
-from .attention_reference import visible
-from .attention_views import as_visibility, check_causal
+from kernels import KernelRefusal
+from kernels.attention.reference import visible
+from kernels.attention.views import as_visibility, check_causal
 
 
 def _kernel_pattern(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:

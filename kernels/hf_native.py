@@ -1,10 +1,10 @@
-"""transformers registration of the native CPU attention (kernels.attention_native) as
+"""transformers registration of the native CPU attention (kernels.attention.native) as
 attention implementation "kvfid_native", through kernels.hf's kernel-agnostic factory: the same
 mask checks, positions and refusals as "kvfid_triton", another kernel behind them."""
 
 from __future__ import annotations
 
-from .hf import make_attention, register_kernel
+from kernels.hf import make_attention, register_kernel
 
 NAME = "kvfid_native"
 # Every mechanism of the shared interface (kernels.hf): the native kernel applies them all.
@@ -13,7 +13,7 @@ SERVES: frozenset[str] = frozenset({"sliding_window", "chunked_attention", "soft
 
 
 def _native_attention_into(out, q, k, v, **kwargs):
-    from .attention_native import attention_into
+    from kernels.attention.native import attention_into
 
     return attention_into(out, q, k, v, **kwargs)
 

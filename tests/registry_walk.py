@@ -85,8 +85,8 @@ def tiny(model_type: str, folder: Path) -> Path:
 def one(folder: Path, stack: str) -> str:
     """One short repro: `bit-exact`, `differs (layer L part)`, `refused: ...`, `error: ...`."""
     from harness.errors import KvfidError
-    from harness.protocol.backends import parse_stack
-    from harness.runs import repro
+    from harness.stacks.stack import parse_stack
+    from harness.diagnoses import repro
 
     parsed = parse_stack(stack)
     try:

@@ -1,4 +1,4 @@
-"""harness.runs.blame: the op that first gives the boundary position other bits, and its controls.
+"""harness.diagnoses.blame: the op that first gives the boundary position other bits, and its controls.
 
 On tiny-llama at 2 layers and one KV head (`protocol_fixtures.small`, built once): the Triton
 stack's kernel runs in the interpreter, and every op of the model is recorded and compared."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kernels
-from harness.runs import blame as blame_lib
-from harness.protocol.backends import Stack
+from harness.diagnoses import blame as blame_lib
+from harness.stacks.stack import Stack
 from protocol_fixtures import small
 
 needs_interpreter = pytest.mark.skipif(not kernels.interpreting(), reason="needs TRITON_INTERPRET=1")

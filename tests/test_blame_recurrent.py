@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import mode_models as mm
-from harness.runs import blame as blame_lib
-from harness.protocol import blame_align
-from kernels.mode import set_batch_invariant_mode
+from harness.diagnoses import blame as blame_lib
+from harness.tracing import align as blame_align
+from kernels.invariant.mode import set_batch_invariant_mode
 from kernels.recurrence import faithful_recurrence, step_of
 
 PLANTED = "model.layers.1.linear_attn.in_proj_ba"

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.protocol.backends import backend_names
+from harness.stacks.backends import backend_names
 from harness.runs.case import CaseError, load_case, parse_case
 
 CASES = Path(__file__).resolve().parent.parent / "cases"

@@ -40,7 +40,9 @@ def test_importing_the_cli_and_asking_for_help_loads_nothing_heavy():
     assert loaded == []
 
 
-@pytest.mark.parametrize("package", ["protocol", "runs", "reports", "environment"])
+@pytest.mark.parametrize("package", ["inputs", "records", "states", "stacks", "tracing", "protocol",
+                                     "stages", "engines", "environment", "diagnoses", "runs",
+                                     "reports"])
 def test_each_subpackage_selects_the_interpreter_before_triton_loads(package):
     seen = _python("import json, os, sys\n"
                    f"import harness.{package}\n"
@@ -64,8 +66,8 @@ def test_every_option_of_every_command_has_help():
 
 
 def test_the_light_names_are_the_registries_names():
-    from harness.protocol.backends import DTYPES, backend_names
-    from harness.protocol.models import PRESETS, model_names
+    from harness.stacks.backends import DTYPES, backend_names
+    from harness.inputs.models import PRESETS, model_names
 
     assert tuple(DTYPES) == names.DTYPE_NAMES
     assert backend_names()[:len(names.BACKENDS)] == list(names.BACKENDS)

@@ -6,10 +6,10 @@ import torch
 from click.testing import CliRunner
 
 from harness.protocol import cobatch
-from harness.protocol.backends import Stack
+from harness.stacks.stack import Stack
 from harness.runs.case import CaseError, parse_case
 from harness.cli import main
-from harness.protocol.items import arith_items
+from harness.inputs.items import arith_items
 from harness.protocol.protocol import (ItemPlan, Neighbours, parse_construction, parse_transplant,
                               run_cobatched, run_item)
 from protocol_fixtures import PROMPT, fp32_live, tiny

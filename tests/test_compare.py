@@ -16,7 +16,7 @@ from harness.runs.case import load_case, stored_case
 from harness.reports.compare import compare, render_html, render_markdown, write_comparison, rate_change
 from harness.runs.ledger import Ledger, LedgerError
 from harness.runs.matrix import run_case
-from harness.protocol.models import load_model
+from harness.inputs.models import load_model
 
 CASES = Path(__file__).resolve().parent.parent / "cases"
 SMOKE = load_case(CASES / "smoke.toml")

@@ -3,8 +3,8 @@
 
 import pytest
 
-from harness.protocol.backends import Stack, StackUnavailable, check_supports, parse_stack
-from harness.protocol.compiled import units
+from harness.stacks.stack import Stack, StackUnavailable, check_supports, parse_stack
+from harness.stacks.compiled import units
 from harness.runs.case import load_case
 from harness.runs.case_fields import CaseError
 from protocol_fixtures import PROMPT, small, tiny
@@ -84,7 +84,7 @@ def test_compiling_the_native_kernel_is_refused_in_one_line_before_compute():
 
 
 def test_blame_names_the_layer_when_units_agree_alone_but_not_compiled_whole():
-    from harness.runs.blame import BlameResult, render
+    from harness.diagnoses.blame import BlameResult, render
 
     result = BlameResult("incremental (prompt prefill)", "prefill", 19, 1,
                          whole_forward={"layer": 0, "part": "k", "module": "model.layers.0",
@@ -101,7 +101,7 @@ def test_blame_under_compile_names_a_module_wherever_the_compiled_states_differ(
     names a compiled unit as culprit or, when every unit agrees alone, the decoder layer whose
     state first differs compiled whole. Each unit compiled alone runs compiled, not eagerly:
     the 2-layer model has 11 units, past dynamo's default recompile limit of 8."""
-    from harness.runs.blame import blame_item
+    from harness.diagnoses.blame import blame_item
 
     model = small()
     prompt = model.codec.prompt_ids(PROMPT.prompt)

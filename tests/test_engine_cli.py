@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from harness.cli import main
-from harness.protocol.engine_check import _compare
+from harness.engines.check import _compare
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from harness.errors import (BadInput, DiskFull, OutputError, ReadOnly, Unavailab
                             write_failure)
 from harness.runs.ledger import LedgerError
 from harness.runs.ledger_file import LedgerRefused
-from harness.protocol.models import ModelUnavailable
+from harness.inputs.models import ModelUnavailable
 
 
 @pytest.mark.parametrize("error,code", [

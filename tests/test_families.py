@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from harness.errors import KvfidError
-from harness.protocol import cache as kv
-from harness.protocol import surgery
-from harness.protocol import record as rec
-from harness.protocol.plain import decode
-from harness.protocol.surgery import parse_selection, perturb
+from harness.states import cache as kv
+from harness.states import surgery
+from harness.records import record as rec
+from harness.records.plain import decode
+from harness.states.surgery import parse_selection, perturb
 from tests.families import FAMILIES, build
 
 B, S = 10, 3            # B crosses the windows (8 positions) of the window families
@@ -31,7 +31,7 @@ def folders(tmp_path_factory):
 
 def _repro(folder, backend, dtype="bf16", batch_invariant=False, b=B, s=S,
            arms="live,prefill", transplants=(), faithful_recurrence=None):
-    from harness.runs import repro
+    from harness.diagnoses import repro
 
     prepared = repro.prepare(f"hf:{folder}", PROMPT, None, None, backend, dtype,
                              batch_invariant, "cpu", None, b, s, arms, "", list(transplants),
@@ -42,7 +42,7 @@ def _repro(folder, backend, dtype="bf16", batch_invariant=False, b=B, s=S,
 def test_every_family_is_described_from_its_config_alone(folders):
     from transformers import AutoConfig
 
-    from harness.protocol.serving import describe_layers
+    from harness.stacks.serving import describe_layers
 
     seen = {}
     for family, folder in folders.items():
@@ -80,8 +80,8 @@ def test_no_internal_error_on_sdpa_and_eager_with_the_mode_bit_exact_where_it_is
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_triton_serves_or_refuses_in_one_line_before_compute(folders, family):
-    from harness.protocol.serving import describe_layers
-    from harness.protocol.models import load_model
+    from harness.stacks.serving import describe_layers
+    from harness.inputs.models import load_model
     from kernels.hf import SERVES
 
     mechanisms = {m for i in describe_layers(load_model(f"hf:{folders[family]}"))
@@ -97,7 +97,7 @@ def test_triton_serves_or_refuses_in_one_line_before_compute(folders, family):
 
 
 def _live(folder, steps=B):
-    from harness.protocol.models import load_model
+    from harness.inputs.models import load_model
     from harness.protocol.protocol import run_live
 
     model = load_model(f"hf:{folder}")
@@ -175,7 +175,7 @@ def test_a_cache_layer_kvfid_does_not_know_is_refused_before_compute(monkeypatch
     from transformers import MistralConfig
     from transformers import cache_utils as cu
 
-    from harness.protocol.backends import Stack, check_supports
+    from harness.stacks.stack import Stack, check_supports
 
     class PagedLayer(cu.DynamicLayer):   # holds a list of pages: not a state kvfid can read whole
         def __init__(self, **kwargs):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from harness.errors import KvfidError
-from harness.protocol import cache as kv
-from harness.protocol import surgery
+from harness.states import cache as kv
+from harness.states import surgery
 from tests.families import NEWEST_FAMILIES, build
 
 B, S = 4, 1             # fp32: the CPU's fast path; B crosses no window, the prompt does
@@ -52,8 +52,8 @@ def _folder(folders, family):
 
 
 def _repro(folder, stack: str, arms="live,prefill"):
-    from harness.protocol.backends import parse_stack
-    from harness.runs import repro
+    from harness.stacks.stack import parse_stack
+    from harness.diagnoses import repro
 
     parsed = parse_stack(stack)
     prepared = repro.prepare(f"hf:{folder}", PROMPT, None, None, parsed.backend, parsed.dtype,
@@ -66,7 +66,7 @@ def _repro(folder, stack: str, arms="live,prefill"):
 def test_each_family_is_described_by_what_its_layers_hold(folders):
     from transformers import AutoConfig
 
-    from harness.protocol.serving import describe_layers
+    from harness.stacks.serving import describe_layers
 
     expect = {"gemma4": (["window", "full", "shared:0", "shared:1"], set()),
               "deepseek-v32": (["latent"] * 2, {"sparse_indexer", "split_head_dims"}),
@@ -148,8 +148,8 @@ def test_the_indexer_selection_is_a_part_compared_by_query(folders):
     layer = record.against_live("prefill").cache.layers[0]
     selection = layer.parts["kvfid_selection"]
     assert selection.equal   # the mode's top-k: the same visible keys for every query
-    from harness.protocol.backends import parse_stack
-    from harness.protocol.models import load_model
+    from harness.stacks.stack import parse_stack
+    from harness.inputs.models import load_model
     from harness.protocol.protocol import run_live
 
     model = load_model(f"hf:{folder}")
@@ -167,7 +167,7 @@ def test_the_indexer_selection_is_a_part_compared_by_query(folders):
 
 
 def test_the_modes_topk_breaks_ties_by_index_whatever_the_width():
-    from kernels.mode import set_batch_invariant_mode
+    from kernels.invariant.mode import set_batch_invariant_mode
 
     row = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0, 3.0, 0.5, 3.0])
     with set_batch_invariant_mode(True, impl="tiled"):
@@ -183,7 +183,7 @@ def test_the_modes_topk_breaks_ties_by_index_whatever_the_width():
 # --------------------------------------------------------------------------- helpers
 
 def _live(folder, steps=8):
-    from harness.protocol.models import load_model
+    from harness.inputs.models import load_model
     from harness.protocol.protocol import run_live
 
     model = load_model(f"hf:{folder}")
@@ -221,7 +221,7 @@ def _follows_donor(module, live, donor, moved):
 
 
 def test_a_padded_rows_selection_is_read_in_its_own_positions():
-    from harness.protocol.selection import unpadded
+    from harness.states.selection import unpadded
 
     recorded = torch.tensor([[[0, 2, 3], [1, 3, 5], [-1, -1, -1]]])   # pad = 2: keys 0, 1 pads
     assert unpadded(recorded, 2).tolist() == [[[0, 1, -1], [1, 3, -1], [-1, -1, -1]]]

@@ -160,8 +160,10 @@ def test_the_check_finds_a_circle_inside_a_package_and_kernels_importing_harness
 
 
 def backend_name_tests(root: Path) -> list[str]:
-    """`file:line` of every comparison in harness/protocol/ against a built-in backend's name
-    (`backend == "sdpa"`, `name in ("triton", "native")`): the backends say what they refuse."""
+    """`file:line` of every comparison in the protocol's rooms (harness/protocol/ and the rooms
+    below or beside it: inputs, records, states, stacks, tracing, stages, engines) against a
+    built-in backend's name (`backend == "sdpa"`, `name in ("triton", "native")`): the backends
+    say what they refuse."""
     from harness.names import BACKENDS
 
     def named(node) -> bool:
@@ -170,7 +172,8 @@ def backend_name_tests(root: Path) -> list[str]:
         return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(map(named, node.elts))
 
     found = []
-    for path in sorted((root / "harness" / "protocol").rglob("*.py")):
+    rooms = ("protocol", "inputs", "records", "states", "stacks", "tracing", "stages", "engines")
+    for path in sorted(p for room in rooms for p in (root / "harness" / room).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Compare) and any(map(named, [node.left, *node.comparators])):
                 found.append(f"{path.relative_to(root)}:{node.lineno}")

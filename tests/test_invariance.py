@@ -11,11 +11,11 @@ import torch.nn.functional as F
 
 import kernels
 from harness.environment import invariance, probes
-from harness.protocol import twins
+from harness.stacks import twins
 from harness.environment.invariance import IMPLEMENTATIONS, OPS, bits_equal, compare_kernels
 from harness.reports import invariance_table
 from harness.reports.invariance_table import render_table, write_result
-from kernels.attention import attention_ref
+from kernels.attention.kernel import attention_ref
 
 # The comparison runs on CPU tensors; Triton takes them only through its interpreter (always set
 # without CUDA, and by `make test`).

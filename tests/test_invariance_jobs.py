@@ -2,7 +2,7 @@
 this one, in the same order, with the same tiled-mode probes."""
 
 from harness.environment import invariance
-from kernels import mode_tiled
+from kernels.invariant import tiled as mode_tiled
 
 
 def test_two_processes_give_the_rows_and_probes_of_one(monkeypatch):

@@ -1,4 +1,4 @@
-"""harness.protocol.items: deterministic arithmetic set, JSON Lines loading, specs, the answer matcher."""
+"""harness.inputs.items: deterministic arithmetic set, JSON Lines loading, specs, the answer matcher."""
 
 import ast
 import json
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from harness.protocol.items import (
+from harness.inputs.items import (
     ARITH_DEFAULT_N,
     Item,
     arith_items,

@@ -14,7 +14,7 @@ from helpers import assert_bitwise_equal, cache_keyword, device
 from transformers import DynamicCache
 
 from kernels import hf
-from kernels.mode import set_batch_invariant_mode
+from kernels.invariant.mode import set_batch_invariant_mode
 
 LENGTH = 21
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -8,7 +8,8 @@ import torch
 
 import kernels
 from harness.environment import envinfo
-from kernels import attention, matmul, norm, softmax
+from kernels.attention import kernel as attention
+from kernels.invariant import matmul, norm, softmax
 
 
 class RecordingKernel:

@@ -1,4 +1,4 @@
-"""The mode's MoE, recurrent-scan and element-wise overrides (kernels/mode_ops.py): each against a
+"""The mode's MoE, recurrent-scan and element-wise overrides (kernels/invariant/ops.py): each against a
 plain fp64 reference (tolerance per dtype), bitwise batch-invariant (a row, line, matrix, position
 or element computed alone has the bits it has inside a bigger call), and the same invariance
 check catching a twin that is batch-variant by construction (its split or formula chosen from the
@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref, bits_equal, randn
 
-from kernels.mode import set_batch_invariant_mode
-from kernels.mode_ops import conv1d_depthwise_ref, lane_uniform
+from kernels.invariant.mode import set_batch_invariant_mode
+from kernels.invariant.ops import conv1d_depthwise_ref, lane_uniform
 
 ROWWISE = set_batch_invariant_mode(impl="rowwise")
 

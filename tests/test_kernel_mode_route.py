@@ -1,4 +1,4 @@
-"""kernels.mode_route: the tiled mode's tile and dtype route, chosen from timings on this machine,
+"""kernels.invariant.route: the tiled mode's tile and dtype route, chosen from timings on this machine,
 kept per machine, pinnable; every route bitwise batch- and sequence-invariant (with its control)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers import BATCH_SIZES, assert_bitwise_equal, randn
 
-from kernels import mode_route, mode_tiled
-from kernels.mode import set_batch_invariant_mode
-from kernels.mode_route import Route
+from kernels.invariant import route as mode_route, tiled as mode_tiled
+from kernels.invariant.mode import set_batch_invariant_mode
+from kernels.invariant.route import Route
 
 BF16 = torch.bfloat16
 

@@ -38,7 +38,7 @@ def test_importing_kernels_selects_the_interpreter_without_cuda():
     # control) and "1" after importing a kernel module (which pulls the package in before triton).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import os\nprint(os.environ.get('TRITON_INTERPRET', 'unset'))\n"
-            "import kernels.attention\nprint(os.environ.get('TRITON_INTERPRET', 'unset'))")
+            "import kernels.attention.kernel\nprint(os.environ.get('TRITON_INTERPRET', 'unset'))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.protocol import record as rec
+from harness.records import record as rec
 from harness.runs import ledger as ledger_module
 from harness.runs.case import load_case
 from harness.runs.ledger import Ledger, LedgerError, fingerprints, record_rows

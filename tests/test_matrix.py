@@ -12,7 +12,7 @@ from harness.runs.case import CaseError, load_case, parse_case
 from harness.runs.ledger import Ledger, LedgerError
 from harness.runs.audit import audit_run
 from harness.runs.matrix import Shard, parse_shard, plan_units, run_case
-from harness.protocol.models import load_model
+from harness.inputs.models import load_model
 
 CASES = Path(__file__).resolve().parent.parent / "cases"
 SMOKE = load_case(CASES / "smoke.toml")

@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from harness.protocol import models
-from harness.protocol.models import ByteCodec, ModelUnavailable, load_model
+from harness.inputs import models
+from harness.inputs.models import ModelUnavailable, load_model
+from harness.inputs.codecs import ByteCodec, end_of_turn_ids
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
@@ -99,9 +100,9 @@ def test_smollm2_loads_from_its_gguf_and_then_from_the_cache(tmp_path, monkeypat
     tokenizer = second.codec.tokenizer
     assert tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
     tokenizer.eos_token = "<|im_start|>"   # what transformers 5.17 reads from the GGUF (id 1)
-    assert models.end_of_turn_ids(tokenizer) == {2}
+    assert end_of_turn_ids(tokenizer) == {2}
     tokenizer.chat_template = None   # no template: the tokenizer's eos is all there is
-    assert models.end_of_turn_ids(tokenizer) == {1}
+    assert end_of_turn_ids(tokenizer) == {1}
     assert second.config.num_hidden_layers == 30 and second.context_length == 8192
 
 

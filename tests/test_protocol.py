@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-from harness.protocol import cache as kv
-from harness.protocol import record, record_read
-from harness.protocol.backends import Stack
+from harness.states import cache as kv
+from harness.records import record, read as record_read
+from harness.stacks.stack import Stack
 from harness.protocol.decode import Runner
-from harness.protocol.models import ByteCodec
+from harness.inputs.codecs import ByteCodec
 from harness.protocol.protocol import (ItemPlan, ProtocolError, parse_construction, parse_transplant,
                               run_construction, run_crossing, run_item, run_live)
 from protocol_fixtures import PROMPT, fp32_live, tiny
@@ -187,7 +187,7 @@ import json, sys
 import torch
 torch.set_num_threads(1)   # as in the test session (tests/conftest.py)
 sys.path.insert(0, 'tests')
-from harness.protocol.backends import Stack
+from harness.stacks.stack import Stack
 from harness.protocol.protocol import ItemPlan, run_item
 from protocol_fixtures import PROMPT, tiny
 r = run_item(tiny(), Stack('sdpa', 'bf16'), PROMPT, ItemPlan(6, 6, arms=('live', 'prefill')))

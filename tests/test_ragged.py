@@ -24,7 +24,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from harness.protocol import cobatch
-from harness.protocol.backends import Stack
+from harness.stacks.stack import Stack
 from harness.protocol.decode import Runner, new_cache
 from harness.environment.invariance import bits_equal
 from kernels import hf

@@ -13,7 +13,7 @@ import torch
 from helpers import assert_close_to_ref
 
 import mode_models as mm
-from kernels.mode import set_batch_invariant_mode
+from kernels.invariant.mode import set_batch_invariant_mode
 from kernels.recurrence import faithful_recurrence, recurrent_layers
 
 LENGTH = 8
@@ -90,7 +90,7 @@ def test_faithful_prefill_computes_the_same_function():
 
 
 def test_a_stack_turns_the_faithful_form_on_and_restores_it(next_bf16):
-    from harness.protocol.backends import parse_stack
+    from harness.stacks.stack import parse_stack
     from kernels.recurrence import is_stepped
 
     stack = parse_stack("eager/bf16+bi+fr")      # an earlier label reads as the faithful stack

@@ -1,4 +1,4 @@
-"""harness.runs.replay: supplied trajectories, per-token logprob mismatch, sampling, and `kvfid replay`."""
+"""harness.diagnoses.replay: supplied trajectories, per-token logprob mismatch, sampling, and `kvfid replay`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from click.testing import CliRunner
 
 import kernels
-from harness.runs import replay
-from harness.protocol.backends import Stack
+from harness.diagnoses import replay
+from harness.stacks.stack import Stack
 from harness.cli import main
 from protocol_fixtures import tiny
 

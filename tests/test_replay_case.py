@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from harness.cli import main
-from harness.protocol import record, record_read
-from harness.protocol.backends import Stack
-from harness.runs.replay import sample_trajectories
-from harness.protocol.replay_record import LogprobMismatch, ReplayRecord
+from harness.records import record, read as record_read
+from harness.stacks.stack import Stack
+from harness.diagnoses.replay import sample_trajectories
+from harness.records.replay_record import LogprobMismatch, ReplayRecord
 from harness.reports.report import document, headline
 from harness.reports.document import markdown, to_html
 from harness.reports.replay_report import EXACT

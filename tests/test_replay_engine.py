@@ -12,11 +12,11 @@ import torch
 from click.testing import CliRunner
 
 from harness.cli import main
-from harness.protocol import record, record_read
-from harness.runs import replay
-from harness.protocol.backends import Stack
-from harness.runs.replay_gaps import STEP, gap
-from harness.protocol.replay_record import ReplayRecord
+from harness.records import record, read as record_read
+from harness.diagnoses import replay
+from harness.stacks.stack import Stack
+from harness.diagnoses.replay_gaps import STEP, gap
+from harness.records.replay_record import ReplayRecord
 from protocol_fixtures import tiny
 
 

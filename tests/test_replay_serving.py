@@ -11,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from harness.cli import main
-from harness.protocol.backends import Stack
-from harness.protocol.replay_record import ReplayRecord
-from harness.runs import replay
+from harness.stacks.stack import Stack
+from harness.records.replay_record import ReplayRecord
+from harness.diagnoses import replay
 from harness.runs.ledger import Ledger
 from protocol_fixtures import tiny
 

@@ -21,13 +21,13 @@ def models(model: str | None, length: int | None, fmt: str) -> None:
     preset or hf:<folder>), each layer type of that model (its state, its mechanisms) and which
     stacks serve it and why not, read from its config before any compute."""
     if model is None:
-        from harness.protocol.models import describe_presets
+        from harness.inputs.models import describe_presets
 
         click.echo(describe_presets(fmt))
         return
-    from harness.protocol.backends import builtin_backends
-    from harness.protocol.serving import describe_serving
-    from harness.runs.repro import check_model_name
+    from harness.stacks.backends import builtin_backends
+    from harness.stacks.serving import describe_serving
+    from harness.diagnoses.repro import check_model_name
 
     check_model_name(model)
     click.echo(describe_serving(model, builtin_backends(), fmt, length))

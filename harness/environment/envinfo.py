@@ -22,7 +22,8 @@ import numpy
 import torch
 
 from harness.environment.cpu import collect_cpu, numerics_env
-from kernels import LAUNCH_OPTIONS, mode_route
+from kernels import LAUNCH_OPTIONS
+from kernels.invariant import route as mode_route
 
 _GPU_FIELDS = (
     "name", "uuid", "compute_capability", "driver_version", "cuda_driver_version",
@@ -53,7 +54,7 @@ def collect(nvml=None) -> dict:
         "cpu": collect_cpu(),
         "numerics_env": numerics_env(),
         "triton_launch_options": dict(LAUNCH_OPTIONS),
-        # The tiled batch-invariant mode's routes kept for this machine (kernels.mode_route): a
+        # The tiled batch-invariant mode's routes kept for this machine (kernels.invariant.route): a
         # route changes a +bi stack's bits, and is timed once per machine, so it is recorded.
         "tiled_routes": {name: r["route"] for name, r in mode_route.kept().items()},
         "platform": platform.platform(),

@@ -17,7 +17,7 @@ a floor above.
 Bits are compared (so -0.0 differs from +0.0); a difference is reported with the first failing
 batch size or position and the max abs difference, never turned into a tolerance. An
 implementation that claims an invariance and fails it makes the result's `ok` False, and so does a
-deliberately variant twin (harness.protocol.twins) that a check fails to catch: that check could not fail.
+deliberately variant twin (harness.stacks.twins) that a check fails to catch: that check could not fail.
 Whether a stock op is invariant differs between machines (CPU instruction sets, BLAS paths): a
 stock row that passes a check is a finding, "stock invariant here", never an error.
 """
@@ -35,7 +35,7 @@ import torch
 from harness.environment import envinfo
 from harness.checks import check_cuda
 from kernels import DTYPES
-from harness.protocol.cache import bits_equal  # noqa: F401 (re-exported: the one bitwise comparison)
+from harness.states.cache import bits_equal  # noqa: F401 (re-exported: the one bitwise comparison)
 from harness.environment.measure import BATCH_SIZES, max_abs_diff, randn
 from harness.environment.probes import probe_stock
 from harness.environment.tiled import tiled_routes, union_probes
@@ -222,9 +222,9 @@ def _run_one(impl: Implementation, dtype: torch.dtype, device: torch.device, sha
 def measure_rows(pairs, device: str, shapes: Shapes, batch_sizes: Sequence[int], seed: int,
                  progress: Callable[[str], None] | None = None) -> tuple[list[dict], list[dict]]:
     """Each (op, implementation name, dtype) of `pairs` through `_run_one`, in order; the rows and
-    the tiled-mode call shapes probed in this process on the way (kernels.mode_tiled)."""
-    from kernels import mode_tiled
-    from kernels.mode import set_batch_invariant_mode
+    the tiled-mode call shapes probed in this process on the way (kernels.invariant.tiled)."""
+    from kernels.invariant import tiled as mode_tiled
+    from kernels.invariant.mode import set_batch_invariant_mode
 
     rows = []
     for op, name, dtype in pairs:
@@ -276,7 +276,7 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
     the shapes, the environment record and its key, and the duration. `quick`: small shapes and
     QUICK_BATCH_SIZES (for tests); batch sizes default to BATCH_SIZES otherwise. `stock_probes`:
     stock mm and SDPA searched over a grid of shapes for a witness of variance (harness.environment.probes).
-    `tiled_routes`: the tiled mode's tile and dtype route per dtype on this machine (kernels.mode_route).
+    `tiled_routes`: the tiled mode's tile and dtype route per dtype on this machine (kernels.invariant.route).
     `jobs` > 1: the rows measured in that many processes (harness.environment.invariance_jobs).
     """
     import kernels  # selects the Triton interpreter before triton loads, when there is no CUDA

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.environment.measure import BATCH_SIZES, max_abs_diff, randn
-from harness.protocol.cache import bits_equal
+from harness.states.cache import bits_equal
 from kernels import DTYPES
 
 # (K, N): SmolLM2's k/v projection, its MLP up projection, the down projection, a small odd one.

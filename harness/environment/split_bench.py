@@ -37,7 +37,7 @@ def measure(head_dim: int, group: int, context: int, dry_run: bool) -> dict:
     import torch
 
     from harness.environment.roofline import GPUS, Work, floor_us
-    from kernels.attention import AttentionConfig, attention, config_for
+    from kernels.attention.kernel import AttentionConfig, attention, config_for
 
     cuda = torch.cuda.is_available() and not dry_run
     device = torch.device("cuda" if cuda else "cpu")

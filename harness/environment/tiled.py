@@ -9,15 +9,15 @@ from kernels import DTYPES
 
 
 def union_probes(*lists: list[dict]) -> list[dict]:
-    """Tiled-mode probe verdicts (kernels.mode_tiled.verdicts) from several processes, each call
+    """Tiled-mode probe verdicts (kernels.invariant.tiled.verdicts) from several processes, each call
     shape, thread count and route once."""
     return list({(p["call"], p["threads"], p.get("route")): p for probes in lists for p in probes}.values())
 
 
 def tiled_routes(ran_tiled: bool, dtypes, device: torch.device) -> dict[str, dict]:
-    """The tiled mode's route per dtype at this thread count (kernels.mode_route: kept for this
+    """The tiled mode's route per dtype at this thread count (kernels.invariant.route: kept for this
     machine, so every process of a run takes the same), where tiled rows ran on a CPU."""
-    from kernels import mode_route
+    from kernels.invariant import route as mode_route
 
     if device.type != "cpu" or not ran_tiled:
         return {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from harness.protocol import surgery
+from harness.states import surgery
 from harness.errors import BadInput
 from harness.names import CONSTRUCTION_HELP
 _NUMBERED = (r"(?:chunked|batched):\d+|cobatched:\d+(?:\+decode)?"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.errors import Unavailable
+from harness.states.cache import top2
 from kernels import KernelRefusal
 
 
@@ -27,8 +28,8 @@ def cache_keyword(module: torch.nn.Module) -> str:
 
 def new_cache(module: torch.nn.Module):
     """An empty cache for this model: a dynamic cache with its layer classes, or the cache class
-    the model brings (harness.protocol.layers.empty_cache)."""
-    from harness.protocol.layers import empty_cache
+    the model brings (harness.states.layers.empty_cache)."""
+    from harness.states.layers import empty_cache
 
     return empty_cache(module)
 
@@ -94,12 +95,6 @@ def refusals_as_unavailable():
         yield
     except KernelRefusal as err:
         raise Unavailable(f"the stack cannot serve this model: {err}") from None
-
-
-def top2(logits: torch.Tensor) -> tuple[int, float]:
-    """Greedy token and its margin (top-1 minus top-2 logit, in fp32) for logits [V]."""
-    values, indices = torch.topk(logits.float(), 2)
-    return int(indices[0]), float(values[0] - values[1])
 
 
 def as_batch(ids, rows: int = 1) -> torch.Tensor:

@@ -45,7 +45,7 @@ def check_rollback(model, arms) -> None:
     """Refuse, before any compute, a prefix-cache hit or a speculative arm on a model with a
     recurrent layer state, which a cut cannot put back (RollbackError, exit 3)."""
     from harness.protocol.constructions import parse_construction
-    from harness.protocol.serving import describe_layers
+    from harness.stacks.serving import describe_layers
 
     serving_arms = [a for a in arms if parse_construction(a).kind in KINDS]
     if not serving_arms:

@@ -201,7 +201,7 @@ def model_steps(rows: list[dict]) -> list[dict]:
 
 
 def _note(step: dict) -> str:
-    """What ran: the interpreter, or the tiled mode's route per dtype (kernels.mode_route)."""
+    """What ran: the interpreter, or the tiled mode's route per dtype (kernels.invariant.route)."""
     if step["interpreter"]:
         return "Triton interpreter"
     return "; ".join(f"tiled {name}: {'widened to fp32, ' if r.get('widen') else ''}tiles of {r.get('tile')}"

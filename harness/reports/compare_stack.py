@@ -9,7 +9,7 @@ about where tokens part and each run's first bad layer against live (FINGERPRINT
 
 from __future__ import annotations
 
-from harness.protocol.record import CrossingRecord, ItemRecord
+from harness.records.record import CrossingRecord, ItemRecord
 from harness.runs.aggregate import rate
 from harness.reports.document import interval_text, number
 from harness.runs.rows import cell_label

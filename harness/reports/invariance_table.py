@@ -64,7 +64,7 @@ def probe_blocks(rows: list[dict]) -> list:
 
 
 def route_lines(routes: dict[str, dict]) -> list[str]:
-    """The tiled mode's route per dtype (kernels.mode_route) and the timings it was chosen by."""
+    """The tiled mode's route per dtype (kernels.invariant.route) and the timings it was chosen by."""
     lines = []
     for name, r in sorted(routes.items()):
         route, stock = r["route"], r.get("stock_ms")

@@ -1,4 +1,3 @@
-"""Runs: cases, the matrix, the ledger, aggregates, audits, and the diagnoses on one item
-(repro, replay, blame)."""
+"""Runs: cases, the matrix of units, the ledger, aggregates and audits."""
 
 import kernels  # noqa: F401  (sets TRITON_INTERPRET before triton loads, on machines without CUDA)

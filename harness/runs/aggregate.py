@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 
-from harness.protocol.plain import as_plain
-from harness.protocol.record import CrossingRecord, ItemRecord
-from harness.runs.replay import aggregate as replay_aggregate
-from harness.runs.replay_gaps import ENGINE, STEP, aggregate_gaps
-from harness.protocol.replay_record import ReplayRecord
+from harness.records.plain import as_plain
+from harness.records.record import CrossingRecord, ItemRecord
+from harness.diagnoses.replay import aggregate as replay_aggregate
+from harness.diagnoses.replay_gaps import ENGINE, STEP, aggregate_gaps
+from harness.records.replay_record import ReplayRecord
 from harness.runs import stats
 
 OUTCOMES = ("donor", "recipient", "third", "boundary")
@@ -40,7 +40,7 @@ def _spread(xs: list[float]) -> dict:
 
 def aggregate(units, design: dict | None = None) -> dict:
     """Per-stack aggregates (and the crossing) of stored units (`.item_index`, `.stack`,
-    `.record`: harness.protocol.record); `design` is the run's design (its transplant control
+    `.record`: harness.records.record); `design` is the run's design (its transplant control
     sample)."""
     design = design or {}
     controls = set(design.get("control_indices", []))
@@ -148,7 +148,7 @@ def _d_rel_per_layer(caches: list, layers: int) -> dict[str, list[float | None]]
 
 
 def _replay(units: list) -> dict:
-    """Per construction over the stack's trajectories: harness.runs.replay.aggregate."""
+    """Per construction over the stack's trajectories: harness.diagnoses.replay.aggregate."""
     records = [u.record for u in sorted(units, key=lambda u: u.item_index)]
     return {c: replay_aggregate([as_plain(r.constructions[c]) for r in records
                                  if c in r.constructions])
@@ -157,7 +157,7 @@ def _replay(units: list) -> dict:
 
 def _replay_engine(units: list) -> dict:
     """With an engine reference on every trajectory: per gap (engine~step-by-step, then
-    step-by-step~C and engine~C per construction C), harness.runs.replay_gaps.aggregate_gaps."""
+    step-by-step~C and engine~C per construction C), harness.diagnoses.replay_gaps.aggregate_gaps."""
     records = [u.record for u in sorted(units, key=lambda u: u.item_index)]
     if not records or any(r.engine is None for r in records):
         return {}

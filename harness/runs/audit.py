@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.environment import envinfo
-from harness.protocol.record_read import from_json
+from harness.records.read import from_json
 from harness.runs.case import stored_case
 from harness.runs.ledger import Ledger
 from harness.runs.ledger_file import record_sha

@@ -21,13 +21,14 @@ import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from harness.protocol.backends import DTYPES, Stack, backend_names, parse_stack
+from harness.stacks.backends import DTYPES, backend_names
+from harness.stacks.stack import Stack, parse_stack
 from harness.runs.case_fields import CaseError, Validator
 from harness.runs.case_stacks import stack_groups, stack_tables
 from harness.checks import construction_reason, count_reason
-from harness.protocol.items import item_set_reason, load_item_set
-from harness.runs.rescore import ALLOWED as REPLAY_ALLOWED, CONSTRUCTIONS as REPLAY_CONSTRUCTIONS
-from harness.protocol.models import PRESETS, model_names
+from harness.inputs.items import item_set_reason, load_item_set
+from harness.diagnoses.rescore import ALLOWED as REPLAY_ALLOWED, CONSTRUCTIONS as REPLAY_CONSTRUCTIONS
+from harness.inputs.models import PRESETS, model_names
 from harness.protocol.protocol import (CONSTRUCTION_HELP, ItemPlan, ProtocolError, TransplantSpec,
                               parse_transplant)
 

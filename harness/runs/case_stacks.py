@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import itertools
 
-from harness.protocol.backends import DTYPES, Stack, backend_names
+from harness.stacks.backends import DTYPES, backend_names
+from harness.stacks.stack import Stack
 from harness.checks import device_reason, threads_reason
 
 

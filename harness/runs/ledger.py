@@ -2,7 +2,7 @@
 
 A run stores its case (text and hash), what it fixed before any result (`design`), its
 environment record and key, the git revision, its times and status. A unit is one (item, stack)
-measurement, or one item's precision crossing, stored with its full record (harness.protocol.record,
+measurement, or one item's precision crossing, stored with its full record (harness.records.record,
 as its JSON text with a checksum) so reports and audits can recompute everything; the ledger
 never looks inside a record beyond its status and its rows (harness.runs.rows). Each unit's rows (one per arm, comparison,
 transplant, crossing cell) carry metrics and fingerprints, and are written with the unit in ONE
@@ -21,8 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from harness.errors import BadInput
-from harness.protocol.record import CrossingRecord, RecordRefused, to_json
-from harness.protocol.record_read import from_json
+from harness.records.record import CrossingRecord, RecordRefused, to_json
+from harness.records.read import from_json
 from harness.runs.lease import Lease, this_process
 from harness.runs.ledger_file import LedgerRefused, Transaction, connect, record_sha
 from harness.runs.rows import fingerprints, record_rows

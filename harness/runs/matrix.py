@@ -23,15 +23,15 @@ from harness.environment import envinfo
 from harness.runs.case import Case, CaseError
 from harness.checks import check_cuda, selection_reason
 from harness.errors import BadInput, DiskFull, Unavailable
-from harness.protocol.backends import check_supports
+from harness.stacks.stack import check_supports
 from harness.protocol.engine_arms import check_rollback
-from harness.protocol.items import load_item_set, match_answer
+from harness.inputs.items import load_item_set, match_answer
 from harness.runs.ledger import Ledger, LedgerError, new_run_id
 from harness.runs.ledger_file import probe
-from harness.protocol.models import ModelUnavailable, load_model
+from harness.inputs.models import ModelUnavailable, load_model
 from harness.protocol.protocol import ProtocolError, run_crossing, run_item
-from harness.protocol.record import CrossingRecord
-from harness.runs.replay import replay_unit
+from harness.records.record import CrossingRecord
+from harness.diagnoses.replay import replay_unit
 from harness.names import CASES
 from harness.runs import replay_matrix
 

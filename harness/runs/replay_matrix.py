@@ -1,15 +1,15 @@
 """A replay case bound to its model: the trajectories loaded and checked before any compute.
 
 Its units are (stack, trajectory): `Matrix.measure` re-scores one trajectory on one stack with
-harness.runs.replay (the code `kvfid replay` runs), into a ReplayRecord the ledger stores.
+harness.diagnoses.replay (the code `kvfid replay` runs), into a ReplayRecord the ledger stores.
 """
 
 from __future__ import annotations
 
-from harness.protocol.backends import check_supports
+from harness.stacks.stack import check_supports
 from harness.protocol.engine_arms import check_rollback
-from harness.runs.replay import check_fits, load_trajectories
-from harness.runs.rescore import check_constructions
+from harness.diagnoses.replay import check_fits, load_trajectories
+from harness.diagnoses.rescore import check_constructions
 from harness.runs.case_fields import CaseError
 
 

@@ -1,6 +1,6 @@
 """The rows of a unit's record: what the ledger's rows table holds and what audit compares.
 
-A record (harness.protocol.record: `run_item`'s or `run_crossing`'s, or a ReplayRecord) is stored
+A record (harness.records.record: `run_item`'s or `run_crossing`'s, or a ReplayRecord) is stored
 whole; its rows (one per arm, comparison, replica, transplant, crossing cell, replayed
 construction) are a projection of it: metrics
 for queries and fingerprints for `audit`. `record_rows` is that projection, `fingerprints` its
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from harness.protocol.cache import sha_ids
-from harness.protocol.record import Comparison, CrossingRecord, ItemRecord
-from harness.protocol.replay_record import ReplayRecord
+from harness.states.cache import sha_ids
+from harness.records.record import Comparison, CrossingRecord, ItemRecord
+from harness.records.replay_record import ReplayRecord
 
 
 def record_rows(record: ItemRecord | CrossingRecord) -> list[tuple[str, str, dict, dict]]:

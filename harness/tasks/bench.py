@@ -96,10 +96,10 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
 
 def _tiled_line(kernel_probes: list[dict], kernel_routes: dict[str, dict]) -> str:
     """What the tiled batch-invariant mode's probes found: those of the kernel table (its
-    processes) and of this one (kernels.mode_tiled), each call shape once; and the route each
-    dtype takes on this machine (kernels.mode_route)."""
+    processes) and of this one (kernels.invariant.tiled), each call shape once; and the route each
+    dtype takes on this machine (kernels.invariant.route)."""
     from harness.environment.invariance import union_probes
-    from kernels import mode_route, mode_tiled
+    from kernels.invariant import route as mode_route, tiled as mode_tiled
 
     probes = union_probes(kernel_probes, mode_tiled.verdicts())
     kernel_routes = {**kernel_routes, **mode_route.routes()}
@@ -111,7 +111,7 @@ def _tiled_line(kernel_probes: list[dict], kernel_routes: dict[str, dict]) -> st
 
 
 def route_text(routes: dict[str, dict]) -> str:
-    """The tiled mode's routes (kernels.mode_route.routes(), e.g. of the kernel table) in words."""
+    """The tiled mode's routes (kernels.invariant.route.routes(), e.g. of the kernel table) in words."""
     if not routes:
         return "routes: none chosen (no tiled call on this CPU)"
     return "routes: " + ", ".join(

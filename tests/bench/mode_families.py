@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import mode_models as mm  # noqa: E402
 
-from kernels.mode import set_batch_invariant_mode  # noqa: E402
+from kernels.invariant.mode import set_batch_invariant_mode  # noqa: E402
 from kernels.recurrence import faithful_recurrence  # noqa: E402
 
 

@@ -25,7 +25,7 @@ import torch
 
 import kernels  # noqa: F401  (selects the Triton interpreter without CUDA)
 from harness.environment.invariance import DTYPES, IMPLEMENTATIONS
-from kernels.mode import set_batch_invariant_mode
+from kernels.invariant.mode import set_batch_invariant_mode
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")

@@ -4,7 +4,7 @@ tests/bench --benchmark-only -k model`.
 Declared as data (MODEL_STACKS, PHASES, CONTEXTS): a decode step (one token after a cache of the
 context's length) and a prefill (the context's tokens into a fresh cache), on the stock stack
 (sdpa/bf16, the ratio's baseline), the native faithful stack (native attention + the
-batch-invariant mode, kernels.attention_native) and the Triton faithful stack, whose attention runs
+batch-invariant mode, kernels.attention.native) and the Triton faithful stack, whose attention runs
 in the Triton interpreter on a CPU (its cost reported beside the native one, never as the kernel's
 GPU speed). CONTEXTS is the scale curve: how the cost of faithfulness grows with the prefix. Per
 context, the baseline stack builds the cache every decode step reads once (only the step is timed)
@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import kernels
-from harness.protocol.backends import parse_stack
+from harness.stacks.stack import parse_stack
 from harness.protocol.decode import cache_keyword, new_cache
-from kernels import mode_route
+from kernels.invariant import route as mode_route
 
 from test_bench_kernels import budget, device_clock, schedule
 
@@ -52,7 +52,7 @@ pytestmark = pytest.mark.benchmark(timer=device_clock)
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from harness.protocol.models import ModelUnavailable, load_model
+    from harness.inputs.models import ModelUnavailable, load_model
 
     try:
         return load_model(MODEL)

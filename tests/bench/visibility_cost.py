@@ -18,9 +18,9 @@ import time
 import torch
 
 import kernels  # noqa: F401  (the interpreter switch, before triton)
-from kernels import attention as triton_attention
-from kernels import attention_native as native
-from kernels.attention_reference import segment_mask
+from kernels.attention import kernel as triton_attention
+from kernels.attention import native
+from kernels.attention.reference import segment_mask
 
 PROGRAM = {"prompt": 128, "branches": (96, 96, 96), "merge": 96}  # 512 tokens
 

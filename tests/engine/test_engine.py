@@ -14,11 +14,11 @@ from click.testing import CliRunner
 pytest.importorskip("vllm", reason="vLLM is not installed here; `make install-vllm`, then `make test-vllm`")
 
 from harness.cli import main  # noqa: E402
-from harness.runs import replay  # noqa: E402
-from harness.protocol.backends import Stack  # noqa: E402
-from harness.protocol.engine_check import engine_check, render  # noqa: E402
-from harness.protocol.models import load_model  # noqa: E402
-from harness.runs.replay_gaps import STEP  # noqa: E402
+from harness.diagnoses import replay  # noqa: E402
+from harness.stacks.stack import Stack  # noqa: E402
+from harness.engines.check import engine_check, render  # noqa: E402
+from harness.inputs.models import load_model  # noqa: E402
+from harness.diagnoses.replay_gaps import STEP  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_batch_invariance_is_said_plainly_where_vllm_does_not_apply_it():
     (vLLM installs its batch-invariant overrides from the GPU worker), and the table says so."""
     from vllm.platforms import current_platform
 
-    from harness.protocol import engine
+    from harness.engines import engine
 
     note = engine.batch_invariant_refusal()
     if current_platform.is_cuda_alike() or current_platform.is_xpu():

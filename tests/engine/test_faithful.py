@@ -14,8 +14,8 @@ from click.testing import CliRunner
 pytest.importorskip("vllm", reason="vLLM is not installed here; `make install-vllm`, then `make test-vllm`")
 
 from harness.cli import main  # noqa: E402
-from harness.protocol import engine_faithful, engine_kv  # noqa: E402
-from harness.protocol.engine_check import engine_check, render  # noqa: E402
+from harness.engines import faithful as engine_faithful, kv as engine_kv  # noqa: E402
+from harness.engines.check import engine_check, render  # noqa: E402
 
 CONSTRUCTIONS = "prefill,chunked:8,cached:prompt,spec:2"
 
@@ -55,10 +55,10 @@ def test_the_plugin_is_an_entry_point_and_restores_what_it_overrides():
     from vllm.model_executor.layers import utils
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from kernels.mode import batch_invariant_mode
+    from kernels.invariant.mode import batch_invariant_mode
 
     plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert plugins.get("kvfid_faithful") == "harness.protocol.engine_faithful:register"
+    assert plugins.get("kvfid_faithful") == "harness.engines.faithful:register"
     engine_faithful.register()                       # without KVFID_FAITHFUL=1: nothing changes
     member, stock = AttentionBackendEnum.CPU_ATTN, utils.dispatch_cpu_unquantized_gemm
     assert not member.is_overridden() and batch_invariant_mode() is None
@@ -119,8 +119,8 @@ def test_stock_rollouts_replay_with_an_engine_gap(tiny_folder, tmp_path, dtype):
 ENGINE_PROCESS = """
 import os, sys
 def info(worker):
-    from harness.protocol.engine_kv import attention_layers
-    from kernels.mode import batch_invariant_mode
+    from harness.engines.kv import attention_layers
+    from kernels.invariant.mode import batch_invariant_mode
     return (os.getpid(), sorted({type(l.impl).__name__ for l in attention_layers(worker.model_runner)}),
             batch_invariant_mode())
 if __name__ == "__main__":

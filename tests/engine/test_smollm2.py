@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; `make install-vllm`, then `make test-vllm`")
 
-from harness.protocol import engine  # noqa: E402
-from harness.protocol.models import load_model  # noqa: E402
+from harness.engines import engine  # noqa: E402
+from harness.inputs.models import load_model  # noqa: E402
 
 
 def test_the_converted_smollm2_folder_generates_in_vllm():

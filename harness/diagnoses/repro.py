@@ -1,0 +1,173 @@
+"""`kvfid repro`: one item on one stack, every input checked before any compute.
+
+`prepare` turns the command's options into a model, a stack, an item and a plan, refusing bad
+input with `BadInput` (exit 2: the option, the value, what is allowed) and what this machine
+cannot do with `Unavailable` (exit 3): unknown models, devices, thread counts, prompts that are
+empty or not UTF-8, item sets that cannot be read, item indices out of range, transplant
+selections outside the model's layers or the boundary prefix, prompts that do not fit, models
+the stack's attention backend cannot serve. `measure` runs what `prepare` checked; `repro` is the
+whole command: prepare, measure, the verdict and the environment record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness import checks
+from harness.protocol.engine_arms import check_rollback
+from harness.stacks.stack import Stack, check_supports
+from harness.errors import BadInput
+from harness.names import BIT_EXACT, DIVERGES, MODEL_NAMES, PRESET_NAMES
+from harness.inputs.models import load_model
+from harness.protocol.protocol import ItemPlan, parse_transplant
+
+
+@dataclass
+class Repro:
+    """What `kvfid repro` measures, checked."""
+
+    model: object
+    stack: Stack
+    item: object
+    plan: ItemPlan
+    cross_stacks: list
+
+
+def prepare(model_name: str, prompt: str | None, item_set: str | None, item_index: int | None,
+            backend: str, dtype: str, batch_invariant: bool, device: str, threads: int | None,
+            boundary: int, suffix: int, arms: str, replicas: str, transplants, cross,
+            ignore_eos: bool = False, compiled: bool = False,
+            faithful_recurrence: bool | None = None) -> Repro:
+    """Check every option, then load the model and check what needs it (layers, context)."""
+    check_model_name(model_name)
+    stack = checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
+                          faithful_recurrence)
+    try:
+        plan = ItemPlan(boundary, suffix, tuple(a for a in arms.split(",") if a),
+                        tuple(r for r in replicas.split(",") if r),
+                        tuple(parse_transplant(t) for t in transplants), ignore_eos=ignore_eos)
+        cross_stacks = [stack.with_dtype(d) for d in cross.split(",")] if cross else []
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+    for arm in plan.arms:
+        checks.require(checks.construction_reason(arm), "--arms", arm)
+    item = pick_item(prompt, item_set, item_index)
+    model = load_model(model_name)
+    prompt_length = len(model.codec.prompt_ids(item.prompt))
+    plan.check_fits(prompt_length, model.context_length)
+    for each in [stack, *cross_stacks]:
+        check_supports(each, model, prompt_length + boundary + suffix)
+    check_rollback(model, plan.arms)
+    layers = int(model.config.num_hidden_layers)
+    for spec in plan.transplants:
+        checks.require(checks.selection_reason(spec.selection, layers, prompt_length + boundary),
+                       "--transplant", spec.label)
+    return Repro(model, stack, item, plan, cross_stacks)
+
+
+def check_model_name(model_name: str) -> None:
+    """Refuse a model that is neither a preset nor hf:<folder> (exit 2), before any loading."""
+    if model_name not in PRESET_NAMES and not (model_name.startswith("hf:") and len(model_name) > 3):
+        raise BadInput(f"--model: unknown model {model_name!r}; valid: {', '.join(MODEL_NAMES)}")
+
+
+def checked_stack(backend: str, dtype: str, batch_invariant: bool, device: str,
+                  threads: int | None, compiled: bool = False,
+                  faithful_recurrence: bool | None = None) -> Stack:
+    """The stack of a command's options, each checked (exit 2 naming what is allowed)."""
+    checks.device_and_threads(device, threads)
+    try:
+        return Stack(backend, dtype, batch_invariant, device, threads, compiled,
+                     faithful_recurrence=faithful_recurrence)
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+
+
+def pick_item(prompt: str | None, item_set: str | None, item_index: int | None):
+    """The item of `--prompt`, or of `--item-set` and `--item`."""
+    from harness.inputs import items
+
+    if (prompt is None) == (item_set is None):
+        raise BadInput("give exactly one of --prompt or --item-set/--item")
+    if prompt is not None:
+        checks.require(checks.prompt_reason(prompt), "--prompt", prompt)
+        return items.Item(id="prompt", prompt=prompt, answer=None)
+    if item_index is None or not 0 <= item_index < checks.MAX_ITEMS:
+        raise BadInput(f"--item = {item_index!r} is not allowed; --item-set needs --item N with "
+                       f"0 <= N < {checks.MAX_ITEMS}")
+    try:
+        chosen = items.load_item_set(item_set, item_index + 1 if not item_set.startswith("jsonl:") else None)
+    except ValueError as err:
+        raise BadInput(f"--item-set {item_set}: {err}") from None
+    if item_index >= len(chosen):
+        raise BadInput(f"--item = {item_index} is not allowed; {item_set} has {len(chosen)} "
+                       f"items (0 to {len(chosen) - 1})")
+    return chosen[item_index]
+
+
+def measure(repro: Repro):
+    """Run the checked repro: the item's ItemRecord, with its crossing when asked for."""
+    from dataclasses import replace
+
+    from harness.inputs.items import match_answer
+    from harness.protocol.protocol import run_crossing, run_item
+
+    record = run_item(repro.model, repro.stack, repro.item, repro.plan, matcher=match_answer)
+    if repro.cross_stacks:
+        record = replace(record, crossing=run_crossing(repro.model, repro.item, repro.stack,
+                                                       repro.cross_stacks, repro.plan.B,
+                                                       repro.plan.S))
+    return record
+
+
+def verdict(record) -> str | None:
+    """`bit-exact` or `diverges` (harness.names.VERDICT_HELP) of an ItemRecord; None when nothing
+    was compared with live (live ended before B tokens, or live was the only arm)."""
+    against_live = [c for c in record.comparisons if c.kind in ("arm", "bridge")]
+    if not record.ok or not against_live:
+        return None
+    exact = all(c.prefix_identical and c.bit_exact and c.suffix.identical for c in against_live)
+    return BIT_EXACT if exact else DIVERGES
+
+
+@dataclass
+class ReproOutcome:
+    """What `kvfid repro` prints, and whether the verdict is the expected one."""
+
+    record: object           # harness.records.record.ItemRecord
+    codec: object
+    environment: dict
+    environment_key: str
+
+    @property
+    def verdict(self) -> str | None:
+        return verdict(self.record)
+
+    def passed(self, expect: str | None) -> bool:
+        return expect is None or self.verdict == expect
+
+    def to_json(self) -> dict:
+        from dataclasses import replace
+
+        from harness.records.record import to_dict
+
+        return {**to_dict(replace(self.record, environment=self.environment)),
+                "verdict": self.verdict, "environment_key": self.environment_key}
+
+    def text(self) -> str:
+        from harness.diagnoses import render
+
+        shown = self.verdict or "none (nothing was compared with live)"
+        return f"{render.item_text(self.record, self.codec)}\n\nverdict: {shown}"
+
+
+def repro(**options) -> ReproOutcome:
+    """`kvfid repro`: every option checked (exit 2 / 3), the item measured, the verdict and the
+    environment it was measured in."""
+    from harness.environment import envinfo
+
+    checked = prepare(**options)
+    record = measure(checked)
+    environment = envinfo.collect()
+    return ReproOutcome(record, checked.model.codec, environment,
+                        envinfo.environment_key(environment))

@@ -1,0 +1,94 @@
+"""How a supplied trajectory is scored: the generator's reference and each re-scoring construction.
+
+The **reference** is what a generator computes: the prompt in one call, then one continuation
+token at a time over the cache, each step's next-token logits at one position. A **re-scoring**
+keeps the logits at every continuation position the way a trainer or an engine builds them:
+
+* `prefill`: one forward over prompt + continuation, logits at every position; `chunked:N` the
+  same through the cache in chunks of N; `batched:N` the prefill with N identical rows.
+* `cached:K`: an engine's prefix-cache hit. An earlier, different request prefilled ids[:K] plus
+  another continuation and was cut back to K; the rest is fed in one forward with all its
+  logits. The logits predicting the first continuation token sit at the prompt's last position,
+  so K is at most len(prompt) - 1; `cached:prompt` is exactly that (an engine recomputes the last
+  cached token to get its logits); a fraction is of the whole trajectory (prompt + continuation).
+* `spec:k[+pattern]`: the continuation verified as a speculative decoder verifies it, k drafts
+  plus one per forward, the accepted positions' rows kept; the acceptance pattern is returned.
+
+The engine constructions run through harness.protocol.engine_arms.feed_rows, the code of the
+protocol's `cached:K` and `spec:k` arms, over the trajectory without its last token (which no
+logits are asked after), exactly the ids the reference feeds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.protocol import engine_arms
+from harness.protocol.constructions import parse_construction
+from harness.protocol.decode import Runner, as_batch, new_cache
+from harness.inputs.trajectories import Trajectory
+
+CONSTRUCTIONS = ("prefill", "chunked", "batched", "cached", "spec")
+ALLOWED = "prefill, chunked:N, batched:N, cached:K, spec:k"
+
+
+def reference_logits(runner: Runner, t: Trajectory) -> torch.Tensor:
+    """The generator's next-token logits for each continuation token: [len(tokens), V]."""
+    cache = new_cache(runner.module)
+    rows = [runner.forward(as_batch(t.prompt_ids), cache)[0]]
+    for token in t.tokens[:-1]:
+        rows.append(runner.forward(as_batch([token]), cache)[0])
+    return torch.stack(rows)
+
+
+def rescored_logits(runner: Runner, t: Trajectory, construction: str
+                    ) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """Each continuation token's logits under `construction`, [len(tokens), V], and for
+    `spec:k` the accepted draft count of each verification step."""
+    c = parse_construction(construction)
+    check_constructions([construction])
+    ids = list(t.prompt_ids + t.tokens)
+    first = len(t.prompt_ids) - 1  # position whose logits predict the first continuation token
+    if c.kind in engine_arms.KINDS:
+        vocab_size = runner.module.config.get_text_config().vocab_size
+        k = cached_length(c, t) if c.kind == "cached" else None
+        return engine_arms.feed_rows(runner, new_cache(runner.module), c, len(t.prompt_ids),
+                                     ids[:-1], vocab_size, first, cached_length=k)
+    if c.kind == "chunked":
+        cache, parts, start = new_cache(runner.module), [], 0
+        for size in c.chunk_sizes(len(t.prompt_ids), len(ids)):
+            parts.append(runner.forward_all(as_batch(ids[start:start + size]), cache)[0])
+            start += size
+        logits = torch.cat(parts)  # [T, V]
+    else:
+        rows = c.n if c.kind == "batched" else 1
+        logits = runner.forward_all(as_batch(ids, rows), None)[0]
+    return logits[first:first + len(t.tokens)], None
+
+
+def cached_length(c, t: Trajectory) -> int:
+    """How many leading tokens of the trajectory `cached:K` takes from the earlier request;
+    ValueError (exit 2 at the command) when K passes the prompt's last position."""
+    last = len(t.prompt_ids) - 1
+    if c.variant == "prompt":
+        k = last
+    elif c.variant is not None:   # a fraction of the whole trajectory
+        k = int(float(c.variant) * (len(t.prompt_ids) + len(t.tokens)))
+    else:
+        k = c.n
+    if not 1 <= k <= last:
+        raise ValueError(f"{c.label} on trajectory {t.id!r}: K={k} must be at least 1 and at "
+                         f"most {last}, the prompt's last position, whose logits predict the "
+                         f"first continuation token (prompt {len(t.prompt_ids)} tokens)")
+    return k
+
+
+def check_constructions(constructions, trajectories=()) -> None:
+    """Refuse a construction a trainer or engine does not re-score by (live, incremental,
+    cobatched), and a `cached:K` whose K passes a trajectory's prompt (ValueError)."""
+    for construction in constructions:
+        c = parse_construction(construction)
+        if c.kind not in CONSTRUCTIONS:
+            raise ValueError(f"replay re-scores by {ALLOWED}; got {construction!r}")
+        for t in trajectories if c.kind == "cached" else ():
+            cached_length(c, t)

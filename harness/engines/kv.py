@@ -1,0 +1,118 @@
+"""The engine state: each layer's K and V for a request, read out of vLLM's paged cache, and the
+in-engine KV rows compared with the protocol's own code (`cache.compare_states`).
+
+vLLM-CPU keeps a layer's cache as [blocks, H_kv, block, 2 * D]: the first half of a block's
+memory holds its keys, the second its values, each in a layout its writer chooses per ISA (AMX
+bf16 packs pairs of key dims and pairs of value positions; the vector ISA stores keys transposed).
+The layout is not guessed: `paged_layout` writes index-coded keys and values with vLLM's own writer
+(`cpu_attn_reshape_and_cache`) and records where each element landed, so reading inverts exactly
+what the engine did. A request's blocks come from the model runner (`requests[id].block_ids`),
+which keeps a finished request until the next step starts; `read_states` is called right after
+the request's `generate`, through `collective_rpc`, before any other step can reuse its blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import torch
+
+from harness.states.cache import BoundaryState, compare_states
+
+
+@functools.lru_cache(maxsize=None)
+def paged_layout(isa: str, dtype: torch.dtype, block: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per part (k, v): `where[m]` = the index (position * head + dim) of the element the writer
+    stores at memory offset m of a [block, head] block. Index-coded in base 256 (bf16-exact)."""
+    from vllm import _custom_ops as ops
+
+    index = torch.arange(block * head)
+    found = []
+    for digit in (index // 256, index % 256):
+        rows = digit.view(block, 1, head).to(dtype).contiguous()       # [T, H=1, D]
+        cache = torch.full((2, 1, 2 * block, head), -1.0, dtype=dtype)
+        keys, values = cache.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(rows, rows, keys, values, torch.arange(block, 2 * block),
+                                       isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        found.append((keys[1, 0].flatten().long(), values[1, 0].flatten().long()))
+    where = tuple(hi * 256 + lo for hi, lo in zip(*found))
+    for part in where:
+        if not torch.equal(part.sort().values, index):
+            raise RuntimeError(f"vLLM's {isa} KV writer is not a permutation of a block; cannot read it")
+    return where
+
+
+def unpack_blocks(memory: torch.Tensor, where: torch.Tensor, block: int, head: int) -> torch.Tensor:
+    """[blocks, H, block * head] in the writer's layout -> [H, blocks * block, head]."""
+    out = torch.empty_like(memory)
+    out[..., where] = memory                                            # scatter back to index order
+    return out.view(memory.shape[0], memory.shape[1], block, head).permute(1, 0, 2, 3).flatten(1, 2)
+
+
+def attention_layers(runner) -> list:
+    """The runner's attention layers in layer order."""
+    context = runner.compilation_config.static_forward_context
+    named = [(name, layer) for name, layer in context.items()
+             if hasattr(layer, "kv_cache") and hasattr(layer, "impl")]
+    return [layer for _, layer in sorted(named, key=lambda item: int(re.findall(r"\.(\d+)\.", item[0])[0]))]
+
+
+def read_on_worker(worker, wanted: dict[str, int]) -> dict[str, tuple[list, list]]:
+    """On the engine's worker: per request id, every layer's K and V [1, H_kv, n, D] over its
+    first n positions (`wanted[id]` = n), unpacked from the paged cache."""
+    runner = worker.model_runner
+    held = {key.rsplit("-", 1)[0]: state for key, state in runner.requests.items()}
+    out = {}
+    for request, length in wanted.items():
+        if request not in held:
+            raise RuntimeError(f"request {request} is no longer held by the model runner")
+        keys, values = [], []
+        for layer in attention_layers(runner):
+            cache = layer.kv_cache                           # [blocks, H, block, 2 * D]
+            blocks, heads, block, width = cache.shape
+            head = width // 2
+            ids = torch.tensor(held[request].block_ids[0][:-(-length // block)], dtype=torch.long)
+            where_k, where_v = paged_layout(layer.isa, cache.dtype, block, head)
+            memory = cache[ids].view(len(ids), heads, 2, block * head)
+            keys.append(unpack_blocks(memory[:, :, 0], where_k, block, head)[None, :, :length].clone())
+            values.append(unpack_blocks(memory[:, :, 1], where_v, block, head)[None, :, :length].clone())
+        out[request] = (keys, values)
+    return out
+
+
+def read_states(llm, requests: list[str], sequences: list[list[int]]) -> list[BoundaryState]:
+    """The engine state of each request over its sequence (the positions its cache holds)."""
+    read = llm.collective_rpc(read_on_worker, args=({r: len(s) for r, s in zip(requests, sequences)},))[0]
+    return [BoundaryState(s, keys=read[r][0], values=read[r][1]) for r, s in zip(requests, sequences)]
+
+
+def trimmed(state: BoundaryState, length: int) -> BoundaryState:
+    """The state over its first `length` positions."""
+    return BoundaryState(state.prefix[:length], keys=[k[:, :, :length] for k in state.keys],
+                         values=[v[:, :, :length] for v in state.values])
+
+
+def compare_rows(a: list[BoundaryState], b: list[BoundaryState], lengths: list[int] | None = None) -> dict:
+    """One KV row: pairs of engine states compared over their common positions (or `lengths`)."""
+    per_layer: dict[int, list[float]] = {}
+    row = {"items": len(a), "items_exact": 0, "first_bad_layer": None, "first_position": None,
+           "n_diff": 0, "max_abs": 0.0, "max_ulp": 0, "d_rel": 0.0, "positions": 0}
+    for i, (x, y) in enumerate(zip(a, b)):
+        n = lengths[i] if lengths else min(len(x.prefix), len(y.prefix))
+        cmp = compare_states(trimmed(x, n), trimmed(y, n))
+        row["positions"] += n
+        row["items_exact"] += cmp["bit_exact"]
+        for key, pick in (("first_bad_layer", min), ("first_position", min)):
+            if cmp[key] is not None:
+                row[key] = cmp[key] if row[key] is None else pick(row[key], cmp[key])
+        row["n_diff"] += cmp["n_diff"]
+        row["max_abs"] = max(row["max_abs"], cmp["max_abs"])
+        row["max_ulp"] = max(row["max_ulp"], cmp["max_ulp"])
+        row["d_rel"] = max(row["d_rel"], cmp["d_rel"])
+        for layer in cmp["layers"]:
+            per_layer.setdefault(layer["layer"], []).append(max(layer["k"]["d_rel"], layer["v"]["d_rel"]))
+    row["d_rel_per_layer"] = [max(per_layer[i]) for i in sorted(per_layer)]
+    row["d_rel_aggregation"] = ("per item over every layer's K and V concatenated, then the worst "
+                                "item; per layer: the worst of K and V, worst item")
+    return row

@@ -1,0 +1,122 @@
+"""The `+compile` stack option: the model's forward under `torch.compile` (inductor).
+
+Compiled kernels specialise on shapes and fuse ops into code inductor writes itself (C++ on CPU,
+Triton on CUDA), so a stack that is invariant eagerly need not be invariant compiled: that is what
+the option measures. The forward is compiled with dynamic shapes, so one graph serves every
+sequence length (a length of 1 is specialised by torch, so a decode step gets its own graph); the
+protocol's untimed warm-up (a prompt forward and one decode step) pays those compiles, which keeps
+compile time apart from the arms' time. A later new shape (a batch of 2) may still compile inside
+an arm. Dynamo's caches are reset on entry and on exit, so no graph traced under one stack (its
+batch-invariant overrides, its attention) is ever reused by another.
+
+A stack whose forward dynamo cannot compile whole is refused before compute: its backend says
+why (`AttentionBackend.compile_refusal`; e.g. the native kernel's host reads break the graph in
+every layer and push transformers' shared decorated frame past dynamo's recompile limit, so part
+of it would run eagerly: measured, see kernels.hf.COMPILE_BREAKS). `kvfid blame` compiles units
+one by one (`trace_units`); when they all agree alone, blame names the layer whose state first
+differs with the forward compiled whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from typing import Iterator
+
+import torch
+
+from harness.errors import Unavailable
+
+
+def unavailable_reason(backend, device: str) -> str | None:
+    """Why inductor cannot compile this stack's forward here (its attention backend's own
+    refusal, then the device's), or None. `backend`: a harness.stacks.backends.AttentionBackend."""
+    reason = backend.compile_refusal()
+    if reason:
+        return reason
+    if not device.startswith("cuda"):
+        compiler = os.environ.get("CXX") or "c++"
+        if shutil.which(compiler) is None and shutil.which("g++") is None:
+            return f"inductor on CPU writes C++ and needs a C++ compiler ({compiler} or g++ on PATH)"
+    return None
+
+
+@contextlib.contextmanager
+def compiled_forward(module: torch.nn.Module, label: str, backend) -> Iterator[None]:
+    """`module.forward` compiled (dynamic shapes) inside the block; the eager forward and empty
+    dynamo caches after it. `backend`: the stack's AttentionBackend."""
+    reason = unavailable_reason(backend, str(next(module.parameters()).device))
+    if reason:
+        raise Unavailable(f"stack {label}: {reason}")
+    torch._dynamo.reset()
+    module.forward = torch.compile(module.forward, dynamic=True)   # an instance attribute
+    try:
+        yield
+    finally:
+        del module.forward                                         # the class's forward again
+        torch._dynamo.reset()
+
+
+def units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules `kvfid blame` compiles one by one for a compiled stack: every child of each
+    decoder layer (the module list as long as the config's layer count) and every other leaf
+    module outside those layers (embeddings, final norm, head), in registration order."""
+    layers = getattr(module.config.get_text_config(), "num_hidden_layers", None)
+    lists = [name for name, sub in module.named_modules()
+             if isinstance(sub, torch.nn.ModuleList) and len(sub) == layers]
+    chosen = []
+    for name, sub in module.named_modules():
+        inside = [prefix for prefix in lists if name.startswith(prefix + ".")]
+        depth = name.count(".") - inside[0].count(".") if inside else None
+        if depth == 2 or (not inside and name and not list(sub.children())):
+            chosen.append((name, sub))
+    return chosen
+
+
+@contextlib.contextmanager
+def compiled_units(module: torch.nn.Module, on_call) -> Iterator[None]:
+    """Inside the block the model runs eagerly except for its `units()`, each compiled alone
+    (dynamic shapes); every unit call is reported as on_call(name, float inputs, float outputs)
+    (detached CPU copies) from outside its compiled code. The whole-forward compile of a
+    `+compile` stack is set aside for the block and put back after it."""
+    whole = module.__dict__.pop("forward", None)
+    torch._dynamo.reset()
+    handles, compiled, chosen = [], [], units(module)
+    # transformers' decorated forwards share one code object (`wrapped_func`): past dynamo's
+    # recompile_limit (8) its later units would run eagerly, so each unit gets 8 graphs.
+    with torch._dynamo.config.patch(recompile_limit=8 * len(chosen),
+                                    accumulated_recompile_limit=64 * len(chosen) + 256):
+        for name, unit in chosen:
+            unit.forward = torch.compile(unit.forward, dynamic=True)
+            compiled.append(unit)
+            handles.append(unit.register_forward_hook(_reporter(name, on_call), with_kwargs=True))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for unit in compiled:
+                del unit.forward
+            torch._dynamo.reset()
+            if whole is not None:
+                module.forward = whole
+
+
+def trace_units(module: torch.nn.Module, run, on_op) -> None:
+    """`optrace.trace`'s contract at the granularity of compiled units: run `run()` with each
+    unit's call reported as on_op(unit path, "compiled", inputs, outputs)."""
+    with compiled_units(module, lambda name, ins, outs: on_op(name, "compiled", ins, outs)):
+        run()
+
+
+def _reporter(name: str, on_call):
+    from torch.utils._pytree import tree_flatten
+
+    def floats(values) -> list[torch.Tensor]:
+        return [v.detach().cpu().clone() for v in tree_flatten(values)[0]
+                if isinstance(v, torch.Tensor) and v.is_floating_point()]
+
+    def hook(_unit, args, kwargs, output):
+        on_call(name, floats((args, kwargs)), floats(output))
+    return hook

@@ -1,0 +1,185 @@
+"""Stacks: attention backend + precision + batch-invariant mode + device + threads, as one context.
+
+A `Stack` is data (frozen, hashable, serializable to the ledger). `Stack.activate(model)` returns
+the model's module prepared for that stack and restores everything it changed on exit: the torch
+thread count, the module's attention implementation, the batch-invariant op overrides. The
+backend comes from the registry (harness.stacks.backends); this module never names one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import asdict, dataclass, replace
+from typing import Iterator
+
+import torch
+
+from harness.checks import check_cuda
+from harness.errors import Unavailable
+from harness.stacks.backends import attention_backend
+from kernels import DTYPES
+
+
+class StackUnavailable(Unavailable, EnvironmentError):
+    """A device or attention implementation this machine cannot run (exit 3)."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    """(attention backend, precision, batch-invariant mode, device, threads): one measurement's
+    numerical environment."""
+
+    backend: str = "sdpa"
+    dtype: str = "bf16"
+    batch_invariant: bool = False
+    device: str = "cpu"
+    threads: int | None = None
+    compiled: bool = False   # the forward under torch.compile (harness.stacks.compiled)
+    # Recurrent layers compute a multi-token call by their decode step's recurrence, one token at a
+    # time (kernels.recurrence.faithful_recurrence). None: on with the batch-invariant mode (the
+    # faithful stack), off without; False with the mode asks for the chunked scan (`+bi+scan`).
+    faithful_recurrence: bool | None = None
+
+    def __post_init__(self) -> None:
+        attention_backend(self.backend)  # raises ValueError naming the valid ones
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be positive, got {self.threads}")
+        if self.faithful_recurrence is None:
+            object.__setattr__(self, "faithful_recurrence", self.batch_invariant)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def batch_invariant_impl(self) -> str | None:
+        """Which batch-invariant ops run: Triton kernels on CUDA; on CPU, where the Triton
+        interpreter is far too slow for a whole model, the stock kernels on fixed tiles of rows,
+        each shape probed first (`tiled`, row at a time where a probe fails; same invariance
+        tests). `KVFID_BI_IMPL=triton|rowwise|tiled` overrides."""
+        if not self.batch_invariant:
+            return None
+        default = "triton" if self.device.startswith("cuda") else "tiled"
+        return os.environ.get("KVFID_BI_IMPL", default)
+
+    @property
+    def label(self) -> str:
+        """Short name, e.g. `sdpa/bf16`, `triton/fp32+bi`, or `sdpa/bf16@t1` when the stack sets
+        the thread count (on CPU the thread count changes numerics, so it names the stack).
+        Which recurrence runs: `+bi` steps it (faithful), `+bi+scan` runs the chunked scan, `+fr`
+        steps it without the mode."""
+        bi, fr = self.batch_invariant, self.faithful_recurrence
+        return (f"{self.backend}/{self.dtype}" + ("+bi" if bi else "")
+                + ("+scan" if bi and not fr else "+fr" if fr and not bi else "")
+                + ("+compile" if self.compiled else "")
+                + (f"@t{self.threads}" if self.threads is not None else ""))
+
+    def describe(self) -> dict:
+        """The stack as the ledger stores it."""
+        described = {**asdict(self), "label": self.label, "batch_invariant_impl": self.batch_invariant_impl}
+        for option in ("compiled", "faithful_recurrence"):   # off: records read as before
+            if not described[option] and not (option == "faithful_recurrence"
+                                              and self.batch_invariant):
+                del described[option]   # a +bi record always says which recurrence ran
+        return described
+
+    def with_dtype(self, dtype: str) -> "Stack":
+        return replace(self, dtype=dtype)
+
+    @contextlib.contextmanager
+    def activate(self, model) -> Iterator[torch.nn.Module]:
+        """Set this stack on entry, yield the prepared module, restore what was found on exit."""
+        check_cuda(self.device, f"stack {self.label}: device", StackUnavailable)
+        module = model.cast(self.torch_dtype, self.device)
+        previous_impl = module.config._attn_implementation
+        previous_threads = torch.get_num_threads()
+        with contextlib.ExitStack() as restore:
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)
+                restore.callback(torch.set_num_threads, previous_threads)
+            name = attention_backend(self.backend).implementation()
+            try:
+                module.set_attn_implementation(name)
+            except (ImportError, ValueError) as err:
+                first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise StackUnavailable(f"backend {self.backend} is not available here: {first_line}") from err
+            restore.callback(module.set_attn_implementation, previous_impl)
+            if self.batch_invariant:
+                from kernels.invariant.mode import set_batch_invariant_mode
+
+                restore.enter_context(set_batch_invariant_mode(True,
+                                                               impl=self.batch_invariant_impl))
+            if self.faithful_recurrence:
+                from kernels.recurrence import faithful_recurrence
+
+                restore.enter_context(faithful_recurrence(module))
+            restore.enter_context(torch.inference_mode())
+            if not self.compiled:   # a hook would be traced into the compiled graph
+                from harness.states.selection import recorded_selections
+
+                restore.enter_context(recorded_selections(module))   # sparse attention's choices
+            if self.compiled:
+                from harness.stacks.compiled import compiled_forward
+
+                restore.enter_context(compiled_forward(module, self.label,
+                                                       attention_backend(self.backend)))
+            yield module
+
+
+def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> Stack:
+    """`sdpa/bf16`, `triton/fp32+bi`, `eager/bf16+bi+scan+compile`, `sdpa/bf16@t1` -> Stack (a
+    label's `@tN` wins over `threads`; `+fr`: the faithful recurrence, which `+bi` implies (earlier
+    labels `+bi+fr` read the same); `+scan`: the chunked scan; `+compile`: torch.compile)."""
+    body, _, thread_text = text.partition("@t")
+    if thread_text:
+        if not thread_text.isdigit():
+            raise ValueError(f"stack {text!r}: expected @tN with N a thread count, e.g. sdpa/bf16@t1")
+        threads = int(thread_text)
+    compiled = body.endswith("+compile")
+    body = body[:-len("+compile")] if compiled else body
+    faithful = True if body.endswith("+fr") else False if body.endswith("+scan") else None
+    body = body.rsplit("+", 1)[0] if faithful is not None else body
+    batch_invariant = body.endswith("+bi")
+    body = body[:-3] if batch_invariant else body
+    if body.count("/") != 1:
+        raise ValueError(f"stack {text!r}: expected BACKEND/DTYPE[+bi][+scan|+fr][+compile][@tN], "
+                         "e.g. sdpa/bf16")
+    backend, dtype = body.split("/")
+    return Stack(backend, dtype, batch_invariant, device, threads, compiled,
+                 faithful_recurrence=faithful)
+
+
+def check_supports(stack: Stack, model_or_config, length: int | None = None) -> None:
+    """Refuse, before any compute, a model this stack cannot serve (exit 3, one line): a layer
+    whose cache state kvfid cannot read whole (harness.states.layers.UnknownLayer), a model
+    class transformers refuses for the backend, or a layer mechanism the backend does not serve
+    (harness.stacks.serving asks what the backend says it refuses, `AttentionBackend`; the
+    triton kernel's set is kernels.hf.SERVES). A window at least `length` tokens long (default:
+    the model's context) covers every key, so it needs no window support. Padding the triton kernel cannot take
+    (right padding, custom masks) never comes from a config: kvfid's constructions pad on the
+    left."""
+    from harness.stacks import serving
+
+    backend = attention_backend(stack.backend)
+    if stack.compiled:
+        from harness.stacks.compiled import unavailable_reason
+
+        reason = unavailable_reason(backend, stack.device)
+        if reason:
+            raise StackUnavailable(f"stack {stack.label} cannot run here: {reason}")
+    config = serving.text_config(model_or_config)
+    refuse = f"model {getattr(config, 'model_type', '?')} cannot run on stack {stack.label}"
+    if backend.causal_only and getattr(config, "is_encoder_decoder", False):
+        raise StackUnavailable(f"{refuse}: the {stack.backend} kernel is causal decoder attention only")
+    infos = serving.describe_layers(model_or_config)
+    need = length or int(getattr(config, "max_position_embeddings", 0) or 0)
+    for info in infos:
+        reason = serving.layer_reason(backend, info, need)
+        if reason:
+            raise StackUnavailable(f"{refuse}: layer {info.index} ({info.layer_type}) {reason}")
+    reason = serving.model_reason(backend, serving.module_class(model_or_config))
+    if reason:
+        raise StackUnavailable(f"{refuse}: {reason}")

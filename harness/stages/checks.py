@@ -1,0 +1,44 @@
+"""What a stage program (harness.stages.program) is checked for before any compute: that its
+stages and suffix fit the model's context, that its arms can rebuild it, that the model's layers
+attend through the mask only. Each refusal is one line (ProtocolError, exit 2)."""
+
+from __future__ import annotations
+
+from harness.protocol.constructions import ProtocolError, parse_construction
+
+ARMS = ("prefill", "incremental", "chunked:N")
+
+
+def program_length(prompt_length: int, program, opener_lengths: list[int]) -> int:
+    """Tokens of the merge boundary P: prompt, delimiters, branch and merge tokens."""
+    return (prompt_length + sum(opener_lengths) + program.branches * program.branch_tokens
+            + program.merge_tokens)
+
+
+def check_program_fits(prompt_length: int, program, opener_lengths: list[int], S: int,
+                       context_length: int) -> None:
+    """Refuse before compute a program whose stages and suffix pass the model's context."""
+    need = program_length(prompt_length, program, opener_lengths) + S
+    if need > context_length:
+        raise ProtocolError(f"--program {program.label}: prompt ({prompt_length}) + stages + S "
+                            f"({S}) = {need} tokens exceed the model's context of {context_length}")
+
+
+def check_arms(arms: tuple[str, ...]) -> None:
+    """Refuse before compute an arm a stage program cannot be rebuilt by."""
+    for label in arms:
+        kind = parse_construction(label).kind
+        if label != "live" and kind not in ("prefill", "incremental", "chunked"):
+            raise ProtocolError(f"--arms {label}: a stage program is rebuilt by live, "
+                                f"{', '.join(ARMS)}")
+
+
+def check_layers(layers) -> None:
+    """Refuse a model whose layers a stage program's mask cannot describe: the 4-D mask reaches
+    every layer as it is, so a sliding-window or chunked layer would lose its window on one
+    backend and be refused by another; a recurrent layer sees no mask at all."""
+    for info in layers:
+        local = set(info.mechanisms) & {"sliding_window", "chunked_attention", "recurrent"}
+        if local:
+            raise ProtocolError(f"--program: layer {info.index} is {sorted(local)[0]}; stage "
+                                "programs serve models whose layers attend through the mask only")

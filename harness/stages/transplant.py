@@ -1,0 +1,60 @@
+"""Transplants at a stage program's merge boundary (harness.stages.program): recipient R's
+tokens, mask, positions and boundary logits kept, its state replaced by donor D's (all of it, a
+layer range, keys or values only, a position range, or one stage's positions: `segment=NAME`,
+NAME one of prompt, branch1 .. branchN, merge), then the suffix decoded in the merge. Outcomes
+as the one-stream protocol's: `donor`, `recipient`, `third`, or `boundary` when the two boundary
+argmaxes already differ."""
+
+from __future__ import annotations
+
+import re
+
+from harness.states import cache as kv
+from harness.states import surgery
+from harness.protocol.constructions import ProtocolError, TransplantSpec, parse_transplant
+from harness.states.cache import top2
+from harness.protocol.decode import Runner
+
+
+def segment_ranges(prompt_length: int, program, opener_lengths: list[int]) -> dict:
+    """Each stage's positions [lo, hi) in the merge boundary, known before compute."""
+    ranges, at = {"prompt": (0, prompt_length)}, prompt_length
+    lengths = [program.branch_tokens] * program.branches + [program.merge_tokens]
+    names = [f"branch{i + 1}" for i in range(program.branches)] + ["merge"]
+    for name, opener, length in zip(names, opener_lengths, lengths):
+        ranges[name] = (at, at + opener + length)
+        at += opener + length
+    return ranges
+
+
+def parse(text: str, ranges: dict, arms: tuple[str, ...]) -> TransplantSpec:
+    """`R<-D[:SELECTION]` with `segment=NAME` allowed in the selection; ProtocolError (exit 2)
+    naming what is allowed, before compute."""
+    def segment(found: re.Match) -> str:
+        name = found[1]
+        if name not in ranges:
+            raise ProtocolError(f"--transplant {text}: segment {name!r}; valid: {', '.join(ranges)}")
+        lo, hi = ranges[name]
+        return f"positions={lo}-{hi}"
+
+    spec = parse_transplant(re.sub(r"segment=(\w+)", segment, text))
+    for side in (spec.recipient, spec.donor):
+        if side not in arms:
+            raise ProtocolError(f"--transplant {text}: {side} is not among the arms ({', '.join(arms)})")
+    return spec
+
+
+def run(module, spec: TransplantSpec, built: dict, layout, prompt_length: int, S: int, eos_ids,
+        decode_suffix) -> dict:
+    """One transplant at the merge boundary, classified."""
+    recipient, donor = built[spec.recipient], built[spec.donor]
+    row = {"transplant": f"{spec.recipient}<-{spec.donor}:{spec.selection.label}",
+           "same_suffixes": recipient.suffix.tokens == donor.suffix.tokens}
+    if top2(recipient.state.logits)[0] != top2(donor.state.logits)[0]:
+        return {**row, "outcome": "boundary", "suffix": None}
+    state = surgery.transplant(recipient.state, donor.state, spec.selection, prompt_length)
+    suffix = decode_suffix(Runner(module), layout, state, S, eos_ids)
+    outcome = ("recipient" if suffix.tokens == recipient.suffix.tokens else
+               "donor" if suffix.tokens == donor.suffix.tokens else "third")
+    return {**row, "outcome": outcome, "suffix": list(suffix.tokens),
+            "suffix_sha": kv.sha_ids(suffix.tokens)}

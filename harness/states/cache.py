@@ -1,0 +1,274 @@
+"""Boundary states: snapshots of every layer's state, fingerprints, bitwise/ULP/relative
+comparisons (transplant surgery: harness.states.surgery).
+
+A `BoundaryState` owns its tensors (cloned out of a live cache), so later decoding never changes
+it. It is a list of layer states (harness.states.layers): K/V over the whole prefix, a window's
+K/V over the positions it holds, an MLA layer's latent, a recurrent layer's recurrent and conv
+states. Comparisons are bitwise first: `equal` / `n_diff` compare raw bit patterns (-0.0 is not
++0.0, NaN payloads count), so they always agree with the SHA-256 fingerprints. ULP distance is
+measured in the storage dtype and counts through zero (a tiny value that changes sign is many
+ULPs away), so beside it stands `max_abs_rel`, max |a - b| over max |a|, which does not explode
+there. `d_rel` is ||a - b||_F / ||a||_F in fp64. No verdict over a partial state: a part one side
+holds and the other does not (or holds over other positions) is listed as `uncompared` and the
+comparison is not bit-exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from harness.states.layers import (POSITIONAL, LayerState, cache_tensors, empty_cache, read_cache,
+                                     restore_cache)
+
+
+@dataclass(frozen=True, init=False)
+class BoundaryState:
+    """Every layer's state at the boundary prefix, plus the boundary logits [V]. Built from
+    `layers` (LayerState), or from per-layer keys and values over all of the prefix."""
+
+    prefix: tuple[int, ...]
+    layers: tuple[LayerState, ...]
+    logits: torch.Tensor              # [V], the model's output dtype
+
+    def __init__(self, prefix, keys=(), values=(), logits=None, *, layers=None) -> None:
+        if layers is None:
+            layers = tuple(LayerState("full", {"k": k, "v": v}) for k, v in zip(keys, values))
+        object.__setattr__(self, "prefix", tuple(prefix))
+        object.__setattr__(self, "layers", tuple(layers))
+        object.__setattr__(self, "logits", logits)
+
+    @property
+    def keys(self) -> tuple[torch.Tensor, ...]:
+        """The k part of every layer that has one (per layer [1, H_kv, held, D])."""
+        return tuple(layer.parts["k"] for layer in self.layers if "k" in layer.parts)
+
+    @property
+    def values(self) -> tuple[torch.Tensor, ...]:
+        return tuple(layer.parts["v"] for layer in self.layers if "v" in layer.parts)
+
+    @property
+    def length(self) -> int:
+        """The boundary's length: the end of the positions the layers cover."""
+        return max((layer.span[1] for layer in self.layers if layer.span), default=len(self.prefix))
+
+    def to_cache(self, module: torch.nn.Module):
+        """A fresh dynamic cache over this state (each layer gets its own copies)."""
+        cache = empty_cache(module)
+        restore_cache(cache, self.layers)
+        return cache
+
+
+_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns of t, as integers of the same width (contiguous)."""
+    t = t.contiguous()
+    return t.view(_INT_VIEW[t.element_size()]) if t.is_floating_point() else t
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Identical shape, dtype and bits (-0.0 is not +0.0; NaN payloads count)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def rows_identical(cache, logits: torch.Tensor) -> bool:
+    """Whether every batch row of a dynamic cache (every tensor of every layer) and of logits
+    [rows, V] has row 0's bits."""
+    tensors = cache_tensors(cache) + [logits]
+    return all(bool((bits(t) == bits(t[:1])).all()) for t in tensors)
+
+
+def snapshot(cache, prefix, logits: torch.Tensor, row: int = 0, pad: int = 0,
+             config=None) -> BoundaryState:
+    """Clone row `row` of a dynamic cache and its boundary logits [rows, V] into a state; a
+    left-padded row drops its first `pad` positions, so the state covers exactly the prefix
+    (a full layer all of it, a window layer its last positions). `config`: the model's, which
+    tells an MLA layer's latent from K/V."""
+    layers = read_cache(cache, config, row, pad)
+    state = BoundaryState(prefix, logits=logits[row].clone(), layers=layers)
+    for index, layer in enumerate(layers):
+        span = layer.span
+        if span is not None and (span[1] != len(state.prefix) or
+                                 (layer.kind.endswith("full") or layer.kind == "latent")
+                                 and span[0] != 0):
+            raise AssertionError(f"layer {index} ({layer.kind}) covers positions "
+                                 f"{span[0]}-{span[1]}, prefix has {len(state.prefix)}")
+    return state
+
+
+# --------------------------------------------------------------------------- fingerprints
+
+def _bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def sha_ids(ids) -> str:
+    return hashlib.sha256(np.asarray(list(ids), dtype="<i8").tobytes()).hexdigest()
+
+
+def sha_tensor(t: torch.Tensor) -> str:
+    h = hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}:".encode())
+    h.update(_bytes(t))
+    return h.hexdigest()
+
+
+def sha_cache(state: BoundaryState) -> str:
+    """SHA-256 over every layer's keys then values (dtype and shape included), then its other
+    parts (recurrent, conv) each tagged with its name."""
+    h = hashlib.sha256()
+    for layer in state.layers:
+        for name, t in layer.parts.items():
+            tag = "" if name in POSITIONAL else f"{name}:"
+            h.update(f"{tag}{t.dtype}:{tuple(t.shape)}:".encode())
+            h.update(_bytes(t))
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- comparisons
+
+def ulp_ordered(t: torch.Tensor) -> torch.Tensor:
+    """Map floats to integers whose difference counts ULPs (sign-magnitude -> linear; -0.0 and
+    +0.0 both map to 0, so the distance counts through zero)."""
+    i = bits(t).to(torch.int64)
+    magnitude = i & ((1 << (torch.finfo(t.dtype).bits - 1)) - 1)
+    return torch.where(i < 0, -magnitude, magnitude)
+
+
+def tensor_diff(a: torch.Tensor, b: torch.Tensor, start: int | None = 0) -> dict:
+    """Bitwise comparison of two same-shape tensors: `equal` and `n_diff` over raw bits; max
+    |diff|, max ULP (through zero), `max_abs_rel` = max |diff| / max |a|, `d_rel`, and the first
+    absolute position with a differing bit for a part whose dim -2 is positions (K/V [1, H, T, D],
+    an indexer's keys [1, T, D]) and whose first position is `start` (`start=None`: a part
+    without a position axis, first_position stays None)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(f"cannot compare {a.dtype}{tuple(a.shape)} with {b.dtype}{tuple(b.shape)}")
+    differs = bits(a) != bits(b)
+    n_diff = int(differs.sum())
+    out = {"equal": n_diff == 0, "n_diff": n_diff, "max_abs": 0.0, "max_ulp": 0, "max_abs_rel": 0.0,
+           "d_rel": 0.0, "first_position": None}
+    if n_diff:
+        a64, b64 = a.double(), b.double()
+        norm = float(torch.linalg.vector_norm(a64))
+        out["max_abs"] = float((a64 - b64).abs().max())
+        if a.is_floating_point():   # an integer part (selected key indices) has no ULPs
+            out["max_ulp"] = int((ulp_ordered(a) - ulp_ordered(b)).abs().max())
+        scale = float(a64.abs().max())
+        out["max_abs_rel"] = out["max_abs"] / scale if scale else (0.0 if out["max_abs"] == 0 else float("inf"))
+        out["d_rel"] = float(torch.linalg.vector_norm(a64 - b64)) / norm if norm else float("inf")
+        if start is not None:
+            positions = differs.movedim(-2, 0).flatten(1).any(dim=1)   # [T]
+            out["first_position"] = start + int(positions.nonzero()[0, 0])
+    return out
+
+
+def _uncomparable(index: int, name: str, a: LayerState, b: LayerState) -> str | None:
+    """Why part `name` of layer `index` cannot be compared bit for bit (None: it can)."""
+    ta, tb = a.parts.get(name), b.parts.get(name)
+    if ta is None or tb is None:
+        return f"layer {index} part {name}: held by only one side"
+    if name in POSITIONAL and a.span != b.span:
+        return (f"layer {index} part {name}: positions {a.span[0]}-{a.span[1]} against "
+                f"{b.span[0]}-{b.span[1]}")
+    if ta.shape != tb.shape or ta.dtype != tb.dtype:
+        return (f"layer {index} part {name}: {ta.dtype}{tuple(ta.shape)} against "
+                f"{tb.dtype}{tuple(tb.shape)}")
+    return None
+
+
+def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
+    """Per layer and part (k, v, recurrent, conv, held parts), plus over the concatenated
+    inventory; `a` is the reference for d_rel. An integer part (a selection of key indices)
+    counts in `n_diff` and the verdict, not in |diff|, ULP or d_rel. A part that cannot be
+    compared is listed in `uncompared` and makes the comparison not bit-exact."""
+    if a.prefix != b.prefix:
+        raise ValueError("states cover different prefixes; compare only states over the same P")
+    layers, uncompared, pairs, bad, counted = [], [], [], [], []
+    if len(a.layers) != len(b.layers):
+        uncompared.append(f"{len(a.layers)} layers against {len(b.layers)}")
+    for index, (la, lb) in enumerate(zip(a.layers, b.layers)):
+        entry = {"layer": index, "kind": la.kind, "span": la.span, "parts": {},
+                 "uncompared": ()}
+        missing = []
+        for name in dict.fromkeys([*la.parts, *lb.parts]):
+            reason = _uncomparable(index, name, la, lb)
+            if reason:
+                missing.append(reason)
+                continue
+            positional = name in POSITIONAL
+            diff = tensor_diff(la.parts[name], lb.parts[name], la.start if positional else None)
+            if name in ("k", "v"):      # the record's own fields; every other part by name
+                entry[name] = diff
+            else:
+                entry["parts"] = {**entry["parts"], name: diff}
+            if la.parts[name].is_floating_point():   # an index part is counted, not measured
+                pairs.append((la.parts[name], lb.parts[name]))
+            else:
+                counted.append(diff)
+            if not diff["equal"]:
+                bad.append((index, name, diff))
+        if la.kind != lb.kind:
+            missing.append(f"layer {index}: a {la.kind} state against a {lb.kind} one")
+        entry["uncompared"] = tuple(missing)
+        uncompared += missing
+        layers.append(entry)
+    diffs = [d for e in layers for d in [e.get("k"), e.get("v"), *e["parts"].values()]
+             if d and not any(d is c for c in counted)]   # float parts: |diff|, ULP, d_rel
+    d_rel = 0.0
+    if bad and pairs:   # over the concatenated inventory; worth the fp64 copy when something differs
+        flat_a = torch.cat([x.flatten().double() for x, _ in pairs])
+        flat_b = torch.cat([y.flatten().double() for _, y in pairs])
+        norm = float(torch.linalg.vector_norm(flat_a))
+        d_rel = float(torch.linalg.vector_norm(flat_a - flat_b)) / norm if norm else float("inf")
+    return {
+        "bit_exact": not bad and not uncompared,
+        "first_bad_layer": bad[0][0] if bad else None,
+        "first_bad_kv": bad[0][1] if bad else None,
+        "bad_layers": sorted({layer for layer, _, _ in bad}),
+        "n_diff": sum(d["n_diff"] for d in diffs + counted),
+        "max_abs": max((d["max_abs"] for d in diffs), default=0.0),
+        "max_ulp": max((d["max_ulp"] for d in diffs), default=0),
+        "max_abs_rel": max((d["max_abs_rel"] for d in diffs), default=0.0),
+        "d_rel": d_rel,
+        "d_rel_aggregation": "Frobenius norm over every compared part of every layer, concatenated",
+        "first_position": min((d["first_position"] for _, _, d in bad
+                               if d["first_position"] is not None), default=None),
+        "uncompared": tuple(uncompared),
+        "layers": layers,
+    }
+
+
+def top2(logits: torch.Tensor) -> tuple[int, float]:
+    """Greedy token and its margin (top-1 minus top-2 logit, in fp32) for logits [V]."""
+    values, indices = torch.topk(logits.float(), 2)
+    return int(indices[0]), float(values[0] - values[1])
+
+
+def compare_logits(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Boundary logits [V]: bitwise equality, max abs difference, argmax agreement, margins."""
+    ta, ma = top2(a)
+    tb, mb = top2(b)
+    return {"equal": bits_equal(a, b),
+            "max_abs": float((a.double() - b.double()).abs().max()),
+            "argmax_a": ta, "argmax_b": tb, "argmax_agree": ta == tb,
+            "margin_a": ma, "margin_b": mb}
+
+
+def compare_suffixes(a, b, margins_a, margins_b) -> dict:
+    """Two greedy suffixes: identical?, first divergence, common prefix, margins there."""
+    common = 0
+    while common < min(len(a), len(b)) and a[common] == b[common]:
+        common += 1
+    identical = list(a) == list(b)
+    first = None if identical else common
+    return {"identical": identical, "first_divergence": first, "common_prefix": common,
+            "len_a": len(a), "len_b": len(b),
+            "margin_a_at_divergence": (margins_a[first] if first is not None
+                                       and first < len(margins_a) else None),
+            "margin_b_at_divergence": (margins_b[first] if first is not None
+                                       and first < len(margins_b) else None)}

@@ -1,0 +1,278 @@
+"""The tiled mode's route per dtype: how many rows each stock call takes, and in which dtype a
+product is computed, chosen from timings on the running machine and kept per machine.
+
+A constant measured on one CPU is wrong on another: on an AMX Xeon a 32-row bf16 matmul
+([32, 576] x [576, 1536]) costs about 1.2x one row, on an AVX2-only EPYC 33x (and a one-row bf16
+product there 12x the fp32 one). So before the first tiled call of a dtype the mode times the
+candidate routes on that product: the stock kernel at each tile size of `TILES`, and, for bf16 and
+fp16, the product **widened**: the exact fp32 copies of the half-precision inputs multiplied by the
+fp32 kernel and rounded back once (bf16 x bf16 products are exact in fp32; only the fp32
+accumulation order, fixed by the tile's shape, decides the bits). Each candidate runs the tiled
+mode's own loop (`in_tiles`: padding, copies, a call per tile) on a decode row (padded to the tile)
+and on a prefill of `PREFILL_ROWS` rows, and is scored by its worse ratio to the stock kernel (one
+row; one call of all the rows). The best score wins, except that a route within `NEAR` of it and
+earlier in `candidates()` is taken, so that noise between near-equal routes is less likely to
+make two machines of one kind choose differently.
+
+The choice changes result bits (another tile shape, another kernel), so it is made once per
+machine and kept in `$KVFID_CACHE/tiled-routes.json` (default `~/.cache/kvfid`) under
+`machine_key()` (CPU model, the capability torch dispatches to, the ISA variables oneDNN/ATen/MKL
+read, torch version, threads); every later process on that machine reads it back instead of
+timing again. `KVFID_TILED_ROUTE` pins routes (`bf16=widen:1,fp32=16`): nothing is timed or kept.
+The probes of kernels.invariant.tiled still check every (op, shape) of the chosen route bit by bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import threading
+import time
+import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+TILES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_TILE = 32           # the route before any timing (and off the CPU): stock, 32 rows
+WIDTH, OUT = 576, 1536      # the timed product: SmolLM2's MLP up projection
+PREFILL_ROWS = 64           # the prefill the score weighs (the model bench's 64 tokens)
+NEAR = 1.25                 # scores within this factor of the best count as a tie
+REPEATS = 7                 # timed calls per candidate (the median is its cost)
+PIN_ENV = "KVFID_TILED_ROUTE"
+ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
+           "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE", "MKL_CBWR")
+NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class Route:
+    """Rows per stock call, and whether half-precision products run widened to fp32."""
+
+    tile: int = DEFAULT_TILE
+    widen: bool = False
+
+    def text(self) -> str:
+        return f"{'widened to fp32' if self.widen else 'stock'}, tiles of {self.tile}"
+
+    def spec(self) -> str:
+        return f"{'widen:' if self.widen else ''}{self.tile}"
+
+
+def candidates(dtype: torch.dtype) -> list[Route]:
+    """In order of preference at a tie: stock before widened, the old default (32) first, then
+    larger tiles first (fewer calls)."""
+    tiles = sorted(TILES, key=lambda t: (t != DEFAULT_TILE, -t))
+    routes = [Route(t) for t in tiles]
+    return routes + ([Route(t, widen=True) for t in tiles] if dtype in (torch.bfloat16, torch.float16) else [])
+
+
+def score(decode_ms: float, prefill_ms: float, stock_decode_ms: float, stock_prefill_ms: float) -> float:
+    """A route's worse ratio to stock: one decode row, and PREFILL_ROWS rows of a prefill."""
+    return max(decode_ms / stock_decode_ms, prefill_ms / stock_prefill_ms)
+
+
+def choose(costs: dict[Route, tuple[float, float]], stock_decode_ms: float, stock_prefill_ms: float,
+           order: list[Route]) -> Route:
+    """The earliest route of `order` whose score (costs: decode and prefill ms) is within NEAR of
+    the best one."""
+    scores = {r: score(*costs[r], stock_decode_ms, stock_prefill_ms) for r in order if r in costs}
+    best = min(scores.values())
+    return next(r for r in order if r in scores and scores[r] <= best * NEAR)
+
+
+def in_tiles(fn, rows: torch.Tensor, tile: int) -> torch.Tensor:
+    """fn over rows [M, K] -> [M, N], `tile` rows a call, zero rows padding the last tile: the
+    tiled mode's one loop (kernels.invariant.tiled), so what is timed here is what runs."""
+    m, width = rows.shape
+    outs = []
+    for start in range(0, m, tile):
+        part = rows[start:start + tile]
+        if part.shape[0] == tile:
+            block = part.clone(memory_format=torch.contiguous_format)
+        else:
+            block = rows.new_zeros(tile, width)
+            block[:part.shape[0]] = part
+        outs.append(fn(block)[:part.shape[0]])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+# ---- timing ------------------------------------------------------------------------------------
+
+def _median_ms(fn) -> float:
+    fn()
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def measure(dtype: torch.dtype) -> dict:
+    """Time every candidate route of `dtype` on a decode row and a PREFILL_ROWS prefill, each
+    through the tiled loop (under kernels.invariant.mode's stock block, so torch.mm is the stock kernel);
+    the chosen route and the timings."""
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(OUT, WIDTH, generator=gen) * WIDTH ** -0.5).to(dtype).t()  # [K, N] as F.linear
+    wide = w.float()
+    rows = torch.randn(PREFILL_ROWS, WIDTH, generator=gen).to(dtype)
+    stock_decode = _median_ms(lambda: torch.mm(rows[:1], w))
+    stock_prefill = _median_ms(lambda: torch.mm(rows, w))
+    costs = {}
+    for route in candidates(dtype):
+        fn = (lambda t: torch.mm(t.float(), wide).to(dtype)) if route.widen else (lambda t: torch.mm(t, w))
+        costs[route] = (_median_ms(lambda: in_tiles(fn, rows[:1], route.tile)),
+                        _median_ms(lambda: in_tiles(fn, rows, route.tile)))
+    chosen = choose(costs, stock_decode, stock_prefill, candidates(dtype))
+    return {"route": asdict(chosen), "stock_ms": {"decode": round(stock_decode, 4),
+                                                  "prefill": round(stock_prefill, 4)},
+            "costs_ms": {r.spec(): [round(d, 4), round(p, 4)] for r, (d, p) in costs.items()},
+            "product": f"[T, {WIDTH}] x [{WIDTH}, {OUT}]", "prefill_rows": PREFILL_ROWS,
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+# ---- where routes are kept ---------------------------------------------------------------------
+
+def machine_key(threads: int | None = None) -> str:
+    """What a route depends on: CPU model, torch's dispatch capability, the ISA variables, torch
+    version and thread count (the environment key's CPU part, plus what it does not name)."""
+    threads = torch.get_num_threads() if threads is None else threads
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), model)
+    isa = ",".join(f"{name}={os.environ[name]}" for name in ISA_ENV if os.environ.get(name))
+    return "|".join([model, torch.backends.cpu.get_cpu_capability(), f"torch {torch.__version__}",
+                     f"threads {threads}", isa or "isa default"])
+
+
+def store_path() -> Path:
+    return Path(os.environ.get("KVFID_CACHE") or Path.home() / ".cache" / "kvfid") / "tiled-routes.json"
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """One process at a time times and writes (the others then read its result)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def pinned() -> dict[torch.dtype, Route]:
+    """Routes pinned by KVFID_TILED_ROUTE (`bf16=widen:1,fp32=16`); a bad value is refused."""
+    text = os.environ.get(PIN_ENV, "").strip()
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, spec = part.partition("=")
+        dtype = next((d for d, n in NAMES.items() if n == name.strip()), None)
+        widen, _, tile = spec.strip().rpartition(":")
+        if dtype is None or widen not in ("", "widen") or not tile.isdigit() or int(tile) < 1 \
+                or (widen and dtype == torch.float32):
+            raise ValueError(f"{PIN_ENV}: {part!r} is not DTYPE=[widen:]TILE (bf16, fp16; fp32 not widened)")
+        out[dtype] = Route(int(tile), widen=bool(widen))
+    return out
+
+
+_lock = threading.RLock()
+_routes: dict[tuple, Route] = {}        # (dtype, threads) -> this process's route
+_records: dict[str, dict] = {}          # "bf16@t1" -> how that route was chosen
+_stock_block = contextlib.nullcontext   # kernels.invariant.mode sets its stock_ops(): timing sees stock kernels
+
+
+def use_stock_block(block) -> None:
+    """The context in which torch's ops run their stock kernels (kernels.invariant.mode.stock_ops)."""
+    global _stock_block
+    _stock_block = block
+
+
+def _choose_now(dtype: torch.dtype, threads: int) -> tuple[Route, dict]:
+    pins = pinned()
+    if dtype in pins:
+        return pins[dtype], {"route": asdict(pins[dtype]), "source": f"pinned by {PIN_ENV}"}
+    path, key, name = store_path(), machine_key(), NAMES[dtype]
+    try:
+        with _locked(path):
+            kept = _read(path)
+            mine = kept.setdefault(key, {})
+            source = f"kept in {path}"
+            if name not in mine:
+                with _stock_block():
+                    mine[name] = measure(dtype)
+                tmp = path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
+                tmp.replace(path)
+                source = f"timed now, kept in {path}"
+    except OSError as err:      # no writable store: this process's own timing (said in the source)
+        with _stock_block():
+            mine = {name: measure(dtype)}
+        source = f"timed now, NOT kept ({path}: {err.strerror or err}); pin it with {PIN_ENV}"
+    return Route(**mine[name]["route"]), {**mine[name], "source": source, "machine": key}
+
+
+def route(dtype: torch.dtype, device: torch.device) -> Route:
+    """The route of a tiled call: on a CPU, this machine's for `dtype` at this thread count
+    (chosen on first use: pinned, kept, or timed now and kept); elsewhere the default."""
+    if device.type != "cpu" or dtype not in NAMES:
+        return Route()
+    threads = torch.get_num_threads()
+    found = _routes.get((dtype, threads))
+    if found is None:
+        with _lock:
+            if (dtype, threads) not in _routes:
+                chosen, record = _choose_now(dtype, threads)
+                _records[f"{NAMES[dtype]}@t{threads}"] = record
+                _routes[dtype, threads] = chosen
+            found = _routes[dtype, threads]
+    return found
+
+
+def kept() -> dict[str, dict]:
+    """The routes kept for this machine at any thread count ("bf16@t1" -> record), read without
+    timing: what a tiled call here takes unless KVFID_TILED_ROUTE pins another (for the
+    environment record)."""
+    store = _read(store_path())
+    return {f"{name}@t{n}": record for n in range(1, (os.cpu_count() or 1) + 1)
+            for name, record in store.get(machine_key(n), {}).items()}
+
+
+def routes() -> dict[str, dict]:
+    """How each (dtype, threads) route used in this process was chosen (for the kernel table
+    and the bench headline)."""
+    with _lock:
+        return {name: dict(record) for name, record in _records.items()}
+
+
+# ---- widened operands --------------------------------------------------------------------------
+
+_widened: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def widened(t: torch.Tensor) -> torch.Tensor:
+    """t in fp32, exactly, with t's strides. A view of a Parameter (a weight) is widened once per
+    version of it and kept while the Parameter lives; anything else is widened at each call."""
+    base = t._base if t._base is not None else t
+    if not isinstance(base, torch.nn.Parameter):
+        return t.float()
+    key = (id(base), base._version, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    hit = _widened.get(key)
+    if hit is not None and hit[0]() is base:
+        return hit[1]
+    wide = t.float()
+    for old in [k for k in _widened if k[0] == id(base)]:   # an older version of this weight
+        del _widened[old]
+    _widened[key] = (weakref.ref(base, lambda _, k=key: _widened.pop(k, None)), wide)
+    return wide

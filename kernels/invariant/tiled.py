@@ -1,0 +1,125 @@
+"""The batch-invariant mode's `tiled` implementation: rows in fixed-shape tiles, each tile one
+call of the previously registered (stock) kernel, probed before it is trusted.
+
+A row op (a matmul's rows, a mean over the last dim, a (log-)softmax's rows) is computed T rows
+at a time, T the tile of the dtype's route on this machine (kernels.invariant.route: timed once per
+machine, e.g. 32 rows on an AMX Xeon, where a 32-row bf16 matmul costs about 1.2x one row, and
+fewer where it costs 30x): every call the stock kernel sees has the shape [T, K] whatever the
+number of rows M (the last tile is padded with zero rows), so nothing the kernel chooses from M
+(blocking, a split, a threading plan) can change a row's bits. A route may also widen a
+half-precision product: exact fp32 copies of the inputs through the fp32 kernel, rounded back once
+(`product`). What is left is the row's place in its tile: row i of M lands at place i % T, while a
+decode step puts its one row at place 0. Whether a stock kernel gives a row the same bits at every
+place of one fixed shape is a property of the machine's kernel (its register blocking, remainder
+rows), so it is never assumed: before the first call of each (op, shape, dtype, operand layout,
+thread count, route) a probe computes a random tile, then each of its rows alone at place 0 of a
+zero tile, and compares the bits. Where they differ, that op at that shape runs row by row (the
+`rowwise` way) instead, and `fallbacks()` says so, one line each.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+
+import torch
+
+from kernels.invariant import route as mode_route
+from kernels.invariant.route import Route
+
+_lock = threading.Lock()
+_verdicts: dict[Hashable, str | None] = {}  # (probe key, threads, route) -> None (trusted) or why not
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (-0.0 differs from 0.0, a NaN equals the same NaN)."""
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
+                                              b.contiguous().view(torch.uint8))
+
+
+def _probe(fn: Callable[[torch.Tensor], torch.Tensor], tile: int, width: int, dtype: torch.dtype,
+           device: torch.device, scale: float) -> str | None:
+    """None when every row of a random [tile, width] tile has the bits it gets alone at place 0
+    of a zero tile; else which places differ."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(tile, width, generator=gen) * scale).to(device, dtype)
+    full = fn(_fresh(x))
+    bad = []
+    for place in range(tile):
+        alone = torch.zeros_like(x)
+        alone[0] = x[place]
+        if not _same_bits(fn(alone)[0], full[place]):
+            bad.append(place)
+    return f"places {bad} of {tile} differ from place 0" if bad else None
+
+
+def trusted(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], width: int,
+            dtype: torch.dtype, device: torch.device, scale: float = 1.0,
+            route: Route | None = None) -> bool:
+    """Whether tiles of `fn` at this key and route passed their probe (probed on first use, then
+    cached); the route defaults to this machine's for `dtype`."""
+    route = route or mode_route.route(dtype, device)
+    key = (key, torch.get_num_threads(), route)
+    with _lock:
+        if key in _verdicts:
+            return _verdicts[key] is None
+    verdict = _probe(fn, route.tile, width, dtype, device, scale)
+    with _lock:
+        _verdicts[key] = verdict
+    return verdict is None
+
+
+def by_tiles(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor,
+             scale: float = 1.0, route: Route | None = None) -> torch.Tensor:
+    """fn over rows [M, K] -> [M, N], the route's tile of rows per call (zero rows pad the last
+    tile); row by row where the probe for `key` failed."""
+    m, width = rows.shape
+    route = route or mode_route.route(rows.dtype, rows.device)
+    tile_rows = route.tile
+    if not trusted(key, fn, width, rows.dtype, rows.device, scale, route):
+        return torch.cat([fn(_fresh(rows[i:i + 1])) for i in range(m)])
+    return mode_route.in_tiles(fn, rows, tile_rows)
+
+
+def product(key: Hashable, call: Callable, a: torch.Tensor, b: torch.Tensor,
+            *extra: torch.Tensor) -> torch.Tensor:
+    """`call(tile, b, *extra)` (a stock product of a tile of a's rows) over a [M, K] by tiles, in
+    the route of a's dtype: widened, the tile, b and extra (a bias) go in as exact fp32 copies
+    (a weight's kept per version, kernels.invariant.route.widened) and the product is rounded back."""
+    route = mode_route.route(a.dtype, a.device)
+    if not route.widen:
+        return by_tiles(key, lambda t: call(t, b, *extra), a, route=route)
+    wide_b, wide_extra = mode_route.widened(b), tuple(mode_route.widened(e) for e in extra)
+    return by_tiles(key, lambda t: call(t.float(), wide_b, *wide_extra).to(a.dtype), a, route=route)
+
+
+def describe(key: Hashable, route: Route | None = None) -> str:
+    """A probe key (kernels.invariant.mode: op, width, the other operand's (shape, strides) or None, dtype,
+    extras) and route in words, e.g. `mm [32, 576] x [576, 192] (strides (1, 576)) bfloat16`."""
+    route = route or Route()
+    op, width, layout, dtype, *extra = key
+    text = f"{op} [{route.tile}, {width}]"
+    if layout is not None:
+        text += f" x {list(layout[0])} (strides {layout[1]})"
+    text += f" {str(dtype).removeprefix('torch.')}"
+    if route.widen and layout is not None:
+        text += " widened to fp32"
+    return text + (f" {extra}" if extra else "")
+
+
+def fallbacks() -> list[str]:
+    """One line per probed (op, shape) whose tiles were not trusted here (run row by row)."""
+    with _lock:
+        return [f"{describe(key, route)} at {threads} thread(s): {why}; rowwise there"
+                for (key, threads, route), why in _verdicts.items() if why is not None]
+
+
+def verdicts() -> list[dict]:
+    """Every probe run in this process: its key, thread count, route and verdict (None = trusted)."""
+    with _lock:
+        return [{"call": describe(key, route), "threads": threads, "route": route.spec(), "failed": why}
+                for (key, threads, route), why in _verdicts.items()]
