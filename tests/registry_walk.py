@@ -1,12 +1,17 @@
 """Every decoder family transformers registers for causal LM, built tiny where its config class
-allows, one short `repro` each on sdpa and native+bi: bit-exact, differs, refused (and why), or
-could not be built (and why). Not collected by pytest; run as
+allows, one short `repro` each on sdpa and native+bi (and on triton+bi, in the interpreter on a
+CPU, for the first family of each distinct set of layer mechanisms): bit-exact, differs, refused
+(and why), or could not be built (and why). `tests/test_registry_walk.py` runs it in the suite
+against the outcomes kept in `tests/registry_walk.json`; by hand:
 
-    PYTHONPATH=$PWD python -m tests.registry_walk [--only NAME,...] [--json OUT]
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python -m tests.registry_walk [--only NAME,...] [--json OUT]
 
 A family is shrunk by overriding the size fields its config has (hidden size, layers, heads,
-vocabulary, experts, ...) with tiny values; a config that rejects them, or a model that cannot be
-built or saved from them, is listed as not built, with the first line of the error.
+vocabulary, experts, state sizes and scan chunks, ...) with tiny values; a config that rejects
+them, or a model that cannot be built or run by transformers' own forward from them, is listed as
+not built, with the first line of the error. The model is built in this process (seeded) and
+measured as `kvfid repro` measures a folder's (the same checks before compute, the same
+`run_item`), without a save and load per stack: what `repro --model hf:FOLDER` adds is the loading.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +31,15 @@ _TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_l
              num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=32,
              kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32,
              v_head_dim=32, sliding_window=8, initializer_range=0.08,
-             vocab_size_per_layer_input=260, hidden_size_per_layer_input=16)
+             vocab_size_per_layer_input=260, hidden_size_per_layer_input=16,
+             n_input_layers=1, n_output_layers=0,   # a looped model: one input layer, one looped
+             # state-space and linear-attention layers: small states, short scan chunks (a chunked
+             # scan pads to its chunk: falcon_h1's 256 cost 50 s of a 154 s walk)
+             mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
+             mamba_chunk_size=8, chunk_size=8, ssm_state_size=16, state_size=16,
+             mamba_num_heads=4, mamba_head_dim=16, mamba_headdim=16, n_mamba_heads=4, n_groups=1,
+             linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_head_dim=16, linear_num_heads=4, block_size=8)
 
 
 def _first_line(err: BaseException) -> str:
@@ -52,10 +64,14 @@ def registry() -> dict[str, str]:
     return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def tiny(model_type: str, folder: Path) -> Path:
-    """A seeded tiny random-weight model of `model_type` saved in `folder` (raises if not)."""
+def tiny(model_type: str):
+    """A seeded tiny random-weight fp32 model of `model_type` (raises if not), as a kvfid Model
+    over bytes."""
     import transformers
     from transformers import AutoConfig
+
+    from harness.inputs.models import Model
+    from harness.inputs.codecs import ByteCodec
 
     config_cls = type(AutoConfig.for_model(model_type))
     defaults = config_cls()
@@ -78,22 +94,38 @@ def tiny(model_type: str, folder: Path) -> Path:
             module(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
     except Exception as err:   # noqa: BLE001
         raise ValueError(f"transformers' own forward fails: {_first_line(err)}") from None
-    module.save_pretrained(folder)
-    return folder
+    return Model(f"walk:{model_type}", module, ByteCodec())
 
 
-def one(folder: Path, stack: str) -> str:
+def mechanisms(model) -> tuple[str, ...]:
+    """The set of layer kinds and mechanisms a model has (harness.stacks.serving), or its
+    refusal's first words when kvfid cannot read a layer."""
+    from harness.errors import KvfidError
+    from harness.stacks import serving
+
+    try:
+        infos = serving.describe_layers(model)
+    except KvfidError as err:
+        return (f"unread: {str(err)[:60]}",)
+    return tuple(sorted({i.kind.split(":")[0] for i in infos} | {m for i in infos for m in i.mechanisms}))
+
+
+def one(model, stack: str, boundary: int = 4, suffix: int = 1) -> str:
     """One short repro: `bit-exact`, `differs (layer L part)`, `refused: ...`, `error: ...`."""
     from harness.errors import KvfidError
-    from harness.stacks.stack import parse_stack
+    from harness.stacks.stack import check_supports, parse_stack
+    from harness.protocol.protocol import ItemPlan
     from harness.diagnoses import repro
 
     parsed = parse_stack(stack)
-    try:
-        prepared = repro.prepare(f"hf:{folder}", "Hi", None, None, parsed.backend, parsed.dtype,
-                                 parsed.batch_invariant, "cpu", None, 4, 1, "live,prefill", "",
-                                 [], "", ignore_eos=True)
-        cache = repro.measure(prepared).against_live("prefill").cache
+    try:   # kvfid repro's checks before compute (repro.prepare, but for the loading)
+        checked = repro.checked_stack(parsed.backend, parsed.dtype, parsed.batch_invariant, "cpu", None)
+        plan = ItemPlan(boundary, suffix, ("live", "prefill"), (), (), ignore_eos=True)
+        item = repro.pick_item("Hi", None, None)
+        prompt_length = len(model.codec.prompt_ids(item.prompt))
+        plan.check_fits(prompt_length, model.context_length)
+        check_supports(checked, model, prompt_length + boundary + suffix)
+        cache = repro.measure(repro.Repro(model, checked, item, plan, [])).against_live("prefill").cache
     except KvfidError as err:
         return f"refused (exit {err.exit_code}): {str(err)[:200]}"
     except Exception as err:   # noqa: BLE001 -- the walk lists every outcome, internal ones too
@@ -103,34 +135,99 @@ def one(folder: Path, stack: str) -> str:
     return f"differs (layer {cache.first_bad_layer} {cache.first_bad_kv})"
 
 
-def walk(only=None, stacks=("sdpa/fp32", "native/fp32+bi")) -> list[dict]:
+STACKS = ("sdpa/fp32", "native/fp32+bi")
+TRITON = "triton/fp32+bi"   # the first family of each distinct set of mechanisms
+
+
+def walk(only=None, stacks=STACKS, triton=TRITON, seen=None) -> list[dict]:
+    """Each family's row (built, an outcome per stack, its mechanisms, seconds), printed as it
+    is measured. `seen`: mechanism sets whose triton run is already done (shared by shards)."""
+    import kernels
+
+    seen = set() if seen is None else seen
     out = []
-    with tempfile.TemporaryDirectory() as root:
-        for model_type in sorted(registry()):
-            if only and model_type not in only:
-                continue
-            start, row = time.perf_counter(), {"family": model_type}
-            try:
-                folder = tiny(model_type, Path(root) / model_type)
-            except Exception as err:   # noqa: BLE001
-                row["built"] = f"not built: {_first_line(err)}"
-            else:
-                row["built"] = "built"
-                row.update({stack: one(folder, stack) for stack in stacks})
-            row["seconds"] = round(time.perf_counter() - start, 1)
-            print(json.dumps(row), flush=True)
-            out.append(row)
+    for model_type in sorted(registry()):
+        if only and model_type not in only:
+            continue
+        start, row = time.perf_counter(), {"family": model_type}
+        try:
+            model = tiny(model_type)
+        except Exception as err:   # noqa: BLE001
+            row["built"] = f"not built: {_first_line(err)}"
+        else:
+            row["built"] = "built"
+            row.update({stack: one(model, stack) for stack in stacks})
+            row["mechanisms"] = list(mechanisms(model))
+            if triton and kernels.interpreting() and tuple(row["mechanisms"]) not in seen:
+                row[triton] = one(model, triton)
+                if not row[triton].startswith("refused"):   # else the next family of the set
+                    seen.add(tuple(row["mechanisms"]))
+        row["seconds"] = round(time.perf_counter() - start, 1)
+        print(json.dumps(row), flush=True)
+        out.append(row)
     return out
+
+
+EXPECTED = Path(__file__).with_name("registry_walk.json")
+OUTCOMES = ("bit-exact", "differs", "refused", "not built", "INTERNAL")
+
+
+def outcome(text: str | None) -> str | None:
+    """An outcome's class (OUTCOMES), None for a stack not run."""
+    return None if text is None else next(o for o in OUTCOMES if text.startswith(o))
+
+
+def expectations(rows: list[dict]) -> dict:
+    """What the expectation file keeps: the transformers version and each family's row."""
+    import transformers
+
+    return {"transformers": transformers.__version__,
+            "families": {r["family"]: {k: v for k, v in r.items() if k not in ("family", "seconds")}
+                         for r in rows}}
+
+
+def regressions(rows: list[dict], expected: dict) -> list[str]:
+    """Each family worse than kept: built before and not now, or on a faithful (+bi) stack
+    bit-exact before and not now, or differing where it did not before. The stock stack's
+    outcome is not held to (whether stock sdpa happens to be bit-exact depends on the CPU)."""
+    out = []
+    for row in rows:
+        kept = expected["families"].get(row["family"])
+        if kept is None:
+            continue
+        if kept["built"] == "built" and row["built"] != "built":
+            out.append(f"{row['family']}: built before, now {row['built']}")
+        for stack in (k for k in kept if k.endswith("+bi") and k in row):
+            was, now = outcome(kept[stack]), outcome(row[stack])
+            if now != was and (was == "bit-exact" or now == "differs"):
+                out.append(f"{row['family']} on {stack}: {kept[stack]!r} before, now {row[stack]!r}")
+    return out
+
+
+def table(rows: list[dict], stacks=(*STACKS, TRITON)) -> str:
+    """The walk as a Markdown table: family, then each stack's outcome (or why not built)."""
+    lines = ["| family | " + " | ".join(stacks) + " |", "|---" * (len(stacks) + 1) + "|"]
+    for r in rows:
+        cells = [r.get(s, "") for s in stacks] if r["built"] == "built" else [r["built"], "", ""]
+        lines.append(f"| {r['family']} | " + " | ".join(c.replace("|", "/")[:90] for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated model types")
     parser.add_argument("--json", help="write the outcomes here")
+    parser.add_argument("--table", help="write the outcomes here as a Markdown table")
+    parser.add_argument("--expect", action="store_true",
+                        help=f"keep the outcomes as the expectations ({EXPECTED.name})")
     args = parser.parse_args(argv)
     rows = walk(set(args.only.split(",")) if args.only else None)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.table:
+        Path(args.table).write_text(table(rows) + "\n")
+    if args.expect:
+        EXPECTED.write_text(json.dumps(expectations(rows), indent=1, sort_keys=True) + "\n")
     internal = [r["family"] for r in rows if any("INTERNAL" in str(v) for v in r.values())]
     print(f"{len(rows)} families; internal errors: {', '.join(internal) or 'none'}", file=sys.stderr)
     return 1 if internal else 0

@@ -195,3 +195,16 @@ def test_mm_dtype_rows_alone_equal_rows_in_batch_and_the_twin_is_caught(impl):
     assert not bad, f"rows {bad} differ alone"
     twin = twin_mm(a, b)
     assert any(not bits_equal(twin_mm(a[i:i + 1], b), twin[i:i + 1]) for i in range(a.shape[0]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_topk_under_the_mode_returns_contiguous_tensors_as_stock_does(impl):
+    """A MoE router's experts `.view(-1)` (transformers 5.17's Aria): the stable-sort topk's
+    indices are a narrowed sort, made contiguous as stock topk returns them."""
+    x = randn(6, 8, dtype=torch.float32, on="cpu")
+    stock = torch.topk(x, 2)
+    with set_batch_invariant_mode(impl=impl):
+        values, indices = torch.topk(x, 2)
+        assert values.is_contiguous() and indices.is_contiguous()
+        assert indices.view(-1).shape == (12,)
+    assert torch.equal(values, stock.values) and torch.equal(indices, stock.indices)

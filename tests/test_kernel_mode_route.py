@@ -26,32 +26,56 @@ def fresh_routes(monkeypatch, tmp_path):
     return tmp_path
 
 
-def _costs(per_row_ms: float, fixed_ms: float, widened_row_ms: float, call_ms: float = 0.0):
+def _scores(per_row_ms: float, fixed_ms: float, widened_row_ms: float, call_ms: float = 0.0):
     """A cost model: a call of T rows costs fixed + T * per_row (stock) or widened (fp32), plus
-    call_ms of overhead; (decode, prefill of PREFILL_ROWS) per route."""
+    call_ms of overhead; each route's score against the stock decode row and prefill."""
     def one(r):
         return fixed_ms + call_ms + r.tile * (widened_row_ms if r.widen else per_row_ms)
     rows = mode_route.PREFILL_ROWS
-    return {r: (one(r), -(-rows // r.tile) * one(r)) for r in mode_route.candidates(BF16)}
+    stock = (fixed_ms + per_row_ms, fixed_ms + rows * per_row_ms)
+    return {r: mode_route.score(one(r), -(-rows // r.tile) * one(r), *stock)
+            for r in mode_route.candidates(BF16)}
 
 
 def test_choose_keeps_large_stock_tiles_where_rows_are_nearly_free():
-    costs = _costs(per_row_ms=0.001, fixed_ms=0.14, widened_row_ms=0.014)     # AMX-like
-    assert mode_route.choose(costs, 0.14, 0.2, mode_route.candidates(BF16)) == Route(32)
+    scores = _scores(per_row_ms=0.001, fixed_ms=0.14, widened_row_ms=0.014)     # AMX-like
+    assert mode_route.choose(scores, mode_route.candidates(BF16)) == Route(64)
 
 
 def test_choose_widens_where_stock_half_precision_is_slow():
-    costs = _costs(per_row_ms=1.3, fixed_ms=0.0, widened_row_ms=0.012, call_ms=0.11)  # AVX2-EPYC-like
-    chosen = mode_route.choose(costs, 1.32, 87.0, mode_route.candidates(BF16))
-    assert chosen.widen and chosen.tile <= 8
+    scores = _scores(per_row_ms=1.3, fixed_ms=0.0, widened_row_ms=0.012, call_ms=0.11)  # AVX2-EPYC-like
+    chosen = mode_route.choose(scores, mode_route.candidates(BF16))
+    assert chosen.widen and chosen.tile <= 4
 
 
-def test_choose_prefers_the_earlier_route_at_a_near_tie():
-    order = [Route(8), Route(1)]
-    costs = {Route(8): (0.115, 0.92), Route(1): (0.1, 6.4)}   # scores 1.15 and 1.0: within NEAR
-    assert mode_route.choose(costs, 0.1, 6.4, order) == Route(8)
-    costs[Route(8)] = (0.2, 1.6)                              # 2.0: out of the tie
-    assert mode_route.choose(costs, 0.1, 6.4, order) == Route(1)
+def test_choose_prefers_the_earlier_route_unless_another_is_clearly_faster():
+    order = [Route(16), Route(1)]
+    scores = {Route(16): 1.4, Route(1): 1.0}          # within NEAR: the earlier route
+    assert mode_route.choose(scores, order) == Route(16)
+    scores[Route(16)] = 2.0                            # out of the tie
+    assert mode_route.choose(scores, order) == Route(1)
+
+
+def test_timing_goes_on_while_a_score_is_near_the_margin():
+    order = [Route(16), Route(1)]
+    assert mode_route.near_margin({Route(16): 1.5, Route(1): 1.0}, order)
+    assert not mode_route.near_margin({Route(16): 1.1, Route(1): 1.0}, order)
+    assert not mode_route.near_margin({Route(16): 3.0, Route(1): 1.0}, order)
+
+
+def test_the_candidates_lie_a_factor_four_apart_largest_first():
+    assert [r.spec() for r in mode_route.candidates(BF16)] == \
+        ["64", "16", "4", "1", "widen:64", "widen:16", "widen:4", "widen:1"]
+    assert [r.spec() for r in mode_route.candidates(torch.float32)] == ["64", "16", "4", "1"]
+
+
+def test_a_measured_route_says_how_it_was_chosen():
+    record = mode_route.measure(BF16)
+    assert set(record["scores"]) == {r.spec() for r in mode_route.candidates(BF16)}
+    assert Route(**record["route"]) == mode_route.choose(
+        {Route(**{"tile": int(k.rpartition(":")[2]), "widen": k.startswith("widen")}): v
+         for k, v in record["scores"].items()}, mode_route.candidates(BF16))
+    assert "rounds" in record["rule"] and set(record["costs_ms"]) == set(record["scores"])
 
 
 def test_pinned_routes_parse_and_bad_ones_are_refused(monkeypatch):

@@ -25,3 +25,23 @@ def tiled_routes(ran_tiled: bool, dtypes, device: torch.device) -> dict[str, dic
         mode_route.route(DTYPES[dtype], device)
     mine = {f"{d}@t{torch.get_num_threads()}" for d in dtypes}
     return {name: r for name, r in mode_route.routes().items() if name in mine}
+
+
+def choose_routes(stacks) -> None:
+    """Choose (or read back) the route every CPU stack in the tiled batch-invariant mode will
+    take, at its thread count, for its dtype and fp32, before a run's environment record is
+    taken: the first run on a fresh machine then records the routes its units use (the record
+    reads kernels.invariant.route's store; a route is timed once per machine and kept)."""
+    from kernels.invariant import route as mode_route
+
+    for stack in stacks:
+        if stack.batch_invariant_impl != "tiled" or not stack.device.startswith("cpu"):
+            continue
+        previous = torch.get_num_threads()
+        try:
+            if stack.threads is not None:
+                torch.set_num_threads(stack.threads)
+            for dtype in {DTYPES[stack.dtype], torch.float32}:
+                mode_route.route(dtype, torch.device("cpu"))
+        finally:
+            torch.set_num_threads(previous)

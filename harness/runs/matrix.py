@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from harness.environment import envinfo
+from harness.environment.tiled import choose_routes
 from harness.runs.case import Case, CaseError
 from harness.checks import check_cuda, selection_reason
 from harness.errors import BadInput, DiskFull, Unavailable
@@ -211,7 +212,8 @@ def prepare(case: Case, ledger: Ledger | None, *, items: int | None = None,
     if count != case.items.n:
         case = case.with_item_count(count)
     matrix = Matrix(case, model)          # every check that needs no compute happens here
-    environment = envinfo.collect()
+    choose_routes((*case.stacks, *(case.crossing.stacks if case.crossing else ())))
+    environment = envinfo.collect()       # after the routes: the record names those the units take
     key = envinfo.environment_key(environment)
     if existing:
         _check_continues(existing, case, key)

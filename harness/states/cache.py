@@ -21,8 +21,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harness.errors import Unavailable
 from harness.states.layers import (POSITIONAL, LayerState, cache_tensors, empty_cache, read_cache,
                                      restore_cache)
+
+
+class CacheOverwritten(Unavailable):
+    """A cache layer holding more positions than the tokens fed to it: the model wrote it more
+    than once per token (a layer run twice in one forward), which kvfid does not compare (exit 3)."""
 
 
 @dataclass(frozen=True, init=False)
@@ -93,6 +99,12 @@ def snapshot(cache, prefix, logits: torch.Tensor, row: int = 0, pad: int = 0,
     state = BoundaryState(prefix, logits=logits[row].clone(), layers=layers)
     for index, layer in enumerate(layers):
         span = layer.span
+        if span is not None and span[1] > len(state.prefix) and not pad:
+            raise CacheOverwritten(
+                f"cache layer {index} ({layer.kind}) holds positions up to {span[1] - 1} after "
+                f"{len(state.prefix)} tokens were fed: the model writes it more than once per "
+                "token (a layer run twice in one forward); kvfid compares a layer's state per "
+                "position and does not serve that")
         if span is not None and (span[1] != len(state.prefix) or
                                  (layer.kind.endswith("full") or layer.kind == "latent")
                                  and span[0] != 0):

@@ -22,6 +22,7 @@ before any compute (`UnknownLayer`, exit 3), so no verdict is given over a parti
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -243,6 +244,11 @@ def restore_cache(cache, states) -> None:
     replicate = getattr(cache, "layer_class_to_replicate", None)
     while replicate is not None and len(cache.layers) < len(states):
         cache.layers.append(replicate())
+    fresh = {type(layer).__name__: layer for layer in reversed(cache.layers)}
+    while len(cache.layers) < len(states) and states[len(cache.layers)].cache_class in fresh:
+        # layers the model appends to its cache in its forward (a looped model's copies of its
+        # own layers, one per loop): a copy of a fresh layer of the state's class
+        cache.layers.append(copy.deepcopy(fresh[states[len(cache.layers)].cache_class]))
     if len(cache.layers) != len(states):
         raise ValueError(f"a state of {len(states)} layers cannot go into a cache of "
                          f"{len(cache.layers)}")

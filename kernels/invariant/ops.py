@@ -193,6 +193,7 @@ def _topk(impl: str, original) -> Callable:
         if not _dense_float(x) or x.dim() == 0:
             return original.call_boxed(keys, x, k, dim, largest, sorted)
         order = torch.sort(x, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
+        order = order.contiguous()   # as stock topk returns it (a caller may .view(-1) it)
         return torch.gather(x, dim, order), order
     return topk
 

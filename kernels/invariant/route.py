@@ -10,9 +10,20 @@ fp32 kernel and rounded back once (bf16 x bf16 products are exact in fp32; only 
 accumulation order, fixed by the tile's shape, decides the bits). Each candidate runs the tiled
 mode's own loop (`in_tiles`: padding, copies, a call per tile) on a decode row (padded to the tile)
 and on a prefill of `PREFILL_ROWS` rows, and is scored by its worse ratio to the stock kernel (one
-row; one call of all the rows). The best score wins, except that a route within `NEAR` of it and
-earlier in `candidates()` is taken, so that noise between near-equal routes is less likely to
-make two machines of one kind choose differently.
+row; one call of all the rows). The timing is **interleaved**: each of `ROUNDS` rounds runs the
+stock kernel and every candidate once (in a rotated order), and a score is taken from each
+call's fastest time, so that load which comes and goes on a shared machine (preemption only adds
+time) slows no candidate more than another; while a score lies near the margin, the timing goes
+on (up to `MORE` times as many rounds).
+
+The rule is **hysteresis toward the order of `candidates()`** (stock before widened, larger tiles
+first): the earliest route whose score is within `NEAR` of the best wins, so a later route
+displaces an earlier one only when it is clearly faster; and the tiles lie a factor 4 apart, so
+that where a tile's cost grows with its rows the candidates' scores lie far from the margin.
+Measured on the shared 2-core AMX Xeon (20 fresh choosings, one thread): with all of 1, 2, ..., 64,
+a 1.25 margin and 7 consecutive calls a candidate, bf16 took 32 rows 13 times and 64 rows 7 times
+(scores about 2.0 and 1.6), fp32 16 rows 18 times and 32 rows twice (load 1 to 2); as here, bf16 64 and fp32 16
+all 20 times (load 4 to 7), and under the AVX2 stand-in bf16 1 and fp32 16 10 times of 10.
 
 The choice changes result bits (another tile shape, another kernel), so it is made once per
 machine and kept in `$KVFID_CACHE/tiled-routes.json` (default `~/.cache/kvfid`) under
@@ -36,12 +47,14 @@ from pathlib import Path
 
 import torch
 
-TILES = (1, 2, 4, 8, 16, 32, 64)
-DEFAULT_TILE = 32           # the route before any timing (and off the CPU): stock, 32 rows
+TILES = (1, 4, 16, 64)      # a factor 4 apart: where cost grows with rows, scores lie far apart
+DEFAULT_TILE = 32           # the route off the CPU (and of a CPU store kept before TILES changed)
 WIDTH, OUT = 576, 1536      # the timed product: SmolLM2's MLP up projection
 PREFILL_ROWS = 64           # the prefill the score weighs (the model bench's 64 tokens)
-NEAR = 1.25                 # scores within this factor of the best count as a tie
-REPEATS = 7                 # timed calls per candidate (the median is its cost)
+NEAR = 1.5                  # a route within this factor of the best score counts as a tie
+ROUNDS = 11                 # interleaved timing rounds (a candidate's score: its fastest calls)
+MORE = 3                    # at most this many times ROUNDS while a score is near the margin
+BAND = 1.15                 # "near the margin": within this factor of best * NEAR
 PIN_ENV = "KVFID_TILED_ROUTE"
 ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
            "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE", "MKL_CBWR")
@@ -63,9 +76,8 @@ class Route:
 
 
 def candidates(dtype: torch.dtype) -> list[Route]:
-    """In order of preference at a tie: stock before widened, the old default (32) first, then
-    larger tiles first (fewer calls)."""
-    tiles = sorted(TILES, key=lambda t: (t != DEFAULT_TILE, -t))
+    """In order of preference at a tie: stock before widened, larger tiles first (fewer calls)."""
+    tiles = sorted(TILES, reverse=True)
     routes = [Route(t) for t in tiles]
     return routes + ([Route(t, widen=True) for t in tiles] if dtype in (torch.bfloat16, torch.float16) else [])
 
@@ -75,13 +87,19 @@ def score(decode_ms: float, prefill_ms: float, stock_decode_ms: float, stock_pre
     return max(decode_ms / stock_decode_ms, prefill_ms / stock_prefill_ms)
 
 
-def choose(costs: dict[Route, tuple[float, float]], stock_decode_ms: float, stock_prefill_ms: float,
-           order: list[Route]) -> Route:
-    """The earliest route of `order` whose score (costs: decode and prefill ms) is within NEAR of
-    the best one."""
-    scores = {r: score(*costs[r], stock_decode_ms, stock_prefill_ms) for r in order if r in costs}
+def choose(scores: dict[Route, float], order: list[Route]) -> Route:
+    """The earliest route of `order` whose score is within NEAR of the best one."""
+    scores = {r: s for r, s in scores.items() if r in order}
     best = min(scores.values())
     return next(r for r in order if r in scores and scores[r] <= best * NEAR)
+
+
+def near_margin(scores: dict[Route, float], order: list[Route]) -> bool:
+    """Whether a route up to the chosen one scores within BAND of the margin (best * NEAR), where
+    noise could tip the choice: then the timing goes on."""
+    edge = min(scores.values()) * NEAR
+    chosen = order.index(choose(scores, order))
+    return any(1 / BAND < scores[r] / edge < BAND for r in order[:chosen + 1] if r in scores)
 
 
 def in_tiles(fn, rows: torch.Tensor, tile: int) -> torch.Tensor:
@@ -102,35 +120,52 @@ def in_tiles(fn, rows: torch.Tensor, tile: int) -> torch.Tensor:
 
 # ---- timing ------------------------------------------------------------------------------------
 
-def _median_ms(fn) -> float:
+def _ms(fn) -> float:
+    start = time.perf_counter()
     fn()
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
+    return (time.perf_counter() - start) * 1e3
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def measure(dtype: torch.dtype) -> dict:
     """Time every candidate route of `dtype` on a decode row and a PREFILL_ROWS prefill, each
-    through the tiled loop (under kernels.invariant.mode's stock block, so torch.mm is the stock kernel);
-    the chosen route and the timings."""
+    through the tiled loop (under kernels.invariant.mode's stock block, so torch.mm is the stock kernel),
+    in ROUNDS interleaved rounds; the chosen route, the scores and the median timings."""
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(OUT, WIDTH, generator=gen) * WIDTH ** -0.5).to(dtype).t()  # [K, N] as F.linear
     wide = w.float()
     rows = torch.randn(PREFILL_ROWS, WIDTH, generator=gen).to(dtype)
-    stock_decode = _median_ms(lambda: torch.mm(rows[:1], w))
-    stock_prefill = _median_ms(lambda: torch.mm(rows, w))
-    costs = {}
-    for route in candidates(dtype):
+    order = candidates(dtype)
+
+    def calls(route: Route | None):
+        if route is None:
+            return lambda: torch.mm(rows[:1], w), lambda: torch.mm(rows, w)
         fn = (lambda t: torch.mm(t.float(), wide).to(dtype)) if route.widen else (lambda t: torch.mm(t, w))
-        costs[route] = (_median_ms(lambda: in_tiles(fn, rows[:1], route.tile)),
-                        _median_ms(lambda: in_tiles(fn, rows, route.tile)))
-    chosen = choose(costs, stock_decode, stock_prefill, candidates(dtype))
-    return {"route": asdict(chosen), "stock_ms": {"decode": round(stock_decode, 4),
-                                                  "prefill": round(stock_prefill, 4)},
-            "costs_ms": {r.spec(): [round(d, 4), round(p, 4)] for r, (d, p) in costs.items()},
+        return lambda: in_tiles(fn, rows[:1], route.tile), lambda: in_tiles(fn, rows, route.tile)
+
+    timed = {r: calls(r) for r in [None, *order]}
+    for decode, prefill in timed.values():      # warm-up: first calls, packed weights, caches
+        decode(), prefill()
+    times = {r: ([], []) for r in timed}
+    for n in range(ROUNDS * MORE):
+        for route in [None, *order[n % len(order):], *order[:n % len(order)]]:
+            for each, fn in zip(times[route], timed[route]):
+                each.append(_ms(fn))
+        if (n + 1) % ROUNDS == 0:
+            fastest = {r: (min(d), min(p)) for r, (d, p) in times.items()}
+            scores = {r: score(*fastest[r], *fastest[None]) for r in order}
+            if not near_margin(scores, order):
+                break
+    median = {r: (_median(d), _median(p)) for r, (d, p) in times.items()}
+    chosen = choose(scores, order)
+    return {"route": asdict(chosen), "stock_ms": {"decode": round(median[None][0], 4),
+                                                  "prefill": round(median[None][1], 4)},
+            "costs_ms": {r.spec(): [round(d, 4), round(p, 4)] for r, (d, p) in median.items() if r},
+            "scores": {r.spec(): round(s, 3) for r, s in scores.items()},
+            "rule": f"the earliest route within {NEAR}x of the best score (fastest of {n + 1} rounds)",
             "product": f"[T, {WIDTH}] x [{WIDTH}, {OUT}]", "prefill_rows": PREFILL_ROWS,
             "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
