@@ -106,6 +106,14 @@ def test_the_isa_variables_are_part_of_the_machine_key(monkeypatch):
     assert mode_route.machine_key() != plain and "ONEDNN_MAX_CPU_ISA=AVX2" in mode_route.machine_key()
 
 
+def test_a_route_kept_under_an_earlier_rule_is_not_reused(monkeypatch):
+    """A store written by an earlier selection rule (another machine key) is timed again: two
+    fresh choices and one kept from before never share one key."""
+    key = mode_route.machine_key()
+    monkeypatch.setattr(mode_route, "RULE", mode_route.RULE - 1)
+    assert mode_route.machine_key() != key and key.endswith(f"rule {mode_route.RULE + 1}")
+
+
 def test_a_weight_is_widened_once_per_version():
     weight = torch.nn.Parameter(randn(6, 4, dtype=BF16, on="cpu"), requires_grad=False)
     wide = mode_route.widened(weight.t())

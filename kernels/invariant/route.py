@@ -28,7 +28,7 @@ all 20 times (load 4 to 7), and under the AVX2 stand-in bf16 1 and fp32 16 10 ti
 The choice changes result bits (another tile shape, another kernel), so it is made once per
 machine and kept in `$KVFID_CACHE/tiled-routes.json` (default `~/.cache/kvfid`) under
 `machine_key()` (CPU model, the capability torch dispatches to, the ISA variables oneDNN/ATen/MKL
-read, torch version, threads); every later process on that machine reads it back instead of
+read, torch version, threads, the rule's version `RULE`); every later process on that machine reads it back instead of
 timing again. `KVFID_TILED_ROUTE` pins routes (`bf16=widen:1,fp32=16`): nothing is timed or kept.
 The probes of kernels.invariant.tiled still check every (op, shape) of the chosen route bit by bit.
 """
@@ -54,6 +54,9 @@ PREFILL_ROWS = 64           # the prefill the score weighs (the model bench's 64
 NEAR = 1.5                  # a route within this factor of the best score counts as a tie
 ROUNDS = 11                 # interleaved timing rounds (a candidate's score: its fastest calls)
 MORE = 3                    # at most this many times ROUNDS while a score is near the margin
+# The selection rule's version, part of machine_key: a route kept under an earlier rule (other
+# candidates, another margin) is timed again, not reused beside fresh choices under one key.
+RULE = 2
 BAND = 1.15                 # "near the margin": within this factor of best * NEAR
 PIN_ENV = "KVFID_TILED_ROUTE"
 ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
@@ -174,7 +177,8 @@ def measure(dtype: torch.dtype) -> dict:
 
 def machine_key(threads: int | None = None) -> str:
     """What a route depends on: CPU model, torch's dispatch capability, the ISA variables, torch
-    version and thread count (the environment key's CPU part, plus what it does not name)."""
+    version and thread count (the environment key's CPU part, plus what it does not name), and
+    the rule that chose it (RULE)."""
     threads = torch.get_num_threads() if threads is None else threads
     model = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
@@ -182,7 +186,7 @@ def machine_key(threads: int | None = None) -> str:
             model = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), model)
     isa = ",".join(f"{name}={os.environ[name]}" for name in ISA_ENV if os.environ.get(name))
     return "|".join([model, torch.backends.cpu.get_cpu_capability(), f"torch {torch.__version__}",
-                     f"threads {threads}", isa or "isa default"])
+                     f"threads {threads}", isa or "isa default", f"rule {RULE}"])
 
 
 def store_path() -> Path:
