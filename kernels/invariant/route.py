@@ -28,8 +28,8 @@ all 20 times (load 4 to 7), and under the AVX2 stand-in bf16 1 and fp32 16 10 ti
 The choice changes result bits (another tile shape, another kernel), so it is made once per
 machine and kept in `$KVFID_CACHE/tiled-routes.json` (default `~/.cache/kvfid`) under
 `machine_key()` (CPU model, the capability torch dispatches to, the ISA variables oneDNN/ATen/MKL
-read, torch version, threads, the rule's version `RULE`); every later process on that machine reads it back instead of
-timing again. `KVFID_TILED_ROUTE` pins routes (`bf16=widen:1,fp32=16`): nothing is timed or kept.
+read, torch version, threads, the rule's version `RULE`); every later process on that machine
+reads it back instead of timing again. `KVFID_TILED_ROUTE` pins routes (`bf16=widen:1,fp32=16`): nothing is timed or kept.
 The probes of kernels.invariant.tiled still check every (op, shape) of the chosen route bit by bit.
 """
 
