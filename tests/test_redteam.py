@@ -219,12 +219,12 @@ def test_a_schema_1_ledger_is_migrated_only_by_a_write(good, tmp_path):
     shutil.copy(good, old)
     with sqlite3.connect(old) as conn:
         conn.executescript("ALTER TABLE units DROP COLUMN record_sha; DROP TABLE leases; "
-                           "PRAGMA user_version=1;")
+                           "DROP TABLE engine_checks; PRAGMA user_version=1;")
     before = sha(old)
     assert invoke("runs", "--db", old).exit_code == 0 and sha(old) == before
     assert invoke("run", SMOKE, "--db", old, "--items", "1", "--quiet").exit_code == 0
     with sqlite3.connect(old) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone() == (2,)
+        assert conn.execute("PRAGMA user_version").fetchone() == (3,)
         assert conn.execute("SELECT COUNT(*) FROM units WHERE record_sha IS NULL").fetchone() \
             == (0,)
 

@@ -1,12 +1,14 @@
 """Reading a stored record back: schema 3 of any kind in record.KINDS, schema 1-2 (the untagged
 dicts of earlier ledgers) through harness.protocol.record_legacy, anything else refused with one
-line. It sits above every record module, so all kinds (replay_record's too) are registered here.
+line. It sits above every record module, so all kinds (replay_record's and engine_record's too)
+are registered here.
 """
 
 from __future__ import annotations
 
 import json
 
+from harness.protocol.engine_record import EngineCheckRecord  # noqa: F401 (registers its kind)
 from harness.protocol.plain import decode
 from harness.protocol.record import KINDS, SCHEMA_VERSION, RecordRefused
 from harness.protocol.record_legacy import from_untagged
