@@ -191,6 +191,8 @@ def engine_report(check_id, db, out, fmt) -> None:
               help="Prompts: arith | arith-easy | jsonl:<path>.")
 @click.option("--tokens", type=click.IntRange(2, 4096), default=32, show_default=True,
               help="Greedy tokens per prompt in the decode call.")
+@click.option("--threads", type=click.IntRange(1, 1024),
+              help="Both engines' calls at this many torch threads (default: vLLM-CPU's binding).")
 @fmt_option
 def engine_bench(fmt, **options) -> None:
     """The faithful engine's price: stock and faithful vLLM on the same requests, prefill and
