@@ -156,8 +156,8 @@ def run_case_variant(folder: Path, name: str, data: bytes) -> Outcome:
 # --------------------------------------------------------------------------- damaged ledgers
 
 def damaged_ledgers(good: Path, folder: Path) -> list[tuple[str, Path, dict]]:
-    """(what, path, {command: expected}) for 18 damaged or unusual ledger files made from `good`
-    (a schema 2 ledger holding one tiny run). Expected: `ok` (exit 0), `refused` (exit 3, bytes
+    """(what, path, {command: expected}) for 19 damaged or unusual ledger files made from `good`
+    (a schema 3 ledger holding one tiny run). Expected: `ok` (exit 0), `refused` (exit 3, bytes
     unchanged) or `usage` (exit 2: no file, a directory)."""
     folder.mkdir(parents=True, exist_ok=True)
     data = good.read_bytes()
@@ -196,18 +196,22 @@ def damaged_ledgers(good: Path, folder: Path) -> list[tuple[str, Path, dict]]:
                                  "CREATE TABLE runs (a, b);")
     edited("no rows table", "DROP TABLE rows;")
     edited("schema 2 stamp on schema 1 tables", "ALTER TABLE units DROP COLUMN record_sha; "
-                                                "DROP TABLE leases;")
+                                                "DROP TABLE leases; DROP TABLE engine_checks; "
+                                                "PRAGMA user_version=2;")
     edited("damaged record JSON", "UPDATE units SET record = '{' WHERE rowid = 1;",
            runs="ok", run="ok")   # listing and adding runs never read a stored record
     edited("foreign database", "DROP TABLE rows; DROP TABLE units; DROP TABLE runs; "
-                               "DROP TABLE leases; PRAGMA user_version=0; "
+                               "DROP TABLE leases; DROP TABLE engine_checks; "
+                               "PRAGMA user_version=0; "
                                "CREATE TABLE people (name TEXT); INSERT INTO people VALUES ('x');")
     edited("empty SQLite database", "DROP TABLE rows; DROP TABLE units; DROP TABLE runs; "
-                                    "DROP TABLE leases; PRAGMA user_version=0; VACUUM;",
+                                    "DROP TABLE leases; DROP TABLE engine_checks; "
+                                    "PRAGMA user_version=0; VACUUM;",
            "refused", "ok")
     edited("schema 1 ledger", "ALTER TABLE units DROP COLUMN record_sha; DROP TABLE leases; "
-                              "PRAGMA user_version=1;", "ok", "ok")
-    file("schema 2 ledger (control)", data, "ok", "ok")
+                              "DROP TABLE engine_checks; PRAGMA user_version=1;", "ok", "ok")
+    edited("schema 2 ledger", "DROP TABLE engine_checks; PRAGMA user_version=2;", "ok", "ok")
+    file("schema 3 ledger (control)", data, "ok", "ok")
     return made
 
 

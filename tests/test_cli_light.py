@@ -97,7 +97,7 @@ def test_kvfid_run_smoke_runs_the_shipped_case(tmp_path):
 
 @pytest.mark.parametrize("flag, passed", [([], False), (["--allow-different"], True)])
 def test_allow_different_reaches_compare(monkeypatch, flag, passed):
-    from harness.reports import compare
+    from harness.compare import runs as compare
 
     seen = {}
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from harness.runs.case import load_case
 from harness.cli import main
-from harness.runs.ledger import Ledger
+from harness.ledger.store import Ledger
 from harness.reports.report import repro_command
 
 SMOKE = str(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")

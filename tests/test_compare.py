@@ -13,8 +13,8 @@ import pytest
 from fake_nvml import H200, FakeNVML  # tests/ is on sys.path (pytest's rootdir-less import mode)
 from harness.environment import envinfo
 from harness.runs.case import load_case, stored_case
-from harness.reports.compare import compare, render_html, render_markdown, write_comparison, rate_change
-from harness.runs.ledger import Ledger, LedgerError
+from harness.compare.runs import compare, render_html, render_markdown, write_comparison, rate_change
+from harness.ledger.store import Ledger, LedgerError
 from harness.runs.matrix import run_case
 from harness.inputs.models import load_model
 

@@ -15,9 +15,9 @@ from click.testing import CliRunner
 
 from harness.cli import main
 from harness.errors import BadInput
-from harness.reports.compare import UnlikeRuns, compare, render_markdown
+from harness.compare.runs import UnlikeRuns, compare, render_markdown
 from harness.runs.case import load_case
-from harness.runs.ledger import Ledger
+from harness.ledger.store import Ledger
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "cases" / "smoke.toml"

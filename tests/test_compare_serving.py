@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from harness.reports.compare import compare, render_markdown
-from harness.runs.ledger import Ledger
+from harness.compare.runs import compare, render_markdown
+from harness.ledger.store import Ledger
 from test_compare import clone
 
 SERVING = ("cached:prompt", "spec:2", "spec:2+none")

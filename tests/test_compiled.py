@@ -53,7 +53,7 @@ def test_a_compiled_stack_runs_every_arm_and_restores_the_eager_forward(serving_
     bit-exact compiled is a finding per machine, so it is reported, not asserted. The run is the
     session's serving run (conftest.SERVING_CASE: a one-layer model, the compiled stack on one
     item)."""
-    from harness.runs.ledger import Ledger
+    from harness.ledger.store import Ledger
 
     db, run_id = serving_run
     with Ledger(db) as ledger:

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.runs.ledger import Ledger
+from harness.ledger.store import Ledger
 
 ROOT = Path(__file__).resolve().parent.parent
 

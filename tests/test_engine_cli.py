@@ -23,6 +23,7 @@ def no_vllm(monkeypatch):
 @pytest.mark.parametrize("args", [["engine-check", "--model", "smollm2-135m"],
                                   ["engine-check", "--kv", "--faithful", "--model", "smollm2-135m"],
                                   ["engine-bench", "--model", "smollm2-135m"],
+                                  ["engine-bench", "--threads", "1", "--model", "smollm2-135m"],
                                   ["rollouts", "--engine", "vllm", "--model", "smollm2-135m",
                                    "--out", "never.jsonl"],
                                   ["rollouts", "--engine", "vllm", "--faithful", "--model",
@@ -63,3 +64,16 @@ def test_the_in_engine_comparison_is_bitwise():
     assert other["differ"] == 1 and other["items_exact"] == 1 and 0 < other["max_abs"] < 1e-6
     served = _compare(a, [[None, -2.0000002, -0.5], [-3.0]])   # None: served by the cache
     assert served["tokens"] == 3 and served["differ"] == 1
+
+
+def test_engine_bench_threads_are_set_and_restored():
+    import torch
+
+    from harness.engines.bench import _threads
+
+    before = torch.get_num_threads()
+    with _threads(1) as used:
+        assert used == torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with _threads(None) as used:
+        assert used == before

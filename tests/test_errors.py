@@ -12,8 +12,8 @@ from harness.runs.case import CaseError
 from harness.cli import main
 from harness.errors import (BadInput, DiskFull, OutputError, ReadOnly, Unavailable,
                             write_failure)
-from harness.runs.ledger import LedgerError
-from harness.runs.ledger_file import LedgerRefused
+from harness.ledger.store import LedgerError
+from harness.ledger.opening import LedgerRefused
 from harness.inputs.models import ModelUnavailable
 
 

@@ -17,7 +17,7 @@ from harness.runs.case import load_case
 from harness.reports.document import Table, markdown
 from harness.reports.index import update_index
 from harness.reports.index_page import index_document
-from harness.runs.ledger import Ledger
+from harness.ledger.store import Ledger
 from harness.reports.report import write_report
 
 SMOKE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")

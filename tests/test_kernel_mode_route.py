@@ -125,6 +125,32 @@ def test_a_weight_is_widened_once_per_version():
     assert again is not wide and torch.equal(again, weight.t().float())
 
 
+def test_the_parts_of_a_merged_weight_are_each_widened_once():
+    """Views of one Parameter (q, k, v of a merged projection, as the faithful engine splits it)
+    are kept side by side: widening one does not evict another."""
+    weight = torch.nn.Parameter(randn(12, 4, dtype=BF16, on="cpu"), requires_grad=False)
+    parts = [w.t() for w in weight.split([6, 3, 3], 0)]
+    wide = [mode_route.widened(p) for p in parts]
+    assert all(mode_route.widened(p) is w for p, w in zip(parts, wide))
+    assert all(torch.equal(w, p.float()) for p, w in zip(parts, wide))
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 40])
+def test_a_widened_product_has_the_bits_of_its_tiles_one_by_one(fresh_routes, monkeypatch, rows):
+    """The widened route widens a's rows and rounds the product back once for all tiles: the bits
+    of widening, multiplying and rounding each zero-padded tile of 16 rows apart."""
+    monkeypatch.setenv(mode_route.PIN_ENV, "bf16=widen:16")
+    a, b = randn(rows, 96, dtype=BF16, on="cpu"), randn(96, 80, dtype=BF16, on="cpu")
+    tiles = []
+    for start in range(0, rows, 16):
+        tile = a.new_zeros(16, 96)
+        tile[:min(16, rows - start)] = a[start:start + 16]
+        tiles.append(torch.mm(tile.float(), b.float()).to(BF16)[:min(16, rows - start)])
+    with torch.inference_mode(), set_batch_invariant_mode(impl="tiled"):
+        out = torch.mm(a, b)
+    assert_bitwise_equal(out, torch.cat(tiles), f"{rows} rows")
+
+
 ROUTES = (Route(32), Route(8), Route(1), Route(16, widen=True), Route(1, widen=True))
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from harness.records import record as rec
-from harness.runs import ledger as ledger_module
+from harness.ledger import store as ledger_module
 from harness.runs.case import load_case
-from harness.runs.ledger import Ledger, LedgerError, fingerprints, record_rows
+from harness.ledger.store import Ledger, LedgerError, fingerprints, record_rows
 
 CASE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
 ENV = {"git": {"revision": "abc", "dirty": True}, "gpus": []}

@@ -6,7 +6,7 @@ import sys
 from click.testing import CliRunner
 
 from harness.cli import main
-from harness.runs.ledger import Ledger
+from harness.ledger.store import Ledger
 from harness.tasks import local_shards
 
 

@@ -9,7 +9,7 @@ import torch
 
 from harness.runs import matrix
 from harness.runs.case import CaseError, load_case, parse_case
-from harness.runs.ledger import Ledger, LedgerError
+from harness.ledger.store import Ledger, LedgerError
 from harness.runs.audit import audit_run
 from harness.runs.matrix import Shard, parse_shard, plan_units, run_case
 from harness.inputs.models import load_model
@@ -196,7 +196,7 @@ def test_a_crash_marks_the_run_crashed_and_resumable(model, tmp_path, monkeypatc
 def test_publish_opens_the_ledger_once_and_aggregates_once(model, tmp_path, monkeypatch):
     """run -> aggregate -> report -> index on one open ledger (a new file: after the checks)."""
     from harness.reports import report
-    from harness.runs import ledger as ledger_module
+    from harness.ledger import store as ledger_module
     from harness.tasks import publish as publish_module
 
     opened, aggregated = [], []

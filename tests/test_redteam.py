@@ -17,9 +17,9 @@ import sys
 
 import pytest
 
-from harness.runs import ledger_file
+from harness.ledger import opening as ledger_file
 from harness import outputs
-from harness.runs.lease import this_process
+from harness.ledger.lease import this_process
 from redteam_ledger import ledger_full_after, read_only_cases, read_only_folder
 from redteam import (BASELINE, SMOKE, case_variants, damaged_ledgers, invoke, ledger_commands,
                      repro_inputs, run_case_variant, runs_left)
@@ -219,12 +219,12 @@ def test_a_schema_1_ledger_is_migrated_only_by_a_write(good, tmp_path):
     shutil.copy(good, old)
     with sqlite3.connect(old) as conn:
         conn.executescript("ALTER TABLE units DROP COLUMN record_sha; DROP TABLE leases; "
-                           "PRAGMA user_version=1;")
+                           "DROP TABLE engine_checks; PRAGMA user_version=1;")
     before = sha(old)
     assert invoke("runs", "--db", old).exit_code == 0 and sha(old) == before
     assert invoke("run", SMOKE, "--db", old, "--items", "1", "--quiet").exit_code == 0
     with sqlite3.connect(old) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone() == (2,)
+        assert conn.execute("PRAGMA user_version").fetchone() == (3,)
         assert conn.execute("SELECT COUNT(*) FROM units WHERE record_sha IS NULL").fetchone() \
             == (0,)
 
@@ -309,7 +309,7 @@ def test_a_disk_that_fills_during_a_run_is_exit_3_and_resume_finishes_it(smoke_r
     """The ledger fills after a few units: exit 3, one line "disk full" naming the file and the
     run; what was stored stays, and --resume (with room again) stores the rest, fingerprints
     equal to a clean run's."""
-    from harness.runs.ledger import Ledger
+    from harness.ledger.store import Ledger
 
     db = tmp_path / "ledger.sqlite"
     with ledger_full_after(6):

@@ -21,7 +21,7 @@ from harness.reports.document import markdown, to_html
 from harness.reports.replay_report import EXACT
 from harness.runs.audit import audit_run
 from harness.runs.case import load_case
-from harness.runs.ledger import Ledger
+from harness.ledger.store import Ledger
 from harness.runs.matrix import run_case
 from protocol_fixtures import tiny
 

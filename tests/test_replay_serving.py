@@ -14,7 +14,7 @@ from harness.cli import main
 from harness.stacks.stack import Stack
 from harness.records.replay_record import ReplayRecord
 from harness.diagnoses import replay
-from harness.runs.ledger import Ledger
+from harness.ledger.store import Ledger
 from protocol_fixtures import tiny
 
 ENGINE = ("cached:prompt", "cached:2", "cached:0.2", "spec:3", "spec:3+none", "spec:2+rate0.5",

@@ -9,7 +9,7 @@ import pytest
 
 from harness.runs import stats
 from harness.runs.case import load_case
-from harness.runs.ledger import Ledger, StoredUnit
+from harness.ledger.store import Ledger, StoredUnit
 from harness.records import record as rec
 from harness.reports.report import aggregate, crossing_repro_command, d_rel_blocks, headline, \
     markdown, repro_command, svg_bars, svg_lines, write_report

@@ -7,7 +7,7 @@ import json
 
 import click
 
-from harness.commands.options import exit_with, fmt_option, item_options, stack_options
+from harness.commands.options import db_option, exit_with, fmt_option, item_options, stack_options
 from harness.names import BIT_EXACT, CONSTRUCTION_HELP, DIVERGES, VERDICT_HELP
 
 
@@ -139,15 +139,46 @@ def rollouts(**options) -> None:
               help="Also read each layer's K and V out of vLLM's paged cache and compare them bitwise.")
 @click.option("--faithful", is_flag=True,
               help="Run vLLM with kvfid's batch-invariant attention and mode (its plugin).")
+@click.option("--db", type=click.Path(), default=None,
+              help="Store the result in this ledger (with --report and no --db: $KVFID_DB, else "
+                   "reports/ledger.sqlite).")
+@click.option("--report", is_flag=True, help="Store the result and write its report (report.md, "
+                                             "report.html) under OUT/<environment key>/<id>/.")
+@click.option("--out", default="reports", show_default=True, type=click.Path(file_okay=False),
+              help="The reports folder (with --report).")
 @fmt_option
 def engine_check(fmt, **options) -> None:
     """vLLM's own constructions on the same tokens, bitwise: decode vs prefill re-scoring,
     prefix cache cold vs warm, chunked prefill off vs on, alone vs batched."""
-    from harness.engines.check import check_command
+    from harness.tasks.engine_store import check_and_store
 
-    text, _ = check_command(fmt, progress=lambda s: click.echo(f"engine-check: {s}", err=True),
-                            **options)
+    text, written = check_and_store(fmt, progress=lambda s: click.echo(f"engine-check: {s}", err=True),
+                                    **options)
     click.echo(text)
+    for name, path in written.items():
+        click.echo(f"{name}: {path}", err=True)
+
+
+@click.command("engine-report")
+@click.argument("check_id", metavar="[CHECK]", required=False)
+@db_option
+@click.option("--out", default="reports", show_default=True, type=click.Path(file_okay=False),
+              help="Reports folder; files go to OUT/<environment key>/<check id>/.")
+@fmt_option
+def engine_report(check_id, db, out, fmt) -> None:
+    """A stored engine check read back (CHECK: an id, a unique prefix, or `latest`): its table,
+    and its report (report.md, report.html, engine-check.json) written; without CHECK, the
+    stored engine checks."""
+    from harness.tasks import engine_store
+
+    if check_id is None:
+        rows = engine_store.list_checks(db)
+        click.echo(json.dumps(rows, indent=1) if fmt == "json" else engine_store.checks_text(rows))
+        return
+    text, files = engine_store.report_check(db, check_id, out, fmt)
+    click.echo(text)
+    for name, path in files.items():
+        click.echo(f"{name}: {path}", err=True)
 
 
 @click.command("engine-bench")
@@ -160,6 +191,8 @@ def engine_check(fmt, **options) -> None:
               help="Prompts: arith | arith-easy | jsonl:<path>.")
 @click.option("--tokens", type=click.IntRange(2, 4096), default=32, show_default=True,
               help="Greedy tokens per prompt in the decode call.")
+@click.option("--threads", type=click.IntRange(1, 1024),
+              help="Both engines' calls at this many torch threads (default: vLLM-CPU's binding).")
 @fmt_option
 def engine_bench(fmt, **options) -> None:
     """The faithful engine's price: stock and faithful vLLM on the same requests, prefill and
@@ -170,4 +203,4 @@ def engine_bench(fmt, **options) -> None:
     click.echo(json.dumps(result, indent=1) if fmt == "json" else bench.render(result))
 
 
-COMMANDS = [repro, blame, replay, rollouts, engine_check, engine_bench]
+COMMANDS = [repro, blame, replay, rollouts, engine_check, engine_bench, engine_report]

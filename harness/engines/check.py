@@ -146,7 +146,7 @@ def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invar
     made = [{"construction": name, **r, **({"kv": engine_kv.compare_rows(*states)} if kv else {})}
             for name, r, states in rows]
     return {"model": model_name, "folder": folder, "dtype": dtype, "engine": f"vllm {vllm_engine.version()}",
-            "prompts": len(prompts), "tokens": tokens, "chunk": chunk,
+            "prompts": len(prompts), "tokens": tokens, "chunk": chunk, "item_set": item_set,
             "batch_invariant": batch_invariant, "batch_invariant_note": note, "faithful": faithful,
             "kv": kv, "rows": made, "wall_s": time.perf_counter() - start}
 
@@ -210,10 +210,4 @@ def engine_rollouts(model_name: str, item_set: str, count: int, tokens: int, tem
             for i, p, (ids, lp) in zip(chosen, prompts, made) if ids]
 
 
-def check_command(fmt: str, **options) -> tuple[str, dict]:
-    """What `kvfid engine-check` prints."""
-    result = engine_check(**options)
-    return (json.dumps(result, indent=1) if fmt == "json" else render(result)), result
-
-
-__all__ = ["engine_check", "engine_rollouts", "render", "check_command", "Unavailable"]
+__all__ = ["engine_check", "engine_rollouts", "render", "Unavailable"]

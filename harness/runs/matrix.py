@@ -4,7 +4,7 @@ A unit is one (item, stack) measurement (`run_item`), or one item's precision cr
 (`run_crossing`). `run_case` checks everything it can before any compute (environment, items,
 context lengths; `prepare`), loads the model once, opens the ledger once (a new file only after
 the checks), then for each stack and each item measures a unit and writes it in one transaction
-(`measure`), holding a lease on the run (harness.runs.lease) so
+(`measure`), holding a lease on the run (harness.ledger.lease) so
 that a killed run shows as `died`. `--resume` skips stored units; `--shard I/N` takes every N-th
 item, so processes given the same run id fill one run. harness.runs.audit re-checks a stored run.
 """
@@ -27,8 +27,8 @@ from harness.errors import BadInput, DiskFull, Unavailable
 from harness.stacks.stack import check_supports
 from harness.protocol.engine_arms import check_rollback
 from harness.inputs.items import load_item_set, match_answer
-from harness.runs.ledger import Ledger, LedgerError, new_run_id
-from harness.runs.ledger_file import probe
+from harness.ledger.store import Ledger, LedgerError, new_run_id
+from harness.ledger.opening import probe
 from harness.inputs.models import ModelUnavailable, load_model
 from harness.protocol.protocol import ProtocolError, run_crossing, run_item
 from harness.records.record import CrossingRecord

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 def compare_command(a: str, b: str, db=None, db_a=None, db_b=None, out=None,
                     allow_different: bool = False, **inputs) -> tuple[dict, dict]:
-    """Compare A with B (`harness.reports.compare.compare`; `inputs`: kernels_a/b, bench_a/b,
+    """Compare A with B (`harness.compare.runs.compare`; `inputs`: kernels_a/b, bench_a/b,
     threshold, reports); returns the result and {name: path} of the files written to `out`."""
-    from harness.reports import compare
+    from harness.compare import runs as compare
     from harness.tasks.ledger_views import db_path
 
     result = compare.compare((db_path(db_a or db), db_path(db_b or db)), a, b,

@@ -1,5 +1,5 @@
 """What the reading commands show of a ledger: `runs`, `show`, `report`. Each opens the ledger
-read-only (harness.runs.ledger_file), so reading a ledger never changes its bytes.
+read-only (harness.ledger.opening), so reading a ledger never changes its bytes.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from harness.errors import BadInput
-from harness.runs.lease import shown_status
-from harness.runs.ledger import Ledger, default_db_path
+from harness.ledger.lease import shown_status
+from harness.ledger.store import Ledger, default_db_path
 
 
 def db_path(db: str | Path | None) -> Path:

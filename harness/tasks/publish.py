@@ -13,7 +13,7 @@ from pathlib import Path
 
 from harness.errors import BadInput
 from harness.runs import matrix
-from harness.runs.ledger import Ledger
+from harness.ledger.store import Ledger
 
 
 @dataclass

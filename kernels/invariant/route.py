@@ -302,7 +302,8 @@ _widened: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
 
 def widened(t: torch.Tensor) -> torch.Tensor:
     """t in fp32, exactly, with t's strides. A view of a Parameter (a weight) is widened once per
-    version of it and kept while the Parameter lives; anything else is widened at each call."""
+    version of it and kept while the Parameter lives (each view of it apart: the parts of a merged
+    projection); anything else is widened at each call."""
     base = t._base if t._base is not None else t
     if not isinstance(base, torch.nn.Parameter):
         return t.float()
@@ -311,7 +312,7 @@ def widened(t: torch.Tensor) -> torch.Tensor:
     if hit is not None and hit[0]() is base:
         return hit[1]
     wide = t.float()
-    for old in [k for k in _widened if k[0] == id(base)]:   # an older version of this weight
-        del _widened[old]
+    for old in [k for k in _widened if k[0] == id(base) and k[1] != base._version]:
+        del _widened[old]                                   # an older version of this weight
     _widened[key] = (weakref.ref(base, lambda _, k=key: _widened.pop(k, None)), wide)
     return wide

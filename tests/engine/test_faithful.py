@@ -73,7 +73,7 @@ def test_the_plugin_is_an_entry_point_and_restores_what_it_overrides():
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_faithful_engine_is_bit_exact_in_every_row(tiny_folder, dtype):
+def test_faithful_engine_is_bit_exact_in_every_row(tiny_folder, dtype, tmp_path):
     faithful = engine_check(f"hf:{tiny_folder}", dtype, 2, 8, 32, kv=True, faithful=True)
     assert [r["construction"] for r in faithful["rows"]][-1] == "prefix cache cold vs warm"
     for row in faithful["rows"]:
@@ -82,6 +82,12 @@ def test_faithful_engine_is_bit_exact_in_every_row(tiny_folder, dtype):
     assert faithful["rows"][-1]["served_tokens"] >= 32
     text = render(faithful)
     assert "engine state" in text and "faithful" in text
+    from harness.reports.engine_report import write_report
+    from harness.tasks.engine_store import store_result
+
+    stored = store_result(tmp_path / "ledger.sqlite", faithful)
+    report = write_report(stored, tmp_path / "reports")["markdown"].read_text()
+    assert "**Bit-exact**: every construction gave the same logprob bits and the same K and V" in report
 
 
 def _gaps(tiny_folder, tmp_path, *flags, dtype="fp32"):

@@ -1,6 +1,6 @@
 """Presenting a regression comparison: report blocks, Markdown, one HTML page, files.
 
-`document(result)` turns harness.reports.compare's result into blocks of the document engine
+`document(result)` turns harness.compare.runs's result into blocks of the document engine
 (harness.reports.document: headings, tables, the interval figure `svg_intervals` draws as inline
 SVG); `render_markdown`, `render_html` and `write_comparison` (comparison.md, comparison.html,
 comparison.json) present it. What makes A and B unlike runs leads the page when the comparison

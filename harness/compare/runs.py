@@ -5,13 +5,13 @@ or an environment key (its latest finished run, of the other side's case when it
 side may live in its own ledger file (a committed baseline against a user's GPU ledger). It
 compares like with like: runs that differ in case, model, B/S, items or thread count are refused
 (`UnlikeRuns`, exit 2) unless `allow_different`, and then the report leads with what differs.
-Then, per stack stored in both runs, on the items stored in both (harness.reports.compare_stack):
+Then, per stack stored in both runs, on the items stored in both (harness.compare.stack):
 bit-exact verdicts that flipped item by item, rates whose 95% Wilson intervals no longer overlap,
 and fingerprints that differ per item and arm, with each run's own first bad layer against live.
 Kernel invariance results and kernel benchmarks are optional inputs per side
-(harness.reports.compare_inputs). The environment table names each variable that changes numerics
+(harness.compare.inputs). The environment table names each variable that changes numerics
 (harness.environment.cpu.NUMERICS_ENV) that either run set. The result is plain JSON-able data
-with `regressed` and its reasons; harness.reports.compare_render presents it (`render_markdown`,
+with `regressed` and its reasons; harness.compare.render presents it (`render_markdown`,
 `render_html` and `write_comparison`, re-exported here).
 """
 
@@ -21,14 +21,14 @@ import contextlib
 from pathlib import Path
 
 from harness.runs.aggregate import aggregate
-from harness.reports.compare_render import (SHOWN, document,  # noqa: F401 (re-exported)
+from harness.compare.render import (SHOWN, document,  # noqa: F401 (re-exported)
                                             render_html, render_markdown, svg_intervals,
                                             write_comparison)
-from harness.reports.compare_stack import compare_stack, rate_change  # noqa: F401 (re-exported)
-from harness.reports.compare_inputs import (compare_bench_inputs, compare_kernel_inputs,
+from harness.compare.stack import compare_stack, rate_change  # noqa: F401 (re-exported)
+from harness.compare.inputs import (compare_bench_inputs, compare_kernel_inputs,
                                             stored_inputs)
 from harness.errors import BadInput
-from harness.runs.ledger import Ledger, LedgerError
+from harness.ledger.store import Ledger, LedgerError
 
 INTERVAL_RULE = ("A rate changed beyond its interval when the two runs' 95% Wilson intervals do "
                  "not overlap (then each run's rate also lies outside the other's interval); a "

@@ -5,8 +5,9 @@ writes nothing: not the header, not a `-wal`/`-shm` file beside it. When no `-wa
 (no connection is open on the file) or the file cannot be written, it is opened `immutable=1`;
 otherwise `mode=ro`, which shares the running writer's WAL index. A write (`run`, `merge`)
 creates the schema only in a new or empty file and migrates only a kvfid ledger of a known older
-version. Anything else (a newer schema, a foreign database, a file that is not SQLite, one that
-fails `pragma quick_check`) is refused with `LedgerRefused` (exit 3) before a byte is written,
+version (1 -> 2: record checksums and leases; 2 -> 3: the `engine_checks` table, stored
+`kvfid engine-check` results). Anything else (a newer schema, a foreign database, a file that
+is not SQLite, one that fails `pragma quick_check`) is refused with `LedgerRefused` (exit 3) before a byte is written,
 and so is a file or folder kvfid cannot write (`ReadOnly`). Every write is one `Transaction`; one
 that a full disk refuses is `DiskFull` (exit 3), rolled back.
 """
@@ -21,7 +22,7 @@ from urllib.parse import quote
 
 from harness.errors import BadInput, ReadOnly, Unavailable, write_failure
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 _TABLES_V1 = {
@@ -36,6 +37,8 @@ _TABLES_V1 = {
 _TABLES = {1: _TABLES_V1,
            2: {**_TABLES_V1, "units": _TABLES_V1["units"] + ["record_sha"],
                "leases": ["run_id", "host", "pid", "process", "heartbeat"]}}
+_TABLES[3] = {**_TABLES[2], "engine_checks": ["id", "environment_key", "engine", "environment",
+                                              "git_revision", "written", "record", "record_sha"]}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -58,6 +61,12 @@ _LEASES = """
 CREATE TABLE IF NOT EXISTS leases (
   run_id TEXT NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL, process TEXT,
   heartbeat TEXT NOT NULL, PRIMARY KEY (run_id, host, pid));
+"""
+_ENGINE_CHECKS = """
+CREATE TABLE IF NOT EXISTS engine_checks (
+  id TEXT PRIMARY KEY, environment_key TEXT NOT NULL, engine TEXT NOT NULL,
+  environment TEXT NOT NULL, git_revision TEXT, written TEXT NOT NULL, record TEXT NOT NULL,
+  record_sha TEXT NOT NULL);
 """
 
 
@@ -205,8 +214,10 @@ def _prepare(db: sqlite3.Connection, path: Path, version: int) -> int:
             if version == 0:
                 for statement in filter(str.strip, (_SCHEMA + _LEASES).split(";")):
                     db.execute(statement)
-            elif version == 1:
+            elif version == 1 and "record_sha" not in _columns(db, "units"):   # not a stamped 2
                 _migrate_1_to_2(db)
+            if version < SCHEMA_VERSION:
+                db.execute(_ENGINE_CHECKS)                  # 2 -> 3 (a new file too)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             db.execute("COMMIT")
         except BaseException:
@@ -215,6 +226,10 @@ def _prepare(db: sqlite3.Connection, path: Path, version: int) -> int:
     if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
         db.execute("PRAGMA journal_mode=WAL")
     return SCHEMA_VERSION
+
+
+def _columns(db: sqlite3.Connection, table: str) -> list[str]:
+    return [c for (c,) in db.execute("SELECT name FROM pragma_table_info(?)", (table,))]
 
 
 def _migrate_1_to_2(db: sqlite3.Connection) -> None:

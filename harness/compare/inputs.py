@@ -3,7 +3,7 @@
 `compare_kernel_inputs` finds claimed invariances (harness.environment.invariance) that held in A
 and fail in B; `compare_bench_inputs` compares kernel medians (harness.reports.benchreport's rule);
 `stored_inputs` finds what `kvfid bench` filed for an environment key. Each returns plain data
-and the regression reasons for harness.reports.compare.
+and the regression reasons for harness.compare.runs.
 """
 
 from __future__ import annotations

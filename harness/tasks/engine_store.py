@@ -1,0 +1,96 @@
+"""What `kvfid engine-check --db/--report` and `kvfid engine-report` run: an engine check measured,
+stored in the ledger under this environment's key with the engine's version
+(harness.ledger.engine_checks), its report written (harness.reports.engine_report); and a stored
+one read back, listed or reported again.
+
+The ledger is opened for writing only once the check has been measured, so a check vLLM refuses
+(exit 3) or a bad option (exit 2) leaves no ledger behind; a ledger kvfid cannot write is
+refused before compute like `kvfid run` refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness.ledger.store import Ledger
+
+
+def check_and_store(fmt: str = "text", db: str | Path | None = None, report: bool = False,
+                    out: str | Path = "reports", progress=None, **options) -> tuple[str, dict]:
+    """Measure an engine check (harness.engines.check); with `db` or `report`, store it
+    (in `db`, else the default ledger) and with `report` write its report under `out`. Returns
+    what to print and {name: path} of what was written (`ledger`, `id`, the report's files)."""
+    from harness.engines import check as engine_check
+    from harness.ledger.opening import probe
+    from harness.tasks.ledger_views import db_path
+
+    store = db is not None or report
+    path = db_path(db)
+    if store:
+        probe(path)                         # refused (read-only, not a ledger) before compute
+    result = engine_check.engine_check(progress=progress, **options)
+    text = json.dumps(result, indent=1) if fmt == "json" else engine_check.render(result)
+    if not store:
+        return text, {}
+    stored = store_result(path, result)
+    written = {"ledger": path, "id": stored.id}
+    if report:
+        from harness.reports.engine_report import write_report
+
+        written.update(write_report(stored, out))
+    return text, written
+
+
+def store_result(db: str | Path, result: dict, environment: dict | None = None):
+    """Store engine_check's `result` (as an EngineCheckRecord) under this environment's key."""
+    from harness.environment import envinfo
+    from harness.records.engine import from_result
+    from harness.ledger.engine_checks import write_check
+
+    environment = envinfo.collect() if environment is None else environment
+    record = from_result(result)
+    with Ledger(db) as ledger:
+        return write_check(ledger, record, {**environment, "engine": record.engine},
+                           envinfo.environment_key(environment))
+
+
+def list_checks(db: str | Path | None) -> list[dict]:
+    """Every stored engine check, oldest first."""
+    from harness.ledger.engine_checks import checks
+    from harness.tasks.ledger_views import db_path
+
+    with Ledger(db_path(db), readonly=True) as ledger:
+        return [{"id": s.id, "engine": s.record.label, "model": s.record.model,
+                 "rows": len(s.record.rows), "exact": s.record.exact, "kv": s.record.kv,
+                 "written": s.written, "environment": s.environment_key}
+                for s in checks(ledger)]
+
+
+def checks_text(rows: list[dict]) -> str:
+    """`kvfid engine-report` with no id: the stored checks as a table."""
+    from harness.reports.document import text_table
+
+    return text_table(["engine check", "engine", "model", "verdict", "written", "environment"],
+                      [[r["id"], r["engine"], r["model"],
+                        ("bit-exact" if r["exact"] else "differs") + (" (logprobs, KV)" if r["kv"]
+                                                                      else " (logprobs)"),
+                        r["written"], r["environment"]] for r in rows])
+
+
+def report_check(db: str | Path | None, check_id: str, out: str | Path = "reports",
+                 fmt: str = "text") -> tuple[str, dict]:
+    """A stored engine check read back: its table as engine-check printed it (or its record as
+    JSON) and its report files written under `out`."""
+    from harness.engines import check as engine_check
+    from harness.records.record import to_json
+    from harness.reports.engine_report import write_report
+    from harness.ledger.engine_checks import check
+    from harness.tasks.ledger_views import db_path
+
+    with Ledger(db_path(db), readonly=True) as ledger:
+        stored = check(ledger, check_id)
+    text = (to_json(stored.record, indent=1) if fmt == "json"
+            else f"engine check {stored.id} ({stored.written}, {stored.environment_key})\n"
+                 + engine_check.render(stored.record.as_result()))
+    return text, write_report(stored, out)
