@@ -20,7 +20,6 @@ items exact. Decoded tokens that diverge between two runs are compared up to the
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 
