@@ -1,6 +1,6 @@
 """Reading a stored record back: schema 3 of any kind in record.KINDS, schema 1-2 (the untagged
 dicts of earlier ledgers) through harness.protocol.record_legacy, anything else refused with one
-line. It sits above every record module, so all kinds (replay_record's too) are registered here.
+line. It sits above every record module, so all kinds (replay_record's and program_record's too) are registered here.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 
 from harness.protocol.plain import decode
 from harness.protocol.record import KINDS, SCHEMA_VERSION, RecordRefused
+from harness.protocol.program_record import ProgramRecord  # noqa: F401 (registers the program kind)
 from harness.protocol.record_legacy import from_untagged
 from harness.protocol.replay_record import ReplayRecord  # noqa: F401 (registers the replay kind)
 

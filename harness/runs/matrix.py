@@ -33,7 +33,7 @@ from harness.protocol.protocol import ProtocolError, run_crossing, run_item
 from harness.protocol.record import CrossingRecord
 from harness.runs.replay import replay_unit
 from harness.names import CASES
-from harness.runs import replay_matrix
+from harness.runs import program_matrix, replay_matrix
 
 GPU_DEFAULT_CASE = CASES / "gpu-qwen2.5-shape.toml"
 CPU_DEFAULT_CASE = CASES / "smollm2-cpu.toml"
@@ -114,9 +114,9 @@ class Matrix:
     def __init__(self, case: Case, model=None) -> None:
         self.case = case
         _check_devices(case)
-        if case.replay:
+        if case.replay or case.program:
             self.model = model or _load(case)
-            self.items = replay_matrix.bind(case, self.model)
+            self.items = (replay_matrix if case.replay else program_matrix).bind(case, self.model)
             return
         try:
             self.items = load_item_set(case.items.set, case.items.n, case.items.seed)
@@ -148,12 +148,14 @@ class Matrix:
                                 f"{spec.selection.label!r} on item {item.id}: {reason}")
 
     def measure(self, unit: Unit):
-        """Measure one unit; the record `run_item` (or `run_crossing`, or for a replay case
-        `replay_unit`) returns."""
+        """Measure one unit; the record `run_item` (or `run_crossing`, for a replay case
+        `replay_unit`, for a program case `program_matrix.measure`) returns."""
         item = self.items[unit.item_index]
         if self.case.replay:
             return replay_unit(self.model, self.case.stack(unit.stack), item,
                                self.case.replay.constructions)
+        if self.case.program:
+            return program_matrix.measure(self.model, self.case.stack(unit.stack), item, self.case, unit.item_index)
         if unit.is_crossing:
             c = self.case.crossing
             return run_crossing(self.model, item, c.reference, c.stacks, self.case.B, self.case.S,
