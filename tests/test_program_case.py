@@ -162,3 +162,19 @@ def test_a_program_case_takes_no_crossing():
     with pytest.raises(CaseError, match="key 'crossing' does not apply to a program case"):
         parse_case(CASE.replace("[program]", "[crossing]\nreference = \"sdpa/bf16\"\n"
                                 "dtypes = [\"bf16\"]\n[program]").format(sees=""), "p.toml")
+
+
+def test_two_runs_of_a_program_case_compare_by_verdicts_and_fingerprints(tmp_path):
+    from harness.reports.compare import compare
+
+    text = CASE.format(sees="").replace('backends = ["native", "twin"]', 'backends = ["native"]')
+    case = parse_case(text.split("[transplants]")[0], "p.toml")
+    runs = [run_case(case, tmp_path / "l.sqlite", model=tiny(), progress=False).run_id
+            for _ in range(2)]
+    with Ledger(tmp_path / "l.sqlite") as ledger:
+        result = compare(ledger, *runs)
+    entry = result["stacks"]["native/fp32+bi@t1"]
+    assert not result["regressed"] and entry["items"]["compared"] and entry["fingerprints"] == []
+    checks = {(v["check"], v["construction"]) for v in entry["verdicts"]}
+    assert ("cache bit-exact", "packed prefill vs live") in checks
+    assert ("replica bit-exact", "packed prefill") in checks
