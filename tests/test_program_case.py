@@ -129,6 +129,12 @@ def test_kvfid_run_stores_program_records_and_the_report_shows_the_program(tmp_p
     assert "| twin/fp32+bi@t1 | packed | prefill | 0/1 |" in text
     assert "| native/fp32+bi@t1 | batched | prefill | 1/1 |" in text
     assert "live<-prefill:segment=branch2" in text and "--program batched:2x3+2:parallel" in text
+    from harness.reports.index import grid_stacks    # the index grid: a column per stack x layout
+
+    columns = grid_stacks(summary)
+    assert list(columns) == [f"{s} {layout}" for s in ("native/fp32+bi@t1", "twin/fp32+bi@t1")
+                             for layout in ("packed", "batched")]
+    assert columns["twin/fp32+bi@t1 packed"]["constructions"]["prefill"]["cache_bit_exact"]["k"] == 0
 
 
 def test_a_stage_seeing_an_earlier_branch_runs_under_its_mask():

@@ -77,8 +77,9 @@ def program_command(case, stack, program=None) -> str:
     """The `kvfid repro --program` command that measures one unit of a program case again (in
     `program`'s layout; the first layout's by default)."""
     program = program or case.program.programs[0]
-    args = ["kvfid", "repro", "--model", case.model, "--item-set", case.items.set, "--item",
-            "<INDEX>", "--program", program.label, "--backend", stack.backend, "--dtype",
+    item = (["--item-set", case.items.set, "--item", "<INDEX>"] if case.items.seed == 0 else
+            ["--prompt", "<PROMPT>"])    # `repro --item-set` draws with seed 0 only
+    args = ["kvfid", "repro", "--model", case.model, *item, "--program", program.label, "--backend", stack.backend, "--dtype",
             stack.dtype, *(["--batch-invariant"] if stack.batch_invariant else []), "--device",
             stack.device, *(["--threads", str(stack.threads)] if stack.threads else []),
             "-S", str(case.S), "--arms", ",".join(case.constructions)]
@@ -86,4 +87,4 @@ def program_command(case, stack, program=None) -> str:
     args += ["--replicas", ",".join(case.replicas.arms)] if case.replicas.arms else []
     for move in case.program.transplants:
         args += ["--transplant", move]
-    return shlex.join(args).replace("'<INDEX>'", "<INDEX>")
+    return shlex.join(args).replace("'<INDEX>'", "<INDEX>").replace("'<PROMPT>'", "<PROMPT>")
