@@ -106,8 +106,8 @@ def _drafts(parents, truth: list[int], rate, rng: random.Random, vocab_size: int
     for node, parent in enumerate(parents, 1):
         children.setdefault(parent, []).append(node)
     level = depths(parents)
-    tokens = [(truth[min(level[j], len(truth)) - 1] + 1 + j) % vocab_size if truth else j
-              for j in range(len(parents) + 1)]   # wrong everywhere first
+    # wrong everywhere first: node j at depth d drafts P's token there plus 1 + j
+    tokens = [0] + [(truth[level[j] - 1] + 1 + j) % vocab_size for j in range(1, len(level))]
     path, at = [], 0
     while children.get(at) and level[at] < len(truth):
         if rate is not None and rng.random() >= float(rate):
