@@ -26,7 +26,9 @@ MODEL_NAMES = (*PRESET_NAMES, "hf:<folder>")
 
 CONSTRUCTION_HELP = ("live, prefill, incremental, incremental-1, chunked:N, batched:N (N >= 1), "
                      "cobatched:N, cobatched:N+decode (N >= 2), cached:K (K tokens, a fraction "
-                     "or `prompt`), spec:k[+all|+none|+ngram|+rateR] (k >= 1 drafts)")
+                     "or `prompt`), spec:k[+all|+none|+ngram|+rateR] (k >= 1 drafts), "
+                     "spec:tree:WxD or spec:tree:P1,P2,.. (a draft tree by its nodes' parents)"
+                     "[+rateR]")
 
 # The verdicts of `kvfid repro` (harness.diagnoses.repro.verdict).
 BIT_EXACT, DIVERGES = "bit-exact", "diverges"

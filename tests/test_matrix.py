@@ -11,7 +11,8 @@ from harness.runs import matrix
 from harness.runs.case import CaseError, load_case, parse_case
 from harness.ledger.store import Ledger, LedgerError
 from harness.runs.audit import audit_run
-from harness.runs.matrix import Shard, parse_shard, plan_units, run_case
+from harness.runs.matrix import plan_units, run_case
+from harness.runs.shards import Shard, parse_shard
 from harness.inputs.models import load_model
 
 CASES = Path(__file__).resolve().parent.parent / "cases"

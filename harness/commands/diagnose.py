@@ -75,7 +75,8 @@ def blame(fmt, **options) -> None:
               help="A preset (see `kvfid models`) or hf:<folder>; the one the trajectories are for.")
 @stack_options
 @click.option("--constructions", default="prefill", show_default=True,
-              help="Comma-separated re-scorings: prefill, chunked:N, batched:N, cached:K, spec:k[+PATTERN].")
+              help="Comma-separated re-scorings: prefill, chunked:N, batched:N, cached:K, spec:k[+PATTERN], "
+                   "spec:tree:WxD.")
 @click.option("--expect-exact", is_flag=True, help="Exit 1 unless every logprob is bit-identical.")
 @fmt_option
 def replay(fmt, expect_exact, **options) -> None:

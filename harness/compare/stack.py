@@ -9,6 +9,7 @@ about where tokens part and each run's first bad layer against live (FINGERPRINT
 
 from __future__ import annotations
 
+from harness.records.program import ProgramRecord
 from harness.records.record import CrossingRecord, ItemRecord
 from harness.runs.aggregate import rate
 from harness.reports.document import interval_text, number
@@ -44,6 +45,8 @@ def compare_stack(label: str, side_a: dict, side_b: dict, must_reproduce: bool):
     crossing = any(u.is_crossing for u in units_a.values())
     if crossing:
         entry["rates"] = _crossing_rates(summary_a["crossing"], summary_b["crossing"])
+    elif label not in summary_a["stacks"]:    # a program run: its verdicts and fingerprints
+        entry["rates"] = []
     else:
         entry["rates"] = _rate_changes(summary_a["stacks"][label], summary_b["stacks"][label])
     for r in entry["rates"]:
@@ -66,8 +69,11 @@ def compare_stack(label: str, side_a: dict, side_b: dict, must_reproduce: bool):
 
 
 def _comparable(ra, rb) -> bool:
-    """Same kind of unit, prompt, B and S: the two units measured the same thing."""
-    return type(ra) is type(rb) and (ra.item.prompt, ra.B, ra.S) == (rb.item.prompt, rb.B, rb.S)
+    """Same kind of unit, prompt, B and S (a program unit: its programs and S): the two units
+    measured the same thing."""
+    shape = lambda r: (tuple((x.program, x.S) for x in r.runs) if isinstance(r, ProgramRecord)
+                       else (r.B, r.S))
+    return type(ra) is type(rb) and (ra.item.prompt, shape(ra)) == (rb.item.prompt, shape(rb))
 
 
 def _verdicts(record: ItemRecord | CrossingRecord) -> dict[tuple, tuple[bool, str]]:
@@ -81,6 +87,19 @@ def _verdicts(record: ItemRecord | CrossingRecord) -> dict[tuple, tuple[bool, st
             out[("suffix equals reference live", f"{cell.stack} {cell.construction}", False)] = (
                 cell.same_as_reference_live,
                 "equal" if cell.same_as_reference_live else "differs")
+        return out
+    if isinstance(record, ProgramRecord):
+        for run in record.runs:
+            for c in run.comparisons:
+                out[("cache bit-exact", f"{run.layout} {c.arm} vs live", True)] = (
+                    c.bit_exact, "bit-exact" if c.bit_exact else
+                    f"first bad layer {c.cache.first_bad_layer}, segment {c.first_bad_segment}")
+                out[("suffix identical", f"{run.layout} {c.arm} vs live", False)] = (
+                    c.suffix.identical, "identical" if c.suffix.identical
+                    else f"diverges at {c.suffix.first_divergence}")
+            for r in run.replicas:
+                out[("replica bit-exact", f"{run.layout} {r.arm}", True)] = (
+                    r.bit_exact and r.suffix_identical, "bit-exact" if r.bit_exact else "differs")
         return out
     for c in record.comparisons:
         where = f"{c.b} vs {c.a}" + (" (bridge)" if c.kind == "bridge" else "")

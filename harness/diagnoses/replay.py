@@ -178,6 +178,7 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
                    device: str, threads: int | None, constructions: str, progress=None,
                    compiled: bool = False, faithful_recurrence: bool | None = None) -> dict:
     """`kvfid replay`: the options and the file checked before compute (exit 2 / 3), then `replay`."""
+    from harness import checks
     from harness.diagnoses import repro
     from harness.stacks.stack import check_supports
     from harness.protocol.engine_arms import check_rollback
@@ -186,7 +187,7 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
     repro.check_model_name(model_name)
     stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
                                 faithful_recurrence)
-    chosen = tuple(c for c in constructions.split(",") if c)
+    chosen = checks.split_arms(constructions)
     for c in chosen:
         try:
             kind = parse_construction(c).kind

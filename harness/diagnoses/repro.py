@@ -43,8 +43,8 @@ def prepare(model_name: str, prompt: str | None, item_set: str | None, item_inde
     stack = checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
                           faithful_recurrence)
     try:
-        plan = ItemPlan(boundary, suffix, tuple(a for a in arms.split(",") if a),
-                        tuple(r for r in replicas.split(",") if r),
+        plan = ItemPlan(boundary, suffix, checks.split_arms(arms),
+                        checks.split_arms(replicas),
                         tuple(parse_transplant(t) for t in transplants), ignore_eos=ignore_eos)
         cross_stacks = [stack.with_dtype(d) for d in cross.split(",")] if cross else []
     except ValueError as err:

@@ -28,8 +28,8 @@ from harness.protocol.constructions import parse_construction
 from harness.protocol.decode import Runner, as_batch, new_cache
 from harness.inputs.trajectories import Trajectory
 
-CONSTRUCTIONS = ("prefill", "chunked", "batched", "cached", "spec")
-ALLOWED = "prefill, chunked:N, batched:N, cached:K, spec:k"
+CONSTRUCTIONS = ("prefill", "chunked", "batched", "cached", "spec", "spec-tree")
+ALLOWED = "prefill, chunked:N, batched:N, cached:K, spec:k, spec:tree:WxD"
 
 
 def reference_logits(runner: Runner, t: Trajectory) -> torch.Tensor:

@@ -1,9 +1,8 @@
 """The rows of a unit's record: what the ledger's rows table holds and what audit compares.
 
-A record (harness.records.record: `run_item`'s or `run_crossing`'s, or a ReplayRecord) is stored
-whole; its rows (one per arm, comparison, replica, transplant, crossing cell, replayed
-construction) are a projection of it: metrics
-for queries and fingerprints for `audit`. `record_rows` is that projection, `fingerprints` its
+A record (harness.records.record: `run_item`'s or `run_crossing`'s, a ReplayRecord or a
+ProgramRecord) is stored whole; its rows (one per arm, comparison, replica, transplant, crossing
+cell, replayed construction) are a projection of it: metrics for queries and fingerprints for `audit`. `record_rows` is that projection, `fingerprints` its
 fingerprint part. Row labels keep the text ledgers of schema 1-2 stored, so their runs stay
 auditable and comparable with new ones.
 """
@@ -14,6 +13,7 @@ import dataclasses
 
 from harness.states.cache import sha_ids
 from harness.records.record import Comparison, CrossingRecord, ItemRecord
+from harness.records.program import ProgramRecord
 from harness.records.replay_record import ReplayRecord
 
 
@@ -23,6 +23,8 @@ def record_rows(record: ItemRecord | CrossingRecord) -> list[tuple[str, str, dic
         return _crossing_rows(record)
     if isinstance(record, ReplayRecord):
         return _replay_rows(record)
+    if isinstance(record, ProgramRecord):
+        return _program_rows(record)
     if not record.ok:
         generated = record.arms["live"].generated or ()
         return [("short", "live", {"generated": len(generated), "note": record.note},
@@ -83,6 +85,38 @@ def _replay_rows(record: ReplayRecord) -> list[tuple[str, str, dict, dict]]:
                                        "max_abs": m.max_abs, "kl_mean": m.kl_mean,
                                        "first_position": m.first_position},
                      {"logprobs_sha": m.logprobs_sha}))
+    return rows
+
+
+def _program_rows(record: ProgramRecord) -> list[tuple[str, str, dict, dict]]:
+    """Per layout (labels `LAYOUT|...`): the merge boundary, each arm's state, each rebuilt arm's
+    comparison with live (and the first bad segment), the replicas and the transplants."""
+    rows = []
+    for run in record.runs:
+        at = f"{run.layout}|"
+        rows.append(("prefix", at + "P", {"length": run.boundary_length,
+                                          "prompt_length": run.prompt_length,
+                                          "program": run.program},
+                     {"prefix_sha": run.prefix_sha}))
+        for label, arm in run.arms.items():
+            rows.append(("boundary", at + label, {"suffix_length": len(arm.suffix),
+                                                  "wall_s": arm.wall_s,
+                                                  "forward_calls": arm.forward_calls},
+                         {"cache_sha": arm.cache_sha, "suffix_sha": sha_ids(arm.suffix)}))
+        for c in run.comparisons:
+            rows.append(("arm", f"{at}live~{c.arm}", {
+                "cache_bit_exact": c.bit_exact, "first_bad_layer": c.cache.first_bad_layer,
+                "first_bad_segment": c.first_bad_segment, "logits_equal": c.logits.equal,
+                "suffix_identical": c.suffix.identical,
+                "first_divergence": c.suffix.first_divergence}, {}))
+        for r in run.replicas:
+            rows.append(("replica", f"{at}{r.arm}~{r.arm}'", {"cache_bit_exact": r.bit_exact,
+                                                              "suffix_identical": r.suffix_identical},
+                         {}))
+        for t in run.transplants:
+            rows.append(("transplant", at + t.transplant, {"outcome": t.outcome,
+                                                           "recipient_equals_donor": t.same_suffixes},
+                         {"suffix_sha": t.suffix_sha, "outcome": t.outcome}))
     return rows
 
 

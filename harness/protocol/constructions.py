@@ -12,10 +12,12 @@ import re
 from dataclasses import dataclass
 
 from harness.states import surgery
+from harness.protocol.engine_tree import parse_tree
 from harness.errors import BadInput
 from harness.names import CONSTRUCTION_HELP
 _NUMBERED = (r"(?:chunked|batched):\d+|cobatched:\d+(?:\+decode)?"
-             r"|cached:(?:\d+|0?\.\d+|prompt)|spec:\d+(?:\+(?:all|none|ngram|rate0?\.\d+))?")
+             r"|cached:(?:\d+|0?\.\d+|prompt)|spec:\d+(?:\+(?:all|none|ngram|rate0?\.\d+))?"
+             r"|spec:tree:(?:\d+x\d+|\d+(?:,\d+)*)(?:\+rate0?\.\d+)?")
 # The acceptance patterns of `spec:k` (engine_arms.py says what each means).
 SPEC_PATTERNS = ("all", "none", "ngram")
 
@@ -31,12 +33,16 @@ class Construction:
     kind: str
     n: int | None = None
     decode_in_batch: bool = False  # cobatched only: the suffix is decoded in the co-batch too
-    variant: str | None = None     # cached: "prompt" or a fraction ("0.5"); spec: the pattern
+    variant: str | None = None     # cached: "prompt" or a fraction ("0.5"); spec: the pattern;
+                                   # spec-tree: the tree as spelled (`2x3`, `0,0,1,1+rate0.5`)
+    tree: tuple[int, ...] | None = None   # spec-tree: each draft node's parent (0: the root)
 
     @property
     def label(self) -> str:
         if self.kind == "cached":
             return f"cached:{self.n if self.variant is None else self.variant}"
+        if self.kind == "spec-tree":
+            return f"spec:tree:{self.variant}"
         if self.kind == "spec":
             return f"spec:{self.n}" + ("" if self.variant == "all" else f"+{self.variant}")
         if self.n is None:
@@ -96,12 +102,19 @@ def _parse_serving(text: str) -> Construction:
             return Construction("cached", variant=match[2])
         if match[3]:
             return Construction("cached", variant="prompt")
+    try:
+        tree = parse_tree(text)
+    except ValueError as err:
+        raise ProtocolError(str(err)) from None
+    if tree is not None:
+        return Construction("spec-tree", variant=text.removeprefix("spec:tree:"), tree=tree[0])
     match = re.fullmatch(r"spec:(\d+)(?:\+(all|none|ngram|rate(0?\.\d+)))?", text)
     if match and int(match[1]) >= 1 and (match[3] is None or 0 < float(match[3]) < 1):
         return Construction("spec", int(match[1]), variant=match[2] or "all")
     raise ProtocolError(f"bad arm {text!r}: cached:K takes K >= 1 tokens, a fraction in (0, 1) "
                         f"or `prompt`; spec:k takes k >= 1 draft tokens and an optional pattern "
-                        f"+all, +none, +ngram or +rateR with R in (0, 1)")
+                        f"+all, +none, +ngram or +rateR with R in (0, 1); spec:tree:WxD or "
+                        f"spec:tree:P1,P2,.. (each node's parent) an optional +rateR")
 
 
 @dataclass(frozen=True)

@@ -68,11 +68,17 @@ class Runner:
         return self._counted(input_ids=ids.to(self._device), use_cache=True, logits_to_keep=1,
                              **{self._keyword: cache}, **padding)[:, -1, :]
 
-    def forward_kept(self, ids: torch.Tensor, cache, rows: int) -> torch.Tensor:
+    def forward_kept(self, ids: torch.Tensor, cache, rows: int,
+                     attention_mask: torch.Tensor | None = None,
+                     position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Feed `ids` [B, T] after what `cache` holds; the logits of the last `rows` positions
-        [B, rows, V] (a verification pass keeps every row, a prefix-cache hit only the last)."""
+        [B, rows, V] (a verification pass keeps every row, a prefix-cache hit only the last). A
+        draft tree also passes its 4-D mask and position ids."""
+        tree = {} if attention_mask is None else {
+            "attention_mask": attention_mask.to(self._device),
+            "position_ids": position_ids.to(self._device)}
         return self._counted(input_ids=ids.to(self._device), use_cache=True, logits_to_keep=rows,
-                             **{self._keyword: cache})
+                             **{self._keyword: cache}, **tree)
 
     def forward_all(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """Feed `ids` [B, T] after what `cache` holds (no cache when None), as a trainer scores a

@@ -17,6 +17,8 @@ like any other construction:
   seeded by the prefix, so a replica redraws the same pattern) or `ngram` (prompt-lookup drafting:
   the k tokens that followed the latest earlier occurrence of the last two tokens). The accepted
   count of every step is kept: the record's acceptance pattern.
+* `spec:tree:WxD` / `spec:tree:P1,P2,..`: the same with a draft tree verified under its ancestor
+  mask and its accepted path kept (harness.protocol.engine_tree).
 
 A cache whose cut leaves a trace (a recurrent state that cannot be rolled back) is refused with one
 line. Nothing here knows which backend runs.
@@ -30,9 +32,10 @@ import random
 import torch
 
 from harness.errors import Unavailable
+from harness.protocol import engine_tree
 from harness.protocol.decode import Runner, as_batch
 
-KINDS = ("cached", "spec")
+KINDS = ("cached", "spec", "spec-tree")
 _NGRAM = 2           # the n of prompt-lookup drafting
 _EXTRA_OTHER = 3     # how much longer than P the earlier request of `cached:K` is
 
@@ -50,11 +53,24 @@ def check_rollback(model, arms) -> None:
     serving_arms = [a for a in arms if parse_construction(a).kind in KINDS]
     if not serving_arms:
         return
+    _check_tree(describe_layers(model), [a for a in serving_arms
+                                         if parse_construction(a).kind == "spec-tree"])
     recurrent = [info for info in describe_layers(model) if "recurrent" in info.mechanisms]
     if recurrent:
         raise RollbackError(f"{', '.join(serving_arms)}: a prefix-cache hit or a speculative "
                             f"rollback cuts the cache back, which layer {recurrent[0].index} "
                             f"({recurrent[0].layer_type}, a recurrent state) cannot take")
+
+
+def _check_tree(layers, trees: list[str]) -> None:
+    """A tree arm needs layers that attend through the mask alone (the ancestor mask reaches
+    every layer as it is) and plain keys and values (to gather the accepted path): exit 3."""
+    for info in layers if trees else ():
+        other = set(info.mechanisms) & {"sliding_window", "chunked_attention", "recurrent"}
+        if other or info.kind != "full":
+            what = sorted(other)[0] if other else f"a {info.kind} state"
+            raise RollbackError(f"{trees[0]}: layer {info.index} is {what}; tree verification "
+                                f"serves models whose layers attend through the mask only")
 
 
 def feed(runner: Runner, cache, construction, prompt_length: int, prefix: list[int],
@@ -84,7 +100,8 @@ def feed_rows(runner: Runner, cache, construction, prompt_length: int, prefix: l
         acceptance = None
     else:
         assert prompt_length - 1 <= first, f"{construction.label}: no logits inside the prompt"
-        rows, acceptance = _spec(runner, cache, construction, prompt_length, prefix, vocab_size)
+        verify = engine_tree.verify if construction.kind == "spec-tree" else _spec
+        rows, acceptance = verify(runner, cache, construction, prompt_length, prefix, vocab_size)
         rows = rows[first - (prompt_length - 1):]
     _rollback(cache, 0)   # layers that kept past states for the rollback drop what they no longer need
     return rows, acceptance

@@ -1,7 +1,7 @@
 """Reading a stored record back: schema 3 of any kind in record.KINDS, schema 1-2 (the untagged
 dicts of earlier ledgers) through harness.records.legacy, anything else refused with one
-line. It sits above every record module, so all kinds (replay_record's and engine_record's too)
-are registered here.
+line. It sits above every record module, so all kinds (replay_record's, program_record's and
+engine_record's too) are registered here.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 from harness.records.engine import EngineCheckRecord  # noqa: F401 (registers its kind)
 from harness.records.plain import decode
 from harness.records.record import KINDS, SCHEMA_VERSION, RecordRefused
+from harness.records.program import ProgramRecord  # noqa: F401 (registers the program kind)
 from harness.records.legacy import from_untagged
 from harness.records.replay_record import ReplayRecord  # noqa: F401 (registers the replay kind)
 

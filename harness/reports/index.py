@@ -45,7 +45,7 @@ def collect_entries(root: Path, ledgers=()) -> list[dict]:
         if not isinstance(summary, dict) or not {"run", "environment_key",
                                                  "stacks"} <= set(summary):
             continue    # another JSON file called summary.json, not a run report's
-        entries.append({**_meta(summary), "stacks": summary["stacks"],
+        entries.append({**_meta(summary), "stacks": grid_stacks(summary),
                         "repro": summary.get("repro") or {},
                         "report": _beside(path, "report.md", root),
                         "report_html": _beside(path, "report.html", root)})
@@ -67,6 +67,14 @@ def collect_entries(root: Path, ledgers=()) -> list[dict]:
         entry["kernels"] = _beside(key_dir / "kernels.json", "kernels.md", root)
         entry["kernels_html"] = _beside(key_dir / "kernels.json", "kernels.html", root)
     return entries
+
+
+def grid_stacks(summary: dict) -> dict:
+    """What the grid's columns show of a run: its stacks, or a program run's (stack, layout)
+    pairs with their arms against live as constructions."""
+    return summary["stacks"] or {f"{stack} {layout}": {"constructions": s["arms"]}
+                                 for stack, layouts in (summary.get("program") or {}).items()
+                                 for layout, s in layouts.items()}
 
 
 def _beside(path: Path, name: str, root: Path) -> str | None:
@@ -113,7 +121,7 @@ def newest(entries: list[dict]) -> list[dict]:
             with Ledger(entry["ledger"], readonly=True) as ledger:
                 run = ledger.run(entry["run"])
                 try:
-                    entry["stacks"] = aggregate(ledger.units(run.id), run.design)["stacks"]
+                    entry["stacks"] = grid_stacks(aggregate(ledger.units(run.id), run.design))
                 except (KeyError, TypeError, ValueError) as err:   # an older record format
                     entry["stacks"] = {}
                     entry["status"] = f"{entry['status']} (not aggregated: {err!r})"

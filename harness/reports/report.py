@@ -17,6 +17,7 @@ from harness.runs.aggregate import OUTCOMES, ROLES, aggregate  # noqa: F401 (re-
 from harness.environment.envinfo import describe as describe_environment
 from harness.reports.figures import PALETTE, svg_bars, svg_lines  # noqa: F401 (re-exported)
 from harness.outputs import write_files
+from harness.reports.program_report import program_blocks, program_command, program_rows
 from harness.reports.replay_report import replay_blocks, replay_command, replay_rows
 from harness.reports.document import (interval_text, markdown, number, percent,  # noqa: F401
                                       text_table, to_html)
@@ -48,6 +49,9 @@ def headline(summary: dict) -> str:
     if summary.get("replay"):
         text += ("\n\n" if text else "") + ("replayed trajectories against step-by-step "
                                              "generation\n" + text_table(*replay_rows(summary["replay"])))
+    if summary.get("program"):
+        text += ("\n\n" if text else "") + ("stage program, arms against live at the merge "
+                                             "boundary\n" + text_table(*program_rows(summary["program"])))
     x = summary["crossing"]
     if x and x["cells"]:
         constructions = list(next(iter(x["cells"].values())))
@@ -118,6 +122,7 @@ def document(run, case, summary: dict, units, raw_environment: bool = True) -> l
     design = ([["trajectories", f"{case.replay.trajectories}, n={run.item_count}"],
                ["replay constructions", ", ".join(case.replay.constructions)]] if case.replay else
               [["items", f"{case.items.set}, n={run.item_count}, seed={case.items.seed}"],
+               ["program, S", f"{case.program.label}, {case.S}"] if case.program else
                ["B, S", f"{case.B}, {case.S}"], ["constructions", ", ".join(case.constructions)]])
     doc = [("h1", f"kvfid run {run.id}: {case.name}"),
            ("p", case.description or "(no description)"),
@@ -128,7 +133,9 @@ def document(run, case, summary: dict, units, raw_environment: bool = True) -> l
                ["started / finished", f"{run.started} / {run.finished or '-'}"],
                ["environment", run.environment_key],
                ["git revision", run.git_revision or "none"]])]
-    if not case.replay:
+    if summary.get("program"):
+        doc += program_blocks(summary["program"], case)
+    elif not case.replay:
         doc += [("h2", "Headline"), _table(*headline_rows(summary)),
                 ("p", "Rates count items whose boundary state exists (short items, where EOS "
                       "came within the B live tokens, are counted apart). Intervals are 95% "
@@ -290,6 +297,7 @@ def write_report(ledger, run_id: str, root: str | Path = "reports", *, units=Non
             "environment": run.environment, "git_revision": run.git_revision,
             "units": len(units), "planned_units": run.design["units"],
             "repro": {**{s.label: replay_command(case, s) if case.replay else
+                         program_command(case, s) if case.program else
                          repro_template(case, s.label) for s in case.stacks},
                       **({"crossing": crossing_repro_template(case)} if case.crossing else {})}}
     return write_files({"markdown": (folder / "report.md", markdown(doc)),

@@ -18,8 +18,10 @@ from harness.records.plain import as_plain
 from harness.records.record import CrossingRecord, ItemRecord
 from harness.diagnoses.replay import aggregate as replay_aggregate
 from harness.diagnoses.replay_gaps import ENGINE, STEP, aggregate_gaps
+from harness.records.program import ProgramRecord
 from harness.records.replay_record import ReplayRecord
 from harness.runs import stats
+from harness.runs.program_aggregate import program_stack
 
 OUTCOMES = ("donor", "recipient", "third", "boundary")
 ROLES = ("divergent", "control", "unsampled")
@@ -45,17 +47,19 @@ def aggregate(units, design: dict | None = None) -> dict:
     design = design or {}
     controls = set(design.get("control_indices", []))
     by_stack: dict[str, list] = defaultdict(list)
-    crossing, replayed = [], defaultdict(list)
+    crossing, replayed, programs = [], defaultdict(list), defaultdict(list)
     for unit in units:
-        if isinstance(unit.record, ReplayRecord):
-            replayed[unit.stack].append(unit)
+        if isinstance(unit.record, (ReplayRecord, ProgramRecord)):
+            (replayed if isinstance(unit.record, ReplayRecord) else programs)[unit.stack].append(unit)
             continue
         (crossing if isinstance(unit.record, CrossingRecord) else by_stack[unit.stack]).append(unit)
     out = {"stacks": {}, "crossing": _crossing(sorted(crossing, key=lambda u: u.item_index))
            if crossing else None, "control_indices": sorted(controls),
            "replay": {stack: _replay(group) for stack, group in replayed.items()} or None,
            "replay_engine": {stack: gaps for stack, group in replayed.items()
-                             if (gaps := _replay_engine(group))} or None}
+                             if (gaps := _replay_engine(group))} or None,
+           "program": {stack: program_stack([u.record for u in sorted(group, key=lambda u: u.item_index)],
+                                            rate) for stack, group in programs.items()} or None}
     for stack, group in by_stack.items():
         group.sort(key=lambda u: u.item_index)
         out["stacks"][stack] = _stack([u.record for u in group], [u.item_index for u in group],

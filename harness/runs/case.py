@@ -4,7 +4,8 @@ A case names the model, the item set, B and S, the stacks, the constructions, re
 precision crossing and the transplants (`[[stacks]]`: several products of stacks, each on its
 first `items` items). `load_case(path)` refuses a bad file before any compute with a
 `CaseError` naming the file, the key, the bad value and the allowed ones; `parse_case` does the
-same for case text stored in the ledger. `Case.plan(index)` gives the `ItemPlan` for
+same for case text stored in the ledger. A `[program]` case (harness.runs.case_program) measures a
+stage program per unit. `Case.plan(index)` gives the `ItemPlan` for
 one item, so the run loop never reads TOML.
 
 Transplants are measured on every item (the protocol runs them with the arms); which rows count
@@ -24,6 +25,7 @@ from pathlib import Path
 from harness.stacks.backends import DTYPES, backend_names
 from harness.stacks.stack import Stack, parse_stack
 from harness.runs.case_fields import CaseError, Validator
+from harness.runs.case_program import KEYS as PROGRAM_KEYS, ProgramCase, read_program
 from harness.runs.case_stacks import stack_groups, stack_tables
 from harness.checks import construction_reason, count_reason
 from harness.inputs.items import item_set_reason, load_item_set
@@ -117,6 +119,7 @@ class Case:
     sha: str = ""
     stack_items: tuple[int | None, ...] = ()  # per stack: only the first N items (None: all)
     replay: Replay | None = None              # a replay case: its units are (stack, trajectory)
+    program: ProgramCase | None = None        # a program case: each unit one stage program
 
     def stack(self, label: str) -> Stack:
         """The stack with this label. A label stored before the thread count joined stack labels
@@ -170,7 +173,7 @@ class Case:
 # --------------------------------------------------------------------------- loading
 
 _TOP = {"name", "description", "model", "B", "S", "constructions", "items", "stacks",
-        "replicas", "crossing", "transplants", "ignore_eos", "replay"}
+        "replicas", "crossing", "transplants", "ignore_eos", "replay", "program"}
 _NOT_REPLAY = ("B", "S", "constructions", "items", "replicas", "crossing", "transplants",
                "ignore_eos")
 _TABLES = {
@@ -180,6 +183,7 @@ _TABLES = {
     "crossing": {"reference", "dtypes", "constructions", "items"},
     "transplants": {"pairs", "selections", "controls", "seed"},
     "replay": {"trajectories", "constructions"},
+    "program": PROGRAM_KEYS,
 }
 
 
@@ -215,7 +219,7 @@ def parse_case(text: str, source: str = "<case>", item_count: int | None = None)
         v.fail("", "model", model, ", ".join(model_names()))
     if "replay" in data:
         return _replay_case(v, data, text, source, model, item_count)
-    B, S = v.positive(data, "", "B"), v.positive(data, "", "S")
+    B, S = 0 if "program" in data else v.positive(data, "", "B"), v.positive(data, "", "S")
     constructions = v.constructions(data, "", "constructions", ["live", "prefill", "incremental"])
 
     items_table = v.table(data, "items")
@@ -229,14 +233,17 @@ def parse_case(text: str, source: str = "<case>", item_count: int | None = None)
         t = data["replicas"]
         replicas = Replicas(v.constructions(t, "replicas", "arms", None),
                             v.item_count(t, "replicas", "items"))
+    program = (read_program(v, data, constructions, replicas.arms) if "program" in data else None)
     crossing = _crossing(v, data["crossing"], stacks[0]) if "crossing" in data else None
-    transplants = _transplants(v, data["transplants"]) if "transplants" in data else None
+    transplants = (_transplants(v, data["transplants"]) if "transplants" in data and not program
+                   else None)
 
     name = v.optional(data, "", "name", str, Path(source).stem)
     return Case(name, v.optional(data, "", "description", str, ""), model, items, B, S,
                 constructions, stacks, replicas, crossing, transplants,
                 ignore_eos=v.optional(data, "", "ignore_eos", bool, False), source=source, text=text,
-                sha=hashlib.sha256(text.encode()).hexdigest(), stack_items=stack_items)
+                sha=hashlib.sha256(text.encode()).hexdigest(), stack_items=stack_items,
+                program=program)
 
 
 def _replay_case(v: "Validator", data: dict, text: str, source: str, model: str,

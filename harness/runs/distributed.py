@@ -37,7 +37,7 @@ def run_ranked(case, db, info: RankInfo, *, items=None, run_id=None, progress=Tr
     import torch
     import torch.distributed as dist
 
-    from harness.runs import matrix
+    from harness.runs import matrix, shards
     from harness.ledger.store import Ledger, new_run_id
 
     if torch.cuda.is_available():
@@ -47,7 +47,7 @@ def run_ranked(case, db, info: RankInfo, *, items=None, run_id=None, progress=Tr
         chosen = [run_id or (new_run_id() if info.rank == 0 else None)]
         dist.broadcast_object_list(chosen, src=0)
         result = matrix.run_case(case, db, items=items, run_id=chosen[0],
-                                 shard=matrix.Shard(info.rank, info.world),
+                                 shard=shards.Shard(info.rank, info.world),
                                  progress=progress and info.rank == 0)
         dist.barrier()
         if info.rank == 0:

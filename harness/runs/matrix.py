@@ -23,7 +23,7 @@ from harness.environment import envinfo
 from harness.environment.tiled import choose_routes
 from harness.runs.case import Case, CaseError
 from harness.checks import check_cuda, selection_reason
-from harness.errors import BadInput, DiskFull, Unavailable
+from harness.errors import DiskFull, Unavailable
 from harness.stacks.stack import check_supports
 from harness.protocol.engine_arms import check_rollback
 from harness.inputs.items import load_item_set, match_answer
@@ -34,7 +34,8 @@ from harness.protocol.protocol import ProtocolError, run_crossing, run_item
 from harness.records.record import CrossingRecord
 from harness.diagnoses.replay import replay_unit
 from harness.names import CASES
-from harness.runs import replay_matrix
+from harness.runs import program_matrix, replay_matrix
+from harness.runs.shards import Shard
 
 GPU_DEFAULT_CASE = CASES / "gpu-qwen2.5-shape.toml"
 CPU_DEFAULT_CASE = CASES / "smollm2-cpu.toml"
@@ -42,10 +43,6 @@ CPU_DEFAULT_CASE = CASES / "smollm2-cpu.toml"
 
 class EnvironmentUnavailable(Unavailable, RuntimeError):
     """The case needs something this machine lacks (a CUDA device, a model package)."""
-
-
-class ShardError(BadInput, ValueError):
-    """A `--shard` that is not I/N with 0 <= I < N."""
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -60,28 +57,6 @@ def default_case_path() -> Path:
     """The `make bench` case: the GPU shape case when CUDA is present, the SmolLM2 CPU case
     otherwise."""
     return GPU_DEFAULT_CASE if torch.cuda.is_available() else CPU_DEFAULT_CASE
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Every `count`-th item, starting at `index`."""
-
-    index: int = 0
-    count: int = 1
-
-    def takes(self, item_index: int) -> bool:
-        return item_index % self.count == self.index
-
-
-def parse_shard(text: str) -> Shard:
-    """`I/N` with 0 <= I < N."""
-    try:
-        index, count = (int(part) for part in text.split("/"))
-    except ValueError:
-        raise ShardError(f"bad shard {text!r}; expected I/N, e.g. 0/2") from None
-    if not 0 <= index < count:
-        raise ShardError(f"bad shard {text!r}; need 0 <= I < N")
-    return Shard(index, count)
 
 
 @dataclass(frozen=True)
@@ -115,9 +90,9 @@ class Matrix:
     def __init__(self, case: Case, model=None) -> None:
         self.case = case
         _check_devices(case)
-        if case.replay:
+        if case.replay or case.program:
             self.model = model or _load(case)
-            self.items = replay_matrix.bind(case, self.model)
+            self.items = (replay_matrix if case.replay else program_matrix).bind(case, self.model)
             return
         try:
             self.items = load_item_set(case.items.set, case.items.n, case.items.seed)
@@ -149,12 +124,15 @@ class Matrix:
                                 f"{spec.selection.label!r} on item {item.id}: {reason}")
 
     def measure(self, unit: Unit):
-        """Measure one unit; the record `run_item` (or `run_crossing`, or for a replay case
-        `replay_unit`) returns."""
+        """Measure one unit; the record `run_item` (or `run_crossing`, for a replay case
+        `replay_unit`, for a program case `program_matrix.measure`) returns."""
         item = self.items[unit.item_index]
         if self.case.replay:
             return replay_unit(self.model, self.case.stack(unit.stack), item,
                                self.case.replay.constructions)
+        if self.case.program:
+            return program_matrix.measure(self.model, self.case.stack(unit.stack), item, self.case,
+                                          unit.item_index)
         if unit.is_crossing:
             c = self.case.crossing
             return run_crossing(self.model, item, c.reference, c.stacks, self.case.B, self.case.S,

@@ -42,3 +42,33 @@ def check_layers(layers) -> None:
         if local:
             raise ProtocolError(f"--program: layer {info.index} is {sorted(local)[0]}; stage "
                                 "programs serve models whose layers attend through the mask only")
+
+
+def stage_names(program) -> list[str]:
+    """The stages' names as case files and `segment=NAME` spell them: prompt, branch1.., merge."""
+    return ["prompt", *[f"branch{i + 1}" for i in range(program.branches)], "merge"]
+
+
+def parse_sees(program, table: dict) -> tuple[tuple[int, ...], ...]:
+    """`{stage: [stages it sees]}` (stages not named keep the contract: a branch sees the prompt
+    and itself, the merge everything) -> `Program.sees`. Refused in one line: an unknown stage, a
+    stage seeing a later one (causality: its keys do not exist yet), and in the batched layout a
+    branch seeing another branch (rows of one batch cannot see each other)."""
+    names = stage_names(program)
+    sees = [tuple(sorted({0, i} | ({*range(len(names))} if i == len(names) - 1 else set())))
+            for i in range(len(names))]
+    for stage, seen in table.items():
+        for name in (stage, *seen):
+            if name not in names:
+                raise ProtocolError(f"[program] sees: stage {name!r}; valid: {', '.join(names)}")
+        at = names.index(stage)
+        later = next((name for name in seen if names.index(name) > at), None)
+        if later is not None:
+            raise ProtocolError(f"[program] sees: {stage} sees {later}, a later stage; a stage "
+                                f"sees only itself and the stages before it")
+        others = [name for name in seen if names.index(name) not in (0, at)]
+        if program.layout == "batched" and 0 < at < len(names) - 1 and others:
+            raise ProtocolError(f"[program] sees: {stage} sees {others[0]}; batched branches are "
+                                f"rows of one batch and see only the prompt and themselves")
+        sees[at] = tuple(sorted({0, at, *(names.index(name) for name in seen)}))
+    return tuple(sees)

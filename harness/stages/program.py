@@ -47,10 +47,21 @@ class Program:
     branch_tokens: int
     merge_tokens: int
     positions: str = "continuing"
+    sees: tuple[tuple[int, ...], ...] = ()  # per segment, the segments it sees; () the contract
 
     @property
     def label(self) -> str:
         return f"{self.layout}:{self.branches}x{self.branch_tokens}+{self.merge_tokens}:{self.positions}"
+
+    def visibility(self) -> torch.Tensor:
+        """[N+2, N+2] bool: segment 0 the prompt, 1..N branches, N+1 the merge; by default a
+        branch sees the prompt and itself, the merge everything."""
+        n = self.branches + 2
+        if self.sees:
+            return torch.tensor([[t in seen for t in range(n)] for seen in self.sees])
+        sees = torch.eye(n, dtype=torch.bool)
+        sees[:, 0] = sees[-1] = True
+        return sees
 
 
 def parse_program(text: str) -> Program:
@@ -93,10 +104,7 @@ class Layout:
 
     @classmethod
     def start(cls, program: Program) -> "Layout":
-        n = program.branches + 2
-        sees = torch.eye(n, dtype=torch.bool)
-        sees[:, 0] = sees[-1] = True
-        return cls(sees, program.positions, [], [], [])
+        return cls(program.visibility(), program.positions, [], [], [])
 
     def next_position(self, segment: int) -> int:
         """The position id of the next token of `segment`."""
@@ -290,7 +298,7 @@ def run_program(model, stack, prompt_text: str, program: Program, S: int, arms: 
             "arm": label, "bit_exact": cache_cmp["bit_exact"],
             "first_bad_layer": cache_cmp["first_bad_layer"], "first_bad_kv": cache_cmp["first_bad_kv"],
             "first_position": cache_cmp["first_position"],
-            "first_bad_segment": layout.first_segment(cache_cmp["first_position"]),
+            "first_bad_segment": layout.first_segment(cache_cmp["first_position"]), "cache": cache_cmp,
             "segments_exact": segments_exact(live.state, arm.state, layout),
             "max_abs": cache_cmp["max_abs"], "d_rel": cache_cmp["d_rel"],
             "logits": kv.compare_logits(live.state.logits, arm.state.logits),
@@ -305,7 +313,9 @@ def run_program(model, stack, prompt_text: str, program: Program, S: int, arms: 
         "segments": [{"segment": layout.first_segment(layout.segments.index(s)),
                       "start": layout.segments.index(s), "length": layout.segments.count(s),
                       "positions": [min(p for p, x in zip(layout.positions, layout.segments) if x == s),
-                                    max(p for p, x in zip(layout.positions, layout.segments) if x == s)]}
+                                    max(p for p, x in zip(layout.positions, layout.segments) if x == s)],
+                      "sees": [layout.first_segment(layout.segments.index(t))
+                               for t in range(len(layout.sees)) if layout.sees[s, t]]}
                      for s in range(len(layout.sees))],
         "prefix_sha": kv.sha_ids(layout.tokens), "live_margins": margins,
         "layout": {"tokens": layout.tokens, "segments": layout.segments, "positions": layout.positions},

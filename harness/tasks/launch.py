@@ -44,14 +44,14 @@ def launch(case_name: str, item_count: int | None = None, db=None, resume: str |
            run_id: str | None = None, shard: str = "0/1", write_report: bool = False,
            quiet: bool = False, jobs: int = 1) -> Launched:
     """Run the case into the ledger (see the module docstring)."""
-    from harness.runs import distributed, matrix
+    from harness.runs import distributed, matrix, shards
     from harness.runs.case import load_case
     from harness.tasks.ledger_views import db_path, publish_result, run_and_publish
 
     case = load_case(resolve_case(case_name))
     if item_count is not None:
         case.with_item_count(item_count)        # refuse a bad count before anything runs
-    shard_spec = matrix.parse_shard(shard)
+    shard_spec = shards.parse_shard(shard)
     path = db_path(db)
     ranked = distributed.torchrun_rank()
     if ranked and (resume or shard != "0/1" or jobs > 1):

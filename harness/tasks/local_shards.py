@@ -55,11 +55,11 @@ def shard_command(case, db: Path, run_id: str, index: int, jobs: int) -> list[st
 def measure(prepared, ledger, jobs: int, progress: bool = True):
     """Measure every unit of the prepared case over `jobs` processes into `ledger`; the closed
     run's RunResult (counts over all shards)."""
-    from harness.runs import matrix
+    from harness.runs import matrix, shards
 
     jobs = min(jobs, prepared.case.items.n)      # a process with no item would only start up
     if jobs <= 1:
-        return matrix.measure(prepared, ledger, matrix.Shard(), progress)
+        return matrix.measure(prepared, ledger, shards.Shard(), progress)
     run = matrix.start_run(prepared, ledger)   # the file and the run exist before a shard starts
     planned = {(u.item_index, u.stack) for u in matrix.plan_units(prepared.case)}
     stored_before = len(ledger.stored_units(run.id) & planned)
@@ -74,7 +74,7 @@ def measure(prepared, ledger, jobs: int, progress: bool = True):
             children.append((index, log, subprocess.Popen(
                 shard_command(prepared.case, ledger.path, run.id, index, jobs), cwd=ROOT,
                 env=env, stdout=subprocess.DEVNULL, stderr=log)))
-        matrix.measure(replace(prepared, existing=run), ledger, matrix.Shard(0, jobs), progress)
+        matrix.measure(replace(prepared, existing=run), ledger, shards.Shard(0, jobs), progress)
     except BaseException:
         for _, _, child in children:
             child.terminate()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.errors import BadInput
-from harness.runs import matrix
+from harness.runs import matrix, shards
 from harness.ledger.store import Ledger
 
 
@@ -32,7 +32,7 @@ class Published:
 
 def publish(case, db: str | Path, *, reports: str | Path = "reports", report: bool = True,
             index_ledger: bool = False, items: int | None = None, run_id: str | None = None,
-            resume: str | None = None, shard: matrix.Shard = matrix.Shard(), model=None,
+            resume: str | None = None, shard: shards.Shard = shards.Shard(), model=None,
             progress: bool = True, jobs: int = 1) -> Published:
     """Run `case` into the ledger at `db`, aggregate it, and (with `report`) write its report
     under `reports` and update the index; `index_ledger` also lists the ledger's runs that have
@@ -40,7 +40,7 @@ def publish(case, db: str | Path, *, reports: str | Path = "reports", report: bo
     this machine (harness.tasks.local_shards; not with a `shard` of its own)."""
     from harness.tasks import local_shards
 
-    if jobs > 1 and shard != matrix.Shard():
+    if jobs > 1 and shard != shards.Shard():
         raise BadInput("--jobs splits the items itself; drop --shard")
     check = lambda ledger: matrix.prepare(case, ledger, items=items, run_id=run_id,
                                           resume=resume, model=model)
