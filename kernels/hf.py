@@ -139,6 +139,7 @@ def make_attention(name: str, attention_into: Callable, serves: frozenset[str],
                 raise _refuse(name, what)
         placed = place_keys(name, attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len,
                             mech["window"], mech["chunk"], serves, query.device)
+        mech["window"] = placed.pop("window", mech["window"])   # read from the mask, if only it has it
         # Padded query positions are not computed by the kernel: zeros, not uninitialized memory.
         empty = torch.zeros if placed.get("first_valid") is not None else torch.empty
         out = empty((batch, q_len, n_q_heads, v_dim), dtype=query.dtype, device=query.device)

@@ -3,7 +3,8 @@ query sees (kernels.hf's factory calls `place_keys` before every kernel call).
 
 Three kinds of mask are served. None or the plain causal pattern: the kernel's own causality.
 Causal with left padding (and the layer's window or chunk): the kernel's positions' pattern
-(kernels.attention.reference.visible, the one statement of it), read as each row's padding. Any
+(kernels.attention.reference.visible, the one statement of it), read as each row's padding; a
+window the call does not pass (the model states it in its mask alone) is read from the mask. Any
 other mask in which every query sees itself and no later key (a visibility mask: packed branches,
 a tree's ancestors, documents): passed to the kernel as it is (kernels.attention.views), where the
 kernel serves `visibility`; on a sliding-window or chunked layer it is refused, since the mask is
@@ -91,15 +92,26 @@ def place_keys(name: str, mask: torch.Tensor | None, position_ids, batch: int, q
                kv_len: int, window: int | None, chunk: int | None, serves: frozenset[str],
                device: torch.device) -> dict:
     """The kernel's placement keywords for one call: `key_start` and `first_valid` (the
-    positions' pattern), or `visibility` [B, q, kv] bool (any other causal mask a kernel serving
-    "visibility" takes); refuses every other mask before compute."""
+    positions' pattern; with `window` when only the mask states the layer's sliding window), or
+    `visibility` [B, q, kv] bool (any other causal mask a kernel serving "visibility" takes);
+    refuses every other mask before compute."""
     own = _own_positions(name, mask, position_ids, batch, q_len, kv_len, window, chunk)
+    allowed = _allowed(mask) if mask is not None and mask.dim() == 4 \
+        and tuple(mask.shape[-2:]) == (q_len, kv_len) else None
+    found = {}
+    if own is None and window is None and chunk is None and allowed is not None \
+            and "sliding_window" in serves and own_starts(position_ids, batch, kv_len) is not None:
+        # A layer whose window only its mask states (the call passes no `sliding_window`): the
+        # window is the most keys a query sees, if the mask is exactly that window's pattern.
+        seen = int(allowed.sum(-1).max())
+        if seen < kv_len:
+            own = _own_positions(name, mask, position_ids, batch, q_len, kv_len, seen, None)
+            found = {"window": seen} if own is not None else {}
     if own is not None:
         key_start = max(0, int(own.max()))
         first_valid = key_start - own  # [B] absolute position of each row's first valid key
         return {"key_start": key_start,
-                "first_valid": first_valid.to(device) if bool(first_valid.any()) else None}
-    allowed = _allowed(mask) if mask.dim() == 4 and tuple(mask.shape[-2:]) == (q_len, kv_len) else None
+                "first_valid": first_valid.to(device) if bool(first_valid.any()) else None, **found}
     if allowed is None or "visibility" not in serves:
         raise _mask_error(name)
     if window is not None or chunk is not None:
