@@ -96,6 +96,15 @@ def test_faithful_stack_is_bit_exact_live_spec_tree_and_the_twin_is_not():
     assert not twin.against_live("spec:tree:2x2").cache.bit_exact
 
 
+def test_the_triton_kernel_is_bit_exact_live_spec_tree():
+    """The Triton kernel (in the interpreter here) serves each verify call's ancestor mask by its
+    visibility path: every tree arm's cache, boundary logits and suffix equal live's."""
+    plan = ItemPlan(6, 1, arms=("live", "spec:tree:2x2"), ignore_eos=True)
+    done = run_item(small("tiny-llama"), Stack("triton", "fp32", True, threads=1), PROMPT, plan)
+    for c in done.comparisons:
+        assert c.cache.bit_exact and c.logits.equal and c.suffix.identical, (c.b, c.cache.layers)
+
+
 def test_replay_rescores_by_a_tree_bit_identically_on_the_faithful_stack():
     model = tiny()
     prompt = model.codec.prompt_ids("What is 2+3?")

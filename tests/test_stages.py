@@ -67,6 +67,17 @@ def test_batched_layout_composes_the_packed_state_on_the_faithful_stack():
     assert batched["comparisons"][0]["bit_exact"] and batched["comparisons"][0]["suffix"]["identical"]
 
 
+@pytest.mark.parametrize("layout", ["packed", "batched"])
+def test_the_triton_kernel_is_bit_exact_at_the_merge_boundary_in_both_layouts(layout):
+    """The Triton kernel (in the interpreter on a CPU) under the mode: the packed prefill's
+    visibility-mask path and the live branches' causal calls give the merge boundary one state."""
+    spec = stages.parse_program(PROGRAM.replace("packed", layout))
+    done = stages.run_program(tiny(), Stack("triton", "fp32", True), "2+3=", spec, 2, ("live", "prefill"))
+    comparison = done["comparisons"][0]
+    assert comparison["bit_exact"] and comparison["logits"]["equal"], comparison
+    assert all(comparison["segments_exact"].values())
+
+
 def test_repro_program_through_the_command_line():
     args = ["repro", "--model", "tiny-llama", "--prompt", "2+3=", "--backend", "native",
             "--dtype", "fp32", "--batch-invariant", "--program", PROGRAM, "-S", "2",
