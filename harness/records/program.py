@@ -13,7 +13,8 @@ import typing
 from dataclasses import dataclass, field
 
 from harness.records.plain import decode
-from harness.records.record import (KINDS, CacheDiff, ItemRef, LogitsDiff, SuffixDiff, to_json)
+from harness.records.record import (KINDS, CacheDiff, ItemRef, LogitsDiff, SuffixDiff, UnitRecord,
+                                     to_json)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class ProgramRun:
 
 
 @dataclass(frozen=True)
-class ProgramRecord:
+class ProgramRecord(UnitRecord):
     """One item's stage program on one stack, a run per layout (packed, batched)."""
 
     KIND: typing.ClassVar[str] = "program"
@@ -114,14 +115,6 @@ class ProgramRecord:
     status: str = "ok"
     ignore_eos: bool = False
     runs: tuple[ProgramRun, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @property
-    def stack_label(self) -> str:
-        return self.stack.get("label", "?")
 
     def run(self, layout: str) -> ProgramRun | None:
         return next((r for r in self.runs if r.layout == layout), None)

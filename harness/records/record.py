@@ -257,8 +257,21 @@ class CrossingRecord:
 
 # --------------------------------------------------------------------------- one item
 
+class UnitRecord:
+    """What every unit's record (an item's, a replay's, a program's) says alike: whether it ran
+    (`status`) and on which stack (`stack`, Stack.describe())."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def stack_label(self) -> str:
+        return self.stack.get("label", "?")
+
+
 @dataclass(frozen=True)
-class ItemRecord:
+class ItemRecord(UnitRecord):
     """One item on one stack: every arm, each compared with live (the `incremental` one is the
     bridge), replicas, transplants; `status` short when EOS came within the B live tokens."""
 
@@ -285,14 +298,6 @@ class ItemRecord:
     crossing: CrossingRecord | None = None    # `kvfid repro --cross`: this item's crossing
     environment: dict | None = None           # `kvfid repro`: where it ran (a run's units: None,
                                               # the run carries it)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @property
-    def stack_label(self) -> str:
-        return self.stack.get("label", "?")
 
     @property
     def device(self) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field
 
-from harness.records.record import KINDS, ItemRef, to_json
+from harness.records.record import KINDS, ItemRef, UnitRecord, to_json
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class PickedGap:
 
 
 @dataclass(frozen=True)
-class ReplayRecord:
+class ReplayRecord(UnitRecord):
     """A supplied trajectory re-scored on one stack by each construction; `reference_sha`: the
     bits of the reference's picked logprobs; with an engine reference, the engine's gaps."""
 
@@ -87,14 +87,6 @@ class ReplayRecord:
     # construction (what a trainer sees). Absent in records of files without logprobs.
     engine: PickedGap | None = None
     engine_constructions: dict[str, PickedGap] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @property
-    def stack_label(self) -> str:
-        return self.stack.get("label", "?")
 
     def to_json(self, indent: int | None = None) -> str:
         return to_json(self, indent)
