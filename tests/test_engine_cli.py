@@ -66,14 +66,14 @@ def test_the_in_engine_comparison_is_bitwise():
     assert served["tokens"] == 3 and served["differ"] == 1
 
 
-def test_engine_bench_threads_are_set_and_restored():
+def test_the_engines_torch_threads_are_set_and_restored():
     import torch
 
-    from harness.engines.bench import _threads
+    from harness.engines.engine import torch_threads
 
     before = torch.get_num_threads()
-    with _threads(1) as used:
+    with torch_threads(1) as used:
         assert used == torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
-    with _threads(None) as used:
+    with torch_threads(None) as used:
         assert used == before

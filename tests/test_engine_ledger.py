@@ -34,7 +34,7 @@ EXACT_KV = {**KV, "items_exact": 2, "first_bad_layer": None, "first_position": N
 RESULT = {"model": "smollm2-135m", "folder": "/models/smollm2", "dtype": "bf16",
           "engine": "vllm 0.32.0", "prompts": 2, "tokens": 8, "chunk": 32, "item_set": "arith",
           "batch_invariant": False, "batch_invariant_note": None, "faithful": False, "kv": True,
-          "wall_s": 3.25,
+          "wall_s": 3.25, "threads": 1,
           "rows": [{"construction": "decode vs prefill re-scoring", "tokens": 16, "differ": 5,
                     "max_abs": 0.02, "items_exact": 0, "items": 2, "kv": KV},
                    {"construction": "decode alone vs batched", "tokens": 13, "differ": 0,

@@ -140,6 +140,8 @@ def rollouts(**options) -> None:
               help="Also read each layer's K and V out of vLLM's paged cache and compare them bitwise.")
 @click.option("--faithful", is_flag=True,
               help="Run vLLM with kvfid's batch-invariant attention and mode (its plugin).")
+@click.option("--threads", type=click.IntRange(1, 512), default=None,
+              help="The engines' calls at N torch threads (default: vLLM-CPU's own, one per core).")
 @click.option("--db", type=click.Path(), default=None,
               help="Store the result in this ledger (with --report and no --db: $KVFID_DB, else "
                    "reports/ledger.sqlite).")

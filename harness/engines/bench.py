@@ -16,7 +16,6 @@ At another thread count the faithful engine's GEMMs take that count's tiled rout
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -32,20 +31,6 @@ class EngineBench:
     engines: tuple[tuple[str, bool], ...] = (("stock", False), ("faithful", True))
     repeats: int = 3
     threads: int | None = None          # None: the engine's own (vLLM-CPU binds every core)
-
-
-@contextlib.contextmanager
-def _threads(n: int | None):
-    """torch's thread count `n` within the block (None: as it is), restored after."""
-    import torch
-
-    before = torch.get_num_threads()
-    if n is not None:
-        torch._C.set_num_threads(n)
-    try:
-        yield torch.get_num_threads()
-    finally:
-        torch._C.set_num_threads(before)
 
 
 def _wall(call) -> float:
@@ -86,7 +71,7 @@ def engine_bench(model_name: str, dtype: str, count: int, tokens: int, item_set:
     for name, faithful in bench.engines:
         say(f"{name} engine")
         with vllm_engine.engine(folder, dtype, EngineConfig(faithful=faithful), max_len=longest) as llm, \
-                _threads(threads) as used:
+                vllm_engine.torch_threads(threads) as used:
             measured[name] = {**_measure(llm, prompts, tokens, bench.repeats), "threads": used}
     ratio = {phase: measured["stock"][f"{phase}_tok_s"] / measured["faithful"][f"{phase}_tok_s"]
              for phase in ("prefill", "decode")}

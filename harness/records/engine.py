@@ -83,6 +83,7 @@ class EngineCheckRecord:
     kv: bool = False
     wall_s: float = 0.0
     status: str = "ok"
+    threads: int | None = None                # the engines' torch threads (None: vLLM-CPU's own)
 
     @property
     def exact(self) -> bool:
