@@ -175,3 +175,17 @@ def test_shipped_replay_case_counts_its_trajectories(monkeypatch):
     case = load_case("cases/replay-smollm2.toml")
     assert case.replay.constructions == ("prefill", "chunked:8") and case.items.n == 8
     assert case.design()["units"] == 2 + 4 * 8     # triton/bf16+bi on the first 2
+
+
+def test_two_replay_runs_compare(replay_run, case_file):
+    """`kvfid compare` on two runs of one replay case: the same units, nothing worse."""
+    from harness.compare.runs import compare
+
+    db, first = replay_run
+    second = run_case(load_case(case_file), db, model=tiny(), progress=False)
+    result = compare(db, first.run_id, second.run_id)
+    stacks = result["stacks"]
+    assert stacks and all(not s["items"]["not_comparable"] and s["items"]["compared"]
+                          for s in stacks.values())
+    verdicts = [v for s in stacks.values() for v in s["verdicts"]]
+    assert verdicts and not [v for v in verdicts if v["status"] == "regression"]

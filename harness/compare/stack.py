@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from harness.records.program import ProgramRecord
 from harness.records.record import CrossingRecord, ItemRecord
+from harness.records.replay_record import ReplayRecord
 from harness.runs.aggregate import rate
 from harness.reports.document import interval_text, number
 from harness.ledger.rows import cell_label
@@ -69,14 +70,21 @@ def compare_stack(label: str, side_a: dict, side_b: dict, must_reproduce: bool):
 
 
 def _comparable(ra, rb) -> bool:
-    """Same kind of unit, prompt, B and S (a program unit: its programs and S): the two units
+    """Same kind of unit, prompt, and shape: B and S (a program unit: its programs and S; a
+    replay unit: the trajectory's prompt and token counts and its constructions): the two units
     measured the same thing."""
-    shape = lambda r: (tuple((x.program, x.S) for x in r.runs) if isinstance(r, ProgramRecord)
-                       else (r.B, r.S))
-    return type(ra) is type(rb) and (ra.item.prompt, shape(ra)) == (rb.item.prompt, shape(rb))
+    return type(ra) is type(rb) and (ra.item.prompt, _shape(ra)) == (rb.item.prompt, _shape(rb))
 
 
-def _verdicts(record: ItemRecord | CrossingRecord) -> dict[tuple, tuple[bool, str]]:
+def _shape(record) -> tuple:
+    if isinstance(record, ProgramRecord):
+        return tuple((run.program, run.S) for run in record.runs)
+    if isinstance(record, ReplayRecord):
+        return record.prompt_length, record.tokens, tuple(sorted(record.constructions))
+    return record.B, record.S
+
+
+def _verdicts(record) -> dict[tuple, tuple[bool, str]]:
     """{(check, construction, invariance?): (holds, what it says)} of one unit's record."""
     out = {}
     if isinstance(record, CrossingRecord):
@@ -100,6 +108,12 @@ def _verdicts(record: ItemRecord | CrossingRecord) -> dict[tuple, tuple[bool, st
             for r in run.replicas:
                 out[("replica bit-exact", f"{run.layout} {r.arm}", True)] = (
                     r.bit_exact and r.suffix_identical, "bit-exact" if r.bit_exact else "differs")
+        return out
+    if isinstance(record, ReplayRecord):   # each re-scoring against the step-by-step reference
+        for name, m in record.constructions.items():
+            out[("logprobs bit-exact", f"{name} vs step-by-step", True)] = (
+                m.differ == 0, "bit-exact" if m.differ == 0 else
+                f"{m.differ} of {m.tokens} tokens differ, first at {m.first_position}")
         return out
     for c in record.comparisons:
         where = f"{c.b} vs {c.a}" + (" (bridge)" if c.kind == "bridge" else "")
