@@ -38,20 +38,12 @@ $(STAMP): setup.py
 # test-rehearsal` runs those two, `make test-compat` the whole suite, and CI all three.
 JOBS ?= 2
 PYTEST = -m pytest -q -n $(JOBS) --dist loadgroup
-# The registry walk (tests/test_registry_walk.py: every causal-LM family transformers registers,
-# built tiny, one short repro each on sdpa and native+bi, triton+bi in the interpreter for the
-# first family of each set of mechanisms) runs once, in `make test-registry` (CI runs it; 79.5 s
-# on two workers at load 6), not in `make test` (484 s with it from a fresh clone at 25a8916).
-WALK := tests/test_registry_walk.py
-.PHONY: test-rehearsal test-registry
+.PHONY: test-rehearsal
 test: install
-	TRITON_INTERPRET=1 $(BIN)/python $(PYTEST) -m "not gpu_rehearsal" --ignore=$(WALK) tests
+	TRITON_INTERPRET=1 $(BIN)/python $(PYTEST) -m "not gpu_rehearsal" tests
 
 test-rehearsal: install
 	TRITON_INTERPRET=1 $(BIN)/python $(PYTEST) -m gpu_rehearsal tests
-
-test-registry: install
-	TRITON_INTERPRET=1 $(BIN)/python $(PYTEST) $(WALK)
 
 # The suite again on the oldest versions setup.py admits, those of the GPU image (torch 2.11,
 # triton 3.6, transformers 5.17), in a second venv. torch 2.11.0 from PyPI is a CUDA build (the
@@ -71,7 +63,7 @@ $(COMPAT)/.installed: setup.py Makefile
 	touch $@
 
 test-compat: install-compat
-	TRITON_INTERPRET=1 $(COMPAT)/bin/python $(PYTEST) --ignore=$(WALK) tests
+	TRITON_INTERPRET=1 $(COMPAT)/bin/python $(PYTEST) tests
 
 # Environment record, kernel invariance table, speed benches, the default fidelity case (the GPU
 # shape case with CUDA, else SmolLM2 on CPU) into reports/ledger.sqlite, its report under
