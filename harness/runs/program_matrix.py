@@ -8,7 +8,9 @@ one ProgramRecord the ledger stores.
 
 from __future__ import annotations
 
-from harness.stages import program as stages, checks as stages_checks, transplant as stages_transplant
+from harness.stages import checks as stages_checks
+from harness.stages import program as stages
+from harness.stages import transplant as stages_transplant
 from harness.stacks.stack import check_supports
 from harness.protocol.constructions import ProtocolError
 from harness.inputs.items import load_item_set
