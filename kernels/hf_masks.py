@@ -96,10 +96,10 @@ def place_keys(name: str, mask: torch.Tensor | None, position_ids, batch: int, q
     `visibility` [B, q, kv] bool (any other causal mask a kernel serving "visibility" takes);
     refuses every other mask before compute."""
     own = _own_positions(name, mask, position_ids, batch, q_len, kv_len, window, chunk)
-    allowed = _allowed(mask) if mask is not None and mask.dim() == 4 \
-        and tuple(mask.shape[-2:]) == (q_len, kv_len) else None
+    allowed = None if own is not None else _allowed(mask) if mask.dim() == 4 \
+        and tuple(mask.shape[-2:]) == (q_len, kv_len) else None   # read only when not the pattern
     found = {}
-    if own is None and window is None and chunk is None and allowed is not None \
+    if allowed is not None and window is None and chunk is None \
             and "sliding_window" in serves and own_starts(position_ids, batch, kv_len) is not None:
         # A layer whose window only its mask states (the call passes no `sliding_window`): the
         # window is the most keys a query sees, if the mask is exactly that window's pattern.
