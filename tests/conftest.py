@@ -24,9 +24,15 @@ def pytest_addoption(parser):
     parser.addoption("--bench-rehearsal", action="store_true",
                      help="tests/bench: the fewest rounds (5) per benchmark, a rehearsal of the "
                           "suite and its JSON, not a measurement")
+    parser.addoption("--bench-part", choices=("short", "long"), default=None,
+                     help="tests/bench: only the long model steps (the contexts beyond the "
+                          "headline's, marked bench_long) or only the rest; `kvfid bench` runs "
+                          "the two parts side by side on a CPU with two cores")
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "bench_long: a model step beyond the headline context "
+                            "(tests/bench; `--bench-part long`)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped on CPU)")
     config.addinivalue_line("markers", "slow: loads SmolLM2 or runs the interpreter at length")
     config.addinivalue_line("markers", "gpu_rehearsal: rehearses the GPU path on CPU at full "

@@ -43,7 +43,8 @@ def test_speed_benches_write_their_json_only_into_the_reports_store(tmp_path, mo
     from harness.environment import envinfo
     from harness.tasks import bench
 
-    monkeypatch.setattr(bench, "bench_command", lambda path: real_command(path, quick=True))
+    monkeypatch.setattr(bench, "bench_command",
+                        lambda path, part=None: real_command(path, quick=True, part=part))
     stray = bench.ROOT / ".benchmarks"     # pytest-benchmark's own store, no longer used
     files = lambda: {p: p.stat().st_mtime_ns for p in stray.rglob("*")} if stray.exists() else None
     before = files()

@@ -250,7 +250,10 @@ def model_steps_document(rows: list[dict]) -> list:
                       "of this thread's CPU time per call, which other jobs on a shared machine "
                       "stretch much less than wall time). A Triton stack "
                       "on a CPU runs its attention in the Triton interpreter: that is what a CPU "
-                      "harness run costs, not the kernel's GPU speed."),
+                      "harness run costs, not the kernel's GPU speed. On a CPU of two cores or "
+                      "more `kvfid bench` times the contexts beyond the headline's in a second "
+                      "one-thread process beside the rest; a stack and its baseline share a "
+                      "process."),
             Table(["step", "stack", "median", "x baseline", "CPU time x baseline", "note"],
                   [[s["group"], s["stack"], seconds(s["median_s"]),
                     f"{s['ratio']:.2f}x {s['baseline']}" if s["ratio"] is not None else "-",

@@ -119,15 +119,62 @@ def route_text(routes: dict[str, dict]) -> str:
         for name, r in sorted(routes.items()))
 
 
-def bench_command(json_path: Path, quick: bool = False) -> list[str]:
+def bench_command(json_path: Path, quick: bool = False, part: str | None = None) -> list[str]:
     """The pytest-benchmark run of tests/bench writing `json_path`; `quick`: the fp32 attention
-    and matmul decode cases, 5 rounds each (a rehearsal, not a measurement; no model steps)."""
+    and matmul decode cases, 5 rounds each (a rehearsal, not a measurement; no model steps);
+    `part`: "short" or "long" (tests/bench/conftest.py: the model steps beyond the headline
+    context are the long part), for two processes side by side."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/bench",
                "--benchmark-only", f"--benchmark-json={json_path}"]
+    if part:
+        command.append(f"--bench-part={part}")
     if quick:
         command += ["--bench-rehearsal", "--benchmark-warmup=off", "-k",
                     "decode and fp32 and not model and (attention or matmul)"]
     return command
+
+
+def speed_parts(cuda: bool) -> tuple[str | None, ...]:
+    """How the speed benches are split: on a CPU with two cores or more, two one-thread processes
+    side by side (the long model steps in one, everything else in the other: measured on the AVX2
+    stand-in, 311 s in one process, the 2048-token prefills alone 26-35 s a call); on a GPU, one
+    process (one device to time on)."""
+    return ("short", "long") if not cuda and (os.cpu_count() or 1) >= 2 else (None,)
+
+
+NO_TESTS = 5    # pytest's exit status when every test was deselected (a part with nothing to run)
+
+
+def _run_parts(raw: Path, parts) -> tuple[int, str]:
+    """Run the bench suite's parts side by side, each into its own JSON, and merge them into `raw`
+    (the first part's machine record, every part's benchmarks): (exit status, last output line)."""
+    import json
+    import tempfile
+
+    from harness.tasks.local_shards import child_env
+
+    with tempfile.TemporaryDirectory() as scratch:
+        paths = [Path(scratch) / f"{part or 'all'}.json" for part in parts]
+        running = [subprocess.Popen(bench_command(path, part=part),
+                                    cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+                   for path, part in zip(paths, parts)]
+        outputs = [proc.communicate()[0] for proc in running]
+        merged = None
+        for proc, path, output in zip(running, paths, outputs):
+            if proc.returncode == NO_TESTS and len(parts) > 1:
+                continue
+            if proc.returncode != 0 or not path.is_file():
+                return proc.returncode or 1, " ".join(output.strip().splitlines()[-1:])
+            data = json.loads(path.read_text())
+            if merged is None:
+                merged = data
+            else:
+                merged["benchmarks"] += data["benchmarks"]
+        if merged is None:
+            return NO_TESTS, "no benchmark selected"
+        raw.write_text(json.dumps(merged, indent=2))
+    return 0, ""
 
 
 def _speed(reports: Path, out: BenchOutcome) -> str:
@@ -136,17 +183,17 @@ def _speed(reports: Path, out: BenchOutcome) -> str:
     and compare it with the previous result of this key."""
     from harness.environment import envinfo
     from harness.reports import benchreport
-    from harness.tasks.local_shards import child_env
 
-    key = envinfo.environment_key(envinfo.collect())
+    environment = envinfo.collect()
+    key = envinfo.environment_key(environment)
     raw = benchreport.new_result_path(reports, key).resolve()  # pytest runs from ROOT
-    command = bench_command(raw)
-    _log("speed benches: " + " ".join(command[2:]))
-    done = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True)
-    if done.returncode != 0 or not raw.is_file():
+    parts = speed_parts(environment["cuda_available"])
+    _log("speed benches: " + " ".join(bench_command(raw)[2:])
+         + (f" (in {len(parts)} processes: --bench-part {', '.join(parts)})" if len(parts) > 1 else ""))
+    status, last = _run_parts(raw, parts)
+    if status != 0 or not raw.is_file():
         raw.unlink(missing_ok=True)     # a failed suite leaves no result in the store
-        return f"speed: the bench suite failed (exit {done.returncode}): " + \
-            " ".join(done.stdout.strip().splitlines()[-1:])
+        return f"speed: the bench suite failed (exit {status}): {last}"
     saved = benchreport.save_bench(raw, reports)  # stays, unless its record names another key
     if saved.resolve() != raw:
         raw.unlink()

@@ -33,6 +33,18 @@ def pytest_benchmark_update_machine_info(config, machine_info):
                                       "bench_threads": BENCH_THREADS}
 
 
+def pytest_collection_modifyitems(config, items):
+    """`--bench-part long`: only the benchmarks marked bench_long; `short`: all the others."""
+    part = config.getoption("bench_part", default=None)
+    if part is None:
+        return
+    keep = [i for i in items if (i.get_closest_marker("bench_long") is not None) == (part == "long")]
+    dropped = [i for i in items if i not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
 @pytest.fixture(autouse=True)
 def _only_when_benchmarking(request):
     if not benchmarking(request.config):
