@@ -8,10 +8,20 @@ prefill, and the recurrent rule and `causal_conv1d_update` for a step. Their sta
 last bits even with every op batch-invariant: the two algorithms round differently.
 
 `faithful_recurrence(model)` makes every call of more than one token to such a layer run the layer
-once per token, in order, with the same cache: each token after the first takes exactly the path
-(and the shapes) of a decode step. Everything else in the model (projections outside the layer,
-attention, MLP, MoE) still runs the whole call at once. The first token of an empty cache takes
-the layer's own first-call path, as incremental decoding's first token does.
+once per token, in order, with the same cache: each token takes exactly the path (and the shapes)
+of a decode step. Everything else in the model (projections outside the layer, attention, MLP,
+MoE) still runs the whole call at once.
+
+The first token of an empty cache takes the decode step too, from a zero state (the state an empty
+cache stands for: the prefill paths start from zeros). The layer's own first-call path (a chunked
+scan over one token, a padded full convolution) rounds differently from the step, and a
+left-padded row of a batch (`cobatched:N`) reaches its first real token with a state the masked
+pads left at zero, through the step: without this its first token, and so layer 0's output there,
+differed from the live one's (measured: tiny Qwen3.5, native/fp32+bi, `out_proj` at the first
+token, 4e-8). The step needs the cache's state tensors, which the layer makes itself on its first
+call (their shapes are the model's); so that call runs once, its output is dropped, the state
+tensors it added to the cache are zeroed, and the token runs again as a step (`_from_zero`). A
+cache that holds its states before the first call (preallocated) is left as it is.
 
 A recurrent layer is found from its attributes, never from a model's name: a module with a
 `layer_idx` that owns a depthwise 1-d convolution (`nn.Conv1d` with groups == channels: the
@@ -21,7 +31,8 @@ attention without a convolution, e.g. a lightning attention whose prefill runs i
 step runs the recurrence) and whose forward takes the cache. A model without one is left as it is.
 
 Cost: a stepped layer runs one call per token of the prefill (measured on a 2-layer tiny model:
-see docs/protocol.md); everything outside the stepped layers still runs the call at once.
+see docs/protocol.md), and one more, dropped, on an empty cache's first token; everything outside
+the stepped layers still runs the call at once.
 """
 
 from __future__ import annotations
@@ -83,6 +94,69 @@ def recurrent_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
                                             or _recurrent_by_type(model, m))]
 
 
+# `step_of` during a call whose output is dropped (the first call that makes a layer's state)
+PRIMING = -1
+
+
+def _slots(cache, index) -> dict[tuple, torch.Tensor]:
+    """The tensors a cache holds for layer `index`, by where they are held: (attribute[, key])
+    of its cache layer (a tensor, or a dict or list of them: `conv_states`, `recurrent_states`),
+    ("cache", attribute) for entry `index` of the cache's own per-layer lists."""
+    out: dict[tuple, torch.Tensor] = {}
+
+    def add(where: tuple, value) -> None:
+        items = value.items() if isinstance(value, dict) else enumerate(value) \
+            if isinstance(value, (list, tuple)) else [(None, value)]
+        for key, tensor in items:
+            if isinstance(tensor, torch.Tensor) and tensor.numel():   # an empty one holds nothing
+                out[where if key is None else (*where, key)] = tensor
+
+    layers = getattr(cache, "layers", None) or ()
+    if isinstance(index, int) and index < len(layers):
+        for name, value in vars(layers[index]).items():
+            add((name,), value)
+    for name, value in vars(cache).items():
+        if name != "layers" and isinstance(value, list) and isinstance(index, int) \
+                and index < len(value):
+            add(("cache", name), value[index])
+    return out
+
+
+def _cache_of(args, kwargs):
+    """The cache a layer's call was given (by keyword, or positional: it has `get_seq_length`)."""
+    for k in CACHE_KEYWORDS:
+        if kwargs.get(k) is not None:
+            return kwargs[k]
+    return next((a for a in args if hasattr(a, "get_seq_length")), None)
+
+
+def _from_zero(layer: torch.nn.Module, forward, cache, args, kwargs):
+    """forward(*args, **kwargs) of one token; when that call makes the layer's state in `cache`
+    (tensors where the cache held none for its `layer_idx` before: a call that replaces a held
+    state makes none), its output is dropped, those tensors are zeroed and the token runs again,
+    now through the decode step from a zero state."""
+    index = getattr(layer, "layer_idx", None)
+    held = set(_slots(cache, index))
+    if held:   # the layer's state is there: a step
+        out = forward(*args, **kwargs)
+    else:      # the call that makes it: a tracer skips its ops (`step_of` is PRIMING)
+        previous = _steps.get(id(layer))
+        _steps[id(layer)] = PRIMING
+        try:
+            out = forward(*args, **kwargs)
+        finally:
+            if previous is None:
+                del _steps[id(layer)]
+            else:
+                _steps[id(layer)] = previous
+    made = [t for where, t in _slots(cache, index).items() if where not in held]
+    if not made:
+        return out
+    for tensor in made:
+        tensor.zero_()
+    return forward(*args, **kwargs)
+
+
 def _token(value, length: int, t: int):
     """Position t of a per-token argument ([B, T, ...] or a [B, T] mask: any tensor keyword whose
     dim 1 is the call's length); others as they are."""
@@ -101,16 +175,18 @@ def _stepwise(layer: torch.nn.Module, forward):
             hasattr(a, "get_seq_length") for a in args)
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or not has_cache:
             return forward(*args, **kwargs)
+        cache = _cache_of(args, kwargs)
         length = hidden_states.shape[1]
         if length == 1:
-            return forward(*args, **kwargs)
+            return _from_zero(layer, forward, cache, args, kwargs)
         outs = []
         for t in range(length):
             _steps[id(layer)] = t
             try:
                 step_kwargs = {k: _token(v, length, t) for k, v in kwargs.items()}
                 step_args = (hidden_states[:, t:t + 1].contiguous(), *args[1:]) if positional else args
-                outs.append(forward(*step_args, **step_kwargs))
+                outs.append(_from_zero(layer, forward, cache, step_args, step_kwargs) if t == 0
+                            else forward(*step_args, **step_kwargs))
             finally:
                 del _steps[id(layer)]
         if isinstance(outs[0], torch.Tensor):

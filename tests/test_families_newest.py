@@ -1,7 +1,7 @@
 """Issue 27's families as a test (tests/families.py NEWEST: tiny random weights from transformers'
 config classes): every layer state known or refused naming the mechanism, read by what it holds;
 on sdpa, eager+bi and native+bi no internal error; the faithful CPU stack (native+bi) bit-exact
-live~prefill and live~chunked with every part compared where it serves the model, and its chunked-scan twin
+live~prefill, live~chunked and live~cobatched with every part compared where it serves the model, and its chunked-scan twin
 (`+bi+scan`) differing where a layer is recurrent; one transplant per new state kind following the
 donor. A family the installed transformers lacks is skipped, saying so."""
 
@@ -20,6 +20,10 @@ PROMPT = "Hi there"
 NATIVE_REFUSES = {"deepseek-v32": "sparse_indexer", "deepseek-v4": "sparse_indexer"}
 SDPA_REFUSES = {"deepseek-v4": "sinks"}
 RECURRENT = {"minimax", "nemotron-h", "qwen3.5", "kimi-linear", "olmo-hybrid", "granite-4h"}
+# The faithful stack's constructions held bit-exact against live on every family it serves;
+# cobatched:4 puts the item's row left-padded in a batch of 4 (a recurrent layer's first real
+# token then comes after masked pads, from the zero state the step starts an empty cache from).
+FAITHFUL_ARMS = ("prefill", "chunked:3", "cobatched:4")
 
 
 def _has_stateless_layers() -> bool:
@@ -94,7 +98,7 @@ def test_the_table_no_internal_error_and_the_faithful_stack_bit_exact(folders, f
             assert refused.value.exit_code == 3 and "\n" not in str(refused.value)
             assert refuses[family] in str(refused.value)
             continue
-        arms = "live,prefill,chunked:3" if stack.startswith("native") else "live,prefill"
+        arms = f"live,{','.join(FAITHFUL_ARMS)}" if stack.startswith("native") else "live,prefill"
         record = _repro(folder, stack, arms)
         assert record.status == "ok"
         for arm in arms.split(",")[1:]:
@@ -103,7 +107,7 @@ def test_the_table_no_internal_error_and_the_faithful_stack_bit_exact(folders, f
             outcomes[(stack, arm)] = cache
     if family in NATIVE_REFUSES:
         return
-    for arm in ("prefill", "chunked:3"):
+    for arm in FAITHFUL_ARMS:
         faithful = outcomes[("native/fp32+bi", arm)]
         assert faithful.bit_exact, (arm, faithful.first_bad_layer, faithful.first_bad_kv)
     if family in RECURRENT:   # the control: the chunked scan is another algorithm than the step

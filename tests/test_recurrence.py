@@ -24,8 +24,13 @@ def next_bf16():
     return mm.build("qwen3_next", dtype=torch.bfloat16)
 
 
-def test_recurrent_layers_found_from_attributes():
-    assert [name for name, _ in recurrent_layers(mm.build("qwen3_next", dtype=torch.float32))] == [
+@pytest.fixture(scope="module")
+def next_fp32():
+    return mm.build("qwen3_next", dtype=torch.float32)
+
+
+def test_recurrent_layers_found_from_attributes(next_fp32):
+    assert [name for name, _ in recurrent_layers(next_fp32)] == [
         f"model.layers.{i}.linear_attn" for i in range(3)]
     assert recurrent_layers(mm.build("qwen3_moe", dtype=torch.float32)) == []
 
@@ -68,6 +73,43 @@ def test_faithful_prefill_is_bit_exact_with_incremental_and_batch(next_bf16):
     assert {"0.conv", "0.recurrent", "3.keys", "3.values"} <= parts, sorted(parts)
 
 
+@torch.no_grad()
+def _padded_row_states(model, ids: torch.Tensor, pad: int) -> tuple[torch.Tensor, dict]:
+    """Row 0 of a batch of 2: `ids` [1, T] left-padded by `pad` (masked, position ids from its
+    first real token) beside an unpadded row of T + pad tokens; its last logits and its recurrent
+    and conv states."""
+    from transformers import DynamicCache
+
+    length = ids.shape[1]
+    other = mm.prompt(length + pad, seed=2)
+    batch = torch.cat([torch.cat([torch.zeros(1, pad, dtype=ids.dtype), ids], dim=1), other])
+    mask = torch.ones_like(batch)
+    mask[0, :pad] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=batch, attention_mask=mask, position_ids=positions, cache=cache,
+                use_cache=True)
+    states = {k: v[:1].clone() for k, v in mm.cache_tensors(cache).items()
+              if k.endswith(("conv", "recurrent"))}
+    return out.logits[:1, -1], states
+
+
+@pytest.mark.skipif(_OLD, reason="transformers < 5.20: Qwen3-Next's prefill takes another path "
+                    "(above); a padded row not measured there")
+def test_a_left_padded_row_reaches_its_first_token_from_the_zero_state(next_fp32):
+    """A left-padded row's pads are masked, so its state stays zero and its first real token runs
+    the decode step from zero; the first token of an empty cache runs that step too, so the
+    padded row's logits and states are the bits of the row alone (fp32: while an empty cache's
+    first token took the layer's first-call path, the logits and layer 2's states differed)."""
+    ids = mm.prompt(LENGTH)
+    with set_batch_invariant_mode(impl="rowwise"), faithful_recurrence(next_fp32):
+        alone = mm.run(next_fp32, ids, [LENGTH])
+        padded = _padded_row_states(next_fp32, ids, 3)
+    states = {k: v for k, v in alone[1].items() if k.endswith(("conv", "recurrent"))}
+    assert states
+    assert mm.differing((alone[0], states), padded) == []
+
+
 @_ON_517
 def test_chunked_scan_differs_from_the_recurrence_it_replaces(next_bf16):
     """Negative control: the stock prefill's chunked scan is another algorithm than the step."""
@@ -77,9 +119,9 @@ def test_chunked_scan_differs_from_the_recurrence_it_replaces(next_bf16):
     assert any(name.endswith("recurrent") for name in differ), differ
 
 
-def test_faithful_prefill_computes_the_same_function():
+def test_faithful_prefill_computes_the_same_function(next_fp32):
     """Correctness: the faithful prefill's logits and states match the chunked prefill's (fp32)."""
-    model = mm.build("qwen3_next", dtype=torch.float32)
+    model = next_fp32
     ids = mm.prompt(LENGTH)
     chunked = mm.run(model, ids, [LENGTH])
     with faithful_recurrence(model):

@@ -6,7 +6,9 @@ different algorithms on the two sides.
   op is keyed by its module path, a *tag* and the op: the tag is 0 for ordinary modules (one call
   per forward) and "p" for the step of a stepped layer that computes the blamed position (the one
   call of a one-token decode step, or step p - start of a longer call); ops of the other steps,
-  and the wrapper's own slicing, belong to other positions and are not compared.
+  the wrapper's own slicing, and the dropped first call that makes an empty cache's state (the
+  token then runs again as a step from zero), belong to other positions or to no result, and are
+  not compared.
 * **Different algorithms.** A recurrent layer's chunked prefill and its decode step run different
   op sequences (a chunked scan and a triangular solve against a one-token recurrence): the ops
   found on one side only, grouped by module, name the layer whose two sides are not the same
@@ -44,14 +46,16 @@ class Tagger:
 
     def key(self, where: str, op: str):
         """(module path, tag, op, occurrence) of this op, or None when it is not compared."""
-        from kernels.recurrence import step_of
+        from kernels.recurrence import PRIMING, step_of
 
         owner = self._owner(where)
         if owner is None:
             tag = 0
         else:
             step, (start, end) = step_of(owner), self._span
-            if step is None:  # a one-token call, or the stepping wrapper's own ops
+            if step == PRIMING:  # the call that makes the layer's state: its output is dropped
+                tag = SKIP
+            elif step is None:  # a one-token call, or the stepping wrapper's own ops
                 tag = "p" if end - start == 1 else SKIP
             else:
                 tag = "p" if start + step == self._position else SKIP
