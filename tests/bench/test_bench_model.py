@@ -43,10 +43,13 @@ PHASES = ("prefill", "decode")
 # only (on a GPU it runs compiled, at every length).
 INTERPRETED_CONTEXTS = (CONTEXT,) if kernels.interpreting() else CONTEXTS
 ONE_ROUND_FROM = 2048  # a prefill this long: one timed call, no warm-up (measured 5-80 s a call)
-# A step whose warm-up call took this long gets 3 timed rounds (a median of 3), not the schedule's
-# 5 or more after a second untimed call: 512-token prefills took 7-9 s a call under AVX2 bf16.
+# A step of seconds is timed fewer times: 3 rounds after a warm-up call of LONG_STEP_S or more, and
+# one round after a warm-up of ONE_CALL_S or more (or with no warm-up where the same stack's
+# shorter prefill, scaled linearly, says it would take that long): 512-token prefills took 7-10 s
+# a call under AVX2 bf16, where the schedule's 5 rounds and 2 untimed calls were 70 s a stack.
 LONG_STEP_S = 1.0
 LONG_STEP_ROUNDS = 3
+ONE_CALL_S = 5.0
 # A prefill whose time, scaled linearly from the same stack's shortest prefill timed in this
 # session (the headline's, or the long part's first), would pass this is not run (said in the skip): stock bf16 rows cost 33x more on an AVX2 EPYC.
 LONG_CALL_BUDGET_S = 90.0
@@ -112,11 +115,15 @@ def _fp32(built, model, ids, device) -> dict:
 
 
 def _rounds(step, budget_s: float) -> int:
-    """Timed rounds for a model step: 3 after one warm-up call of a second or more, else the
-    kernel benches' schedule (5 to 50 rounds in about `budget_s`)."""
+    """Timed rounds for a model step after one warm-up call (probes of new call shapes,
+    allocations): 1 after a warm-up of ONE_CALL_S or more, 3 after one of LONG_STEP_S or more,
+    else the kernel benches' schedule (5 to 50 rounds in about `budget_s`)."""
     start = device_clock()
-    step()   # warm-up: probes of new call shapes, allocations
-    if device_clock() - start >= LONG_STEP_S:
+    step()
+    took = device_clock() - start
+    if took >= ONE_CALL_S:
+        return 1
+    if took >= LONG_STEP_S:
         return LONG_STEP_ROUNDS
     return schedule(step, budget_s=budget_s)[0]
 
@@ -130,10 +137,10 @@ def test_bench_model(benchmark, request, smollm2, built, phase, context, label):
     ids = _ids(context).to(stack.device)
     interpreted = stack.backend == "triton" and kernels.interpreting()
     shortest = built.get(("prefill_s", label))   # (context, median s)
-    if phase == "prefill" and shortest and shortest[1] * context / shortest[0] > LONG_CALL_BUDGET_S:
-        pytest.skip(f"{label} prefill of {context} tokens: about "
-                    f"{shortest[1] * context / shortest[0]:.0f} s from its {shortest[0]}-token "
-                    f"prefill ({shortest[1]:.2f} s), over {LONG_CALL_BUDGET_S:.0f} s")
+    estimate = shortest[1] * context / shortest[0] if shortest and phase == "prefill" else 0.0
+    if estimate > LONG_CALL_BUDGET_S:
+        pytest.skip(f"{label} prefill of {context} tokens: about {estimate:.0f} s from its "
+                    f"{shortest[0]}-token prefill ({shortest[1]:.2f} s), over {LONG_CALL_BUDGET_S:.0f} s")
     cache = _baseline_cache(built, smollm2, ids, stack.device) if phase == "decode" else None
     with stack.activate(smollm2) as module:
         keyword = cache_keyword(module)
@@ -145,7 +152,8 @@ def test_bench_model(benchmark, request, smollm2, built, phase, context, label):
             return logits
 
         step = decode if phase == "decode" else (lambda: _prefill(module, ids))
-        if interpreted or (phase == "prefill" and context >= ONE_ROUND_FROM):
+        if interpreted or (phase == "prefill" and (context >= ONE_ROUND_FROM
+                                                   or estimate >= ONE_CALL_S)):
             rounds = 1   # seconds per call: one timed call (the bench's budget)
         else:
             rounds = _rounds(step, budget(request.config, 2.0))
