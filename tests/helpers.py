@@ -7,6 +7,10 @@ Imported explicitly (`from helpers import ...`). Two kinds of check, never mixed
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 import torch
 
 import kernels  # noqa: F401  (sets TRITON_INTERPRET before triton is imported, when no CUDA)
@@ -113,3 +117,10 @@ def check_rejects_bad_inputs(attention, make_qkv) -> None:
         attention(torch.cat([q, q], dim=2), k, v)
     with pytest.raises(TypeError):
         attention(q.double(), k.double(), v.double())
+
+
+def chromium_install_status(config) -> Path:
+    """Where this test run's early Chromium install writes its exit status (one run: the xdist
+    workers share the controller's run id)."""
+    run = getattr(config, "workerinput", {}).get("testrunuid") or str(os.getpid())
+    return Path(tempfile.gettempdir()) / f"kvfid-chromium-{run}.status"

@@ -49,7 +49,11 @@ def test_speed_benches_write_their_json_only_into_the_reports_store(tmp_path, mo
     files = lambda: {p: p.stat().st_mtime_ns for p in stray.rglob("*")} if stray.exists() else None
     before = files()
     first, second = bench.BenchOutcome(), bench.BenchOutcome()
+    # the first in two parts side by side (the quick selection leaves the long part nothing to
+    # run: its exit 5 is an empty part), the second in one process
+    monkeypatch.setattr(bench, "speed_parts", lambda cuda: ("short", "long"))
     assert "no previous result" in bench._speed(tmp_path, first)
+    monkeypatch.setattr(bench, "speed_parts", lambda cuda: (None,))
     assert "benchmarks vs " in bench._speed(tmp_path, second)
     folder = tmp_path / envinfo.environment_key(envinfo.collect()) / "bench"
     stored = sorted(folder.glob("*.json"))

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -39,8 +40,16 @@ MEASURE = """<script>(() => {
 
 
 @pytest.fixture(scope="session")
-def chromium() -> str:
-    """Debian's chromium, installed with apt-get where it is missing."""
+def chromium(request) -> str:
+    """Debian's chromium: the install tests/conftest.py started at collection where it was missing
+    (waited for), else installed here with apt-get."""
+    from helpers import chromium_install_status
+
+    status = chromium_install_status(request.config)
+    if shutil.which("chromium") is None and Path(f"{status}.lock").exists():
+        deadline = time.monotonic() + 900
+        while not status.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
     if shutil.which("chromium") is None:
         for step in (["apt-get", "update"], ["apt-get", "install", "-y", "chromium"]):
             done = subprocess.run(step, capture_output=True, text=True, timeout=900,
