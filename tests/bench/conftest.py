@@ -2,9 +2,9 @@
 
 `pytest tests` (`make test`) collects this folder too; every benchmark here is skipped at
 collection unless pytest-benchmark runs with `--benchmark-only`, so the test budget is not spent
-on timing. The
-environment record (harness.environment.envinfo) goes into pytest-benchmark's `machine_info`, so every saved
-JSON result says what it was measured on; harness.reports.benchreport files results by its key.
+on timing. The environment record (harness.environment.envinfo) goes into pytest-benchmark's
+`machine_info`, so every saved JSON result says what it was measured on;
+harness.reports.benchreport files results by its key.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 from harness.environment import envinfo
 from harness.reports.benchreport import MACHINE_INFO_KEY
 
+HERE = Path(__file__).resolve().parent
 # Timing threads: one by default (on a shared 2-core machine two torch threads are 10-30x slower);
 # KVFID_BENCH_THREADS=N measures with N.
-HERE = Path(__file__).resolve().parent
 BENCH_THREADS = int(os.environ.get("KVFID_BENCH_THREADS", "1"))
 
 
