@@ -136,21 +136,19 @@ def _from_zero(layer: torch.nn.Module, forward, cache, args, kwargs):
     state makes none), its output is dropped, those tensors are zeroed and the token runs again,
     now through the decode step from a zero state."""
     index = getattr(layer, "layer_idx", None)
-    held = set(_slots(cache, index))
-    if held:   # the layer's state is there: a step
+    if _slots(cache, index):   # the layer's state is there: a decode step, as it is
+        return forward(*args, **kwargs)
+    previous = _steps.get(id(layer))   # the call that makes it: a tracer skips its ops
+    _steps[id(layer)] = PRIMING
+    try:
         out = forward(*args, **kwargs)
-    else:      # the call that makes it: a tracer skips its ops (`step_of` is PRIMING)
-        previous = _steps.get(id(layer))
-        _steps[id(layer)] = PRIMING
-        try:
-            out = forward(*args, **kwargs)
-        finally:
-            if previous is None:
-                del _steps[id(layer)]
-            else:
-                _steps[id(layer)] = previous
-    made = [t for where, t in _slots(cache, index).items() if where not in held]
-    if not made:
+    finally:
+        if previous is None:
+            del _steps[id(layer)]
+        else:
+            _steps[id(layer)] = previous
+    made = list(_slots(cache, index).values())
+    if not made:   # a layer that keeps no state in the cache: its output stands
         return out
     for tensor in made:
         tensor.zero_()

@@ -51,10 +51,12 @@ LONG_STEP_S = 1.0
 LONG_STEP_ROUNDS = 3
 ONE_CALL_S = 5.0
 # A prefill whose time, scaled linearly from the same stack's shortest prefill timed in this
-# session (the headline's, or the long part's first), would pass this is not run (said in the skip): stock bf16 rows cost 33x more on an AVX2 EPYC.
+# session (the headline's, or the long part's first), would pass this is not run (said in the
+# skip): stock bf16 rows cost 33x more on an AVX2 EPYC.
 LONG_CALL_BUDGET_S = 90.0
-# The contexts beyond the headline's are the long part (`--bench-part long`, tests/bench/conftest.py):
-# `kvfid bench` times them in a second process beside the rest on a CPU of two cores or more.
+# The contexts beyond the headline's are the long part (`--bench-part long`,
+# tests/bench/conftest.py): `kvfid bench` times them in a second process beside the rest on a CPU
+# of two cores or more.
 PARAMS = [pytest.param(context, label, marks=[pytest.mark.bench_long] if context > CONTEXT else [])
           for context in CONTEXTS for label in MODEL_STACKS
           if label != TRITON or context in INTERPRETED_CONTEXTS]
