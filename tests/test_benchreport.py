@@ -84,6 +84,28 @@ def test_another_environment_is_said_in_the_report():
     assert "ANOTHER environment" in render_bench(comparison)
 
 
+def on_processor(data: dict, family: int, clock: str = "2.4454 GHz") -> dict:
+    """The result as run on an "AMD EPYC" of the given family (py-cpuinfo's fields)."""
+    data["machine_info"]["cpu"] = {"brand_raw": "AMD EPYC", "family": family, "model": 1,
+                                   "stepping": 1, "hz_actual_friendly": clock}
+    return data
+
+
+def test_another_processor_of_one_key_is_said_in_the_report_and_one_kind_is_not():
+    """One environment key spans CPU generations: the report says when the result it compares
+    with ran on another processor; a clock read differently on one kind is not another."""
+    new = on_processor(bench_json({"a": 2.0}), family=23, clock="1.9963 GHz")
+    comparison = compare_bench(new, on_processor(bench_json({"a": 1.0}), family=25))
+    assert comparison["same_environment"] is True and comparison["same_processor"] is False
+    text = render_bench(comparison)
+    assert "ANOTHER processor" in text and "family 25" in text and "family 23" in text
+    same = compare_bench(on_processor(bench_json({"a": 2.0}), family=25, clock="2.1 GHz"),
+                         on_processor(bench_json({"a": 1.0}), family=25))
+    assert same["same_processor"] is True and "ANOTHER processor" not in render_bench(same)
+    unknown = compare_bench(new, bench_json({"a": 1.0}))   # a result that names no processor
+    assert unknown["same_processor"] is None and "ANOTHER processor" not in render_bench(unknown)
+
+
 def test_save_files_by_environment_key_and_timestamp_and_finds_the_previous(tmp_path):
     reports = tmp_path / "reports"
     first = save_bench(write(tmp_path / "one.json", bench_json({"a": 1.0})), reports_dir=reports)

@@ -125,11 +125,48 @@ def _medians(data: dict) -> dict[str, dict]:
     return out
 
 
+# What identifies a processor in pytest-benchmark's `machine_info["cpu"]` (py-cpuinfo's fields):
+# one CPU model name spans generations (an AVX2-only "AMD EPYC" was family 25, model 1 on one
+# day and family 23, model 1, at 2.0 GHz against 2.45, on another: 65 of 105 kernel benches over
+# 10% slower), which one environment key does not tell apart. The clock is shown, not compared
+# (its reading moves on one host).
+PROCESSOR_FIELDS = ("brand_raw", "family", "model", "stepping")
+
+
+def processor(data: dict | None) -> dict | None:
+    """The processor that ran a result ({field: value} of PROCESSOR_FIELDS and the clock read),
+    or None where the result does not say."""
+    cpu = ((data or {}).get("machine_info") or {}).get("cpu") or {}
+    found = {name: cpu.get(name) for name in PROCESSOR_FIELDS if cpu.get(name) is not None}
+    if not found:
+        return None
+    return found | ({"clock": cpu["hz_actual_friendly"]} if cpu.get("hz_actual_friendly") else {})
+
+
+def describe_processor(found: dict | None) -> str:
+    """`AMD EPYC (family 23, model 1, stepping 2) at 1.9963 GHz`, from `processor()`'s dict."""
+    if not found:
+        return "unknown"
+    generation = ", ".join(f"{field} {found[field]}" for field in ("family", "model", "stepping")
+                           if field in found)
+    return " ".join(part for part in (str(found.get("brand_raw") or ""),
+                                      f"({generation})" if generation else "",
+                                      f"at {found['clock']}" if found.get("clock") else "") if part)
+
+
 def _describe(data: dict | None, source) -> dict | None:
     if data is None:
         return None
     return {"path": None if isinstance(source, dict) else str(source), "datetime": data.get("datetime"),
-            "environment_key": bench_environment_key(data)}
+            "environment_key": bench_environment_key(data), "processor": processor(data)}
+
+
+def _same_processor(new: dict | None, old: dict | None) -> bool | None:
+    """Whether two results ran on one kind of processor: None where either does not say."""
+    if old is None or not new or not old["processor"] or not new["processor"]:
+        return None
+    return all(new["processor"].get(field) == old["processor"].get(field)
+               for field in PROCESSOR_FIELDS)
 
 
 def compare_bench(new, previous, threshold: float = 0.10) -> dict:
@@ -168,6 +205,7 @@ def compare_bench(new, previous, threshold: float = 0.10) -> dict:
         "new": new_env,
         "previous": old_env,
         "same_environment": old_env is None or new_env["environment_key"] == old_env["environment_key"],
+        "same_processor": _same_processor(new_env, old_env),
     }
 
 
@@ -269,6 +307,10 @@ def bench_document(comparison: dict) -> list:
     against = ("none (first run here)" if old is None else
                f"run {old['datetime']}{where(old)}" + ("" if comparison["same_environment"] else
                f" - ANOTHER environment, `{old['environment_key']}`"))
+    if comparison.get("same_processor") is False:
+        against += (f" - on ANOTHER processor of this key, {describe_processor(old['processor'])} "
+                    f"(this run: {describe_processor(new['processor'])}): a speed difference may "
+                    f"be the host's, not the code's")
     if comparison["ok"]:
         result = "ok, no regression."
     else:
