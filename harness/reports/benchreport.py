@@ -161,12 +161,21 @@ def _describe(data: dict | None, source) -> dict | None:
             "environment_key": bench_environment_key(data), "processor": processor(data)}
 
 
-def _same_processor(new: dict | None, old: dict | None) -> bool | None:
+def _same_processor(new: dict, old: dict | None) -> bool | None:
     """Whether two results ran on one kind of processor: None where either does not say."""
-    if old is None or not new or not old["processor"] or not new["processor"]:
+    if old is None or not old["processor"] or not new["processor"]:
         return None
     return all(new["processor"].get(field) == old["processor"].get(field)
                for field in PROCESSOR_FIELDS)
+
+
+def processor_change(comparison: dict) -> str | None:
+    """The two processors, in words, where the result compared with ran on another one of this
+    key (None where it did not, or where either result does not say)."""
+    if comparison.get("same_processor") is not False:
+        return None
+    return (f"{describe_processor(comparison['previous']['processor'])} "
+            f"(this run: {describe_processor(comparison['new']['processor'])})")
 
 
 def compare_bench(new, previous, threshold: float = 0.10) -> dict:
@@ -307,10 +316,9 @@ def bench_document(comparison: dict) -> list:
     against = ("none (first run here)" if old is None else
                f"run {old['datetime']}{where(old)}" + ("" if comparison["same_environment"] else
                f" - ANOTHER environment, `{old['environment_key']}`"))
-    if comparison.get("same_processor") is False:
-        against += (f" - on ANOTHER processor of this key, {describe_processor(old['processor'])} "
-                    f"(this run: {describe_processor(new['processor'])}): a speed difference may "
-                    f"be the host's, not the code's")
+    if (change := processor_change(comparison)) is not None:
+        against += (f" - on ANOTHER processor of this key, {change}: a speed difference may be "
+                    f"the host's, not the code's")
     if comparison["ok"]:
         result = "ok, no regression."
     else:

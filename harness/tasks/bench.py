@@ -206,11 +206,8 @@ def _speed(reports: Path, out: BenchOutcome) -> str:
         return f"speed: {len(comparison['rows'])} benchmarks filed ({saved}); no previous result " \
                f"of this environment to compare with"
     slower = comparison["regressions"]
-    host = ""
-    if comparison["same_processor"] is False:
-        host = (f"; that result ran on another processor of this key, "
-                f"{benchreport.describe_processor(comparison['previous']['processor'])} (this run: "
-                f"{benchreport.describe_processor(comparison['new']['processor'])})")
+    change = benchreport.processor_change(comparison)
+    host = f"; that result ran on another processor of this key, {change}" if change else ""
     return (f"speed: {len(comparison['rows'])} benchmarks vs {previous.name}: {len(slower)} "
             f"slower by >10% on the median" + (f" ({', '.join(slower[:4])}...)" if slower else "")
             + host)
