@@ -5,11 +5,12 @@ operands, and asking IEEE of bf16 makes Triton upcast them and fall back to CUDA
 fp32 operands stay IEEE fp32 (no TF32), on the CUDA cores.
 """
 
-import triton
 import triton.language as tl
 
+from kernels.jit import device_function
 
-@triton.jit
+
+@device_function
 def mma(a, b, acc):
     """`a @ b + acc` (acc fp32): tensor cores for bf16/fp16 operands, IEEE fp32 for fp32 ones."""
     if a.dtype == tl.float32:

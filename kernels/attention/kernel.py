@@ -77,9 +77,10 @@ from kernels.attention.checks import check_inputs, check_mechanisms, first_valid
 from kernels.attention.tiles import merge, tile_scores, tile_update, with_sink
 from kernels.attention.views import check_visibility
 from kernels.attention.visible import visible_attention_into
+from kernels.jit import kernel
 
 
-@triton.jit
+@kernel
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     sqb, sqh, sqt, sqd,

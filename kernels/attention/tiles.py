@@ -2,13 +2,13 @@
 arithmetic: tanh for softcapping, one key tile's scores and its online-softmax update, the merge
 of two partial softmax states, the sink."""
 
-import triton
 import triton.language as tl
 
 from kernels.dot import mma
+from kernels.jit import device_function
 
 
-@triton.jit
+@device_function
 def tanh(x):
     """tanh from one exp, the same arithmetic on every path: sign(x) (1 - e) / (1 + e), e = exp(-2|x|)."""
     e = tl.exp(-2.0 * tl.abs(x))
@@ -16,7 +16,7 @@ def tanh(x):
     return tl.where(x < 0, -t, t)
 
 
-@triton.jit
+@device_function
 def merge(m, l, acc, m_s, l_s, acc_s):
     """The softmax state (m, l, acc) of keys A then B from those of A (m, l, acc [ROWS, D]) and
     B (m_s, l_s, acc_s), all fp32. An empty A (m = -inf) takes B's state as it is, bit for bit; an
@@ -33,7 +33,7 @@ def merge(m, l, acc, m_s, l_s, acc_s):
     return tl.where(first, m_s, m_new), l_out, acc_out
 
 
-@triton.jit
+@device_function
 def with_sink(m, l, acc, sink):
     """Add a sink logit [ROWS] to the softmax denominator of a finished state (split path)."""
     m_f = tl.maximum(m, sink)
@@ -41,7 +41,7 @@ def with_sink(m, l, acc, sink):
     return l * a + tl.exp(sink - m_f), acc * a[:, None]
 
 
-@triton.jit
+@device_function
 def tile_scores(q, k, scale, softcap, SOFTCAP: tl.constexpr, USE_DOT: tl.constexpr,
                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     """[ROWS, BLOCK_N] fp32 scores of q [ROWS, D] against one key tile k [BLOCK_N, D], scaled and
@@ -57,7 +57,7 @@ def tile_scores(q, k, scale, softcap, SOFTCAP: tl.constexpr, USE_DOT: tl.constex
     return s
 
 
-@triton.jit
+@device_function
 def tile_update(m_i, l_i, acc, s, v, USE_DOT: tl.constexpr):
     """The online softmax state (m_i, l_i [ROWS], acc [ROWS, Dv], fp32) after one key tile:
     s [ROWS, BLOCK_N] scaled scores, -inf where a row does not see the key; v [BLOCK_N, Dv] (fp32

@@ -30,9 +30,10 @@ from kernels import LAUNCH_OPTIONS
 from kernels.attention.config import BLOCK_M, AttentionConfig, config_for, group_tile_for, head_dim_pad
 from kernels.attention.tiles import tile_scores, tile_update, with_sink
 from kernels.attention.views import as_visibility, runs, tile_plan
+from kernels.jit import kernel
 
 
-@triton.jit
+@kernel
 def _visible_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     sqb, sqh, sqt, sqd,

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from kernels import FLOAT_DTYPES, LAUNCH_OPTIONS, gpu_arch, triton_runs_on, uses_tl_dot
 from kernels.dot import mma
+from kernels.jit import kernel
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ CONFIGS = {(arch, dtype): _FP32 if dtype == torch.float32 else _HALF
            for dtype in FLOAT_DTYPES}
 
 
-@triton.jit
+@kernel
 def _matmul_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K,

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels import LAUNCH_OPTIONS, check_row_input
+from kernels.jit import device_function, kernel
 
 BLOCK_ROWS = 16  # rows per program; fixed, never a function of the row count
 BLOCK_COLS = 256  # columns per step of the in-order reduction
@@ -22,7 +23,7 @@ RMS_NORM_WARPS = 8
 
 
 
-@triton.jit
+@device_function
 def _row_sum_tile(x_ptr, rows, row_ok, sx_row, sx_col, n_cols, SQUARE: tl.constexpr,
                   BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     """Per-row sum of x (or x**2) over the columns, one fixed column tile at a time."""
@@ -39,7 +40,7 @@ def _row_sum_tile(x_ptr, rows, row_ok, sx_row, sx_col, n_cols, SQUARE: tl.conste
     return tl.sum(acc, axis=1)
 
 
-@triton.jit
+@kernel
 def _mean_kernel(x_ptr, out_ptr, n_rows, n_cols, sx_row, sx_col,
                  BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
@@ -48,7 +49,7 @@ def _mean_kernel(x_ptr, out_ptr, n_rows, n_cols, sx_row, sx_col,
     tl.store(out_ptr + rows, (total / n_cols).to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit
+@kernel
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, n_cols, sx_row, sx_col, so_row, eps,
                      HAS_WEIGHT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)

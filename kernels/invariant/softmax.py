@@ -12,13 +12,14 @@ import triton
 import triton.language as tl
 
 from kernels import LAUNCH_OPTIONS, check_row_input
+from kernels.jit import kernel
 
 BLOCK_ROWS = 16  # rows per program; fixed, never a function of the row count
 BLOCK_COLS = 512  # columns per step of the in-order reduction
 
 
 
-@triton.jit
+@kernel
 def _softmax_kernel(x_ptr, out_ptr, n_rows, n_cols, sx_row, sx_col, so_row,
                     LOG: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
