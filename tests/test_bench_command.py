@@ -52,9 +52,9 @@ def test_speed_benches_write_their_json_only_into_the_reports_store(tmp_path, mo
     # the first in two parts side by side (the quick selection leaves the long part nothing to
     # run: its exit 5 is an empty part), the second in one process
     monkeypatch.setattr(bench, "speed_parts", lambda cuda: ("short", "long"))
-    assert "no previous result" in bench._speed(tmp_path, first)
+    assert "no previous result" in bench._speed(tmp_path, first)[0]
     monkeypatch.setattr(bench, "speed_parts", lambda cuda: (None,))
-    assert "benchmarks vs " in bench._speed(tmp_path, second)
+    assert "benchmarks vs " in bench._speed(tmp_path, second)[0]
     folder = tmp_path / envinfo.environment_key(envinfo.collect()) / "bench"
     stored = sorted(folder.glob("*.json"))
     assert [str(p) for p in stored] == [first.files["bench"], second.files["bench"]]
@@ -65,3 +65,43 @@ def test_speed_benches_write_their_json_only_into_the_reports_store(tmp_path, mo
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == \
         sorted(n for p in stored for n in (p.name, p.with_suffix(".md").name, p.with_suffix(".html").name))
     assert files() == before
+
+
+def _steps(decode_s: dict, prefill_s: dict, context=64) -> list[dict]:
+    """Model steps as benchreport.model_steps gives them, at one length."""
+    return [{"stack": stack, "phase": phase, "context": context, "median_s": seconds,
+             "interpreter": False}
+            for phase, table in (("decode", decode_s), ("prefill", prefill_s))
+            for stack, seconds in table.items()]
+
+
+def test_the_cpu_default_case_is_sized_by_this_machines_model_steps():
+    """Per arm one prefill and B + S decode steps; an item's arms are its constructions, its share
+    of the replicas' arms, one per transplant pair, and its share of the crossing's arms at each
+    crossed stack's cost. Where all items would pass the budget over the processes, whole rounds
+    of one item per process that fit, at least one; else all of them (None: the case's count)."""
+    from harness.runs.case import load_case
+    from harness.tasks import bench
+
+    case = load_case(bench.ROOT / "cases" / "smollm2-cpu.toml")
+    assert (case.items.n, case.B, case.S, len(case.constructions)) == (8, 12, 16, 3)
+    labels = ("native/bf16+bi", "sdpa/bf16", "sdpa/fp32")
+    steps = _steps({s: 0.1 for s in labels}, {s: 1.0 for s in labels})
+    arm = 1.0 + 28 * 0.1
+    # 3 constructions + 2/8 of one replica arm + 2 transplant pairs, per stack; the crossing: 4/8
+    # of 2 constructions at each of its 2 dtypes
+    expected = 3 * arm * (3 + 0.25 + 2) + 2 * arm * 0.5 * 2
+    assert abs(bench.item_seconds(case, steps) - expected) < 1e-9
+    assert bench.sized_items(case, steps, jobs=2, budget_s=8 * expected / 2)[0] is None
+    fit, why = bench.sized_items(case, steps, jobs=2, budget_s=3.5 * expected / 2)
+    assert fit == 2 and "2 of 8 items" in why            # 3.5 items fit: one whole round of 2
+    assert bench.sized_items(case, steps, jobs=2, budget_s=1.0)[0] == 2   # at least one round
+    assert bench.sized_items(case, steps, jobs=1, budget_s=5 * expected)[0] == 5
+    # a stack the bench did not time: the case's count, and why
+    missing = [s for s in steps if s["stack"] != "sdpa/fp32"]
+    assert bench.item_seconds(case, missing) is None
+    assert bench.sized_items(case, missing, jobs=2, budget_s=1.0) == (
+        None, "fidelity: all 8 items (no model step timed here for every stack to size them by)")
+    # steps at longer prefixes or in the interpreter do not size it
+    longer = steps + _steps({s: 100.0 for s in labels}, {s: 100.0 for s in labels}, context=2048)
+    assert bench.item_seconds(case, longer) == bench.item_seconds(case, steps)

@@ -161,11 +161,15 @@ def test_model_steps_table_gives_each_stack_its_ratio_to_the_baseline_of_the_sam
         if stack:
             bench["group"] = "model-decode-smollm2-135m-ctx64"
             bench["extra_info"] = {"op": "model", "phase": "decode", "stack": stack,
-                                   "baseline": "sdpa/bf16", "interpreter": stack.startswith("triton")}
+                                   "baseline": "sdpa/bf16", "interpreter": stack.startswith("triton"),
+                                   "cache_from": "native/bf16+bi" if stack.startswith("triton")
+                                   else "sdpa/bf16"}
     text = render_bench(compare_bench(data, None))
     table = text[text.index("Model steps"):]
-    assert "| model-decode-smollm2-135m-ctx64 | native/bf16+bi | 250 ms | 2.50x sdpa/bf16 | - |" in table
-    assert "30.00x sdpa/bf16 | - | Triton interpreter |" in table and "| g |" not in table
+    assert "| model-decode-smollm2-135m-ctx64 | native/bf16+bi | 250 ms | 2.50x sdpa/bf16 | - |  |" in table
+    # a decode step over a cache another stack's prefill built (the baseline's skipped) says so
+    assert ("30.00x sdpa/bf16 | - | Triton interpreter; cache from native/bf16+bi's prefill |"
+            in table and "| g |" not in table)
     assert "Model steps" not in render_bench(compare_bench(bench_json({"a": 1.0}), None))
 
 

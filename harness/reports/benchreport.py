@@ -243,16 +243,21 @@ def model_steps(rows: list[dict]) -> list[dict]:
                     "baseline": extra.get("baseline"),
                     "ratio": row["median_s"] / base["median_s"] if base else None,
                     "interpreter": bool(extra.get("interpreter")),
-                    "tiled_routes": extra.get("tiled_routes") or {}})
+                    "tiled_routes": extra.get("tiled_routes") or {},
+                    "cache_from": extra.get("cache_from")})
     return out
 
 
 def _note(step: dict) -> str:
-    """What ran: the interpreter, or the tiled mode's route per dtype (kernels.invariant.route)."""
-    if step["interpreter"]:
-        return "Triton interpreter"
-    return "; ".join(f"tiled {name}: {'widened to fp32, ' if r.get('widen') else ''}tiles of {r.get('tile')}"
-                     for name, r in sorted(step["tiled_routes"].items()))
+    """What ran: the interpreter, or the tiled mode's route per dtype (kernels.invariant.route);
+    for a decode step, the stack whose prefill built the cache it read where that was not the
+    baseline (its prefill skipped as over the bench's budget, or another dtype)."""
+    notes = ["Triton interpreter"] if step["interpreter"] else [
+        f"tiled {name}: {'widened to fp32, ' if r.get('widen') else ''}tiles of {r.get('tile')}"
+        for name, r in sorted(step["tiled_routes"].items())]
+    if step.get("cache_from") and step["cache_from"] != step["baseline"]:
+        notes.append(f"cache from {step['cache_from']}'s prefill")
+    return "; ".join(notes)
 
 
 def scale_curve(steps: list[dict]) -> dict[tuple[str, str], list[tuple[int, float, float | None]]]:

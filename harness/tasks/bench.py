@@ -77,21 +77,90 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
     out.lines.append(f"kernels: {'all' if kernels['ok'] else 'NOT all'} of {len(claimed)} "
                      f"implementation rows that claim invariance are bit-invariant")
 
+    steps: list[dict] = []
     if speed:
         start = time.perf_counter()
-        out.lines.append(_speed(reports, out))
+        line, steps = _speed(reports, out)
+        out.lines.append(line)
         out.seconds["speed"] = time.perf_counter() - start
 
     start = time.perf_counter()
     jobs = jobs or default_jobs(chosen, cuda)    # one-thread CPU stacks: a process per core
+    sizing = ""
+    if items is None and not cuda:
+        items, sizing = sized_items(chosen, steps, jobs)
+        _log(sizing)
     done = publish(chosen, db, reports=reports, index_ledger=True, items=items, progress=True,
                    jobs=jobs)
     out.files.update({name: str(path) for name, path in done.files.items()})
     out.seconds["fidelity"] = time.perf_counter() - start
     out.lines += [f"fidelity: run {done.result.run_id} of {chosen.name} ({done.result.status}), "
-                  f"report {done.files['markdown']}", done.headline(),
+                  f"report {done.files['markdown']}" + (f"; {sizing}" if sizing else ""),
+                  done.headline(),
                   _tiled_line(kernels["tiled_probes"], kernels.get("tiled_routes") or {})]
     return out
+
+
+# The fidelity step's share of `make bench` on a CPU, in seconds: where this machine's model steps
+# say the default case's items would take longer over its processes, it runs fewer (whole rounds
+# of one item per process, at least one round), every check of each item unchanged. Sized so the
+# README command stays within 6 minutes on the slowest CPU this project meets (AVX2 only, bf16 in
+# software: one item of `smollm2-cpu`, three stacks, was about 67 CPU-seconds there).
+FIDELITY_BUDGET_S = 100.0
+
+
+def item_seconds(case, steps: list[dict]) -> float | None:
+    """Seconds one item of `case` would take over all its stacks, from the model bench's steps
+    (benchreport.model_steps) at the headline length on this machine: per arm one prefill and
+    B + S decode steps (an upper bound: a prefill arm makes 1 + S calls); the arms of an item are
+    its constructions, its share of the replicas' arms and one per transplant pair (an upper
+    bound: only divergent and control rows are transplanted), and its share of the crossing's
+    arms at each crossed stack's cost. None when a stack has no measured step."""
+    from harness.stacks.stack import parse_stack
+
+    length = min((s["context"] for s in steps if s["context"] is not None), default=None)
+    medians = {(parse_stack(s["stack"], threads=1).label, s["phase"]): s["median_s"]
+               for s in steps if s["context"] == length and not s["interpreter"]}
+    n = case.items.n
+
+    def arm(stack) -> float | None:
+        got = [medians.get((stack.label, phase)) for phase in ("prefill", "decode")]
+        return None if None in got else got[0] + (case.B + case.S) * got[1]
+
+    replicas = len(case.replicas.arms) * min(case.replicas.items or n, n) / n
+    pairs = len(case.transplants.specs) if case.transplants else 0
+    total = 0.0
+    for stack in case.stacks:
+        cost = arm(stack)
+        if cost is None:
+            return None
+        share = sum(case.takes(stack, i) for i in range(n)) / n
+        total += share * cost * (len(case.constructions) + replicas + pairs)
+    for stack in case.crossing.stacks if case.crossing else ():
+        cost = arm(stack)
+        if cost is None:
+            return None
+        total += min(case.crossing.items or n, n) / n * cost * len(case.crossing.constructions)
+    return total
+
+
+def sized_items(case, steps: list[dict], jobs: int,
+                budget_s: float = FIDELITY_BUDGET_S) -> tuple[int | None, str]:
+    """The default case's item count on this machine and why: all of them, or whole rounds of
+    `jobs` items that fit `budget_s` by `item_seconds` (at least one round)."""
+    n = case.items.n
+    per_item = item_seconds(case, steps)
+    if per_item is None:
+        return None, f"fidelity: all {n} items (no model step timed here for every stack to size them by)"
+    estimate = per_item * n / jobs
+    if estimate <= budget_s:
+        return None, (f"fidelity: all {n} items (about {estimate:.0f} s over {jobs} process(es) "
+                      f"by this machine's model steps, within {budget_s:.0f} s)")
+    rounds = max(1, int(budget_s * jobs / per_item) // jobs)
+    fit = min(n, rounds * jobs)
+    return fit, (f"fidelity: {fit} of {n} items, sized to this machine: about {per_item:.0f} s "
+                 f"an item by its model steps, {estimate:.0f} s for all {n} over {jobs} "
+                 f"process(es), over the bench's {budget_s:.0f} s")
 
 
 def _tiled_line(kernel_probes: list[dict], kernel_routes: dict[str, dict]) -> str:
@@ -177,10 +246,11 @@ def _run_parts(raw: Path, parts) -> tuple[int, str]:
     return 0, ""
 
 
-def _speed(reports: Path, out: BenchOutcome) -> str:
+def _speed(reports: Path, out: BenchOutcome) -> tuple[str, list[dict]]:
     """Run the pytest-benchmark suite with its JSON written straight into
     reports/<environment key>/bench/ (the one store of bench results; nothing in .benchmarks/),
-    and compare it with the previous result of this key."""
+    and compare it with the previous result of this key: (the headline line, the model steps
+    measured, which size the fidelity step)."""
     from harness.environment import envinfo
     from harness.reports import benchreport
 
@@ -193,7 +263,7 @@ def _speed(reports: Path, out: BenchOutcome) -> str:
     status, last = _run_parts(raw, parts)
     if status != 0 or not raw.is_file():
         raw.unlink(missing_ok=True)     # a failed suite leaves no result in the store
-        return f"speed: the bench suite failed (exit {status}): {last}"
+        return f"speed: the bench suite failed (exit {status}): {last}", []
     saved = benchreport.save_bench(raw, reports)  # stays, unless its record names another key
     if saved.resolve() != raw:
         raw.unlink()
@@ -202,12 +272,13 @@ def _speed(reports: Path, out: BenchOutcome) -> str:
     (saved.with_suffix(".md")).write_text(benchreport.render_bench(comparison) + "\n")
     (saved.with_suffix(".html")).write_text(benchreport.render_bench_html(comparison))  # + the plot
     out.files["bench"] = str(saved)
+    steps = benchreport.model_steps(comparison["rows"])
     if previous is None:
-        return f"speed: {len(comparison['rows'])} benchmarks filed ({saved}); no previous result " \
-               f"of this environment to compare with"
+        return (f"speed: {len(comparison['rows'])} benchmarks filed ({saved}); no previous result "
+                f"of this environment to compare with"), steps
     slower = comparison["regressions"]
     change = benchreport.processor_change(comparison)
     host = f"; that result ran on another processor of this key, {change}" if change else ""
     return (f"speed: {len(comparison['rows'])} benchmarks vs {previous.name}: {len(slower)} "
             f"slower by >10% on the median" + (f" ({', '.join(slower[:4])}...)" if slower else "")
-            + host)
+            + host), steps

@@ -7,9 +7,12 @@ context's length) and a prefill (the context's tokens into a fresh cache), on th
 batch-invariant mode, kernels.attention.native) and the Triton faithful stack, whose attention runs
 in the Triton interpreter on a CPU (its cost reported beside the native one, never as the kernel's
 GPU speed). CONTEXTS is the scale curve: how the cost of faithfulness grows with the prefix. Per
-context, the baseline stack builds the cache every decode step reads once (only the step is timed)
-and the fp32 model's next-token logits are the references every stack's result is checked against
-(a fast wrong stack is not a result). The thread count is the bench session's (one by default). harness.reports.benchreport
+context, every prefill runs before any decode step, and the decode steps read the cache the
+baseline's timed prefill left (only the step is timed); where that prefill was over the bench's
+budget and skipped, the cache the first stack's timed prefill left at that length (a bf16 cache
+of the same shape: a decode step's cost does not depend on which stack wrote it; the result says
+which). The fp32 model's next-token logits are the references every stack's result is checked
+against (a fast wrong stack is not a result). The thread count is the bench session's (one by default). harness.reports.benchreport
 puts each stack's median and its ratio to the baseline of the same run and context in its "Model
 steps" table, and the medians by context in its scale curve.
 """
@@ -34,9 +37,14 @@ CONTEXT = 64  # the headline prefix length (the ratios the targets are read at)
 CONTEXTS = (CONTEXT, 512, 2048)  # the scale curve
 BASELINE = "sdpa/bf16"
 TRITON = "triton/bf16+bi"
-MODEL_STACKS = (BASELINE, "native/bf16+bi", TRITON)
-# prefill first: the baseline's timed prefill leaves the cache its decode step reads (no second
-# prefill of that length: 26 s at 2048 tokens where bf16 rows are slow)
+# sdpa/fp32: the stock stack of the CPU default case's other dtype (what `kvfid bench` sizes that
+# case by, harness.tasks.bench.item_seconds), at the headline length only.
+FP32 = "sdpa/fp32"
+MODEL_STACKS = (BASELINE, "native/bf16+bi", TRITON, FP32)
+# Prefills first, at each length: the baseline's timed prefill (or, where it is skipped as over
+# budget, another stack's) leaves the cache the decode steps read. No untimed prefill of that
+# length: sdpa/bf16's at 2048 tokens took about 114 s on the AVX2-only EPYC (stock bf16 rows cost
+# 33x fp32 there) and its decode step would pay for it while native's timed prefill had one.
 PHASES = ("prefill", "decode")
 # In the interpreter a SmolLM2 step at 64 tokens took 2.8 s (decode) and 11 s (prefill), and the
 # work grows with the keys each query tile reads: the interpreted stack runs at the headline length
@@ -57,9 +65,10 @@ LONG_CALL_BUDGET_S = 90.0
 # The contexts beyond the headline's are the long part (`--bench-part long`,
 # tests/bench/conftest.py): `kvfid bench` times them in a second process beside the rest on a CPU
 # of two cores or more.
-PARAMS = [pytest.param(context, label, marks=[pytest.mark.bench_long] if context > CONTEXT else [])
-          for context in CONTEXTS for label in MODEL_STACKS
-          if label != TRITON or context in INTERPRETED_CONTEXTS]
+PARAMS = [pytest.param(context, phase, label, id=f"{context}-{label}-{phase}",
+                       marks=[pytest.mark.bench_long] if context > CONTEXT else [])
+          for context in CONTEXTS for phase in PHASES for label in MODEL_STACKS
+          if (label != TRITON or context in INTERPRETED_CONTEXTS) and (label != FP32 or context == CONTEXT)]
 
 pytestmark = pytest.mark.benchmark(timer=device_clock)
 
@@ -92,15 +101,20 @@ def built():
     return {}
 
 
-def _baseline_cache(built, model, ids, device):
-    """A copy of the baseline stack's cache over the ids (built once per context). Not the fp32
-    model's cast to bf16: a bf16 decode step over that cast cache was 4.3 from the fp32 logits at
-    512 tokens (0.8 over its own stack's cache), past the check below."""
-    key = ("cache", ids.shape[1])
+def _decode_cache(built, model, ids, stack):
+    """A copy of the cache the decode steps of the stack's dtype at this length read, and the
+    stack that built it: the one a timed prefill of that dtype left (the baseline's, else the
+    first stack's), or where none ran (a `-k` selection of decode steps), the baseline's prefill
+    in that dtype, untimed. Not the fp32 model's cast to bf16: a bf16 decode step over that cast
+    cache was 4.3 from the fp32 logits at 512 tokens (0.8 over its own stack's cache), past the
+    check below."""
+    key = ("cache", ids.shape[1], stack.dtype)
     if key not in built:
-        with parse_stack(BASELINE, device=device).activate(model) as module:
-            built[key] = _prefill(module, ids)[0]
-    return copy.deepcopy(built[key])
+        builder = parse_stack(BASELINE, device=stack.device).with_dtype(stack.dtype)
+        with builder.activate(model) as module:
+            built[key] = (_prefill(module, ids)[0], builder.label)
+    cache, label = built[key]
+    return copy.deepcopy(cache), label
 
 
 def _fp32(built, model, ids, device) -> dict:
@@ -130,8 +144,7 @@ def _rounds(step, budget_s: float) -> int:
     return schedule(step, budget_s=budget_s)[0]
 
 
-@pytest.mark.parametrize("phase", PHASES)
-@pytest.mark.parametrize("context,label", PARAMS)
+@pytest.mark.parametrize("context,phase,label", PARAMS)
 def test_bench_model(benchmark, request, smollm2, built, phase, context, label):
     benchmark.group = f"model-{phase}-{MODEL}-ctx{context}"
     stack = parse_stack(label, device="cuda" if torch.cuda.is_available() else "cpu",
@@ -143,7 +156,8 @@ def test_bench_model(benchmark, request, smollm2, built, phase, context, label):
     if estimate > LONG_CALL_BUDGET_S:
         pytest.skip(f"{label} prefill of {context} tokens: about {estimate:.0f} s from its "
                     f"{shortest[0]}-token prefill ({shortest[1]:.2f} s), over {LONG_CALL_BUDGET_S:.0f} s")
-    cache = _baseline_cache(built, smollm2, ids, stack.device) if phase == "decode" else None
+    cache, cache_from = (_decode_cache(built, smollm2, ids, stack) if phase == "decode"
+                         else (None, None))
     with stack.activate(smollm2) as module:
         keyword = cache_keyword(module)
 
@@ -170,11 +184,12 @@ def test_bench_model(benchmark, request, smollm2, built, phase, context, label):
     torch.testing.assert_close(logits, _fp32(built, smollm2, ids, stack.device)[phase], atol=0.5, rtol=0.05)
     if phase == "prefill" and ("prefill_s", label) not in built:
         built["prefill_s", label] = (context, benchmark.stats.stats.median)
-    if phase == "prefill" and label == BASELINE:
-        built["cache", context] = result[0]   # the baseline's cache over these ids (its last call)
+    if phase == "prefill" and (label == BASELINE or ("cache", context, stack.dtype) not in built):
+        built["cache", context, stack.dtype] = (result[0], label)   # the last call's cache
     benchmark.extra_info.update({
         "op": "model", "phase": phase, "stack": label, "baseline": BASELINE, "model": MODEL,
         "context": context, "threads": torch.get_num_threads(), "interpreter": interpreted,
         "batch_invariant_impl": stack.batch_invariant_impl, "cpu_s_per_call": cpu_s,
         "tiled_routes": {name: r["route"] for name, r in routes.items()},
+        **({"cache_from": cache_from} if phase == "decode" else {}),
     })
