@@ -76,32 +76,34 @@ def _steps(decode_s: dict, prefill_s: dict, context=64) -> list[dict]:
 
 
 def test_the_cpu_default_case_is_sized_by_this_machines_model_steps():
-    """Per arm one prefill and B + S decode steps; an item's arms are its constructions, its share
-    of the replicas' arms, one per transplant pair, and its share of the crossing's arms at each
-    crossed stack's cost. Where all items would pass the budget over the processes, whole rounds
-    of one item per process that fit, at least one; else all of them (None: the case's count)."""
+    """Per unit a warm-up (one prefill, one decode step) and per arm one prefill and its decode
+    steps (a prefill arm S - 1, the others B + S - 1), the replicas' arms by their share of the
+    items, S decode steps per transplant pair; per item the crossing's arms by their share, at
+    each crossed stack's cost. Where all items would pass what is left of the budget over the
+    processes, whole rounds of one item per process that fit, at least one; else all of them
+    (None: the case's count)."""
     from harness.runs.case import load_case
     from harness.tasks import bench
 
     case = load_case(bench.ROOT / "cases" / "smollm2-cpu.toml")
-    assert (case.items.n, case.B, case.S, len(case.constructions)) == (8, 12, 16, 3)
+    assert (case.items.n, case.B, case.S, case.constructions) == (8, 12, 16, ("live", "prefill", "incremental"))
     labels = ("native/bf16+bi", "sdpa/bf16", "sdpa/fp32")
     steps = _steps({s: 0.1 for s in labels}, {s: 1.0 for s in labels})
-    arm = 1.0 + 28 * 0.1
-    # 3 constructions + 2/8 of one replica arm + 2 transplant pairs, per stack; the crossing: 4/8
-    # of 2 constructions at each of its 2 dtypes
-    expected = 3 * arm * (3 + 0.25 + 2) + 2 * arm * 0.5 * 2
+    long_arm, prefill_arm = 1.0 + 27 * 0.1, 1.0 + 15 * 0.1
+    unit = (1.0 + 0.1) + long_arm + prefill_arm + long_arm + 2 / 8 * prefill_arm + 2 * 16 * 0.1
+    crossing = 2 * 4 / 8 * (long_arm + prefill_arm)       # two dtypes: incremental and prefill
+    expected = 3 * unit + crossing
     assert abs(bench.item_seconds(case, steps) - expected) < 1e-9
     assert bench.sized_items(case, steps, jobs=2, budget_s=8 * expected / 2)[0] is None
     fit, why = bench.sized_items(case, steps, jobs=2, budget_s=3.5 * expected / 2)
     assert fit == 2 and "2 of 8 items" in why            # 3.5 items fit: one whole round of 2
-    assert bench.sized_items(case, steps, jobs=2, budget_s=1.0)[0] == 2   # at least one round
-    assert bench.sized_items(case, steps, jobs=1, budget_s=5 * expected)[0] == 5
+    assert bench.sized_items(case, steps, jobs=2, budget_s=-5.0)[0] == 2   # at least one round
+    assert bench.sized_items(case, steps, jobs=1, budget_s=5.5 * expected)[0] == 5
     # a stack the bench did not time: the case's count, and why
     missing = [s for s in steps if s["stack"] != "sdpa/fp32"]
     assert bench.item_seconds(case, missing) is None
     assert bench.sized_items(case, missing, jobs=2, budget_s=1.0) == (
         None, "fidelity: all 8 items (no model step timed here for every stack to size them by)")
-    # steps at longer prefixes or in the interpreter do not size it
+    # steps at longer prefixes do not size it
     longer = steps + _steps({s: 100.0 for s in labels}, {s: 100.0 for s in labels}, context=2048)
     assert bench.item_seconds(case, longer) == bench.item_seconds(case, steps)
