@@ -17,8 +17,8 @@ own. This computes the same: a second patch of a module changes no member that i
 patched member is no longer a Triton builtin and is skipped; the rest are set to equal closures),
 and every module of this package reaches the language through `import triton.language as tl`, as
 the launching kernel does. tests/test_kernel_jit.py checks the bits against the interpreter's own
-call path and counts the patches. An interpreter without this shape (no `rewrite` on its function class) gets
-`triton.jit`'s objects unchanged.
+call path and counts the patches. An interpreter without this shape (no `rewrite` on its function
+class, no `_patch_lang`) gets `triton.jit`'s objects unchanged.
 """
 
 from __future__ import annotations
@@ -27,12 +27,16 @@ import triton
 
 
 def _interpreted_class():
-    """The interpreter's function class, if it has the `rewrite` this module relies on."""
+    """The interpreter's function class, if it and its module have the `rewrite` and
+    `_patch_lang` this module relies on."""
     try:
-        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime import interpreter
     except ImportError:
         return None
-    return InterpretedFunction if callable(getattr(InterpretedFunction, "rewrite", None)) else None
+    cls = getattr(interpreter, "InterpretedFunction", None)
+    usable = (callable(getattr(cls, "rewrite", None))
+              and callable(getattr(interpreter, "_patch_lang", None)))
+    return cls if usable else None
 
 
 _INTERPRETED = _interpreted_class()

@@ -86,7 +86,8 @@ def test_the_cpu_default_case_is_sized_by_this_machines_model_steps():
     from harness.tasks import bench
 
     case = load_case(bench.ROOT / "cases" / "smollm2-cpu.toml")
-    assert (case.items.n, case.B, case.S, case.constructions) == (8, 12, 16, ("live", "prefill", "incremental"))
+    assert (case.items.n, case.B, case.S) == (8, 12, 16)
+    assert case.constructions == ("live", "prefill", "incremental")
     labels = ("native/bf16+bi", "sdpa/bf16", "sdpa/fp32")
     steps = _steps({s: 0.1 for s in labels}, {s: 1.0 for s in labels})
     long_arm, prefill_arm = 1.0 + 27 * 0.1, 1.0 + 15 * 0.1

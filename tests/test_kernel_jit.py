@@ -20,7 +20,7 @@ from kernels.attention.kernel import AttentionConfig, attention
 from kernels.invariant import matmul, norm, softmax
 
 pytestmark = pytest.mark.skipif(not kernels.interpreting() or jit._INTERPRETED is None,
-                                reason="the Triton interpreter with its InterpretedFunction.rewrite")
+                                reason="the Triton interpreter, with InterpretedFunction.rewrite")
 
 DEVICE_FUNCTIONS = (tiles.tanh, tiles.merge, tiles.with_sink, tiles.tile_scores, tiles.tile_update,
                     dot.mma, norm._row_sum_tile)

@@ -165,7 +165,8 @@ def sized_items(case, steps: list[dict], jobs: int, budget_s: float) -> tuple[in
     n = case.items.n
     per_item = item_seconds(case, steps)
     if per_item is None:
-        return None, f"fidelity: all {n} items (no model step timed here for every stack to size them by)"
+        return None, (f"fidelity: all {n} items (no model step timed here for every stack to size "
+                      f"them by)")
     estimate = per_item * n / jobs
     if estimate <= budget_s:
         return None, (f"fidelity: all {n} items (about {estimate:.0f} s over {jobs} process(es) "

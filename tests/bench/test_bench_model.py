@@ -70,7 +70,8 @@ LONG_CALL_BUDGET_S = 90.0
 PARAMS = [pytest.param(context, phase, label, id=f"{context}-{label}-{phase}",
                        marks=[pytest.mark.bench_long] if context > CONTEXT else [])
           for context in CONTEXTS for phase in PHASES for label in MODEL_STACKS
-          if (label != TRITON or context in INTERPRETED_CONTEXTS) and (label != FP32 or context == CONTEXT)]
+          if (label != TRITON or context in INTERPRETED_CONTEXTS)
+          and (label != FP32 or context == CONTEXT)]
 
 pytestmark = pytest.mark.benchmark(timer=device_clock)
 
