@@ -76,21 +76,23 @@ if _INTERPRETED is not None:
                     scope.restore()
 
 
-def _jit(fn, interpreted_class: str):
+_SHORT = {"device": _DeviceFunction, "kernel": _Kernel} if _INTERPRETED is not None else {}
+
+
+def _jit(fn, kind: str):
     jitted = triton.jit(fn)
-    if _INTERPRETED is None or type(jitted) is not _INTERPRETED:
-        return jitted
-    jitted.__class__ = globals()[interpreted_class]   # the same object and state, its calls changed
+    if kind in _SHORT and type(jitted) is _INTERPRETED:
+        jitted.__class__ = _SHORT[kind]      # the same object and state, its calls changed
     return jitted
 
 
 def device_function(fn):
     """`triton.jit(fn)` for a function our kernels call; in the interpreter its calls skip the
     language re-patch."""
-    return _jit(fn, "_DeviceFunction")
+    return _jit(fn, "device")
 
 
 def kernel(fn):
     """`triton.jit(fn)` for a kernel we launch; in the interpreter the language's jitted functions
     skip the re-patch while it runs."""
-    return _jit(fn, "_Kernel")
+    return _jit(fn, "kernel")

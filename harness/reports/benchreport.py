@@ -250,12 +250,12 @@ def model_steps(rows: list[dict]) -> list[dict]:
 
 def _note(step: dict) -> str:
     """What ran: the interpreter, or the tiled mode's route per dtype (kernels.invariant.route);
-    for a decode step, the stack whose prefill built the cache it read where that was not the
-    baseline (its prefill skipped as over the bench's budget, or another dtype)."""
+    for a decode step, the stack whose prefill built the cache it read where that was neither the
+    baseline nor the step's own stack (the baseline's prefill skipped as over the bench's budget)."""
     notes = ["Triton interpreter"] if step["interpreter"] else [
         f"tiled {name}: {'widened to fp32, ' if r.get('widen') else ''}tiles of {r.get('tile')}"
         for name, r in sorted(step["tiled_routes"].items())]
-    if step.get("cache_from") and step["cache_from"] != step["baseline"]:
+    if step.get("cache_from") not in (None, step["baseline"], step["stack"]):
         notes.append(f"cache from {step['cache_from']}'s prefill")
     return "; ".join(notes)
 
