@@ -36,8 +36,6 @@ def pytest_configure(config):
                             "(tests/bench; `--bench-part long`)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped on CPU)")
     config.addinivalue_line("markers", "slow: loads SmolLM2 or runs the interpreter at length")
-    config.addinivalue_line("markers", "inductor: compiles with torch.compile; joins the "
-                            "serving_run group (tests/conftest.py: INDUCTOR_GROUP)")
     config.addinivalue_line("markers", "gpu_rehearsal: rehearses the GPU path on CPU at full "
                             "size (every kernel config compiled for sm_80/90/100, the GPU "
                             "check's dry run); `make test` leaves these to `make test-rehearsal`")
@@ -47,11 +45,10 @@ def pytest_configure(config):
 # `pytest -n N --dist loadgroup` (`make test`) sends to one worker, so it is computed once, not
 # once per worker (measured: quick_kernels took 27 s and 33 s of set-up on the two workers).
 SHARED_FIXTURES = ("quick_kernels", "serving_run", "smollm2_conversion")
-# Tests marked `inductor` join serving_run's group, whose fixture compiles first: on one worker
-# the later compiles find inductor's caches warm (its C++ kernels and graphs; measured cold, the
-# serving fixture and the blame-under-compile test took 57 s and 64 s apart, 96 s with the rest
-# of their two files in one process).
-INDUCTOR_GROUP = "serving_run"
+# A test that compiles with inductor without taking serving_run joins its group by xdist's own
+# marker (`@pytest.mark.xdist_group("serving_run")`): the fixture compiles first, so on that
+# worker the later compiles find inductor's caches warm (measured cold: the serving fixture and
+# blame under compile 57 s and 64 s apart, 96 s with the rest of their two files in one process).
 
 
 def _start_chromium_install(config, items) -> None:
@@ -85,8 +82,6 @@ def pytest_collection_modifyitems(config, items):
         for name in SHARED_FIXTURES:
             if name in getattr(item, "fixturenames", ()):
                 item.add_marker(pytest.mark.xdist_group(name))
-        if item.get_closest_marker("inductor"):
-            item.add_marker(pytest.mark.xdist_group(INDUCTOR_GROUP))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -96,7 +96,7 @@ def test_blame_names_the_layer_when_units_agree_alone_but_not_compiled_whole():
 
 
 @pytest.mark.slow
-@pytest.mark.inductor
+@pytest.mark.xdist_group("serving_run")   # inductor's caches warm (tests/conftest.py)
 def test_blame_under_compile_names_a_module_wherever_the_compiled_states_differ():
     """Whether the compiled stack is bit-exact is a finding per machine; where it is not, blame
     names a compiled unit as culprit or, when every unit agrees alone, the decoder layer whose
