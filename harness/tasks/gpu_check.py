@@ -10,7 +10,10 @@ harness.environment.split_bench), the GPU-marked tests, `kvfid kernels`, the spe
 `kvfid show latest --db ledger.sqlite --format json` rebuilds them) and prints a headline. Needs only what the GPU image has (torch, triton, transformers, click, pytest,
 pytest-benchmark, nvidia-ml-py): run from the source tree, nothing is installed.
 `--dry-run` runs the same steps on CPU at toy sizes, to prove the script works before a GPU is
-spent on it.
+spent on it. `--skip STEP` leaves a step out (`compile` runs on any CPU: `kvfid compile`);
+`--budget SECONDS` fits the whole check into a lease: each step's limit is cut to the time left,
+less what the report needs, and a step with no time left is recorded as not run. The summary,
+gpu-check.json, is rewritten after every step, so a check cut off from outside keeps what it did.
 """
 
 from __future__ import annotations
@@ -67,19 +70,37 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
     ]
 
 
-def run_step(step: Step, out: Path, log) -> dict:
+STEP_NAMES = ("compile", "split", "gpu-tests", "kernels", "bench", "fidelity", "report")
+REPORT_RESERVE_S = 20   # what a budget keeps back for the report, the last step
+
+
+def step_limit(step: Step, seconds_left: float | None) -> int:
+    """A step's limit under a budget: its own, cut to the time left (less the report's share,
+    unless it is the report)."""
+    if seconds_left is None:
+        return step.timeout_s
+    reserve = 0 if step.name == "report" else REPORT_RESERVE_S
+    return max(0, min(step.timeout_s, int(seconds_left - reserve)))
+
+
+def run_step(step: Step, out: Path, log, timeout_s: int) -> dict:
     """Run one step under its limit; its output goes to the log (and stdout to its file)."""
+    if timeout_s <= 0:
+        print(f"[gpu-check] {step.name:<10} not run: no time left in the budget", file=sys.stderr,
+              flush=True)
+        return {"step": step.name, "rc": None, "seconds": 0.0, "tail": ["not run: budget spent"]}
     start = time.perf_counter()
-    log.write(f"\n===== {step.name}: {' '.join(step.argv)}\n")
+    log.write(f"\n===== {step.name} (limit {timeout_s} s): {' '.join(step.argv)}\n")
     log.flush()
     env = child_env()
     try:
         done = subprocess.run(step.argv, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=step.timeout_s)
+                              timeout=timeout_s)
         rc, stdout, stderr = done.returncode, done.stdout, done.stderr
     except subprocess.TimeoutExpired as err:
         rc, stdout, stderr = 124, _text(err.stdout), _text(err.stderr) + "\n[timed out]"
     log.write(stdout + "\n" + stderr[-20000:] + "\n")
+    log.flush()
     if step.stdout_file:
         (out / step.stdout_file).write_text(stdout)
     seconds = time.perf_counter() - start
@@ -117,7 +138,13 @@ def main(argv=None) -> int:
                         help="output folder (default: $OUT, else ./gpu-check-out)")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, toy sizes: check that every step runs")
+    parser.add_argument("--skip", action="append", default=[], choices=STEP_NAMES, metavar="STEP",
+                        help=f"leave this step out (repeatable; one of {', '.join(STEP_NAMES)})")
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help="the whole check's time: each step's limit is cut to what is left")
     args = parser.parse_args(argv)
+    if args.budget is not None and args.budget <= REPORT_RESERVE_S:
+        parser.error(f"--budget must exceed {REPORT_RESERVE_S} s (the report's share)")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -125,23 +152,33 @@ def main(argv=None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu-check: no CUDA device here; use --dry-run to rehearse on CPU", file=sys.stderr)
         return 3
+    started = time.perf_counter()
     results = []
-    with open(out / "log.txt", "w") as log:
-        from harness.environment import envinfo
+    from harness.environment import envinfo
 
-        environment = envinfo.collect()
+    environment = envinfo.collect()
+
+    def summary(finished: bool) -> dict:
+        done = {"environment_key": envinfo.environment_key(environment),
+                "dry_run": args.dry_run, "finished": finished, "skipped": args.skip,
+                "compile": compile_verdict(out), "steps": results}
+        (out / "gpu-check.json").write_text(json.dumps({**done, "environment": environment},
+                                                       indent=1))
+        return done
+
+    with open(out / "log.txt", "w") as log:
         for step in plan(out, args.dry_run):
-            results.append(run_step(step, out, log))
+            if step.name in args.skip:
+                continue
+            left = None if args.budget is None else args.budget - (time.perf_counter() - started)
+            results.append(run_step(step, out, log, step_limit(step, left)))
             if step.name == "compile" and results[-1]["rc"]:
                 # Said at once, not after the other steps' minutes; they still run.
                 print(f"[gpu-check] compile FAILED: {json.dumps(compile_verdict(out))}",
                       file=sys.stderr, flush=True)
+            summary(finished=False)
     flatten_reports(out)
-    summary = {"environment_key": envinfo.environment_key(environment), "dry_run": args.dry_run,
-               "compile": compile_verdict(out), "steps": results}
-    (out / "gpu-check.json").write_text(json.dumps({**summary, "environment": environment},
-                                                   indent=1))
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(summary(finished=True), indent=1))
     return 0 if all(r["rc"] in (0, 1) for r in results) else 1
 
 
