@@ -74,12 +74,13 @@ test-compat: install-compat
 bench: install
 	$(BIN)/kvfid bench --reports reports
 
-# The one prepared GPU script: GPU tests, kernel comparison, speed benches, a 32-item fidelity run
+# The one prepared GPU script: GPU tests, kernel comparison, speed benches, an 8-item fidelity run
 # of cases/gpu-qwen2.5-shape.toml. Uses the machine's own packages (no install, no network);
 # results land flat in $OUT (or ./gpu-check-out). `gpu-check-dry-run` rehearses it on CPU.
+# GPU_CHECK_ARGS: e.g. `--skip compile --budget 540` to fit a 10-minute command (docs/gpu.md).
 .PHONY: gpu-check gpu-check-dry-run
 gpu-check:
-	PYTHONPATH=. $(PY) -m harness.tasks.gpu_check
+	PYTHONPATH=. $(PY) -m harness.tasks.gpu_check $(GPU_CHECK_ARGS)
 
 gpu-check-dry-run: install
 	$(BIN)/python -m harness.tasks.gpu_check --dry-run --out gpu-check-out

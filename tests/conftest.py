@@ -26,13 +26,13 @@ def pytest_addoption(parser):
                      help="tests/bench: the fewest rounds (5) per benchmark, a rehearsal of the "
                           "suite and its JSON, not a measurement")
     parser.addoption("--bench-part", choices=("short", "long"), default=None,
-                     help="tests/bench: only the long model steps (the contexts beyond the "
-                          "headline's, marked bench_long) or only the rest; `kvfid bench` runs "
-                          "the two parts side by side on a CPU with two cores")
+                     help="tests/bench: only the long model steps (the longest context, marked "
+                          "bench_long) or only the rest; `kvfid bench` runs the two parts side "
+                          "by side on a CPU with two cores")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "bench_long: a model step beyond the headline context "
+    config.addinivalue_line("markers", "bench_long: a model step at the longest context "
                             "(tests/bench; `--bench-part long`)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped on CPU)")
     config.addinivalue_line("markers", "slow: loads SmolLM2 or runs the interpreter at length")

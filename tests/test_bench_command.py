@@ -81,7 +81,7 @@ def test_the_cpu_default_case_is_sized_by_this_machines_model_steps():
     items, S decode steps per transplant pair; per item the crossing's arms by their share, at
     each crossed stack's cost. Where all items would pass what is left of the budget over the
     processes, whole rounds of one item per process that fit, at least one; else all of them
-    (None: the case's count)."""
+    (None: the case's count). Sizing takes an item as RUN_OVER_STEPS times that."""
     from harness.runs.case import load_case
     from harness.tasks import bench
 
@@ -95,11 +95,13 @@ def test_the_cpu_default_case_is_sized_by_this_machines_model_steps():
     crossing = 2 * 4 / 8 * (long_arm + prefill_arm)       # two dtypes: incremental and prefill
     expected = 3 * unit + crossing
     assert abs(bench.item_seconds(case, steps) - expected) < 1e-9
-    assert bench.sized_items(case, steps, jobs=2, budget_s=8 * expected / 2)[0] is None
-    fit, why = bench.sized_items(case, steps, jobs=2, budget_s=3.5 * expected / 2)
+    sized = expected * bench.RUN_OVER_STEPS
+    assert bench.sized_items(case, steps, jobs=2, budget_s=8 * sized / 2)[0] is None
+    assert bench.sized_items(case, steps, jobs=2, budget_s=8 * expected / 2)[0] == 4  # the margin
+    fit, why = bench.sized_items(case, steps, jobs=2, budget_s=3.5 * sized / 2)
     assert fit == 2 and "2 of 8 items" in why            # 3.5 items fit: one whole round of 2
     assert bench.sized_items(case, steps, jobs=2, budget_s=-5.0)[0] == 2   # at least one round
-    assert bench.sized_items(case, steps, jobs=1, budget_s=5.5 * expected)[0] == 5
+    assert bench.sized_items(case, steps, jobs=1, budget_s=5.5 * sized)[0] == 5
     # a stack the bench did not time: the case's count, and why
     missing = [s for s in steps if s["stack"] != "sdpa/fp32"]
     assert bench.item_seconds(case, missing) is None

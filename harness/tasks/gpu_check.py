@@ -4,7 +4,7 @@ Runs, in order and each under its own time limit: `kvfid compile` (every kernel 
 for sm_80/sm_90/sm_100 and judged, with its roofline: seconds, so a broken GPU path shows before
 the minutes of the rest; a failure there is reported and the later steps still run), the
 long-context decode comparison (split path against the unsplit kernel at B=1, 32k keys:
-harness.environment.split_bench), the GPU-marked tests, `kvfid kernels`, the speed benches, and a 32-item fidelity run of
+harness.environment.split_bench), the GPU-marked tests, `kvfid kernels`, the speed benches, and an 8-item fidelity run of
 `cases/gpu-qwen2.5-shape.toml` with its report; writes every result into one flat output folder
 (at most 8 files, for machines that return only a few: the run's aggregates are not copied, since
 `kvfid show latest --db ledger.sqlite --format json` rebuilds them) and prints a headline. Needs only what the GPU image has (torch, triton, transformers, click, pytest,
@@ -57,15 +57,18 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
         # Long-context decode (B=1, 32k keys): the split path against the unsplit kernel, with
         # its bits checked; its JSON lines land in gpu-check.json (the step's tail).
         Step("split", [py, "-m", "harness.environment.split_bench"] + (["--dry-run"] if dry_run else []),
-             120),
+             60),
         # Dry run: one file's GPU tests (each skips on a CPU; collecting all of tests/ costs 10 s).
+        # Measured on an H200 (docs/gpu.md): 55 s with Triton's cache warm, over 120 s cold.
         Step("gpu-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                           "tests/test_kernel_gpu.py" if dry_run else "tests"], 120),
+                           "tests/test_kernel_gpu.py" if dry_run else "tests"], 180),
         Step("kernels", cli + ["kernels", "--format", "json"]
-             + (["--quick", "--dtypes", "fp32"] if dry_run else []), 60, "kernels.json"),
+             + (["--quick", "--dtypes", "fp32"] if dry_run else []), 90, "kernels.json"),
         Step("bench", bench, 90),
+        # 8 items: the headline's 8 and the stock stacks' first 8 (measured on an H200: 5.8 s a
+        # headline unit, 2.3 s a stock one; the case's 32 take about 9 minutes).
         Step("fidelity", cli + ["run", case, "--db", db, "--quiet"]
-             + ["--items", "1" if dry_run else "32"], 240),
+             + ["--items", "1" if dry_run else "8"], 270),
         Step("report", cli + ["report", "latest", "--db", db, "--out", str(out / "reports")], 20),
     ]
 
