@@ -135,3 +135,37 @@ def test_a_record_of_another_schema_is_refused_in_one_line(db):
     with pytest.raises(ledger_module.LedgerRefused,
                        match=r"run r1 item #0 stack sdpa/bf16: record schema 2 is not this"):
         db.units("r1")
+
+
+def test_a_schema_another_writer_creates_between_two_reads_is_not_refused(tmp_path):
+    """Two torchrun ranks opening one new ledger: the other rank's schema committed between
+    this open's version read and its tables read would look like tables without a kvfid version
+    (refused: seen in a fresh `make test`). Read in one transaction, the other writer's commit
+    waits for it, and the open goes on to find that schema."""
+    import threading
+
+    from harness.ledger import opening
+
+    path = tmp_path / "ranks.sqlite"
+    sqlite3.connect(path).close()            # the empty file a rank's connect leaves
+    other = threading.Thread(target=lambda: Ledger(path).close())
+
+    class OtherWriterAfterTheVersion:
+        def __init__(self, db):
+            self.db = db
+
+        def execute(self, sql, *args):
+            cursor = self.db.execute(sql, *args)
+            if sql.startswith("PRAGMA user_version") and not other.is_alive() \
+                    and other.ident is None:
+                other.start()
+                other.join(timeout=1)            # its commit waits for this read transaction
+            return cursor
+
+    db = sqlite3.connect(path, timeout=60, isolation_level=None)
+    assert opening._inspect(OtherWriterAfterTheVersion(db), path, write=True) == 0
+    assert opening._prepare(db, path, 0) == opening.SCHEMA_VERSION   # the other writer's schema
+    db.close()
+    other.join()
+    with Ledger(path) as ledger:
+        assert ledger.version == opening.SCHEMA_VERSION

@@ -171,7 +171,18 @@ def _check_writable(path: Path) -> None:
 
 
 def _inspect(db: sqlite3.Connection, path: Path, write: bool) -> int:
-    """The schema version of a kvfid ledger (0: new and empty); refuses anything else."""
+    """The schema version of a kvfid ledger (0: new and empty); refuses anything else. Read in
+    one transaction: read apart, another writer's schema (two torchrun ranks opening one new
+    file) could land between the version and the tables, a version 0 with tables (seen in a
+    fresh `make test`: "not a kvfid ledger (no kvfid schema version)")."""
+    db.execute("BEGIN")
+    try:
+        return _inspect_snapshot(db, path, write)
+    finally:
+        db.execute("COMMIT")
+
+
+def _inspect_snapshot(db: sqlite3.Connection, path: Path, write: bool) -> int:
     (version,) = db.execute("PRAGMA user_version").fetchone()
     tables = {name: [c for (c,) in db.execute("SELECT name FROM pragma_table_info(?)", (name,))]
               for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}

@@ -303,7 +303,7 @@ def model_steps_document(rows: list[dict]) -> list:
                       "stretch much less than wall time). A Triton stack "
                       "on a CPU runs its attention in the Triton interpreter: that is what a CPU "
                       "harness run costs, not the kernel's GPU speed. On a CPU of two cores or "
-                      "more `kvfid bench` times the contexts beyond the headline's in a second "
+                      "more `kvfid bench` times the longest context's steps in a second "
                       "one-thread process beside the rest; a stack and its baseline share a "
                       "process."),
             Table(["step", "stack", "median", "x baseline", "CPU time x baseline", "note"],

@@ -217,8 +217,8 @@ def route_text(routes: dict[str, dict]) -> str:
 def bench_command(json_path: Path, quick: bool = False, part: str | None = None) -> list[str]:
     """The pytest-benchmark run of tests/bench writing `json_path`; `quick`: the fp32 attention
     and matmul decode cases, 5 rounds each (a rehearsal, not a measurement; no model steps);
-    `part`: "short" or "long" (tests/bench/conftest.py: the model steps beyond the headline
-    context are the long part), for two processes side by side."""
+    `part`: "short" or "long" (tests/bench/conftest.py: the model steps at the longest context
+    are the long part), for two processes side by side."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/bench",
                "--benchmark-only", f"--benchmark-json={json_path}"]
     if part:
