@@ -73,7 +73,6 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
     ]
 
 
-STEP_NAMES = ("compile", "split", "gpu-tests", "kernels", "bench", "fidelity", "report")
 REPORT_RESERVE_S = 20   # what a budget keeps back for the report, the last step
 
 
@@ -141,8 +140,9 @@ def main(argv=None) -> int:
                         help="output folder (default: $OUT, else ./gpu-check-out)")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, toy sizes: check that every step runs")
-    parser.add_argument("--skip", action="append", default=[], choices=STEP_NAMES, metavar="STEP",
-                        help=f"leave this step out (repeatable; one of {', '.join(STEP_NAMES)})")
+    names = [step.name for step in plan(Path("."), dry_run=False)]   # the plan only lists argv
+    parser.add_argument("--skip", action="append", default=[], choices=names, metavar="STEP",
+                        help=f"leave this step out (repeatable; one of {', '.join(names)})")
     parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                         help="the whole check's time: each step's limit is cut to what is left")
     args = parser.parse_args(argv)
