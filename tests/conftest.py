@@ -19,6 +19,11 @@ import pytest  # noqa: E402
 # with anything else running, costs a lot (measured: tests/test_kernel_attention_native.py 51 s
 # with torch's default 2 threads, 7 s with 1). Tests that set a thread count still restore this.
 torch.set_num_threads(int(os.environ.get("KVFID_TEST_THREADS", "1")))
+# Likewise inductor compiles its C++ in the test's own process, not in a pool of one process per
+# core started beside it (read when torch._inductor.config is first imported, which `import
+# torch` does not do). Measured cold, the serving fixture alone on the AVX2-only EPYC: 92 CPU
+# seconds in-process, 107 with the pool, in the same wall time; in the suite both cores are busy.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_addoption(parser):

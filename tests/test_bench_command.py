@@ -11,7 +11,9 @@ from harness.tasks.bench import bench_command as real_command
 
 def test_quick_bench_writes_kernels_report_and_index(tmp_path, monkeypatch, quick_kernels):
     """The kernel step's comparison is the session's quick one (tests/test_invariance checks its
-    rows); what is tested here is that bench files it, the report and the index."""
+    rows); what is tested here is that bench files it, the report and the index. The smoke case
+    runs in this process (`--jobs 1`): a process per core is tests/test_local_shards.py's claim,
+    and two would each import torch and transformers again (about 5 s each)."""
     from harness.environment import invariance
 
     def shared(**options):
@@ -20,7 +22,7 @@ def test_quick_bench_writes_kernels_report_and_index(tmp_path, monkeypatch, quic
 
     monkeypatch.setattr(invariance, "compare_kernels", shared)
     result = CliRunner().invoke(main, ["bench", "--reports", str(tmp_path), "--case", "smoke",
-                                       "--quick"])       # a case by name, as `kvfid run` takes it
+                                       "--quick", "--jobs", "1"])   # a case by name, as `kvfid run` takes it
     assert result.exit_code == 0, result.output
     assert "implementation rows that claim invariance are bit-invariant" in result.stdout
     kernels = json.loads(next(tmp_path.rglob("kernels.json")).read_text())

@@ -83,10 +83,7 @@ def compiled_units(module: torch.nn.Module, on_call) -> Iterator[None]:
     whole = module.__dict__.pop("forward", None)
     torch._dynamo.reset()
     handles, compiled, chosen = [], [], units(module)
-    # transformers' decorated forwards share one code object (`wrapped_func`): past dynamo's
-    # recompile_limit (8) its later units would run eagerly, so each unit gets 8 graphs.
-    with torch._dynamo.config.patch(recompile_limit=8 * len(chosen),
-                                    accumulated_recompile_limit=64 * len(chosen) + 256):
+    with torch._dynamo.config.patch(**unit_limits(len(chosen))):
         for name, unit in chosen:
             unit.forward = torch.compile(unit.forward, dynamic=True)
             compiled.append(unit)
@@ -101,6 +98,14 @@ def compiled_units(module: torch.nn.Module, on_call) -> Iterator[None]:
             torch._dynamo.reset()
             if whole is not None:
                 module.forward = whole
+
+
+def unit_limits(count: int) -> dict[str, int]:
+    """Dynamo's recompile limits while `count` units are compiled alone: transformers' decorated
+    forwards share one code object (`wrapped_func`), and units of one class share their forward's,
+    so past dynamo's recompile_limit (8 entries a frame) later units would run eagerly; each unit
+    gets 8 graphs."""
+    return {"recompile_limit": 8 * count, "accumulated_recompile_limit": 64 * count + 256}
 
 
 def trace_units(module: torch.nn.Module, run, on_op) -> None:
