@@ -25,6 +25,8 @@ def test_quick_bench_writes_kernels_report_and_index(tmp_path, monkeypatch, quic
                                        "--quick", "--jobs", "1"])   # a case by name, as `kvfid run` takes it
     assert result.exit_code == 0, result.output
     assert "implementation rows that claim invariance are bit-invariant" in result.stdout
+    fidelity = next(line for line in result.stdout.splitlines() if line.startswith("fidelity: run"))
+    assert "; all " in fidelity and fidelity.count("fidelity:") == 1, fidelity   # its sizing, once
     kernels = json.loads(next(tmp_path.rglob("kernels.json")).read_text())
     assert kernels["ok"] is True
     assert len(list(tmp_path.rglob("report.html"))) == 1

@@ -96,7 +96,8 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
     out.files.update({name: str(path) for name, path in done.files.items()})
     out.seconds["fidelity"] = time.perf_counter() - start
     out.lines += [f"fidelity: run {done.result.run_id} of {chosen.name} ({done.result.status}), "
-                  f"report {done.files['markdown']}" + (f"; {sizing}" if sizing else ""),
+                  f"report {done.files['markdown']}"
+                  + (f"; {sizing.removeprefix('fidelity: ')}" if sizing else ""),
                   done.headline(),
                   _tiled_line(kernels["tiled_probes"], kernels.get("tiled_routes") or {})]
     return out
