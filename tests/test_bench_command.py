@@ -110,7 +110,7 @@ def test_the_cpu_default_case_is_sized_by_this_machines_model_steps():
     missing = [s for s in steps if s["stack"] != "sdpa/fp32"]
     assert bench.item_seconds(case, missing) is None
     assert bench.sized_items(case, missing, jobs=2, budget_s=1.0) == (
-        None, "fidelity: all 8 items (no model step timed here for every stack to size them by)")
+        None, "all 8 items (no model step timed here for every stack to size them by)")
     # steps at longer prefixes do not size it
     longer = steps + _steps({s: 100.0 for s in labels}, {s: 100.0 for s in labels}, context=2048)
     assert bench.item_seconds(case, longer) == bench.item_seconds(case, steps)

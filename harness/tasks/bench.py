@@ -90,14 +90,13 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
     if items is None and not cuda:
         left = BENCH_BUDGET_S - sum(out.seconds.values())
         items, sizing = sized_items(chosen, steps, jobs, left)
-        _log(sizing)
+        _log(f"fidelity: {sizing}")
     done = publish(chosen, db, reports=reports, index_ledger=True, items=items, progress=True,
                    jobs=jobs)
     out.files.update({name: str(path) for name, path in done.files.items()})
     out.seconds["fidelity"] = time.perf_counter() - start
     out.lines += [f"fidelity: run {done.result.run_id} of {chosen.name} ({done.result.status}), "
-                  f"report {done.files['markdown']}"
-                  + (f"; {sizing.removeprefix('fidelity: ')}" if sizing else ""),
+                  f"report {done.files['markdown']}" + (f"; {sizing}" if sizing else ""),
                   done.headline(),
                   _tiled_line(kernels["tiled_probes"], kernels.get("tiled_routes") or {})]
     return out
@@ -174,16 +173,16 @@ def sized_items(case, steps: list[dict], jobs: int, budget_s: float) -> tuple[in
     n = case.items.n
     per_item = item_seconds(case, steps)
     if per_item is None:
-        return None, (f"fidelity: all {n} items (no model step timed here for every stack to size "
+        return None, (f"all {n} items (no model step timed here for every stack to size "
                       f"them by)")
     per_item *= RUN_OVER_STEPS
     estimate = per_item * n / jobs
     if estimate <= budget_s:
-        return None, (f"fidelity: all {n} items (about {estimate:.0f} s over {jobs} process(es) "
+        return None, (f"all {n} items (about {estimate:.0f} s over {jobs} process(es) "
                       f"by this machine's model steps, within the {budget_s:.0f} s left)")
     rounds = max(1, int(budget_s * jobs / per_item) // jobs)
     fit = min(n, rounds * jobs)
-    return fit, (f"fidelity: {fit} of {n} items, sized to this machine: about {per_item:.0f} s "
+    return fit, (f"{fit} of {n} items, sized to this machine: about {per_item:.0f} s "
                  f"an item by its model steps and a {RUN_OVER_STEPS}x margin, {estimate:.0f} s "
                  f"for all {n} over {jobs} "
                  f"process(es), over the {max(budget_s, 0):.0f} s the kernel table and the speed "
