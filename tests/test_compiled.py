@@ -166,3 +166,64 @@ def test_each_unit_compiled_alone_stays_compiled_past_dynamos_recompile_limit(mo
     assert set(seen) == names and len(seen) == 2 * len(names), seen
     with pytest.raises(FailOnRecompileLimitHit):
         _units_traced(monkeypatch, limits={})
+
+
+def _graphs_compiled(monkeypatch) -> int:
+    """Graphs dynamo compiles for the one-layer model's compiled stack over a prompt and three
+    decode steps: on the cache as the model left it, on it laid out as inductor's cache update
+    leaves it, and on it in torch's default strides (as kvfid's state copies and eager updates lay
+    it out). A counting backend stands in for inductor (dynamo's guards and graphs are the same;
+    no C++ to compile)."""
+    import functools
+
+    import torch
+
+    from harness.protocol.decode import Runner, as_batch, new_cache
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counting))
+    model = small(layers=1)
+    prompt = model.codec.prompt_ids(PROMPT.prompt)
+    with Stack("eager", "bf16", True, threads=1, compiled=True).activate(model) as module:
+        runner, cache = Runner(module), new_cache(module)
+        token = int(runner.forward(as_batch(prompt), cache)[0].argmax())
+        token = int(runner.forward(as_batch([token]), cache)[0].argmax())
+        (layer,) = cache.layers
+        for copy in (projected, default):
+            layer.keys, layer.values = copy(layer.keys), copy(layer.values)
+            runner.forward(as_batch([token]), cache)
+    return len(graphs)
+
+
+def projected(t):
+    """t [B, H, T, D] laid out in memory as [B, T, H, D], as inductor's cache update leaves it
+    (the key projection's transposed view)."""
+    import torch
+
+    batch, heads, length, dim = t.shape
+    strides = (length * heads * dim, dim, heads * dim, 1)
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype).copy_(t)
+
+
+def default(t):
+    """t in torch's default strides, as kvfid's state copies lay it out."""
+    import torch
+
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def test_a_compiled_stack_compiles_one_graph_per_call_shape_whatever_the_cache_layout(monkeypatch):
+    """Dynamo guards on the cache tensors' strides (size-1 dims too): unless the compiled stack
+    puts the cache in default strides before each call, a decode step on a cache laid out as
+    inductor's cache update leaves it and one laid out as a state copy compile apart (control).
+    Two graphs: the prompt's and the decode step's."""
+    from harness.stacks import compiled
+
+    assert _graphs_compiled(monkeypatch) == 2
+    monkeypatch.setattr(compiled, "default_layout", lambda cache: None)
+    assert _graphs_compiled(monkeypatch) == 3   # control: the projected layout compiles again
