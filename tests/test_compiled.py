@@ -205,7 +205,7 @@ def projected(t):
     (the key projection's transposed view)."""
     import torch
 
-    batch, heads, length, dim = t.shape
+    _, heads, length, dim = t.shape
     strides = (length * heads * dim, dim, heads * dim, 1)
     return torch.empty_strided(t.shape, strides, dtype=t.dtype).copy_(t)
 
@@ -227,3 +227,29 @@ def test_a_compiled_stack_compiles_one_graph_per_call_shape_whatever_the_cache_l
     assert _graphs_compiled(monkeypatch) == 2
     monkeypatch.setattr(compiled, "default_layout", lambda cache: None)
     assert _graphs_compiled(monkeypatch) == 3   # control: the projected layout compiles again
+
+
+def test_inductor_caches_are_kept_apart_per_cpu_capability(monkeypatch, tmp_path):
+    """Inductor picks its vector ISA from ATEN_CPU_CAPABILITY but does not key its caches by it (a
+    compiled stack run under the AVX2 stand-in, then without it on the same default cache,
+    aborted the process: harness/stacks/compiled.py): a compiled stack compiles into a folder of
+    the capability's, restores the variable after it, and keeps a folder the user chose."""
+    import os
+
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    from harness.stacks import compiled
+
+    own = os.path.join(default_cache_dir(), f"cpu-{torch.backends.cpu.get_cpu_capability()}")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    with Stack("eager", "bf16", True, threads=1, compiled=True).activate(small(layers=1)):
+        assert cache_dir() == own
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())   # inductor's, once used
+    with compiled.capability_cache() as folder:
+        assert folder == own == cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))           # the user's
+    with compiled.capability_cache() as folder:
+        assert folder == str(tmp_path) == cache_dir()

@@ -15,8 +15,16 @@ default strides, so the same call shape compiled one graph per layout: measured 
 case's one-layer model, 8 graphs where 4 call shapes occur (run 51 s against 39 s, nearly all of
 it compiling; AMD EPYC). So before each compiled call the cache's tensors are put in the default
 strides (`default_layout`): the same bits, and every construction runs the same graph for the same
-call shape, so a difference between constructions is the stack's, never kvfid's copying. Dynamo's caches are reset on entry and on exit, so no graph traced under one stack (its
-batch-invariant overrides, its attention) is ever reused by another.
+call shape, so a difference between constructions is the stack's, never kvfid's copying.
+
+Dynamo's caches are reset on entry and on exit, so no graph traced under one stack (its
+batch-invariant overrides, its attention) is ever reused by another. Inductor's on-disk caches
+are kept per ATen CPU capability (`capability_cache`): inductor picks its vector ISA from
+`ATEN_CPU_CAPABILITY` but does not key its caches by it, and a compiled stack that ran under
+`ATEN_CPU_CAPABILITY=avx2` (the AVX2 stand-in, docs/environment.md) and then without it in the
+same default cache aborted the process ("double free or corruption", torch 2.13, measured on the
+AVX-512 EPYC with tests/test_compiled.py's serving run; the same at 5624d02, before this option's
+default layout).
 
 A stack whose forward dynamo cannot compile whole is refused before compute: its backend says
 why (`AttentionBackend.compile_refusal`; e.g. the native kernel's host reads break the graph in
@@ -59,21 +67,45 @@ def compiled_forward(module: torch.nn.Module, label: str, backend) -> Iterator[N
     reason = unavailable_reason(backend, str(next(module.parameters()).device))
     if reason:
         raise Unavailable(f"stack {label}: {reason}")
-    torch._dynamo.reset()
-    compiled = torch.compile(module.forward, dynamic=True)
-
-    @functools.wraps(compiled)            # its signature: the cache keyword (protocol.decode)
-    def forward(*args, **kwargs):
-        for value in kwargs.values():     # the cache, under whichever keyword this version takes
-            default_layout(value)
-        return compiled(*args, **kwargs)
-
-    module.forward = forward                                       # an instance attribute
-    try:
-        yield
-    finally:
-        del module.forward                                         # the class's forward again
+    with capability_cache():
         torch._dynamo.reset()
+        compiled = torch.compile(module.forward, dynamic=True)
+
+        @functools.wraps(compiled)        # its signature: the cache keyword (protocol.decode)
+        def forward(*args, **kwargs):
+            for value in kwargs.values():  # the cache, under whichever keyword this version takes
+                default_layout(value)
+            return compiled(*args, **kwargs)
+
+        module.forward = forward                                   # an instance attribute
+        try:
+            yield
+        finally:
+            del module.forward                                     # the class's forward again
+            torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def capability_cache() -> Iterator[str]:
+    """Inside the block, inductor's caches in a folder of their own per ATen CPU capability,
+    `<inductor's default folder>/cpu-AVX2` (yielded), unless TORCHINDUCTOR_CACHE_DIR names
+    another folder than that default (inductor writes the default there once it has used it):
+    a folder the user chose is kept (and yielded). The variable as it was after the block."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    before, default = os.environ.get("TORCHINDUCTOR_CACHE_DIR"), default_cache_dir()
+    if before is not None and os.path.abspath(before) != os.path.abspath(default):
+        yield before
+        return
+    folder = os.path.join(default, f"cpu-{torch.backends.cpu.get_cpu_capability()}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    try:
+        yield folder
+    finally:
+        if before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
 def default_layout(cache) -> None:
@@ -121,7 +153,7 @@ def compiled_units(module: torch.nn.Module, on_call) -> Iterator[None]:
     whole = module.__dict__.pop("forward", None)
     torch._dynamo.reset()
     handles, compiled, chosen = [], [], units(module)
-    with torch._dynamo.config.patch(**unit_limits(len(chosen))):
+    with capability_cache(), torch._dynamo.config.patch(**unit_limits(len(chosen))):
         for name, unit in chosen:
             unit.forward = torch.compile(unit.forward, dynamic=True)
             compiled.append(unit)
