@@ -170,8 +170,8 @@ def test_each_unit_compiled_alone_stays_compiled_past_dynamos_recompile_limit(mo
 
 def _graphs_compiled(monkeypatch) -> int:
     """Graphs dynamo compiles for the one-layer model's compiled stack over a prompt and three
-    decode steps: on the cache as the model left it, on it laid out as inductor's cache update
-    leaves it, and on it in torch's default strides (as kvfid's state copies and eager updates lay
+    decode steps: on the cache as the model left it, on it laid out as a compiled prefill leaves
+    it, and on it in torch's default strides (as kvfid's state copies and eager updates lay
     it out). A counting backend stands in for inductor (dynamo's guards and graphs are the same;
     no C++ to compile)."""
     import functools
@@ -201,8 +201,8 @@ def _graphs_compiled(monkeypatch) -> int:
 
 
 def projected(t):
-    """t [B, H, T, D] laid out in memory as [B, T, H, D], as inductor's cache update leaves it
-    (the key projection's transposed view)."""
+    """t [B, H, T, D] laid out in memory as [B, T, H, D], as a compiled prefill into an empty
+    cache leaves it (the key projection's transposed view)."""
     import torch
 
     _, heads, length, dim = t.shape
@@ -219,8 +219,8 @@ def default(t):
 
 def test_a_compiled_stack_compiles_one_graph_per_call_shape_whatever_the_cache_layout(monkeypatch):
     """Dynamo guards on the cache tensors' strides (size-1 dims too): unless the compiled stack
-    puts the cache in default strides before each call, a decode step on a cache laid out as
-    inductor's cache update leaves it and one laid out as a state copy compile apart (control).
+    puts the cache in default strides before each call, a decode step on a cache laid out as a
+    compiled prefill leaves it and one laid out as a state copy compile apart (control).
     Two graphs: the prompt's and the decode step's."""
     from harness.stacks import compiled
 

@@ -8,14 +8,16 @@ protocol's untimed warm-up (a prompt forward and one decode step) pays those com
 compile time apart from the arms' time. A later new shape (a batch of 2) may still compile inside
 an arm.
 
-Dynamo also guards on the strides of every tensor the cache holds, size-1 dims included. The
-compiled cache update leaves the key projection's layout ([B, T, H, D] in memory), while eager
-concatenation and kvfid's state copies (snapshots, transplants, a reused prefix) leave torch's
-default strides, so the same call shape compiled one graph per layout: measured on the serving
-case's one-layer model, 8 graphs where 4 call shapes occur (run 51 s against 39 s, nearly all of
-it compiling; AMD EPYC). So before each compiled call the cache's tensors are put in the default
-strides (`default_layout`): the same bits, and every construction runs the same graph for the same
-call shape, so a difference between constructions is the stack's, never kvfid's copying.
+Dynamo also guards on the strides of every tensor the cache holds, size-1 dims included. A
+compiled prefill into an empty cache leaves the key projection's layout ([B, T, H, D] in memory),
+while a decode step's concatenation and kvfid's state copies (snapshots, transplants, a reused
+prefix) leave torch's default strides, so the same call shape compiled one graph per layout:
+measured on the serving case's one-layer model, 8 graphs where 4 call shapes occur (run 51 s
+against 39 s, nearly all of it compiling; AMD EPYC). So before each compiled call the cache's
+tensors are put in the default strides (`default_layout`): the same bits, and every construction
+runs the same graph for the same call shape, so a difference between constructions is the
+stack's, never kvfid's copying. The copy is made once after a prefill, not per decode step
+(tiny-llama, four decode steps: 8 tensors copied before the first, none after).
 
 Dynamo's caches are reset on entry and on exit, so no graph traced under one stack (its
 batch-invariant overrides, its attention) is ever reused by another. Inductor's on-disk caches
