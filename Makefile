@@ -45,8 +45,10 @@ $(STAMP): setup.py
 # path at full size on CPU (`kvfid compile` of every config of the GPU default case for three
 # archs, the GPU check's dry run: about 140 s of CPU of a cold machine's 680); `make
 # test-rehearsal` runs those two, `make test-compat` the whole suite, and CI all three.
+# A run that passes leaves no temporary folders behind (pytest's default keeps the last three
+# runs' whole trees: about 600 MB a suite, mostly SmolLM2 converted); a failed test's are kept.
 JOBS ?= 2
-PYTEST = -m pytest -q -n $(JOBS) --dist loadgroup
+PYTEST = -m pytest -q -n $(JOBS) --dist loadgroup -o tmp_path_retention_policy=failed
 .PHONY: test-rehearsal
 test: install
 	TRITON_INTERPRET=1 $(BIN)/python $(PYTEST) -m "not gpu_rehearsal" tests
@@ -126,4 +128,5 @@ $(VLLM_VENV)/.installed: setup.py Makefile
 # workers, as `make test`: each engine test is mostly one process's start-up (measured on the
 # AVX2-only EPYC: 190 s in one process, 147 s in two).
 test-vllm: install-vllm
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -n $(JOBS) tests/engine
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -n $(JOBS) \
+		-o tmp_path_retention_policy=failed tests/engine
