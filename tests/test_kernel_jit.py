@@ -6,6 +6,7 @@ interpreter's own bits, and a launch patches once. Compiled, `kernel` and `devic
 from __future__ import annotations
 
 import dataclasses
+import sys
 from contextlib import contextmanager
 
 import pytest
@@ -106,3 +107,26 @@ def test_a_launch_patches_the_language_once_and_the_stock_calls_per_device_call(
         attention(q, k, v, config=UNSPLIT)
     assert fast[0] == 1 + len(jit._LANGUAGE_MODULES)   # the kernel's modules, the language's
     assert stock[0] > 1 + 4      # the stock calls re-patch at each key tile's update and tl.sum
+
+
+def test_a_launch_runs_from_a_frame_larger_than_a_chunk_of_cpythons_frame_stack(monkeypatch):
+    """Our launch calls the interpreter's from `_in_fresh_chunk`, whose frame no chunk's rest can
+    hold, so the launch's frames start a chunk of their own whatever the caller's depth (where
+    an interpreter's small calls straddle a chunk's end, CPython maps and unmaps one per call:
+    kernels/jit.py). The control: the interpreter's own call path launches from elsewhere."""
+    callers, original = [], jit._INTERPRETED.run
+
+    def spy(self, *args, **kwargs):
+        callers.append(sys._getframe(1).f_code)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(jit._INTERPRETED, "run", spy)
+    x, w = randn(4, 8), randn(8)
+    ours = norm.rms_norm(x, w)
+    with stock_calls():
+        stock = norm.rms_norm(x, w)
+    assert_bitwise_equal(ours, stock, "rms_norm")
+    fresh, control = callers
+    assert fresh is jit._in_fresh_chunk.__code__ and control is not fresh
+    assert fresh.co_nlocals * 8 > 16 * 1024          # 16 KB: CPython 3.11-3.13's chunk
+    assert jit._in_fresh_chunk(lambda *a, **k: (a, k), (1, 2), {"x": 3}) == ((1, 2), {"x": 3})
