@@ -24,14 +24,14 @@ A launch also runs in a fresh chunk of CPython's frame stack. CPython (3.11 to 3
 keeps a thread's frames in 16 KB chunks: a call that does not fit the current chunk maps a new
 one, and the chunk is unmapped when that call returns. The interpreter makes about 10^5 small
 calls per launch (cProfile: 5.3 million `isinstance` calls in 30 launches); where their depth
-straddles a chunk's end, each one maps and unmaps a chunk.
-Which depth that is depends on the caller's stack, so the same launch cost 2x to 3x more from
-some callers: a SmolLM2 decode step on triton/bf16+bi (30 launches) took 1.06 s called directly,
-1.9 s three frames deeper, 2.8 s inside pytest-benchmark's timing call (8,444 mmap/munmap pairs
-in two steps, by strace). So `_Kernel.run` calls the launch through `_in_fresh_chunk`, whose frame
-is larger than a chunk: it always opens a chunk of its own, and the launch's frames follow it
-there, at the same place whatever the caller (60 maps in those two steps, one per launch; 0.94 to
-1.05 s from every caller).
+straddles a chunk's end, each one maps and unmaps a chunk. Which depth that is depends on the
+caller's stack, so the same launch cost 2x to 3x more from some callers: a SmolLM2 decode step
+on triton/bf16+bi (30 launches) took 1.06 s called directly, 1.9 s three frames deeper, 2.8 s
+inside pytest-benchmark's timing call (8,444 mmap/munmap pairs in two steps, by strace). So
+`_Kernel.run` calls the launch through `_in_fresh_chunk`, whose frame is larger than a chunk: it
+always opens a chunk of its own, and the launch's frames follow it there, at the same place
+whatever the caller (60 maps in those two steps, one per launch; 0.94 to 1.05 s from every
+caller).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ are kept per ATen CPU capability (`capability_cache`): inductor picks its vector
 `ATEN_CPU_CAPABILITY` but does not key its caches by it, and a compiled stack that ran under
 `ATEN_CPU_CAPABILITY=avx2` (the AVX2 stand-in, docs/environment.md) and then without it in the
 same default cache aborted the process ("double free or corruption", torch 2.13, measured on the
-AVX-512 EPYC with tests/test_compiled.py's serving run; the same at 5624d02, before this option's
-default layout).
+AVX-512 EPYC with tests/test_compiled.py's serving run; also at 5624d02, before the default
+layout above existed).
 
 A stack whose forward dynamo cannot compile whole is refused before compute: its backend says
 why (`AttentionBackend.compile_refusal`; e.g. the native kernel's host reads break the graph in
