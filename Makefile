@@ -85,15 +85,21 @@ bench: install
 	$(BIN)/kvfid bench --reports reports
 
 # The one prepared GPU script: GPU tests, kernel comparison, speed benches, an 8-item fidelity run
-# of cases/gpu-qwen2.5-shape.toml. Uses the machine's own packages (no install, no network);
-# results land flat in $OUT (or ./gpu-check-out). `gpu-check-dry-run` rehearses it on CPU.
-# GPU_CHECK_ARGS: e.g. `--skip compile --budget 540` to fit a 10-minute command (docs/gpu.md).
+# of cases/gpu-qwen2.5-shape.toml. Uses the machine's own packages (no install, no network):
+# `kvfid` is imported from build/gpu-site, links laid out as an install lays the package out
+# (harness/ as kvfid, kernels/ as kvfid.kernels). Results land flat in $OUT (or ./gpu-check-out).
+# `gpu-check-dry-run` rehearses it on CPU. GPU_CHECK_ARGS: e.g. `--skip compile --budget 540`
+# to fit a 10-minute command (docs/gpu.md).
+GPU_SITE := build/gpu-site
 .PHONY: gpu-check gpu-check-dry-run
 gpu-check:
-	PYTHONPATH=. $(PY) -m harness.tasks.gpu_check $(GPU_CHECK_ARGS)
+	rm -rf $(GPU_SITE) && mkdir -p $(GPU_SITE)/kvfid
+	for entry in harness/*; do ln -s ../../../$$entry $(GPU_SITE)/kvfid/; done
+	ln -s ../../../kernels $(GPU_SITE)/kvfid/kernels
+	PYTHONPATH=$(GPU_SITE) $(PY) -m kvfid.tasks.gpu_check $(GPU_CHECK_ARGS)
 
 gpu-check-dry-run: install
-	$(BIN)/python -m harness.tasks.gpu_check --dry-run --out gpu-check-out
+	$(BIN)/python -m kvfid.tasks.gpu_check --dry-run --out gpu-check-out
 
 # vLLM (the CPU build here; a CUDA machine installs `vllm` instead via VLLM_PKG) in its own venv,
 # .venv-vllm: vLLM pins its torch and transformers, which must not move the main venv's. torch

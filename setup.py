@@ -2,23 +2,31 @@
 
 from setuptools import find_packages, setup
 
+# One import name, `kvfid`, over the folders the repository keeps: harness/ is `kvfid`, kernels/
+# is `kvfid.kernels`, and the shipped case files (cases/) are package data at `kvfid/cases`.
+PACKAGE_DIR = {"kvfid": "harness", "kvfid.kernels": "kernels", "kvfid.cases": "cases"}
+PACKAGES = ["kvfid", *(f"kvfid.{p}" for p in find_packages("harness")),
+            "kvfid.kernels", *(f"kvfid.kernels.{p}" for p in find_packages("kernels")),
+            "kvfid.cases"]
+
 setup(
-    name="kvfidelity",
+    name="kvfid",
     version="0.1.0",
     description="Is a rebuilt KV state the live state? Per kernel, precision and stack.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["harness", "harness.*", "kernels", "kernels.*"]),
+    package_dir=PACKAGE_DIR,
+    packages=PACKAGES,
+    package_data={"kvfid.cases": ["*.toml", "*.jsonl"]},
     install_requires=[
-        # Ranges admit this CPU machine (torch 2.13, transformers 5.24, triton 3.9) and the
-        # GPU image (torch 2.11, triton 3.6, transformers 5.17). Install torch first, pinned.
-        "torch>=2.11,<2.15",
+        # Tested at both ends: the GPU image's torch 2.11, triton 3.6, transformers 5.17 (`make
+        # test-compat`) and the newest, torch 2.15 and transformers 5.25 with the Hub's `kernels`
+        # beside kvfid (`make test-newest`); `make test` runs this machine's torch 2.13 CPU
+        # build. Install torch first, pinned: a bare requirement pulls a multi-GB CUDA build.
+        "torch>=2.11,<3",
         "triton>=3.6,<4",
-        # transformers 5.25 depends on the Hub's `kernels` distribution, whose import name is
-        # this project's kernels/ package: transformers then imports ours in its place and fails
-        # ("cannot import name 'CUDAProperties' from 'kernels'"; kernels/__init__.py refuses).
-        "transformers>=5.17,<5.25",
+        "transformers>=5.17,<6",
         "numpy>=1.26",
         "click>=8.1",
         "nvidia-ml-py>=12.535",
@@ -33,8 +41,8 @@ setup(
         "test": ["pytest>=8,<9.2", "pytest-benchmark>=4", "pytest-xdist>=3"],
     },
     entry_points={
-        "console_scripts": ["kvfid=harness.cli:main"],
+        "console_scripts": ["kvfid=kvfid.cli:main"],
         # vLLM loads these in every engine process; kvfid's acts only with KVFID_FAITHFUL=1.
-        "vllm.general_plugins": ["kvfid_faithful=harness.engines.faithful:register"],
+        "vllm.general_plugins": ["kvfid_faithful=kvfid.engines.faithful:register"],
     },
 )

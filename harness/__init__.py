@@ -1,8 +1,40 @@
-"""kvfid's harness: the fidelity protocol and everything around it.
+"""kvfid: is a rebuilt KV state the live state? Per kernel, precision and stack.
 
-This package's top level (cli, commands, errors, names, outputs, checks) imports nothing heavy,
-so `kvfid --help` starts without torch. Each subpackage (protocol, environment, runs, reports,
-tasks) imports `kernels` first: without CUDA, Triton must run in its interpreter, and the switch
-(TRITON_INTERPRET=1) only counts if it is set before anything imports triton, which loading a
-transformers model does. Everything that can import triton lives in a subpackage.
+The package's one piece of import-time set-up lives here: without CUDA, kvfid's Triton kernels
+run in Triton's interpreter, and TRITON_INTERPRET must be set before they are decorated. Importing
+`kvfid` loads nothing heavy (`kvfid --help` starts without torch): a finder placed first on
+`sys.meta_path` makes that choice at the first import of triton (by kvfid's kernels, or by
+transformers loading a model), then steps aside. A user's own TRITON_INTERPRET is kept.
 """
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _select_interpreter() -> None:
+    """TRITON_INTERPRET=1 where torch sees no CUDA device, unless the variable is already set."""
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+
+
+class _BeforeTriton:
+    """A meta path finder that finds nothing: at the first import of triton it selects the
+    interpreter, then removes itself (torch, which it imports for that, does not import triton)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            _select_interpreter()
+        return None
+
+
+if "triton" in sys.modules:       # triton came first: kvfid's kernels are not decorated yet
+    _select_interpreter()
+elif not any(isinstance(finder, _BeforeTriton) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _BeforeTriton())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from harness.errors import BadInput, Unavailable
+from kvfid.errors import BadInput, Unavailable
 
 MAX_THREADS = 1024          # torch takes an int32; no machine here has more cores
 MAX_ITEMS = 100_000         # item sets are generated or read whole: bound the work, never hang

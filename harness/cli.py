@@ -1,9 +1,9 @@
 """`kvfid`: the command line. Thin: each command parses, calls one library function, prints.
 
 Machine-readable output goes to stdout (`--format json`); logs and progress to stderr. The
-commands are declared in harness.commands (environment, diagnose, runs) and import the library
+commands are declared in kvfid.commands (environment, diagnose, runs) and import the library
 only when they run, so `kvfid --help` loads no torch. Exit codes, mapped here in one place from
-harness.errors: 0 ok, 1 a fidelity or regression verdict failed, 2 usage error or bad input, 3
+kvfid.errors: 0 ok, 1 a fidelity or regression verdict failed, 2 usage error or bad input, 3
 environment unavailable (130 interrupted, 70 a bug). Every error is one line on stderr;
 KVFID_DEBUG=1 shows the traceback.
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import click
 
-from harness.commands import diagnose, environment, runs
-from harness.errors import EXIT_INTERNAL, KvfidError
+from kvfid.commands import diagnose, environment, runs
+from kvfid.errors import EXIT_INTERNAL, KvfidError
 
-DISTRIBUTION = "kvfidelity"
+DISTRIBUTION = "kvfid"
 
 
 def version() -> str:

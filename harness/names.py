@@ -10,7 +10,7 @@ from pathlib import Path
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 
-# The built-in attention backends and what each is (harness.stacks.backends registers them).
+# The built-in attention backends and what each is (kvfid.stacks.backends registers them).
 BACKENDS = {
     "sdpa": "PyTorch scaled_dot_product_attention",
     "eager": "transformers' eager matmul + softmax",
@@ -19,7 +19,7 @@ BACKENDS = {
     "twin": "deliberately shape-variant attention (negative control)",
 }
 
-# The model presets (harness.inputs.models builds one loader per name), then any local folder.
+# The model presets (kvfid.inputs.models builds one loader per name), then any local folder.
 PRESET_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-mistral", "smollm2-135m", "qwen2.5-0.5b-shape",
                 "llama-3.2-1b-shape")
 MODEL_NAMES = (*PRESET_NAMES, "hf:<folder>")
@@ -30,13 +30,15 @@ CONSTRUCTION_HELP = ("live, prefill, incremental, incremental-1, chunked:N, batc
                      "spec:tree:WxD or spec:tree:P1,P2,.. (a draft tree by its nodes' parents)"
                      "[+rateR]")
 
-# The verdicts of `kvfid repro` (harness.diagnoses.repro.verdict).
+# The verdicts of `kvfid repro` (kvfid.diagnoses.repro.verdict).
 BIT_EXACT, DIVERGES = "bit-exact", "diverges"
 VERDICT_HELP = (f"{BIT_EXACT}: every arm compared with live (the --arms; not replicas, transplants "
                 f"or the crossing) has live's boundary prefix, a bit-identical KV cache and the "
                 f"identical suffix; {DIVERGES}: at least one arm does not.")
 
-CASES = Path(__file__).resolve().parents[1] / "cases"
+# The shipped case files: package data in an installed kvfid (kvfid/cases), cases/ in a checkout.
+_PACKAGE = Path(__file__).resolve().parent
+CASES = _PACKAGE / "cases" if (_PACKAGE / "cases").is_dir() else _PACKAGE.parent / "cases"
 
 
 def case_names() -> list[str]:

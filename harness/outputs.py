@@ -13,7 +13,7 @@ import errno
 import os
 from pathlib import Path
 
-from harness.errors import EXIT_ENVIRONMENT, EXIT_USAGE, OutputError
+from kvfid.errors import EXIT_ENVIRONMENT, EXIT_USAGE, OutputError
 
 _DISK = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
 

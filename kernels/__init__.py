@@ -1,30 +1,29 @@
-"""kvfid's Triton kernels, each beside its plain-PyTorch reference.
+"""kvfid's Triton kernels (`kvfid.kernels`), each beside its plain-PyTorch reference.
 
-Without CUDA the kernels run in the Triton interpreter; the switch must be set before anything
-imports triton, hence here. This package deliberately has no `__version__`: transformers probes a
-module named `kernels` (Hugging Face hub-kernels) and must not mistake this one for it. Where
-that distribution is installed, transformers finds it by its metadata and imports this package in
-its place, so importing this one refuses at once, saying why.
+Without CUDA the kernels run in the Triton interpreter; `kvfid/__init__` selects it before triton
+loads. The helpers here say where the kernels run and which product they use there.
 """
 
 import os
-from importlib import metadata
+import sys
 
-try:
-    _HUB_KERNELS = metadata.version("kernels")
-except metadata.PackageNotFoundError:
-    _HUB_KERNELS = None
-if _HUB_KERNELS is not None:
-    raise ImportError(
-        f"the Hugging Face `kernels` distribution ({_HUB_KERNELS}) is installed beside kvfid: it "
-        "takes the import name `kernels`, which is kvfid's own kernels package, and transformers "
-        "would import kvfid's in its place. transformers 5.25 and later require it: keep "
-        "transformers < 5.25 (kvfid's setup.py) and `pip uninstall kernels`.")
+if __name__ == "kernels":
+    # This folder imported by its folder's name: a checkout's root is on sys.path (`python -m` or
+    # `python -c` run there). The import name `kernels` belongs to the Hugging Face distribution,
+    # which transformers 5.25 imports; hand the name over to it, found on the rest of the path.
+    import importlib.machinery
+    import importlib.util
 
-import torch
+    _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout])
+    if _spec is None:
+        raise ModuleNotFoundError("No module named 'kernels' (this folder is kvfid's kernels, "
+                                  "imported as kvfid.kernels)", name="kernels")
+    sys.modules["kernels"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["kernels"])
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # noqa: E402
 
 
 def interpreting() -> bool:

@@ -7,7 +7,7 @@ fp32 operands stay IEEE fp32 (no TF32), on the CUDA cores.
 
 import triton.language as tl
 
-from kernels.jit import device_function
+from kvfid.kernels.jit import device_function
 
 
 @device_function

@@ -14,7 +14,7 @@ in its *own* positions (absolute minus its padding). `window`: query p sees keys
 p - window < k <= p; `chunk`: keys with k // chunk == p // chunk (and k <= p), in own positions;
 `softcap`: s = softcap * tanh(s / softcap) on the scaled scores; `sinks` [Hq]: a per-head logit in
 the softmax denominator. The kernel applies all of it from positions, so it needs no mask;
-`visibility` [B, Tq, Tk] bool (kernels.attention.views), when given, is the whole pattern instead.
+`visibility` [B, Tq, Tk] bool (kvfid.kernels.attention.views), when given, is the whole pattern instead.
 
 What the function reads from transformers (5.17 through 5.2x, public names only):
 * scaling (None: 1/sqrt(Dqk)), `sliding_window` and `softcap` from the call's kwargs; sinks from
@@ -26,7 +26,7 @@ What the function reads from transformers (5.17 through 5.2x, public names only)
   The last query is always a real token, so row b's held key 0 sits at own position
   `position_ids[b, -1] - (Tk - 1)`: negative while pad keys are still held, positive once a window
   cache has dropped keys. Without position ids the held keys are taken to start at 0 (a full cache).
-* the mask (kernels.hf_masks): ours (`kvfid_mask`) builds it the stock `sdpa` way and passes None
+* the mask (kvfid.kernels.hf_masks): ours (`kvfid_mask`) builds it the stock `sdpa` way and passes None
   exactly when it is the plain causal pattern. A mask equal to the pattern the kernel applies from
   the positions above (causal, left padding, window, chunk) is read as padding; any other mask in
   which each query sees itself and no later key (a visibility mask, e.g. packed branches given to
@@ -45,21 +45,21 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from kernels import KernelRefusal
-from kernels.hf_masks import kvfid_mask, left_padding, own_starts, place_keys  # noqa: F401  (public here)
+from kvfid.kernels import KernelRefusal
+from kvfid.kernels.hf_masks import kvfid_mask, left_padding, own_starts, place_keys  # noqa: F401  (public here)
 
 # Why a model whose attention is this wrapper cannot be compiled whole (measured on tiny-llama,
-# torch 2.13, transformers 5.24, native kernel on CPU): see harness.stacks.compiled.
+# torch 2.13, transformers 5.24, native kernel on CPU): see kvfid.stacks.compiled.
 COMPILE_BREAKS = ("its attention reads positions and the mask on the host (int(own.max()) and "
                   "the mask checks in kernels/hf_masks.py), so torch.compile graph-breaks in every "
                   "layer; the frames dynamo resumes in share transformers' one `wrapped_func` "
                   "code object, which passes dynamo's recompile_limit (8) and from then on runs "
                   "eagerly, so a +compile stack would measure a mix of compiled and eager code")
 NAME = "kvfid_triton"
-# Mechanism names the Triton kernel serves (harness.stacks.serving.MECHANISMS; the harness reads
+# Mechanism names the Triton kernel serves (kvfid.stacks.serving.MECHANISMS; the harness reads
 # this before compute and refuses a model with a layer mechanism not listed); the factory refuses
 # any other active one before calling the kernel.
-# "visibility": a mask other than the positions' pattern (kernels.hf_masks), taken as it is.
+# "visibility": a mask other than the positions' pattern (kvfid.kernels.hf_masks), taken as it is.
 SERVES: frozenset[str] = frozenset({"sliding_window", "chunked_attention", "softcap", "sinks",
                                     "split_head_dims", "visibility"})
 # The Triton kernel's own options (its variant twins, a tiling), given in `kernel_options`.
@@ -159,7 +159,7 @@ def register_kernel(name: str, attention: Callable) -> str:
 
 
 def _triton_attention_into(out, q, k, v, **kwargs):
-    from kernels.attention.kernel import attention_into  # triton loads only when the kernel is called
+    from kvfid.kernels.attention.kernel import attention_into  # triton loads only when the kernel is called
 
     return attention_into(out, q, k, v, **kwargs)
 

@@ -1,12 +1,12 @@
 """What a transformers attention mask tells kvfid's kernels: where the held keys sit and what each
-query sees (kernels.hf's factory calls `place_keys` before every kernel call).
+query sees (kvfid.kernels.hf's factory calls `place_keys` before every kernel call).
 
 Three kinds of mask are served. None or the plain causal pattern: the kernel's own causality.
 Causal with left padding (and the layer's window or chunk): the kernel's positions' pattern
-(kernels.attention.reference.visible, the one statement of it), read as each row's padding; a
+(kvfid.kernels.attention.reference.visible, the one statement of it), read as each row's padding; a
 window the call does not pass (the model states it in its mask alone) is read from the mask. Any
 other mask in which every query sees itself and no later key (a visibility mask: packed branches,
-a tree's ancestors, documents): passed to the kernel as it is (kernels.attention.views), where the
+a tree's ancestors, documents): passed to the kernel as it is (kvfid.kernels.attention.views), where the
 kernel serves `visibility`; on a sliding-window or chunked layer it is refused, since the mask is
 then not the whole pattern. Right padding, a static cache's unfilled slots below a query, a
 bidirectional mask: refused in one line before compute.
@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from transformers.masking_utils import sdpa_mask
 
-from kernels import KernelRefusal
-from kernels.attention.reference import visible
-from kernels.attention.views import as_visibility, check_causal
+from kvfid.kernels import KernelRefusal
+from kvfid.kernels.attention.reference import visible
+from kvfid.kernels.attention.views import as_visibility, check_causal
 
 
 def _kernel_pattern(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:

@@ -1,19 +1,19 @@
-"""transformers registration of the native CPU attention (kernels.attention.native) as
-attention implementation "kvfid_native", through kernels.hf's kernel-agnostic factory: the same
+"""transformers registration of the native CPU attention (kvfid.kernels.attention.native) as
+attention implementation "kvfid_native", through kvfid.kernels.hf's kernel-agnostic factory: the same
 mask checks, positions and refusals as "kvfid_triton", another kernel behind them."""
 
 from __future__ import annotations
 
-from kernels.hf import make_attention, register_kernel
+from kvfid.kernels.hf import make_attention, register_kernel
 
 NAME = "kvfid_native"
-# Every mechanism of the shared interface (kernels.hf): the native kernel applies them all.
+# Every mechanism of the shared interface (kvfid.kernels.hf): the native kernel applies them all.
 SERVES: frozenset[str] = frozenset({"sliding_window", "chunked_attention", "softcap", "sinks",
                                     "split_head_dims", "visibility"})
 
 
 def _native_attention_into(out, q, k, v, **kwargs):
-    from kernels.attention.native import attention_into
+    from kvfid.kernels.attention.native import attention_into
 
     return attention_into(out, q, k, v, **kwargs)
 

@@ -70,7 +70,7 @@ def _fresh_chunk_caller():
               f"        {names} = None\n"
               "    return fn(*args, **kwargs)\n")
     scope: dict = {}
-    exec(compile(source, "<kernels.jit fresh chunk>", "exec"), scope)
+    exec(compile(source, "<kvfid.kernels.jit fresh chunk>", "exec"), scope)
     return scope["call"]
 
 

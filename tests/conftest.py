@@ -131,8 +131,8 @@ def serving_run(tmp_path_factory):
     read it (a cold inductor cache compiles each graph in seconds)."""
     from protocol_fixtures import small
 
-    from harness.runs.case import load_case
-    from harness.runs.matrix import run_case
+    from kvfid.runs.case import load_case
+    from kvfid.runs.matrix import run_case
 
     folder = tmp_path_factory.mktemp("serving")
     (folder / "case.toml").write_text(SERVING_CASE)
@@ -151,7 +151,7 @@ def smollm2_conversion(tmp_path_factory):
     import gguf as gguf_py
     from gguf import GGUFReader
 
-    from harness.inputs import models
+    from kvfid.inputs import models
 
     gguf = models.smollm2_gguf_path()
     if gguf is None:
@@ -191,7 +191,7 @@ SMOKE_CASE = Path(__file__).resolve().parent.parent / "cases" / "smoke.toml"
 def quick_kernels():
     """One quick CPU kernel comparison per session (`kvfid kernels --quick`'s: small shapes, every
     op and implementation, bf16 and fp32, one thread), for every test that reads one. Only read it."""
-    from harness.environment.invariance import compare_kernels
+    from kvfid.environment.invariance import compare_kernels
 
     return compare_kernels(dtypes=("bf16", "fp32"), device="cpu", quick=True, threads=1)
 
@@ -200,8 +200,8 @@ def quick_kernels():
 def smoke_run(tmp_path_factory):
     """One finished run of cases/smoke.toml, measured once per test session: (ledger path, run
     id). Only read it; a test that writes to a ledger takes `smoke_copy`."""
-    from harness.runs.case import load_case
-    from harness.runs.matrix import run_case
+    from kvfid.runs.case import load_case
+    from kvfid.runs.matrix import run_case
 
     db = tmp_path_factory.mktemp("smoke") / "ledger.sqlite"
     result = run_case(load_case(SMOKE_CASE), db, progress=False)

@@ -1,4 +1,4 @@
-"""A stand-in for the pynvml module, so harness.environment.envinfo can be tested without a GPU.
+"""A stand-in for the pynvml module, so kvfid.environment.envinfo can be tested without a GPU.
 
 `FakeNVML` exposes the pynvml functions envinfo calls, with the same return shapes (strings,
 integer milliwatts, integer CUDA versions like 12080, [current, pending] mode pairs) and the same

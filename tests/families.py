@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 WINDOW = 8
-_VOCAB = 260                      # harness.inputs.codecs.ByteCodec.vocab_size
+_VOCAB = 260                      # kvfid.inputs.codecs.ByteCodec.vocab_size
 _BOS, _EOS = 256, 257
 
 _COMMON = dict(vocab_size=_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,

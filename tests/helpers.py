@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-import kernels  # noqa: F401  (sets TRITON_INTERPRET before triton is imported, when no CUDA)
-from harness.protocol.decode import cache_keyword  # noqa: F401  (the one compatibility point)
-from harness.states.cache import bits, bits_equal
+from kvfid.protocol.decode import cache_keyword  # noqa: F401  (the one compatibility point)
+from kvfid.states.cache import bits, bits_equal
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_IDS = ("fp32", "bf16", "fp16")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from harness.inputs.items import Item
-from harness.inputs.models import load_model
+from kvfid.inputs.items import Item
+from kvfid.inputs.models import load_model
 
 PROMPT = Item(id="t0", prompt="What is 17*23?", answer="391")
 
@@ -26,7 +26,7 @@ def small(name: str = "tiny-llama", layers: int = 2):
     depth), 2 query heads over 1 KV head (still GQA), head dim 32. For tests whose claim does not
     need the preset's size: the Triton interpreter and torch.compile cost grows with layers x KV
     heads. Loaded once per session, like `tiny`."""
-    from harness.inputs import models
+    from kvfid.inputs import models
 
     family, seed = _FAMILIES[name]
     config = {**models._TINY, "num_hidden_layers": layers, "num_attention_heads": 2,
@@ -43,9 +43,9 @@ def fp32_live(name: str, B: int = 8, S: int = 4):
     boundary logits of one no-cache forward over P) — what a construction's state must give."""
     import torch
 
-    from harness.stacks.stack import Stack
-    from harness.protocol.decode import Runner
-    from harness.protocol.protocol import run_live
+    from kvfid.stacks.stack import Stack
+    from kvfid.protocol.decode import Runner
+    from kvfid.protocol.protocol import run_live
 
     model = tiny(name)
     prompt = model.codec.prompt_ids(PROMPT.prompt)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from harness.cli import main
+from kvfid.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "cases" / "smoke.toml"
@@ -323,7 +323,7 @@ def output_cases(good: Path, folder: Path) -> list[tuple[str, list, int, int | N
 @contextlib.contextmanager
 def disk_full_at(n: int | None):
     """The `n`-th output file written fails half-way with ENOSPC (None: no failure)."""
-    from harness import outputs
+    from kvfid import outputs
 
     original, calls = outputs.write_text, []
 

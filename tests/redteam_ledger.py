@@ -39,7 +39,7 @@ def read_only_folder(folder: Path, files: dict[str, Path]):
     for name, source in files.items():
         shutil.copy(source, folder / name)
     if not mounted:
-        from harness.ledger import opening as ledger_file
+        from kvfid.ledger import opening as ledger_file
 
         original = ledger_file.writable
         ledger_file.writable = lambda path: not Path(path).resolve().is_relative_to(folder.resolve())
@@ -58,7 +58,7 @@ def read_only_folder(folder: Path, files: dict[str, Path]):
 @contextlib.contextmanager
 def ledger_full_after(pages: int):
     """Every ledger opened for writing holds `pages` more pages than it has, then is full."""
-    from harness.ledger import store as ledger
+    from kvfid.ledger import store as ledger
 
     original = ledger.connect
 

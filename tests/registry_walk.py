@@ -70,8 +70,8 @@ def tiny(model_type: str):
     import transformers
     from transformers import AutoConfig
 
-    from harness.inputs.models import Model
-    from harness.inputs.codecs import ByteCodec
+    from kvfid.inputs.models import Model
+    from kvfid.inputs.codecs import ByteCodec
 
     config_cls = type(AutoConfig.for_model(model_type))
     defaults = config_cls()
@@ -98,10 +98,10 @@ def tiny(model_type: str):
 
 
 def mechanisms(model) -> tuple[str, ...]:
-    """The set of layer kinds and mechanisms a model has (harness.stacks.serving), or its
+    """The set of layer kinds and mechanisms a model has (kvfid.stacks.serving), or its
     refusal's first words when kvfid cannot read a layer."""
-    from harness.errors import KvfidError
-    from harness.stacks import serving
+    from kvfid.errors import KvfidError
+    from kvfid.stacks import serving
 
     try:
         infos = serving.describe_layers(model)
@@ -112,10 +112,10 @@ def mechanisms(model) -> tuple[str, ...]:
 
 def one(model, stack: str, boundary: int = 4, suffix: int = 1) -> str:
     """One short repro: `bit-exact`, `differs (layer L part)`, `refused: ...`, `error: ...`."""
-    from harness.errors import KvfidError
-    from harness.stacks.stack import check_supports, parse_stack
-    from harness.protocol.protocol import ItemPlan
-    from harness.diagnoses import repro
+    from kvfid.errors import KvfidError
+    from kvfid.stacks.stack import check_supports, parse_stack
+    from kvfid.protocol.protocol import ItemPlan
+    from kvfid.diagnoses import repro
 
     parsed = parse_stack(stack)
     try:   # kvfid repro's checks before compute (repro.prepare, but for the loading)
@@ -142,7 +142,7 @@ TRITON = "triton/fp32+bi"   # the first family of each distinct set of mechanism
 def walk(only=None, stacks=STACKS, triton=TRITON, seen=None) -> list[dict]:
     """Each family's row (built, an outcome per stack, its mechanisms, seconds), printed as it
     is measured. `seen`: mechanism sets whose triton run is already done (shared by shards)."""
-    import kernels
+    from kvfid import kernels
 
     seen = set() if seen is None else seen
     out = []

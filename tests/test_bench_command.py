@@ -5,8 +5,8 @@ import json
 
 from click.testing import CliRunner
 
-from harness.cli import main
-from harness.tasks.bench import bench_command as real_command
+from kvfid.cli import main
+from kvfid.tasks.bench import bench_command as real_command
 
 
 def test_quick_bench_writes_kernels_report_and_index(tmp_path, monkeypatch, quick_kernels):
@@ -14,7 +14,7 @@ def test_quick_bench_writes_kernels_report_and_index(tmp_path, monkeypatch, quic
     rows); what is tested here is that bench files it, the report and the index. The smoke case
     runs in this process (`--jobs 1`): a process per core is tests/test_local_shards.py's claim,
     and two would each import torch and transformers again (about 5 s each)."""
-    from harness.environment import invariance
+    from kvfid.environment import invariance
 
     def shared(**options):
         assert options["quick"] is True and options["threads"] == 1 and options["device"] == "cpu"
@@ -44,8 +44,8 @@ def test_a_bad_case_or_item_count_is_refused_before_any_step(tmp_path):
 def test_speed_benches_write_their_json_only_into_the_reports_store(tmp_path, monkeypatch):
     """pytest-benchmark writes straight into reports/<key>/bench/; nothing lands in .benchmarks/;
     a second result is compared with the first."""
-    from harness.environment import envinfo
-    from harness.tasks import bench
+    from kvfid.environment import envinfo
+    from kvfid.tasks import bench
 
     monkeypatch.setattr(bench, "bench_command",
                         lambda path, part=None: real_command(path, quick=True, part=part))
@@ -86,8 +86,8 @@ def test_the_cpu_default_case_is_sized_by_this_machines_model_steps():
     each crossed stack's cost. Where all items would pass what is left of the budget over the
     processes, whole rounds of one item per process that fit, at least one; else all of them
     (None: the case's count). Sizing takes an item as RUN_OVER_STEPS times that."""
-    from harness.runs.case import load_case
-    from harness.tasks import bench
+    from kvfid.runs.case import load_case
+    from kvfid.tasks import bench
 
     case = load_case(bench.ROOT / "cases" / "smollm2-cpu.toml")
     assert (case.items.n, case.B, case.S) == (8, 12, 16)

@@ -1,4 +1,4 @@
-"""harness.reports.benchreport: filing pytest-benchmark results per environment, comparing medians."""
+"""kvfid.reports.benchreport: filing pytest-benchmark results per environment, comparing medians."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from harness.reports.benchreport import (MACHINE_INFO_KEY, compare_bench, latest_previous,
+from kvfid.reports.benchreport import (MACHINE_INFO_KEY, compare_bench, latest_previous,
                                          new_result_path, render_bench, save_bench)
 
 KEY = "cpu-Test-CPU/none/none/2.13.0+cpu/3.9.0"
@@ -176,7 +176,7 @@ def test_model_steps_table_gives_each_stack_its_ratio_to_the_baseline_of_the_sam
 def test_the_scale_curve_gives_each_stack_its_median_and_ratio_by_prefix_length():
     """Model steps at three prefix lengths: a table row per (stack, step) with a cell per length,
     a log-log plot in the HTML page (not in the Markdown), and the tiled route in the note."""
-    from harness.reports.benchreport import render_bench_html
+    from kvfid.reports.benchreport import render_bench_html
 
     medians = {f"{stack}-{ctx}": base * ctx / 64 * (2.0 if stack == "native" else 1.0)
                for stack, base in (("sdpa", 0.1), ("native", 0.1)) for ctx in (64, 512, 2048)}

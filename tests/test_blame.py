@@ -1,4 +1,4 @@
-"""harness.diagnoses.blame: the op that first gives the boundary position other bits, and its controls.
+"""kvfid.diagnoses.blame: the op that first gives the boundary position other bits, and its controls.
 
 On tiny-llama at 2 layers and one KV head (`protocol_fixtures.small`, built once): the Triton
 stack's kernel runs in the interpreter, and every op of the model is recorded and compared."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from harness.diagnoses import blame as blame_lib
-from harness.stacks.stack import Stack
+from kvfid import kernels
+from kvfid.diagnoses import blame as blame_lib
+from kvfid.stacks.stack import Stack
 from protocol_fixtures import small
 
 needs_interpreter = pytest.mark.skipif(not kernels.interpreting(), reason="needs TRITON_INTERPRET=1")

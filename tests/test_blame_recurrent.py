@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import mode_models as mm
-from harness.diagnoses import blame as blame_lib
-from harness.tracing import align as blame_align
-from kernels.invariant.mode import set_batch_invariant_mode
-from kernels.recurrence import faithful_recurrence, step_of
+from kvfid.diagnoses import blame as blame_lib
+from kvfid.tracing import align as blame_align
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.kernels.recurrence import faithful_recurrence, step_of
 
 PLANTED = "model.layers.1.linear_attn.in_proj_ba"
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from harness.states import cache as kv
-from harness.states import surgery
+from kvfid.states import cache as kv
+from kvfid.states import surgery
 
 
 def make_state(seed=0, layers=3, heads=2, length=6, dim=4, dtype=torch.bfloat16):

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from harness.errors import EXIT_ENVIRONMENT
-from harness.inputs import models
-from harness.stacks.stack import Stack
-from harness.states.cache import CacheOverwritten
-from harness.protocol.protocol import ItemPlan, run_item
+from kvfid.errors import EXIT_ENVIRONMENT
+from kvfid.inputs import models
+from kvfid.stacks.stack import Stack
+from kvfid.states.cache import CacheOverwritten
+from kvfid.protocol.protocol import ItemPlan, run_item
 from protocol_fixtures import PROMPT
 
 

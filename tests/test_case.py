@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.stacks.backends import backend_names
-from harness.runs.case import CaseError, load_case, parse_case
+from kvfid.stacks.backends import backend_names
+from kvfid.runs.case import CaseError, load_case, parse_case
 
 CASES = Path(__file__).resolve().parent.parent / "cases"
 

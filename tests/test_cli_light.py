@@ -1,5 +1,5 @@
 """The command line starts without torch, says its version, documents every option and finds a
-case by its name; importing any harness subpackage still selects Triton's interpreter first."""
+case by its name; after importing any kvfid subpackage, triton loads with its interpreter selected."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from harness import names
-from harness.cli import main, version
-from harness.tasks.launch import resolve_case
+from kvfid import names
+from kvfid.cli import main, version
+from kvfid.tasks.launch import resolve_case
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "triton", "transformers", "numpy")
@@ -25,17 +25,17 @@ def _python(code: str, **env) -> dict:
     """Run `code` in a fresh interpreter at the repository root; its last stdout line as JSON."""
     clean = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env={**clean, "PYTHONPATH": str(ROOT), **env}, check=True)
+                          env={**clean, **env}, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_importing_the_cli_and_asking_for_help_loads_nothing_heavy():
     loaded = _python(
         "import json, sys\n"
-        "import harness.cli\n"
+        "import kvfid.cli\n"
         "from click.testing import CliRunner\n"
-        f"for args in [['--help'], *[[c, '--help'] for c in harness.cli.main.commands]]:\n"
-        "    assert CliRunner().invoke(harness.cli.main, args).exit_code == 0, args\n"
+        f"for args in [['--help'], *[[c, '--help'] for c in kvfid.cli.main.commands]]:\n"
+        "    assert CliRunner().invoke(kvfid.cli.main, args).exit_code == 0, args\n"
         f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))")
     assert loaded == []
 
@@ -44,8 +44,9 @@ SUBPACKAGES = ("inputs", "records", "states", "stacks", "tracing", "protocol", "
                "environment", "diagnoses", "runs", "reports")
 
 # One fresh interpreter imports torch (which loads no triton: the child checks) and forks a child
-# per subpackage, so each import starts from a process that has seen no harness module and no
-# triton, and torch's two seconds of import are paid once, not once per subpackage.
+# per subpackage, so each import starts from a process that has seen no kvfid module and no
+# triton, and torch's two seconds of import are paid once, not once per subpackage. Each child
+# imports its subpackage, then triton (if the subpackage did not), and reads the switch.
 _FORK_EACH = """import json, os, sys
 import torch
 seen = {}
@@ -53,8 +54,10 @@ for package in PACKAGES:
     read, write = os.pipe()
     if os.fork() == 0:
         os.close(read)
-        before = "triton" in sys.modules or any(m.startswith("harness") for m in sys.modules)
-        __import__("harness." + package)
+        before = "triton" in sys.modules or any(m.startswith("kvfid") for m in sys.modules)
+        if package:
+            __import__("kvfid." + package)
+        import triton
         import torch as t
         with os.fdopen(write, "w") as out:
             json.dump([before, os.environ.get("TRITON_INTERPRET"), t.cuda.is_available()], out)
@@ -69,7 +72,7 @@ print(json.dumps(seen))
 
 @pytest.fixture(scope="module")
 def interpreter_selection() -> dict:
-    packages = (*SUBPACKAGES, "names")      # the control: a top-level light module
+    packages = (*SUBPACKAGES, "")      # the control: triton imported without kvfid
     return _python(f"PACKAGES = {packages!r}\n" + _FORK_EACH, CUDA_VISIBLE_DEVICES="")
 
 
@@ -78,9 +81,9 @@ def test_each_subpackage_selects_the_interpreter_before_triton_loads(package, in
     assert interpreter_selection[package] == [False, "1", False]
 
 
-def test_control_a_light_module_leaves_the_interpreter_unselected(interpreter_selection):
-    """The check sees a module that selects nothing: harness.names, which the CLI imports."""
-    assert interpreter_selection["names"] == [False, None, False]
+def test_control_triton_without_kvfid_leaves_the_interpreter_unselected(interpreter_selection):
+    """The check sees a process in which nothing selects the interpreter."""
+    assert interpreter_selection[""] == [False, None, False]
 
 
 def test_version_is_the_distribution_or_setup_version():
@@ -97,8 +100,8 @@ def test_every_option_of_every_command_has_help():
 
 
 def test_the_light_names_are_the_registries_names():
-    from harness.stacks.backends import DTYPES, backend_names
-    from harness.inputs.models import PRESETS, model_names
+    from kvfid.stacks.backends import DTYPES, backend_names
+    from kvfid.inputs.models import PRESETS, model_names
 
     assert tuple(DTYPES) == names.DTYPE_NAMES
     assert backend_names()[:len(names.BACKENDS)] == list(names.BACKENDS)
@@ -128,7 +131,7 @@ def test_kvfid_run_smoke_runs_the_shipped_case(tmp_path):
 
 @pytest.mark.parametrize("flag, passed", [([], False), (["--allow-different"], True)])
 def test_allow_different_reaches_compare(monkeypatch, flag, passed):
-    from harness.compare import runs as compare
+    from kvfid.compare import runs as compare
 
     seen = {}
 

@@ -5,13 +5,13 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from harness.stacks.stack import Stack
-from harness.cli import main
-from harness.environment import envinfo
-from harness.diagnoses.repro import verdict
-from harness.protocol.protocol import ItemPlan, parse_transplant, run_item
+from kvfid.stacks.stack import Stack
+from kvfid.cli import main
+from kvfid.environment import envinfo
+from kvfid.diagnoses.repro import verdict
+from kvfid.protocol.protocol import ItemPlan, parse_transplant, run_item
 from protocol_fixtures import tiny
-from harness.inputs.items import Item, match_answer
+from kvfid.inputs.items import Item, match_answer
 
 TIMING_KEYS = {"wall_s", "forward_s", "overhead", "setup_s", "warmup_s"}
 
@@ -129,7 +129,7 @@ def test_repro_text_ends_with_the_verdict():
 def test_verdict_counts_only_comparisons_with_live():
     from dataclasses import replace
 
-    from harness.records.record import CacheDiff, Comparison, ItemRecord, ItemRef, SuffixDiff
+    from kvfid.records.record import CacheDiff, Comparison, ItemRecord, ItemRef, SuffixDiff
 
     same = dict(suffix=SuffixDiff(identical=True), cache=CacheDiff(bit_exact=True))
     differ = dict(suffix=SuffixDiff(identical=False, first_divergence=2),

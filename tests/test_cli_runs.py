@@ -10,10 +10,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from harness.runs.case import load_case
-from harness.cli import main
-from harness.ledger.store import Ledger
-from harness.reports.report import repro_command
+from kvfid.runs.case import load_case
+from kvfid.cli import main
+from kvfid.ledger.store import Ledger
+from kvfid.reports.report import repro_command
 
 SMOKE = str(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
 

@@ -5,12 +5,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from harness.protocol import cobatch
-from harness.stacks.stack import Stack
-from harness.runs.case import CaseError, parse_case
-from harness.cli import main
-from harness.inputs.items import arith_items
-from harness.protocol.protocol import (ItemPlan, Neighbours, parse_construction, parse_transplant,
+from kvfid.protocol import cobatch
+from kvfid.stacks.stack import Stack
+from kvfid.runs.case import CaseError, parse_case
+from kvfid.cli import main
+from kvfid.inputs.items import arith_items
+from kvfid.protocol.protocol import (ItemPlan, Neighbours, parse_construction, parse_transplant,
                               run_cobatched, run_item)
 from protocol_fixtures import PROMPT, fp32_live, tiny
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from fake_nvml import H200, FakeNVML  # tests/ is on sys.path (pytest's rootdir-less import mode)
-from harness.environment import envinfo
-from harness.runs.case import load_case, stored_case
-from harness.compare.runs import compare, render_html, render_markdown, write_comparison, rate_change
-from harness.ledger.store import Ledger, LedgerError
-from harness.runs.matrix import run_case
-from harness.inputs.models import load_model
+from kvfid.environment import envinfo
+from kvfid.runs.case import load_case, stored_case
+from kvfid.compare.runs import compare, render_html, render_markdown, write_comparison, rate_change
+from kvfid.ledger.store import Ledger, LedgerError
+from kvfid.runs.matrix import run_case
+from kvfid.inputs.models import load_model
 
 CASES = Path(__file__).resolve().parent.parent / "cases"
 SMOKE = load_case(CASES / "smoke.toml")

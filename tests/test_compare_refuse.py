@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from harness.cli import main
-from harness.errors import BadInput
-from harness.compare.runs import UnlikeRuns, compare, render_markdown
-from harness.runs.case import load_case
-from harness.ledger.store import Ledger
+from kvfid.cli import main
+from kvfid.errors import BadInput
+from kvfid.compare.runs import UnlikeRuns, compare, render_markdown
+from kvfid.runs.case import load_case
+from kvfid.ledger.store import Ledger
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "cases" / "smoke.toml"
@@ -38,7 +38,7 @@ def runs(smoke_run, tmp_path_factory):
     smoke_db, smoke_id = smoke_run
     with closing(sqlite3.connect(smoke_db)) as source, closing(sqlite3.connect(db)) as target:
         source.backup(target)
-    done = subprocess.run([sys.executable, "-m", "harness.cli", "run", str(two), "--db", str(db),
+    done = subprocess.run([sys.executable, "-m", "kvfid.cli", "run", str(two), "--db", str(db),
                            "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     assert done.returncode == 0, done.stderr[-2000:]

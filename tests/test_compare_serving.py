@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from harness.compare.runs import compare, render_markdown
-from harness.ledger.store import Ledger
+from kvfid.compare.runs import compare, render_markdown
+from kvfid.ledger.store import Ledger
 from test_compare import clone
 
 SERVING = ("cached:prompt", "spec:2", "spec:2+none")

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from harness.cli import main
-from harness.environment.compile import compile_targets, instruction_mix, problems, resource_usage
-from harness.environment.compile_plan import ARCHS, Target, plan
+from kvfid.cli import main
+from kvfid.environment.compile import compile_targets, instruction_mix, problems, resource_usage
+from kvfid.environment.compile_plan import ARCHS, Target, plan
 
 CONTROLS = str(Path(__file__).parent)  # where the workers import compile_controls from
 

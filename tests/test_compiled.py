@@ -3,10 +3,10 @@
 
 import pytest
 
-from harness.stacks.stack import Stack, StackUnavailable, check_supports, parse_stack
-from harness.stacks.compiled import units
-from harness.runs.case import load_case
-from harness.runs.case_fields import CaseError
+from kvfid.stacks.stack import Stack, StackUnavailable, check_supports, parse_stack
+from kvfid.stacks.compiled import units
+from kvfid.runs.case import load_case
+from kvfid.runs.case_fields import CaseError
 from protocol_fixtures import PROMPT, small, tiny
 
 
@@ -53,7 +53,7 @@ def test_a_compiled_stack_runs_every_arm_and_restores_the_eager_forward(serving_
     bit-exact compiled is a finding per machine, so it is reported, not asserted. The run is the
     session's serving run (conftest.SERVING_CASE: a one-layer model, the compiled stack on one
     item)."""
-    from harness.ledger.store import Ledger
+    from kvfid.ledger.store import Ledger
 
     db, run_id = serving_run
     with Ledger(db) as ledger:
@@ -71,7 +71,7 @@ def test_compiling_the_native_kernel_is_refused_in_one_line_before_compute():
     `native+compile` forward would run eagerly; refused (exit 3) before any model loads."""
     from click.testing import CliRunner
 
-    from harness.cli import main
+    from kvfid.cli import main
 
     with pytest.raises(StackUnavailable, match="recompile_limit"):
         check_supports(Stack("native", "bf16", True, compiled=True), tiny())
@@ -84,7 +84,7 @@ def test_compiling_the_native_kernel_is_refused_in_one_line_before_compute():
 
 
 def test_blame_names_the_layer_when_units_agree_alone_but_not_compiled_whole():
-    from harness.diagnoses.blame import BlameResult, render
+    from kvfid.diagnoses.blame import BlameResult, render
 
     result = BlameResult("incremental (prompt prefill)", "prefill", 19, 1,
                          whole_forward={"layer": 0, "part": "k", "module": "model.layers.0",
@@ -104,7 +104,7 @@ def test_blame_under_compile_names_a_module_wherever_the_compiled_states_differ(
     the whole forward's graphs are in inductor's cache already (measured cold on the AVX2-only
     EPYC after the fixture: 37 s, against 64 s on the two-layer model); that every unit stays
     compiled past dynamo's recompile limit is the next test's."""
-    from harness.diagnoses.blame import blame_item
+    from kvfid.diagnoses.blame import blame_item
 
     model = small(layers=1)
     prompt = model.codec.prompt_ids(PROMPT.prompt)
@@ -131,8 +131,8 @@ def _units_traced(monkeypatch, limits=None) -> list[str]:
 
     import torch
 
-    from harness.protocol.decode import Runner, as_batch, new_cache
-    from harness.stacks import compiled
+    from kvfid.protocol.decode import Runner, as_batch, new_cache
+    from kvfid.stacks import compiled
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
@@ -178,7 +178,7 @@ def _graphs_compiled(monkeypatch) -> int:
 
     import torch
 
-    from harness.protocol.decode import Runner, as_batch, new_cache
+    from kvfid.protocol.decode import Runner, as_batch, new_cache
 
     graphs = []
 
@@ -222,7 +222,7 @@ def test_a_compiled_stack_compiles_one_graph_per_call_shape_whatever_the_cache_l
     puts the cache in default strides before each call, a decode step on a cache laid out as a
     compiled prefill leaves it and one laid out as a state copy compile apart (control).
     Two graphs: the prompt's and the decode step's."""
-    from harness.stacks import compiled
+    from kvfid.stacks import compiled
 
     assert _graphs_compiled(monkeypatch) == 2
     monkeypatch.setattr(compiled, "default_layout", lambda cache: None)
@@ -239,7 +239,7 @@ def test_inductor_caches_are_kept_apart_per_cpu_capability(monkeypatch, tmp_path
     import torch
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
-    from harness.stacks import compiled
+    from kvfid.stacks import compiled
 
     own = os.path.join(default_cache_dir(), f"cpu-{torch.backends.cpu.get_cpu_capability()}")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)

@@ -5,14 +5,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.ledger.store import Ledger
+from kvfid.ledger.store import Ledger
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_two_torchrun_ranks_equal_a_single_process(tmp_path, smoke_run):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", "-m", "harness.cli", "run", "cases/smoke.toml",
+                "--nproc-per-node", "2", "-m", "kvfid.cli", "run", "cases/smoke.toml",
                 "--db", str(tmp_path / "ranks.sqlite"), "--quiet"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(torchrun, cwd=ROOT, env=env, capture_output=True, text=True,

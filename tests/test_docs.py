@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 import pytest
 
-from harness.cli import main
+from kvfid.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -21,7 +21,7 @@ PENDING: set = set()   # (command, option) a page may show before it exists; non
 
 
 def shown_commands(text: str) -> list[list[str]]:
-    """`kvfid ...` lines (and `torchrun ... -m harness.cli ...`) of the code blocks, continuation
+    """`kvfid ...` lines (and `torchrun ... -m kvfid.cli ...`) of the code blocks, continuation
     lines joined, and `kvfid ...` code spans of the prose, as argument lists without the program
     name (a placeholder such as `kvfid COMMAND --help` is left out)."""
     commands = [shlex.split(span)[1:] for span in re.findall(r"(?<!`)`(kvfid [^`]+)`", text)
@@ -34,8 +34,8 @@ def shown_commands(text: str) -> list[list[str]]:
             line = line.removeprefix("$ ").strip()
             if line.startswith("kvfid "):
                 commands.append(shlex.split(line, comments=True)[1:])
-            elif " -m harness.cli " in line:
-                commands.append(shlex.split(line.split(" -m harness.cli ", 1)[1], comments=True))
+            elif " -m kvfid.cli " in line:
+                commands.append(shlex.split(line.split(" -m kvfid.cli ", 1)[1], comments=True))
     return commands
 
 

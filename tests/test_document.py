@@ -1,12 +1,12 @@
-"""harness.reports.document: one block list rendered as Markdown, one self-contained HTML page and
+"""kvfid.reports.document: one block list rendered as Markdown, one self-contained HTML page and
 aligned text; the tuple blocks of the run report are the same blocks; one set of formatters."""
 
 import re
 
 import pytest
 
-from harness.reports.compile_report import render_table as compile_table
-from harness.reports.document import (Bullets, Code, Details, Figure, Heading, Link, Paragraph,
+from kvfid.reports.compile_report import render_table as compile_table
+from kvfid.reports.document import (Bullets, Code, Details, Figure, Heading, Link, Paragraph,
                                       Table, fraction, interval_text, markdown, number, percent,
                                       plain_text, ratio, seconds, to_html)
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from harness.cli import main
-from harness.protocol import engine_arms
-from harness.stacks.stack import Stack
-from harness.protocol.protocol import (ItemPlan, ProtocolError, parse_construction,
+from kvfid.cli import main
+from kvfid.protocol import engine_arms
+from kvfid.stacks.stack import Stack
+from kvfid.protocol.protocol import (ItemPlan, ProtocolError, parse_construction,
                                        parse_transplant, run_construction, run_item)
 from protocol_fixtures import PROMPT, fp32_live, small
 
@@ -132,7 +132,7 @@ def test_serving_arms_on_window_layers_are_bit_exact_on_eager_with_the_mode(fami
     bit-exact for prefill on these layers, stays bit-exact for every serving arm (B crosses the
     window of 8)."""
     from families import build
-    from harness.inputs.models import load_model
+    from kvfid.inputs.models import load_model
 
     model = load_model(f"hf:{build(family, tmp_path / family)}")
     plan = ItemPlan(14, 3, arms=("live", "prefill", "cached:0.5", "spec:3", "spec:3+none"),

@@ -11,8 +11,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from harness.cli import main
-from harness.engines.check import _compare
+from kvfid.cli import main
+from kvfid.engines.check import _compare
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ def test_the_in_engine_comparison_is_bitwise():
 def test_the_engines_torch_threads_are_set_and_restored():
     import torch
 
-    from harness.engines.engine import torch_threads
+    from kvfid.engines.engine import torch_threads
 
     before = torch.get_num_threads()
     with torch_threads(1) as used:

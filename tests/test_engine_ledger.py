@@ -16,15 +16,15 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from harness.cli import main
-from harness.engines import check as engine_check
-from harness.records.engine import EngineCheckRecord, EngineKV, from_result
-from harness.records.read import from_json
-from harness.reports import engine_report
-from harness.ledger import engine_checks as engine_ledger
-from harness.ledger.store import Ledger
-from harness.ledger.opening import LedgerRefused
-from harness.tasks.engine_store import store_result
+from kvfid.cli import main
+from kvfid.engines import check as engine_check
+from kvfid.records.engine import EngineCheckRecord, EngineKV, from_result
+from kvfid.records.read import from_json
+from kvfid.reports import engine_report
+from kvfid.ledger import engine_checks as engine_ledger
+from kvfid.ledger.store import Ledger
+from kvfid.ledger.opening import LedgerRefused
+from kvfid.tasks.engine_store import store_result
 
 KV = {"items": 2, "items_exact": 1, "first_bad_layer": 3, "first_position": 17, "n_diff": 40,
       "max_abs": 0.0078125, "max_ulp": 2, "d_rel": 1.25e-3, "positions": 90,

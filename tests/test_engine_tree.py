@@ -11,13 +11,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from harness.checks import split_arms
-from harness.cli import main
-from harness.protocol import engine_tree
-from harness.stacks.stack import Stack
-from harness.protocol.constructions import ProtocolError, parse_construction, parse_transplant
-from harness.protocol.protocol import ItemPlan, run_construction, run_item
-from harness.diagnoses import replay
+from kvfid.checks import split_arms
+from kvfid.cli import main
+from kvfid.protocol import engine_tree
+from kvfid.stacks.stack import Stack
+from kvfid.protocol.constructions import ProtocolError, parse_construction, parse_transplant
+from kvfid.protocol.protocol import ItemPlan, run_construction, run_item
+from kvfid.diagnoses import replay
 from protocol_fixtures import PROMPT, fp32_live, small, tiny
 
 TREES = ("spec:tree:2x2", "spec:tree:0,0,1,1", "spec:tree:0,0,1,1+rate0.5")
@@ -118,8 +118,8 @@ def test_replay_rescores_by_a_tree_bit_identically_on_the_faithful_stack():
 
 
 def test_a_tree_on_a_model_with_window_layers_is_refused_before_compute():
-    from harness.protocol.engine_arms import RollbackError, _check_tree
-    from harness.stacks.serving import LayerInfo
+    from kvfid.protocol.engine_arms import RollbackError, _check_tree
+    from kvfid.stacks.serving import LayerInfo
 
     layers = [LayerInfo(0, "full_attention", "DynamicLayer", "full", ()),
               LayerInfo(1, "sliding_attention", "DynamicSlidingWindowLayer", "window",
@@ -131,9 +131,9 @@ def test_a_tree_on_a_model_with_window_layers_is_refused_before_compute():
 
 
 def test_kvfid_run_measures_a_tree_arm_into_the_ledger(tmp_path):
-    from harness.runs.case import parse_case
-    from harness.ledger.store import Ledger
-    from harness.runs.matrix import run_case
+    from kvfid.runs.case import parse_case
+    from kvfid.ledger.store import Ledger
+    from kvfid.runs.matrix import run_case
 
     case = parse_case('model = "tiny-llama"\nB = 6\nS = 2\nignore_eos = true\n'
                       'constructions = ["live", "spec:tree:2x2", "spec:tree:0,0,1,1+rate0.5"]\n'

@@ -1,4 +1,4 @@
-"""harness.environment.envinfo against a fake NVML (full, sparse, no driver) and on this real machine."""
+"""kvfid.environment.envinfo against a fake NVML (full, sparse, no driver) and on this real machine."""
 
 import importlib.util
 import inspect
@@ -12,8 +12,8 @@ import torch
 
 import fake_nvml  # tests/ is on sys.path under pytest's default (rootdir-less) import mode
 from fake_nvml import H200, FakeNVML, full_gpu, no_driver, sparse_gpu
-from harness.environment import envinfo
-from harness.environment.envinfo import collect, describe, environment_key
+from kvfid.environment import envinfo
+from kvfid.environment.envinfo import collect, describe, environment_key
 
 
 @pytest.fixture(autouse=True)

@@ -7,14 +7,14 @@ import sqlite3
 import pytest
 from click.testing import CliRunner
 
-from harness.tasks import ledger_views
-from harness.runs.case import CaseError
-from harness.cli import main
-from harness.errors import (BadInput, DiskFull, OutputError, ReadOnly, Unavailable,
+from kvfid.tasks import ledger_views
+from kvfid.runs.case import CaseError
+from kvfid.cli import main
+from kvfid.errors import (BadInput, DiskFull, OutputError, ReadOnly, Unavailable,
                             write_failure)
-from harness.ledger.store import LedgerError
-from harness.ledger.opening import LedgerRefused
-from harness.inputs.models import ModelUnavailable
+from kvfid.ledger.store import LedgerError
+from kvfid.ledger.opening import LedgerRefused
+from kvfid.inputs.models import ModelUnavailable
 
 
 @pytest.mark.parametrize("error,code", [
@@ -47,7 +47,7 @@ def test_a_bug_is_one_line_exit_70_and_debug_shows_it(monkeypatch):
 
 
 def test_an_interrupted_run_is_one_line_and_exit_130(monkeypatch):
-    from harness.errors import Interrupted
+    from kvfid.errors import Interrupted
 
     def stop(db):
         raise Interrupted("`kvfid run smoke --resume r1` continues run r1")
@@ -99,8 +99,8 @@ def test_a_kernel_refusal_met_inside_a_forward_is_exit_3_not_a_crash():
     during the forward; the Runner reports it as Unavailable (exit 3), never as exit 70."""
     import torch
 
-    from harness.protocol.decode import Runner
-    from kernels import KernelRefusal, hf_native
+    from kvfid.protocol.decode import Runner
+    from kvfid.kernels import KernelRefusal, hf_native
 
     class BiasedAttention(torch.nn.Module):
         def __init__(self):

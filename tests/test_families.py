@@ -6,12 +6,12 @@ and compared part by part; unknown layer states refused before compute."""
 import pytest
 import torch
 
-from harness.errors import KvfidError
-from harness.states import cache as kv
-from harness.states import surgery
-from harness.records import record as rec
-from harness.records.plain import decode
-from harness.states.surgery import parse_selection, perturb
+from kvfid.errors import KvfidError
+from kvfid.states import cache as kv
+from kvfid.states import surgery
+from kvfid.records import record as rec
+from kvfid.records.plain import decode
+from kvfid.states.surgery import parse_selection, perturb
 from tests.families import FAMILIES, build
 
 B, S = 10, 3            # B crosses the windows (8 positions) of the window families
@@ -31,7 +31,7 @@ def folders(tmp_path_factory):
 
 def _repro(folder, backend, dtype="bf16", batch_invariant=False, b=B, s=S,
            arms="live,prefill", transplants=(), faithful_recurrence=None):
-    from harness.diagnoses import repro
+    from kvfid.diagnoses import repro
 
     prepared = repro.prepare(f"hf:{folder}", PROMPT, None, None, backend, dtype,
                              batch_invariant, "cpu", None, b, s, arms, "", list(transplants),
@@ -42,7 +42,7 @@ def _repro(folder, backend, dtype="bf16", batch_invariant=False, b=B, s=S,
 def test_every_family_is_described_from_its_config_alone(folders):
     from transformers import AutoConfig
 
-    from harness.stacks.serving import describe_layers
+    from kvfid.stacks.serving import describe_layers
 
     seen = {}
     for family, folder in folders.items():
@@ -80,9 +80,9 @@ def test_no_internal_error_on_sdpa_and_eager_with_the_mode_bit_exact_where_it_is
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_triton_serves_or_refuses_in_one_line_before_compute(folders, family):
-    from harness.stacks.serving import describe_layers
-    from harness.inputs.models import load_model
-    from kernels.hf import SERVES
+    from kvfid.stacks.serving import describe_layers
+    from kvfid.inputs.models import load_model
+    from kvfid.kernels.hf import SERVES
 
     mechanisms = {m for i in describe_layers(load_model(f"hf:{folders[family]}"))
                   for m in i.mechanisms} - {"recurrent"} - SERVES
@@ -97,8 +97,8 @@ def test_triton_serves_or_refuses_in_one_line_before_compute(folders, family):
 
 
 def _live(folder, steps=B):
-    from harness.inputs.models import load_model
-    from harness.protocol.protocol import run_live
+    from kvfid.inputs.models import load_model
+    from kvfid.protocol.protocol import run_live
 
     model = load_model(f"hf:{folder}")
     module = model.cast(torch.float32)
@@ -124,8 +124,8 @@ def _noisy(state, layers, parts):
 ])
 def test_a_transplanted_window_or_recurrent_state_makes_the_suffix_follow_the_donor(
         folders, family, layers, selection, parts):
-    from harness.protocol.protocol import decode_suffix
-    from harness.protocol.decode import Runner
+    from kvfid.protocol.protocol import decode_suffix
+    from kvfid.protocol.decode import Runner
 
     module, live = _live(folders[family])
     kinds = {live.state.layers[i].kind for i in layers}
@@ -175,7 +175,7 @@ def test_a_cache_layer_kvfid_does_not_know_is_refused_before_compute(monkeypatch
     from transformers import MistralConfig
     from transformers import cache_utils as cu
 
-    from harness.stacks.stack import Stack, check_supports
+    from kvfid.stacks.stack import Stack, check_supports
 
     class PagedLayer(cu.DynamicLayer):   # holds a list of pages: not a state kvfid can read whole
         def __init__(self, **kwargs):
@@ -205,7 +205,7 @@ def test_old_layer_records_still_read():
 def test_the_models_command_lists_layer_types_and_stacks(folders):
     from click.testing import CliRunner
 
-    from harness.cli import main
+    from kvfid.cli import main
 
     result = CliRunner().invoke(main, ["models", f"hf:{folders['gpt-oss']}", "--length", "40"])
     assert result.exit_code == 0, result.output
@@ -241,8 +241,8 @@ def test_a_hybrid_layer_keeps_both_its_states_through_to_cache(tmp_path):
     module, live = _live(build_extra("falcon-h1", tmp_path / "falcon-h1"), steps=4)
     layer = live.state.layers[0]
     assert layer.kind == "recurrent+full" and set(layer.parts) == {"k", "v", "recurrent", "conv"}
-    from harness.protocol.decode import Runner
-    from harness.protocol.protocol import decode_suffix
+    from kvfid.protocol.decode import Runner
+    from kvfid.protocol.protocol import decode_suffix
 
     with torch.inference_mode():
         again = decode_suffix(Runner(module), live.state, 6, frozenset())

@@ -8,9 +8,9 @@ donor. A family the installed transformers lacks is skipped, saying so."""
 import pytest
 import torch
 
-from harness.errors import KvfidError
-from harness.states import cache as kv
-from harness.states import surgery
+from kvfid.errors import KvfidError
+from kvfid.states import cache as kv
+from kvfid.states import surgery
 from tests.families import NEWEST_FAMILIES, build
 
 B, S = 4, 1             # fp32: the CPU's fast path; B crosses no window, the prompt does
@@ -56,8 +56,8 @@ def _folder(folders, family):
 
 
 def _repro(folder, stack: str, arms="live,prefill"):
-    from harness.stacks.stack import parse_stack
-    from harness.diagnoses import repro
+    from kvfid.stacks.stack import parse_stack
+    from kvfid.diagnoses import repro
 
     parsed = parse_stack(stack)
     prepared = repro.prepare(f"hf:{folder}", PROMPT, None, None, parsed.backend, parsed.dtype,
@@ -70,7 +70,7 @@ def _repro(folder, stack: str, arms="live,prefill"):
 def test_each_family_is_described_by_what_its_layers_hold(folders):
     from transformers import AutoConfig
 
-    from harness.stacks.serving import describe_layers
+    from kvfid.stacks.serving import describe_layers
 
     expect = {"gemma4": (["window", "full", "shared:0", "shared:1"], set()),
               "deepseek-v32": (["latent"] * 2, {"sparse_indexer", "split_head_dims"}),
@@ -152,9 +152,9 @@ def test_the_indexer_selection_is_a_part_compared_by_query(folders):
     layer = record.against_live("prefill").cache.layers[0]
     selection = layer.parts["kvfid_selection"]
     assert selection.equal   # the mode's top-k: the same visible keys for every query
-    from harness.stacks.stack import parse_stack
-    from harness.inputs.models import load_model
-    from harness.protocol.protocol import run_live
+    from kvfid.stacks.stack import parse_stack
+    from kvfid.inputs.models import load_model
+    from kvfid.protocol.protocol import run_live
 
     model = load_model(f"hf:{folder}")
     with parse_stack("eager/fp32+bi").activate(model) as module:
@@ -171,7 +171,7 @@ def test_the_indexer_selection_is_a_part_compared_by_query(folders):
 
 
 def test_the_modes_topk_breaks_ties_by_index_whatever_the_width():
-    from kernels.invariant.mode import set_batch_invariant_mode
+    from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
     row = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0, 3.0, 0.5, 3.0])
     with set_batch_invariant_mode(True, impl="tiled"):
@@ -187,8 +187,8 @@ def test_the_modes_topk_breaks_ties_by_index_whatever_the_width():
 # --------------------------------------------------------------------------- helpers
 
 def _live(folder, steps=8):
-    from harness.inputs.models import load_model
-    from harness.protocol.protocol import run_live
+    from kvfid.inputs.models import load_model
+    from kvfid.protocol.protocol import run_live
 
     model = load_model(f"hf:{folder}")
     module = model.cast(torch.float32)
@@ -212,8 +212,8 @@ def _noisy(state, layers, parts=None):
 
 
 def _follows_donor(module, live, donor, moved):
-    from harness.protocol.decode import Runner
-    from harness.protocol.protocol import decode_suffix
+    from kvfid.protocol.decode import Runner
+    from kvfid.protocol.protocol import decode_suffix
 
     with torch.inference_mode():
         own = decode_suffix(Runner(module), live.state, 6, frozenset())
@@ -225,7 +225,7 @@ def _follows_donor(module, live, donor, moved):
 
 
 def test_a_padded_rows_selection_is_read_in_its_own_positions():
-    from harness.states.selection import unpadded
+    from kvfid.states.selection import unpadded
 
     recorded = torch.tensor([[[0, 2, 3], [1, 3, 5], [-1, -1, -1]]])   # pad = 2: keys 0, 1 pads
     assert unpadded(recorded, 2).tolist() == [[[0, 1, -1], [1, 3, -1], [-1, -1, -1]]]

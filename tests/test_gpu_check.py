@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from harness.tasks import gpu_check
+from kvfid.tasks import gpu_check
 
 
 @pytest.mark.gpu_rehearsal

@@ -1,6 +1,6 @@
-"""The floors hold: every import in harness/ and kernels/ (inside functions too) goes to its own
-floor or one below, in the order docs/architecture.md states once, and no modules import each
-other in a circle."""
+"""The floors hold: every import in harness/ (`kvfid`) and kernels/ (`kvfid.kernels`), inside
+functions too, goes to its own floor or one below, in the order docs/architecture.md states once,
+and no modules import each other in a circle."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("harness", "kernels")
+# Each folder and the import name it has (setup.py's package_dir), the deeper name first.
+FOLDERS = {"kernels": "kvfid.kernels", "harness": "kvfid"}
 
 
 def floors(text: str) -> list[list[str]]:
@@ -21,17 +22,21 @@ def floors(text: str) -> list[list[str]]:
 
 
 def module_name(path: Path, root: Path) -> str:
-    parts = path.relative_to(root).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    folder, *parts = path.relative_to(root).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join([FOLDERS[folder], *parts])
 
 
 def is_module(name: str, root: Path) -> bool:
-    path = root.joinpath(*name.split("."))
-    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+    for folder, package in FOLDERS.items():
+        if name == package or name.startswith(package + "."):
+            path = root.joinpath(folder, *name[len(package):].split(".")[1:])
+            return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+    return False
 
 
 def imports(path: Path, root: Path) -> list[tuple[int, str]]:
-    """(line, module) for every import of harness or kernels in `path`, wherever it stands:
+    """(line, module) for every import of kvfid in `path`, wherever it stands:
     `from a import b` counts as importing a.b when a.b is a module, else as importing a."""
     name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -47,12 +52,12 @@ def imports(path: Path, root: Path) -> list[tuple[int, str]]:
             for alias in node.names:
                 whole = f"{base}.{alias.name}"
                 found.append((node.lineno, whole if is_module(whole, root) else base))
-    return [(line, m) for line, m in found if m.split(".")[0] in PACKAGES]
+    return [(line, m) for line, m in found if m.split(".")[0] == "kvfid"]
 
 
 def graph(root: Path) -> dict[str, list[tuple[int, str]]]:
     return {module_name(p, root): imports(p, root)
-            for package in PACKAGES for p in sorted((root / package).rglob("*.py"))}
+            for folder in FOLDERS for p in sorted((root / folder).rglob("*.py"))}
 
 
 def placed(module: str, units: list[str]) -> str | None:
@@ -67,7 +72,7 @@ def problems(root: Path, order: list[list[str]]) -> list[str]:
     edges = graph(root)
     found = []
     for module, targets in edges.items():
-        if module == "harness":                       # the root package: a docstring, no imports
+        if module == "kvfid":                         # the root package: no imports of its own
             found += [f"harness/__init__.py:{line} imports {t}" for line, t in targets]
             continue
         unit = placed(module, list(level))
@@ -77,7 +82,7 @@ def problems(root: Path, order: list[list[str]]) -> list[str]:
         for line, target in targets:
             other = placed(target, list(level))
             if other is not None and level[other] > level[unit]:
-                found.append(f"{module.replace('.', '/')}.py:{line} imports {target}: "
+                found.append(f"{_file(module, root)}:{line} imports {target}: "
                              f"upward, from floor {unit} to {other}")
     found += [f"import circle: {' -> '.join(c)}" for c in circles(
         {m: {t for _, t in ts if t in edges and t != m} for m, ts in edges.items()})]
@@ -90,6 +95,15 @@ def problems(root: Path, order: list[list[str]]) -> list[str]:
                 units.setdefault(unit, set()).add(other)
     found += [f"package circle: {' -> '.join(c)}" for c in circles(units)]
     return found
+
+
+def _file(module: str, root: Path) -> str:
+    """The file of a module, as the repository names it (harness/..., kernels/...)."""
+    for folder, package in FOLDERS.items():
+        if module == package or module.startswith(package + "."):
+            path = Path(folder, *module[len(package):].split(".")[1:])
+            return str(path / "__init__.py" if (root / path).is_dir() else path.with_suffix(".py"))
+    return module
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -124,7 +138,7 @@ def test_the_floors_name_every_package_once():
     units = [u for line in order for u in line]
     assert len(units) == len(set(units))
     assert all(is_module(u, ROOT) for u in units), units
-    assert [line for line in order if "kernels" in line] == [["kernels"]] == order[-1:]
+    assert [line for line in order if "kvfid.kernels" in line] == [["kvfid.kernels"]] == order[-1:]
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -135,28 +149,28 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     return tmp_path
 
 
-FLOORS = [["harness.top"], ["harness.low"], ["kernels"]]
+FLOORS = [["kvfid.top"], ["kvfid.low"], ["kvfid.kernels"]]
 BASE = {"harness/__init__.py": "", "harness/top/__init__.py": "", "harness/low/__init__.py": "",
-        "kernels/__init__.py": "", "harness/top/a.py": "from harness.low import b\n",
-        "harness/low/b.py": "import kernels\n"}
+        "kernels/__init__.py": "", "harness/top/a.py": "from kvfid.low import b\n",
+        "harness/low/b.py": "from kvfid import kernels\n"}
 
 
 def test_the_check_finds_an_upward_import_inside_a_function(tmp_path):
-    root = _tree(tmp_path, {**BASE, "harness/low/c.py": "def f():\n    from harness.top.a import x\n"})
+    root = _tree(tmp_path, {**BASE, "harness/low/c.py": "def f():\n    from kvfid.top.a import x\n"})
     assert problems(root, FLOORS) == [
-        "harness/low/c.py:2 imports harness.top.a: upward, from floor harness.low to harness.top",
-        "package circle: harness.low -> harness.top -> harness.low"]
-    assert problems(_tree(tmp_path, {"harness/low/c.py": "import kernels\n"}), FLOORS) == []
+        "harness/low/c.py:2 imports kvfid.top.a: upward, from floor kvfid.low to kvfid.top",
+        "package circle: kvfid.low -> kvfid.top -> kvfid.low"]
+    assert problems(_tree(tmp_path, {"harness/low/c.py": "import kvfid.kernels\n"}), FLOORS) == []
 
 
 def test_the_check_finds_a_circle_inside_a_package_and_kernels_importing_harness(tmp_path):
-    root = _tree(tmp_path, {**BASE, "harness/low/c.py": "from harness.low import d\n",
+    root = _tree(tmp_path, {**BASE, "harness/low/c.py": "from kvfid.low import d\n",
                             "harness/low/d.py": "def f():\n    from . import c\n",
-                            "kernels/k.py": "from harness.low import b\n"})
+                            "kernels/k.py": "from kvfid.low import b\n"})
     assert problems(root, FLOORS) == [
-        "kernels/k.py:1 imports harness.low.b: upward, from floor kernels to harness.low",
-        "import circle: harness.low.c -> harness.low.d -> harness.low.c",
-        "package circle: harness.low -> kernels -> harness.low"]
+        "kernels/k.py:1 imports kvfid.low.b: upward, from floor kvfid.kernels to kvfid.low",
+        "import circle: kvfid.low.c -> kvfid.low.d -> kvfid.low.c",
+        "package circle: kvfid.kernels -> kvfid.low -> kvfid.kernels"]
 
 
 def backend_name_tests(root: Path) -> list[str]:
@@ -164,7 +178,7 @@ def backend_name_tests(root: Path) -> list[str]:
     below or beside it: inputs, records, states, stacks, tracing, stages, engines) against a
     built-in backend's name (`backend == "sdpa"`, `name in ("triton", "native")`): the backends
     say what they refuse."""
-    from harness.names import BACKENDS
+    from kvfid.names import BACKENDS
 
     def named(node) -> bool:
         if isinstance(node, ast.Constant):

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from fake_nvml import H200, FakeNVML  # tests/ is on sys.path (pytest's rootdir-less import mode)
-from harness.environment import envinfo
-from harness.runs.case import load_case
-from harness.reports.document import Table, markdown
-from harness.reports.index import update_index
-from harness.reports.index_page import index_document
-from harness.ledger.store import Ledger
-from harness.reports.report import write_report
+from kvfid.environment import envinfo
+from kvfid.runs.case import load_case
+from kvfid.reports.document import Table, markdown
+from kvfid.reports.index import update_index
+from kvfid.reports.index_page import index_document
+from kvfid.ledger.store import Ledger
+from kvfid.reports.report import write_report
 
 SMOKE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
 

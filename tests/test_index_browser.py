@@ -21,8 +21,8 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from harness.reports.document import to_html
-from harness.reports.index_page import index_document
+from kvfid.reports.document import to_html
+from kvfid.reports.index_page import index_document
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH = 1280

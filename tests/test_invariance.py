@@ -1,4 +1,4 @@
-"""harness.environment.invariance: the kernel comparison's table, verdicts, negative controls, and that it can fail."""
+"""kvfid.environment.invariance: the kernel comparison's table, verdicts, negative controls, and that it can fail."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from harness.environment import invariance, probes
-from harness.stacks import twins
-from harness.environment.invariance import IMPLEMENTATIONS, OPS, bits_equal, compare_kernels
-from harness.reports import invariance_table
-from harness.reports.invariance_table import render_table, write_result
-from kernels.attention.kernel import attention_ref
+from kvfid import kernels
+from kvfid.environment import invariance, probes
+from kvfid.stacks import twins
+from kvfid.environment.invariance import IMPLEMENTATIONS, OPS, bits_equal, compare_kernels
+from kvfid.reports import invariance_table
+from kvfid.reports.invariance_table import render_table, write_result
+from kvfid.kernels.attention.kernel import attention_ref
 
 # The comparison runs on CPU tensors; Triton takes them only through its interpreter (always set
 # without CUDA, and by `make test`).

@@ -1,8 +1,8 @@
 """`compare_kernels(jobs=2)`: the rows measured in two spawned processes are the rows measured in
 this one, in the same order, with the same tiled-mode probes."""
 
-from harness.environment import invariance
-from kernels.invariant import tiled as mode_tiled
+from kvfid.environment import invariance
+from kvfid.kernels.invariant import tiled as mode_tiled
 
 
 def test_two_processes_give_the_rows_and_probes_of_one(monkeypatch):

@@ -1,4 +1,4 @@
-"""harness.inputs.items: deterministic arithmetic set, JSON Lines loading, specs, the answer matcher."""
+"""kvfid.inputs.items: deterministic arithmetic set, JSON Lines loading, specs, the answer matcher."""
 
 import ast
 import json
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from harness.inputs.items import (
+from kvfid.inputs.items import (
     ARITH_DEFAULT_N,
     Item,
     arith_items,

@@ -1,4 +1,4 @@
-"""kernels.attention.kernel: correctness against fp64, bitwise invariance (constructions, batch), controls."""
+"""kvfid.kernels.attention.kernel: correctness against fp64, bitwise invariance (constructions, batch), controls."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from helpers import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_bitwise_equal, asser
                      bits_equal, check_rejects_bad_inputs, device, differing_positions,
                      probe_in_batches, randn)
 
-from harness.stacks.twins import attention_twin
-from kernels.attention.kernel import BLOCK_M, attention, attention_ref, config_for
+from kvfid.stacks.twins import attention_twin
+from kvfid.kernels.attention.kernel import BLOCK_M, attention, attention_ref, config_for
 
 
 def make_qkv(batch, n_q_heads, n_kv_heads, length, head_dim, dtype, seed=0):

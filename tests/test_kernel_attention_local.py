@@ -1,4 +1,4 @@
-"""kernels.attention.kernel with local attention: sliding windows and block-local (chunked) attention over
+"""kvfid.kernels.attention.kernel with local attention: sliding windows and block-local (chunked) attention over
 caches that hold only the last keys (transformers' sliding-window cache layer).
 
 Correctness against fp64; every position's bits the same in a full-cache prefill and in decode
@@ -21,7 +21,7 @@ import pytest
 import torch
 from helpers import assert_close_to_ref, bits_equal, device, randn
 
-from kernels.attention.kernel import INTERPRETER_CONFIG, AttentionConfig, attention_into, attention_ref
+from kvfid.kernels.attention.kernel import INTERPRETER_CONFIG, AttentionConfig, attention_into, attention_ref
 
 SMALL = AttentionConfig(block_n=32, max_tile_rows=64, num_warps=4, num_stages=1, use_dot=False)
 LENGTH = 90  # positions: three 32-key tiles, the last one partial

@@ -1,4 +1,4 @@
-"""kernels.attention.kernel with logit softcapping, attention sinks, different q/k and v head dims (MLA)
+"""kvfid.kernels.attention.kernel with logit softcapping, attention sinks, different q/k and v head dims (MLA)
 and head dims up to 256: each against fp64 (with a control showing the check sees the mechanism),
 and every position's bits the same in prefill, chunks and decode.
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import assert_close_to_ref, bits_equal, randn
 
-from kernels.attention.kernel import AttentionConfig, attention, attention_ref
+from kvfid.kernels.attention.kernel import AttentionConfig, attention, attention_ref
 
 SMALL = AttentionConfig(block_n=32, max_tile_rows=64, num_warps=4, num_stages=1, use_dot=False)
 LENGTH = 70

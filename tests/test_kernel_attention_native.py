@@ -1,4 +1,4 @@
-"""kernels.attention.native: correctness against fp64 (every mechanism), bitwise invariance
+"""kvfid.kernels.attention.native: correctness against fp64 (every mechanism), bitwise invariance
 (constructions, batch, left padding, window caches), negative controls, and the contract."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from helpers import (BATCH_SIZES, DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref,
                      check_rejects_bad_inputs, differing_positions, probe_in_batches, randn)
 
-from harness.stacks.twins import attention_twin
-from kernels.attention.native import NativeConfig, attention, attention_ref
-from kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.stacks.twins import attention_twin
+from kvfid.kernels.attention.native import NativeConfig, attention, attention_ref
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
 
 def make_qkv(batch, n_q, n_kv, length, head_dim, dtype, seed=0, v_dim=None):

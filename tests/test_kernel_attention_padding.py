@@ -1,4 +1,4 @@
-"""kernels.attention.kernel with left padding: correctness, a row's bits independent of its padding and
+"""kvfid.kernels.attention.kernel with left padding: correctness, a row's bits independent of its padding and
 its neighbours in prefill, chunks and decode, pad keys never read, and the padding-variant twin.
 
 The probe is one sequence of PROBE_LEN positions. In a batch of n it sits at a seeded row among
@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal, device, max_abs_diff, randn
 
-from kernels.attention.kernel import attention_into, attention_ref, config_for
+from kvfid.kernels.attention.kernel import attention_into, attention_ref, config_for
 
 PROBE_LEN = 24  # own positions of the probe: more than one query tile (16)
 WIDTH = 140  # batch width: the probe's padding (116) puts its keys across a 128- or 64-key tile edge

@@ -1,4 +1,4 @@
-"""kernels.attention.kernel's split path (key axis cut into fixed segments at absolute positions, the
+"""kvfid.kernels.attention.kernel's split path (key axis cut into fixed segments at absolute positions, the
 segments' softmax states merged in order): correctness, every position's bits the same in prefill,
 chunks and decode at lengths within one segment and across several (full and window caches),
 one segment equal to the unsplit kernel, and the twin whose segments start at the first held key.
@@ -23,7 +23,7 @@ import pytest
 import torch
 from helpers import assert_close_to_ref, bits_equal, randn
 
-from kernels.attention.kernel import AttentionConfig, attention, attention_into, attention_ref
+from kvfid.kernels.attention.kernel import AttentionConfig, attention, attention_into, attention_ref
 
 UNSPLIT = AttentionConfig(block_n=32, max_tile_rows=64, num_warps=4, num_stages=1, use_dot=False)
 SPLIT = dataclasses.replace(UNSPLIT, segment=64)  # two key tiles per segment
@@ -112,7 +112,7 @@ def test_one_segment_gives_the_unsplit_bits_and_more_do_not(name):
 
 def test_long_prefill_in_query_chunks_is_bit_identical(monkeypatch):
     """A workspace too small for the launch makes it run as query chunks: the same bits."""
-    import kernels.attention.kernel as attention_module
+    import kvfid.kernels.attention.kernel as attention_module
 
     q, k, v = qkv(torch.float32)
     whole = prefill("causal", torch.float32)  # before the patch: one launch

@@ -12,10 +12,10 @@ from dataclasses import replace
 from helpers import (DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref, bits_equal,
                      device, randn)
 
-from kernels.attention import kernel as triton_attention
-from kernels.attention import native
-from kernels.attention.config import AttentionConfig, config_for
-from kernels.attention.reference import attention_ref, segment_mask
+from kvfid.kernels.attention import kernel as triton_attention
+from kvfid.kernels.attention import native
+from kvfid.kernels.attention.config import AttentionConfig, config_for
+from kvfid.kernels.attention.reference import attention_ref, segment_mask
 
 # Small key tiles so a few dozen keys span several tiles (the interpreter's default is 128 keys).
 SMALL = {"triton": {"config": AttentionConfig(block_n=16, max_tile_rows=64, num_warps=4,

@@ -2,7 +2,7 @@
 
 The other kernel tests also run on CUDA when it is present (their tensors go to `device()`); these
 add shapes too large for the interpreter. The controls are the deliberately variant twins
-(harness.stacks.twins), which differ on any GPU; whether stock cuBLAS varies is machine-dependent and is
+(kvfid.stacks.twins), which differ on any GPU; whether stock cuBLAS varies is machine-dependent and is
 a finding of `kvfid kernels` (its stock probes), not a test assumption.
 """
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 from helpers import BATCH_SIZES, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal, randn
 
-from harness.stacks.twins import attention_twin, matmul_twin
-from kernels.attention.kernel import attention, attention_ref
-from kernels.invariant.matmul import matmul
+from kvfid.stacks.twins import attention_twin, matmul_twin
+from kvfid.kernels.attention.kernel import attention, attention_ref
+from kvfid.kernels.invariant.matmul import matmul
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -80,7 +80,7 @@ GPU_VARIANTS = {  # name: (Hq, Hkv, q/k dim, v dim, keyword arguments)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=("bf16", "fp32"))
 @pytest.mark.parametrize("name", GPU_VARIANTS)
 def test_gpu_variant_window_cache_decode_same_bits_as_prefill(name, dtype):
-    from kernels.attention.kernel import attention_into
+    from kvfid.kernels.attention.kernel import attention_into
 
     n_q, n_kv, qk_dim, v_dim, kwargs = GPU_VARIANTS[name]
     if name == "gpt-oss-window-sinks":

@@ -20,8 +20,8 @@ import pytest
 import torch
 from helpers import DTYPE_IDS, DTYPES, assert_close_to_ref, randn
 
-from kernels.attention import kernel as attn
-from kernels.invariant import matmul as mm
+from kvfid.kernels.attention import kernel as attn
+from kvfid.kernels.invariant import matmul as mm
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter only")
 

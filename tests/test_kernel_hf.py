@@ -1,4 +1,4 @@
-"""kernels.hf: the "kvfid_triton" attention implementation inside transformers models.
+"""kvfid.kernels.hf: the "kvfid_triton" attention implementation inside transformers models.
 
 Logits against stock SDPA (tolerance), caches bitwise equal across constructions (prefill, one token
 at a time, chunks) under the batch-invariant mode, the variant twin that differs, and refusals.
@@ -12,9 +12,9 @@ from helpers import assert_bitwise_equal, bits_equal, cache_keyword, device, tin
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
-from harness.stacks import twins
-from kernels import hf, hf_native as native, triton_runs_on
-from kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.stacks import twins
+from kvfid.kernels import hf, hf_native as native, triton_runs_on
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
 LENGTH = 17  # more than one query tile (16), not a multiple of it
 # The models of the bitwise tests under the mode: every matmul, norm and softmax of the mode's

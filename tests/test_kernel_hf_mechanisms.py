@@ -1,4 +1,4 @@
-"""kernels.hf with the mechanisms of 2025-26 decoders, on tiny random-weight models built from
+"""kvfid.kernels.hf with the mechanisms of 2025-26 decoders, on tiny random-weight models built from
 transformers' config classes: sliding windows over a window cache (Mistral), softcap and windows
 (Gemma 2), sinks and windows (gpt-oss), q/k head dim != v head dim (DeepSeek-V3 MLA).
 
@@ -13,8 +13,8 @@ import torch
 from helpers import assert_bitwise_equal, cache_keyword, device
 from transformers import DynamicCache
 
-from kernels import hf
-from kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.kernels import hf
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
 LENGTH = 21
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -12,10 +12,10 @@ from helpers import assert_bitwise_equal, bits_equal, cache_keyword
 from test_kernel_hf import layer_kv, narrow_model
 from transformers import DynamicCache
 
-from harness.stacks import twins
-from kernels import hf, hf_native, triton_runs_on
-from kernels.attention.reference import segment_mask
-from kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.stacks import twins
+from kvfid.kernels import hf, hf_native, triton_runs_on
+from kvfid.kernels.attention.reference import segment_mask
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
 PROMPT, BRANCHES, MERGE = 6, (5, 4), 4  # 19 tokens: crosses one 16-query tile edge
 KERNELS = {"triton": hf.register, "native": hf_native.register}

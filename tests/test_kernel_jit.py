@@ -1,4 +1,4 @@
-"""kernels.jit: in the Triton interpreter a device function's call (ours, and the language's own
+"""kvfid.kernels.jit: in the Triton interpreter a device function's call (ours, and the language's own
 during our launches) skips the language re-patch, which the launch did; it computes the
 interpreter's own bits, and a launch patches once. Compiled, `kernel` and `device_function` are
 `triton.jit` (test_compile.py compiles these kernels)."""
@@ -14,11 +14,11 @@ import torch
 import triton.runtime.interpreter as interpreter
 from helpers import assert_bitwise_equal, bits_equal, randn
 
-import kernels
-from kernels import dot, jit
-from kernels.attention import kernel as attention_kernel, tiles, visible
-from kernels.attention.kernel import AttentionConfig, attention
-from kernels.invariant import matmul, norm, softmax
+from kvfid import kernels
+from kvfid.kernels import dot, jit
+from kvfid.kernels.attention import kernel as attention_kernel, tiles, visible
+from kvfid.kernels.attention.kernel import AttentionConfig, attention
+from kvfid.kernels.invariant import matmul, norm, softmax
 
 pytestmark = pytest.mark.skipif(not kernels.interpreting() or jit._INTERPRETED is None,
                                 reason="the Triton interpreter, with InterpretedFunction.rewrite")

@@ -1,4 +1,4 @@
-"""Every Triton launch pins the code-generation options that change bits (kernels.LAUNCH_OPTIONS),
+"""Every Triton launch pins the code-generation options that change bits (kvfid.kernels.LAUNCH_OPTIONS),
 and the environment record carries them."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from harness.environment import envinfo
-from kernels.attention import kernel as attention
-from kernels.invariant import matmul, norm, softmax
+from kvfid import kernels
+from kvfid.environment import envinfo
+from kvfid.kernels.attention import kernel as attention
+from kvfid.kernels.invariant import matmul, norm, softmax
 
 
 class RecordingKernel:

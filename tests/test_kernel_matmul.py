@@ -1,4 +1,4 @@
-"""kernels.invariant.matmul: correctness against fp64, bitwise batch invariance (kernel and both modes), controls."""
+"""kvfid.kernels.invariant.matmul: correctness against fp64, bitwise batch invariance (kernel and both modes), controls."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from helpers import (BATCH_SIZES, CHECKED_ROWS, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal,
                      max_abs_diff, randn)
 
-from harness.stacks.twins import matmul_twin
-from kernels.invariant.matmul import bmm, matmul, matmul_ref
-from kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.stacks.twins import matmul_twin
+from kvfid.kernels.invariant.matmul import bmm, matmul, matmul_ref
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
 
 # ---- correctness -------------------------------------------------------------------------------

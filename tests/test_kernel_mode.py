@@ -1,4 +1,4 @@
-"""kernels.invariant.mode: which aten ops are replaced, restoring on exit and on error, nesting, fallbacks,
+"""kvfid.kernels.invariant.mode: which aten ops are replaced, restoring on exit and on error, nesting, fallbacks,
 and a whole tiny model made batch-invariant by it."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from helpers import assert_bitwise_equal, device, tiny_model, randn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels.invariant import matmul, norm
-from kernels.invariant.mode import (IMPLS, OVERRIDDEN_OPS, batch_invariant_mode, set_batch_invariant_mode)
+from kvfid.kernels.invariant import matmul, norm
+from kvfid.kernels.invariant.mode import (IMPLS, OVERRIDDEN_OPS, batch_invariant_mode, set_batch_invariant_mode)
 
 
 def dispatch_state() -> dict[str, str]:
@@ -134,8 +134,8 @@ def test_covered_calls_use_the_kernels():
         mean = x.mean(dim=-1, keepdim=True)
         probs = torch.softmax(x, dim=-1)
     assert_bitwise_equal(mean, norm.mean_last_dim(x, keepdim=True), "mean.dim vs mean_last_dim")
-    from kernels.invariant.softmax import softmax
-    assert_bitwise_equal(probs, softmax(x, -1), "_softmax vs kernels.invariant.softmax")
+    from kvfid.kernels.invariant.softmax import softmax
+    assert_bitwise_equal(probs, softmax(x, -1), "_softmax vs kvfid.kernels.invariant.softmax")
 
 
 # ---- a whole model -----------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import DTYPE_IDS, DTYPES, assert_bitwise_equal, assert_close_to_ref, bits_equal, randn
 
-from kernels.invariant.mode import set_batch_invariant_mode
-from kernels.invariant.ops import conv1d_depthwise_ref, lane_uniform
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.kernels.invariant.ops import conv1d_depthwise_ref, lane_uniform
 
 ROWWISE = set_batch_invariant_mode(impl="rowwise")
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from helpers import DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal, device, max_abs_diff, randn
 
-from kernels.invariant.mode import IMPLS, set_batch_invariant_mode
-from kernels.invariant.softmax import log_softmax, softmax
+from kvfid.kernels.invariant.mode import IMPLS, set_batch_invariant_mode
+from kvfid.kernels.invariant.softmax import log_softmax, softmax
 
 SHAPE = (5, 6, 70)  # every reduced size is a multiple of 5 (the twin splits by 5)
 MEAN_DIMS = [(0,), (1,), (-1,), (0, 2), (1, 2), (0, 1, 2)]

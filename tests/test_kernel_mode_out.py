@@ -4,7 +4,7 @@ give the bits of the mode's own kernels, and are installed and removed with the 
 import pytest
 import torch
 
-from kernels.invariant.mode import OUT_OPS, set_batch_invariant_mode
+from kvfid.kernels.invariant.mode import OUT_OPS, set_batch_invariant_mode
 from helpers import randn
 
 

@@ -1,4 +1,4 @@
-"""kernels.invariant.route: the tiled mode's tile and dtype route, chosen from timings on this machine,
+"""kvfid.kernels.invariant.route: the tiled mode's tile and dtype route, chosen from timings on this machine,
 kept per machine, pinnable; every route bitwise batch- and sequence-invariant (with its control)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers import BATCH_SIZES, assert_bitwise_equal, randn
 
-from kernels.invariant import route as mode_route, tiled as mode_tiled
-from kernels.invariant.mode import set_batch_invariant_mode
-from kernels.invariant.route import Route
+from kvfid.kernels.invariant import route as mode_route, tiled as mode_tiled
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.kernels.invariant.route import Route
 
 BF16 = torch.bfloat16
 
@@ -179,8 +179,8 @@ def test_every_route_gives_a_row_its_bits_in_any_batch_and_in_a_sequence(fresh_r
 
 
 def test_the_kernel_table_names_each_dtypes_route(quick_kernels):
-    from harness.reports.invariance_table import invariance_document
-    from harness.reports.document import markdown
+    from kvfid.reports.invariance_table import invariance_document
+    from kvfid.reports.document import markdown
 
     routes = quick_kernels["tiled_routes"]
     assert set(routes) == {"bf16@t1", "fp32@t1"}

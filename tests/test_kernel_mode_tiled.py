@@ -1,4 +1,4 @@
-"""kernels.invariant.tiled: fixed tiles of rows per stock call, a probe before they are trusted, and
+"""kvfid.kernels.invariant.tiled: fixed tiles of rows per stock call, a probe before they are trusted, and
 the row-by-row fallback where the probe fails (a kernel variant by construction is the control)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from helpers import BATCH_SIZES, assert_bitwise_equal, randn
 
-from kernels.invariant import route as mode_route, tiled as mode_tiled
-from kernels.invariant.mode import set_batch_invariant_mode
-from kernels.invariant.route import Route
+from kvfid.kernels.invariant import route as mode_route, tiled as mode_tiled
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.kernels.invariant.route import Route
 
 
 def place_dependent(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""kernels.invariant.norm: correctness against fp64, bitwise batch invariance (kernel and rowwise mode), controls."""
+"""kvfid.kernels.invariant.norm: correctness against fp64, bitwise batch invariance (kernel and rowwise mode), controls."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from helpers import (BATCH_SIZES, CHECKED_ROWS, DTYPE_IDS, DTYPES, assert_bitwise_equal,
                      assert_close_to_ref, bits_equal, max_abs_diff, randn)
 
-from kernels.invariant.mode import set_batch_invariant_mode
-from kernels.invariant.norm import mean_last_dim, mean_last_dim_ref, rms_norm, rms_norm_ref
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.kernels.invariant.norm import mean_last_dim, mean_last_dim_ref, rms_norm, rms_norm_ref
 
 EPS = 1e-6
 
@@ -86,7 +86,7 @@ def test_control_a_row_count_split_mean_fails_the_row_alone_check():
     by construction, on any CPU and thread count) gives a row alone other bits than in a batch of
     7, so the check that the kernel passes can fail. (Stock CPU mean over 65536 fp32 columns was
     measured batch-variant with two threads and invariant with one: a finding, not a control.)"""
-    from harness.stacks.twins import _split_sum, _splits
+    from kvfid.stacks.twins import _split_sum, _splits
 
     def twin(x):
         return _split_sum(x.float(), _splits(x.shape[0]), torch.float32) / x.shape[-1]
@@ -97,7 +97,7 @@ def test_control_a_row_count_split_mean_fails_the_row_alone_check():
 
 
 def test_control_the_rms_norm_twin_fails_the_row_alone_check():
-    from harness.stacks.twins import rms_norm_twin
+    from kvfid.stacks.twins import rms_norm_twin
 
     pool, w = randn(64, WIDE).cpu(), randn(WIDE, seed=1).cpu()
     out = rms_norm_twin(pool, w, EPS)

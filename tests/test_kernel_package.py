@@ -1,63 +1,95 @@
-"""The `kernels` package: not mistaken for Hugging Face's hub-kernels (and refusing, saying why,
-where that distribution is installed), and it selects the Triton interpreter itself when there is
-no CUDA device.
+"""The `kvfid` package and its kernels: one import name beside the Hugging Face `kernels`
+distribution (which transformers 5.25 requires), and the Triton interpreter selected once, by
+`kvfid/__init__`, before triton loads when there is no CUDA device.
 
-The interpreter check runs in a child process with TRITON_INTERPRET removed from its environment:
-this process's conftest sets the variable before any test runs, so checking it here would pass
-whether or not the package sets it.
+The interpreter checks run in child processes with TRITON_INTERPRET removed from their
+environment: this process's conftest sets the variable before any test runs, so checking it here
+would pass whether or not the package sets it.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
-import transformers.utils
 
-import kernels
+from kvfid import kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_transformers_reports_hub_kernels_unavailable():
-    # transformers finds a module named `kernels` (ours) and then checks a distribution version;
-    # it must conclude that hub kernels are not installed.
-    assert importlib.util.find_spec("kernels").origin == kernels.__file__
-    assert transformers.utils.is_kernels_available() is False
-
-
-def test_package_has_no_version_attribute():
-    assert not hasattr(kernels, "__version__")
-
-
-def test_importing_kernels_selects_the_interpreter_without_cuda():
-    # A fresh interpreter started without the variable: it is unset before the import (the
-    # control) and "1" after importing a kernel module (which pulls the package in before triton).
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import os\nprint(os.environ.get('TRITON_INTERPRET', 'unset'))\n"
-            "import kernels.attention.kernel\nprint(os.environ.get('TRITON_INTERPRET', 'unset'))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    expected = "unset" if torch.cuda.is_available() else "1"
-    assert done.stdout.split() == ["unset", expected]
-
-
-def test_with_the_hub_kernels_distribution_installed_the_import_refuses_saying_why(tmp_path):
-    # transformers 5.25 requires the Hub's `kernels`; with its metadata on the path, transformers
-    # would import this package in its place ("cannot import name 'CUDAProperties'").
-    info = tmp_path / "kernels-0.19.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.19.1\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
-    done = subprocess.run([sys.executable, "-c", "import kernels"], cwd=ROOT, env=env,
+def _python(code: str, cwd: Path, **env: str) -> list[str]:
+    clean = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, env={**clean, **env},
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1
-    assert "Hugging Face `kernels` distribution (0.19.1)" in done.stderr, done.stderr
-    assert "pip uninstall kernels" in done.stderr
-    # Control: without that metadata (this process, whose tests import the package) no refusal.
-    assert kernels._HUB_KERNELS is None
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_kvfid_kernels_is_not_the_hub_distribution():
+    assert kernels.__name__ == "kvfid.kernels"
+    assert Path(kernels.__file__).resolve() == ROOT / "kernels" / "__init__.py"
+
+
+def _hub_installed() -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.version("kernels")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _hub_installed(), reason="the Hub's kernels distribution is not installed")
+def test_from_the_checkout_root_the_name_kernels_is_the_hub_distribution():
+    # `python -c` run in the checkout puts its root, and so the folder kernels/, first on
+    # sys.path; the folder hands the name over to the installed distribution, which transformers
+    # imports.
+    hub, ours = _python("import kernels, kvfid.kernels as ours\nprint(kernels.__file__)\n"
+                        "print(ours.__file__)", ROOT)
+    assert Path(hub).resolve() != ROOT / "kernels" / "__init__.py"
+    assert Path(ours).resolve() == ROOT / "kernels" / "__init__.py"
+
+
+def test_without_the_hub_distribution_the_name_kernels_is_missing_from_the_checkout_root():
+    # The control: with site-packages out of reach the folder finds nothing to hand over to, and
+    # the name is missing, as it is anywhere else.
+    code = ("import sys\nsys.path[:] = [p for p in sys.path if 'site-packages' not in p]\n"
+            "try:\n    import kernels\nexcept ModuleNotFoundError as err:\n    print(err.name)\n")
+    assert _python(code, ROOT) == ["kernels"]
+
+
+@pytest.mark.skipif(not _hub_installed(), reason="the Hub's kernels distribution is not installed")
+def test_transformers_runs_a_model_beside_the_hub_distribution():
+    # transformers 5.25 imports the Hub's `kernels` when it loads; run from the checkout root,
+    # where the folder kernels/ would otherwise take its place ("cannot import name
+    # 'CUDAProperties'").
+    code = ("import torch, transformers\nfrom transformers import LlamaConfig, LlamaForCausalLM\n"
+            "c = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, "
+            "num_attention_heads=2, num_key_value_heads=1, vocab_size=50)\n"
+            "print(LlamaForCausalLM(c)(torch.tensor([[1, 2]])).logits.shape[-1])")
+    assert _python(code, ROOT) == ["50"]
+
+
+def test_importing_kvfid_loads_no_torch_and_selects_the_interpreter_before_triton():
+    # Unset before (the control), unset after `import kvfid` (nothing heavy), and "1" once a
+    # kernel module has imported triton, where there is no CUDA.
+    code = ("import os, sys\nprint(os.environ.get('TRITON_INTERPRET', 'unset'))\nimport kvfid\n"
+            "print(os.environ.get('TRITON_INTERPRET', 'unset'), 'torch' in sys.modules)\n"
+            "import kvfid.kernels.attention.kernel\nprint(os.environ.get('TRITON_INTERPRET', 'unset'))")
+    expected = "unset" if torch.cuda.is_available() else "1"
+    assert _python(code, ROOT) == ["unset", "unset", "False", expected]
+
+
+def test_a_users_interpreter_setting_is_kept_and_triton_first_still_selects_it():
+    code = "import kvfid.kernels.attention.kernel, os\nprint(os.environ['TRITON_INTERPRET'])"
+    assert _python(code, ROOT, TRITON_INTERPRET="0") == ["0"]
+    # triton imported before kvfid: the package selects the interpreter at its own import, before
+    # any kernel of kvfid's is decorated.
+    code = ("import os, triton, kvfid\nprint(os.environ.get('TRITON_INTERPRET', 'unset'))")
+    assert _python(code, ROOT) == ["unset" if torch.cuda.is_available() else "1"]

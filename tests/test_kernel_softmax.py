@@ -1,4 +1,4 @@
-"""kernels.invariant.softmax: correctness against fp64, bitwise batch invariance (kernel and rowwise mode).
+"""kvfid.kernels.invariant.softmax: correctness against fp64, bitwise batch invariance (kernel and rowwise mode).
 
 Stock CPU softmax and log-softmax showed no batch dependence here (300 to 2**20 columns, fp32 and
 bf16), so there is no stock twin on CPU; the twin below instead perturbs one element of the probe
@@ -14,8 +14,8 @@ import torch
 from helpers import (BATCH_SIZES, CHECKED_ROWS, DTYPE_IDS, DTYPES, assert_close_to_ref, bits_equal,
                      max_abs_diff, randn)
 
-from kernels.invariant.mode import set_batch_invariant_mode
-from kernels.invariant.softmax import log_softmax, log_softmax_ref, softmax, softmax_ref
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.kernels.invariant.softmax import log_softmax, log_softmax_ref, softmax, softmax_ref
 
 
 randn = partial(randn, scale=3.0)  # logits of about +-9: exp spans many binades

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.records import record as rec
-from harness.ledger import store as ledger_module
-from harness.runs.case import load_case
-from harness.ledger.store import Ledger, LedgerError, fingerprints, record_rows
+from kvfid.records import record as rec
+from kvfid.ledger import store as ledger_module
+from kvfid.runs.case import load_case
+from kvfid.ledger.store import Ledger, LedgerError, fingerprints, record_rows
 
 CASE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
 ENV = {"git": {"revision": "abc", "dirty": True}, "gpus": []}
@@ -144,7 +144,7 @@ def test_a_schema_another_writer_creates_between_two_reads_is_not_refused(tmp_pa
     waits for it, and the open goes on to find that schema."""
     import threading
 
-    from harness.ledger import opening
+    from kvfid.ledger import opening
 
     path = tmp_path / "ranks.sqlite"
     sqlite3.connect(path).close()            # the empty file a rank's connect leaves

@@ -5,9 +5,9 @@ import sys
 
 from click.testing import CliRunner
 
-from harness.cli import main
-from harness.ledger.store import Ledger
-from harness.tasks import local_shards
+from kvfid.cli import main
+from kvfid.ledger.store import Ledger
+from kvfid.tasks import local_shards
 
 
 def test_two_local_processes_equal_a_single_process(tmp_path, smoke_run):

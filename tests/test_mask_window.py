@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import registry_walk as rw
-from kernels.attention.reference import visible
-from kernels.hf_masks import place_keys
+from kvfid.kernels.attention.reference import visible
+from kvfid.kernels.hf_masks import place_keys
 
 SERVES = frozenset({"sliding_window", "visibility"})
 

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.runs import matrix
-from harness.runs.case import CaseError, load_case, parse_case
-from harness.ledger.store import Ledger, LedgerError
-from harness.runs.audit import audit_run
-from harness.runs.matrix import plan_units, run_case
-from harness.runs.shards import Shard, parse_shard
-from harness.inputs.models import load_model
+from kvfid.runs import matrix
+from kvfid.runs.case import CaseError, load_case, parse_case
+from kvfid.ledger.store import Ledger, LedgerError
+from kvfid.runs.audit import audit_run
+from kvfid.runs.matrix import plan_units, run_case
+from kvfid.runs.shards import Shard, parse_shard
+from kvfid.inputs.models import load_model
 
 CASES = Path(__file__).resolve().parent.parent / "cases"
 SMOKE = load_case(CASES / "smoke.toml")
@@ -196,9 +196,9 @@ def test_a_crash_marks_the_run_crashed_and_resumable(model, tmp_path, monkeypatc
 
 def test_publish_opens_the_ledger_once_and_aggregates_once(model, tmp_path, monkeypatch):
     """run -> aggregate -> report -> index on one open ledger (a new file: after the checks)."""
-    from harness.reports import report
-    from harness.ledger import store as ledger_module
-    from harness.tasks import publish as publish_module
+    from kvfid.reports import report
+    from kvfid.ledger import store as ledger_module
+    from kvfid.tasks import publish as publish_module
 
     opened, aggregated = [], []
     real_init, real_aggregate = ledger_module.Ledger.__init__, report.aggregate
@@ -216,7 +216,7 @@ def test_publish_opens_the_ledger_once_and_aggregates_once(model, tmp_path, monk
 
 def test_a_stored_run_is_published_once_more_from_its_result(smoke_copy, tmp_path):
     """What rank 0 of a torchrun launch does with the run the ranks measured."""
-    from harness.tasks.ledger_views import publish_result
+    from kvfid.tasks.ledger_views import publish_result
 
     db, run_id = smoke_copy
     result = matrix.RunResult(run_id, "finished", 0, 9, 9)

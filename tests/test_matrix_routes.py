@@ -3,9 +3,9 @@ machine (an empty route store): matrix.prepare chooses them before the record is
 
 from __future__ import annotations
 
-from harness.runs import matrix
-from harness.runs.case import parse_case
-from kernels.invariant import route as mode_route
+from kvfid.runs import matrix
+from kvfid.runs.case import parse_case
+from kvfid.kernels.invariant import route as mode_route
 
 CASE = """
 name = "routes"

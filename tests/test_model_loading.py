@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.families import build
-from harness.inputs import models
-from harness.inputs.models import load_model
+from kvfid.inputs import models
+from kvfid.inputs.models import load_model
 
 IDS = torch.tensor([[256, 258, *b"Omar saves 27 dollars every week.", 259]])
 

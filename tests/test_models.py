@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from harness.inputs import models
-from harness.inputs.models import ModelUnavailable, load_model
-from harness.inputs.codecs import ByteCodec, end_of_turn_ids
+from kvfid.inputs import models
+from kvfid.inputs.models import ModelUnavailable, load_model
+from kvfid.inputs.codecs import ByteCodec, end_of_turn_ids
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from harness.cli import main
-from harness.records.program import ProgramRecord, picture
-from harness.records.read import from_json
-from harness.reports.report import aggregate, document
-from harness.reports.document import markdown
-from harness.runs.case import CaseError, parse_case
-from harness.ledger.store import Ledger
-from harness.runs.matrix import run_case
+from kvfid.cli import main
+from kvfid.records.program import ProgramRecord, picture
+from kvfid.records.read import from_json
+from kvfid.reports.report import aggregate, document
+from kvfid.reports.document import markdown
+from kvfid.runs.case import CaseError, parse_case
+from kvfid.ledger.store import Ledger
+from kvfid.runs.matrix import run_case
 from protocol_fixtures import tiny
 
 CASE = """model = "tiny-llama"
@@ -129,7 +129,7 @@ def test_kvfid_run_stores_program_records_and_the_report_shows_the_program(tmp_p
     assert "| twin/fp32+bi@t1 | packed | prefill | 0/1 |" in text
     assert "| native/fp32+bi@t1 | batched | prefill | 1/1 |" in text
     assert "live<-prefill:segment=branch2" in text and "--program batched:2x3+2:parallel" in text
-    from harness.reports.index import grid_stacks    # the index grid: a column per stack x layout
+    from kvfid.reports.index import grid_stacks    # the index grid: a column per stack x layout
 
     columns = grid_stacks(summary)
     assert list(columns) == [f"{s} {layout}" for s in ("native/fp32+bi@t1", "twin/fp32+bi@t1")
@@ -142,7 +142,7 @@ def test_a_stage_seeing_an_earlier_branch_runs_under_its_mask():
     the faithful stack still rebuilds the merge boundary bit for bit."""
     case = parse_case(CASE.format(sees='sees = {branch2 = ["branch1"]}').replace(
         'backends = ["native", "twin"]', 'backends = ["native"]'), "p.toml")
-    from harness.runs import program_matrix
+    from kvfid.runs import program_matrix
 
     items = program_matrix.bind(case, tiny())
     (chained,) = program_matrix.measure(tiny(), case.stacks[0], items[0], case, 0).runs
@@ -154,7 +154,7 @@ def test_a_stage_seeing_an_earlier_branch_runs_under_its_mask():
 
 
 def test_the_program_case_files_load():
-    from harness.names import CASES
+    from kvfid.names import CASES
 
     for name in ("merge-smollm2.toml", "paper-merge.toml"):
         path = Path(CASES) / name
@@ -171,7 +171,7 @@ def test_a_program_case_takes_no_crossing():
 
 
 def test_two_runs_of_a_program_case_compare_by_verdicts_and_fingerprints(tmp_path):
-    from harness.compare.runs import compare
+    from kvfid.compare.runs import compare
 
     text = CASE.format(sees="").replace('backends = ["native", "twin"]', 'backends = ["native"]')
     case = parse_case(text.split("[transplants]")[0], "p.toml")

@@ -8,12 +8,12 @@ import sys
 import pytest
 import torch
 
-from harness.states import cache as kv
-from harness.records import record, read as record_read
-from harness.stacks.stack import Stack
-from harness.protocol.decode import Runner
-from harness.inputs.codecs import ByteCodec
-from harness.protocol.protocol import (ItemPlan, ProtocolError, parse_construction, parse_transplant,
+from kvfid.states import cache as kv
+from kvfid.records import record, read as record_read
+from kvfid.stacks.stack import Stack
+from kvfid.protocol.decode import Runner
+from kvfid.inputs.codecs import ByteCodec
+from kvfid.protocol.protocol import (ItemPlan, ProtocolError, parse_construction, parse_transplant,
                               run_construction, run_crossing, run_item, run_live)
 from protocol_fixtures import PROMPT, fp32_live, tiny
 
@@ -93,7 +93,7 @@ def test_transplant_outcome_donor_when_the_donor_cache_decides():
         noisy = kv.BoundaryState(live.state.prefix,
                                  tuple(k * 0 for k in live.state.keys),
                                  tuple(v * 0 for v in live.state.values), live.state.logits)
-        from harness.protocol.protocol import Arm, decode_suffix, run_transplant
+        from kvfid.protocol.protocol import Arm, decode_suffix, run_transplant
         runner = Runner(module)
         donor = Arm("prefill", noisy, decode_suffix(runner, noisy, 8, eos), 0, 0, 0)
         arms = {"live": live, "prefill": donor}
@@ -187,8 +187,8 @@ import json, sys
 import torch
 torch.set_num_threads(1)   # as in the test session (tests/conftest.py)
 sys.path.insert(0, 'tests')
-from harness.stacks.stack import Stack
-from harness.protocol.protocol import ItemPlan, run_item
+from kvfid.stacks.stack import Stack
+from kvfid.protocol.protocol import ItemPlan, run_item
 from protocol_fixtures import PROMPT, tiny
 r = run_item(tiny(), Stack('sdpa', 'bf16'), PROMPT, ItemPlan(6, 6, arms=('live', 'prefill')))
 print(json.dumps({k: [a.cache_sha, a.logits_sha, a.suffix_sha]
@@ -236,7 +236,7 @@ def test_divergent_only_transplants_skip_exact_rows():
 
 
 def test_decoding_a_suffix_leaves_the_boundary_state_untouched():
-    from harness.protocol.protocol import decode_suffix
+    from kvfid.protocol.protocol import decode_suffix
 
     model = tiny()
     prompt = model.codec.prompt_ids(PROMPT.prompt)

@@ -23,11 +23,11 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from harness.protocol import cobatch
-from harness.stacks.stack import Stack
-from harness.protocol.decode import Runner, new_cache
-from harness.environment.invariance import bits_equal
-from kernels import hf
+from kvfid.protocol import cobatch
+from kvfid.stacks.stack import Stack
+from kvfid.protocol.decode import Runner, new_cache
+from kvfid.environment.invariance import bits_equal
+from kvfid.kernels import hf
 from protocol_fixtures import small
 
 STEPS = 3  # greedy tokens per prompt

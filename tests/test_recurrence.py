@@ -13,8 +13,8 @@ import torch
 from helpers import assert_close_to_ref
 
 import mode_models as mm
-from kernels.invariant.mode import set_batch_invariant_mode
-from kernels.recurrence import faithful_recurrence, recurrent_layers
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.kernels.recurrence import faithful_recurrence, recurrent_layers
 
 LENGTH = 8
 
@@ -132,8 +132,8 @@ def test_faithful_prefill_computes_the_same_function(next_fp32):
 
 
 def test_a_stack_turns_the_faithful_form_on_and_restores_it(next_bf16):
-    from harness.stacks.stack import parse_stack
-    from kernels.recurrence import is_stepped
+    from kvfid.stacks.stack import parse_stack
+    from kvfid.kernels.recurrence import is_stepped
 
     stack = parse_stack("eager/bf16+bi+fr")      # an earlier label reads as the faithful stack
     assert stack.faithful_recurrence and stack.batch_invariant and stack.label == "eager/bf16+bi"
@@ -163,8 +163,8 @@ def test_the_command_line_and_case_files_turn_the_faithful_form_on(tmp_path):
     from click.testing import CliRunner
 
     from families import build
-    from harness.cli import main
-    from harness.runs.case import load_case
+    from kvfid.cli import main
+    from kvfid.runs.case import load_case
 
     folder = build("qwen3-next", tmp_path / "qwen3-next")
     args = ["repro", "--model", f"hf:{folder}", "--prompt", "What is 17*23?", "--backend", "eager",

@@ -17,9 +17,9 @@ import sys
 
 import pytest
 
-from harness.ledger import opening as ledger_file
-from harness import outputs
-from harness.ledger.lease import this_process
+from kvfid.ledger import opening as ledger_file
+from kvfid import outputs
+from kvfid.ledger.lease import this_process
 from redteam_ledger import ledger_full_after, read_only_cases, read_only_folder
 from redteam import (BASELINE, SMOKE, case_variants, damaged_ledgers, invoke, ledger_commands,
                      repro_inputs, run_case_variant, runs_left)
@@ -288,7 +288,7 @@ def test_audit_of_a_partial_run_lists_what_is_pending_without_failing(good, tmp_
 def test_a_read_only_ledger_is_refused_before_compute(good, tmp_path, monkeypatch):
     """A read-only ledger file or folder: exit 3, one line naming the file, no model loaded,
     nothing written (read_only_folder says how the folder is made read-only)."""
-    from harness.runs import matrix
+    from kvfid.runs import matrix
 
     def no_compute(*_):
         raise AssertionError("the case was prepared: compute would start")
@@ -309,7 +309,7 @@ def test_a_disk_that_fills_during_a_run_is_exit_3_and_resume_finishes_it(smoke_r
     """The ledger fills after a few units: exit 3, one line "disk full" naming the file and the
     run; what was stored stays, and --resume (with room again) stores the rest, fingerprints
     equal to a clean run's."""
-    from harness.ledger.store import Ledger
+    from kvfid.ledger.store import Ledger
 
     db = tmp_path / "ledger.sqlite"
     with ledger_full_after(6):

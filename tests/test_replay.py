@@ -1,4 +1,4 @@
-"""harness.diagnoses.replay: supplied trajectories, per-token logprob mismatch, sampling, and `kvfid replay`."""
+"""kvfid.diagnoses.replay: supplied trajectories, per-token logprob mismatch, sampling, and `kvfid replay`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import kernels
-from harness.diagnoses import replay
-from harness.stacks.stack import Stack
-from harness.cli import main
+from kvfid.diagnoses import replay
+from kvfid.stacks.stack import Stack
+from kvfid.cli import main
 from protocol_fixtures import tiny
 
 

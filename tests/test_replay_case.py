@@ -11,18 +11,18 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from harness.cli import main
-from harness.records import record, read as record_read
-from harness.stacks.stack import Stack
-from harness.diagnoses.replay import sample_trajectories
-from harness.records.replay_record import LogprobMismatch, ReplayRecord
-from harness.reports.report import document, headline
-from harness.reports.document import markdown, to_html
-from harness.reports.replay_report import EXACT
-from harness.runs.audit import audit_run
-from harness.runs.case import load_case
-from harness.ledger.store import Ledger
-from harness.runs.matrix import run_case
+from kvfid.cli import main
+from kvfid.records import record, read as record_read
+from kvfid.stacks.stack import Stack
+from kvfid.diagnoses.replay import sample_trajectories
+from kvfid.records.replay_record import LogprobMismatch, ReplayRecord
+from kvfid.reports.report import document, headline
+from kvfid.reports.document import markdown, to_html
+from kvfid.reports.replay_report import EXACT
+from kvfid.runs.audit import audit_run
+from kvfid.runs.case import load_case
+from kvfid.ledger.store import Ledger
+from kvfid.runs.matrix import run_case
 from protocol_fixtures import tiny
 
 
@@ -100,7 +100,7 @@ def test_twin_differs_the_faithful_stack_is_exactly_zero(replay_run, case_file):
     db, result = replay_run
     with Ledger(db) as ledger:
         run, units = ledger.run(result.run_id), ledger.units(result.run_id)
-    from harness.runs.aggregate import aggregate
+    from kvfid.runs.aggregate import aggregate
 
     summary = aggregate(units, run.design)
     replay = summary["replay"]
@@ -179,7 +179,7 @@ def test_shipped_replay_case_counts_its_trajectories(monkeypatch):
 
 def test_two_replay_runs_compare(replay_run, case_file):
     """`kvfid compare` on two runs of one replay case: the same units, nothing worse."""
-    from harness.compare.runs import compare
+    from kvfid.compare.runs import compare
 
     db, first = replay_run
     second = run_case(load_case(case_file), db, model=tiny(), progress=False)

@@ -2,7 +2,7 @@
 
 import random
 
-from harness.diagnoses.replay import aggregate, delta_decades
+from kvfid.diagnoses.replay import aggregate, delta_decades
 
 
 def test_decade_bins_at_their_bounds():

@@ -11,12 +11,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from harness.cli import main
-from harness.records import record, read as record_read
-from harness.diagnoses import replay
-from harness.stacks.stack import Stack
-from harness.diagnoses.replay_gaps import STEP, gap
-from harness.records.replay_record import ReplayRecord
+from kvfid.cli import main
+from kvfid.records import record, read as record_read
+from kvfid.diagnoses import replay
+from kvfid.stacks.stack import Stack
+from kvfid.diagnoses.replay_gaps import STEP, gap
+from kvfid.records.replay_record import ReplayRecord
 from protocol_fixtures import tiny
 
 

@@ -1,5 +1,5 @@
 """Replay re-scoring the engine's way: `cached:K` (a prefix-cache hit) and `spec:k` (speculative
-verification) through harness.protocol.engine_arms, bit-identical to the step-by-step reference
+verification) through kvfid.protocol.engine_arms, bit-identical to the step-by-step reference
 on the faithful stacks, caught on the variant twin, refused in one line where K passes the
 prompt, and run from a case file into the ledger."""
 
@@ -10,11 +10,11 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from harness.cli import main
-from harness.stacks.stack import Stack
-from harness.records.replay_record import ReplayRecord
-from harness.diagnoses import replay
-from harness.ledger.store import Ledger
+from kvfid.cli import main
+from kvfid.stacks.stack import Stack
+from kvfid.records.replay_record import ReplayRecord
+from kvfid.diagnoses import replay
+from kvfid.ledger.store import Ledger
 from protocol_fixtures import tiny
 
 ENGINE = ("cached:prompt", "cached:2", "cached:0.2", "spec:3", "spec:3+none", "spec:2+rate0.5",

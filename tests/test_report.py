@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.runs import stats
-from harness.runs.case import load_case
-from harness.ledger.store import Ledger, StoredUnit
-from harness.records import record as rec
-from harness.reports.report import aggregate, crossing_repro_command, d_rel_blocks, headline, \
+from kvfid.runs import stats
+from kvfid.runs.case import load_case
+from kvfid.ledger.store import Ledger, StoredUnit
+from kvfid.records import record as rec
+from kvfid.reports.report import aggregate, crossing_repro_command, d_rel_blocks, headline, \
     markdown, repro_command, svg_bars, svg_lines, write_report
 
 CASE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")

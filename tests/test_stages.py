@@ -10,9 +10,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from harness.cli import main
-from harness.stages import program as stages, checks as stages_checks
-from harness.stacks.stack import Stack
+from kvfid.cli import main
+from kvfid.stages import program as stages, checks as stages_checks
+from kvfid.stacks.stack import Stack
 from protocol_fixtures import tiny
 
 PROGRAM = "packed:2x3+2:parallel"  # two branches of 3 tokens, a merge of 2 (each after a delimiter)
@@ -111,7 +111,7 @@ def test_bad_programs_exit_2_in_one_line_before_compute(program, message):
 
 
 def test_a_model_with_local_layers_is_refused_in_one_line():
-    from harness.stacks.serving import LayerInfo
+    from kvfid.stacks.serving import LayerInfo
 
     layers = [LayerInfo(0, "full_attention", "DynamicLayer", "full", ()),
               LayerInfo(1, "sliding_attention", "DynamicSlidingWindowLayer", "window",
@@ -136,7 +136,7 @@ def test_options_a_program_cannot_take_exit_2(extra, message):
 
 
 def test_segment_transplants_move_one_stage_of_the_donor():
-    from harness.stages import transplant as stages_transplant
+    from kvfid.stages import transplant as stages_transplant
 
     spec = stages.parse_program(PROGRAM)
     ranges = stages_transplant.segment_ranges(7, spec, [12, 12, 10])
@@ -153,7 +153,7 @@ def test_segment_transplants_move_one_stage_of_the_donor():
 
 
 def test_the_crossing_freezes_the_program_from_the_reference_live_run():
-    from harness.stages.crossing import run_crossing
+    from kvfid.stages.crossing import run_crossing
 
     spec, stack = stages.parse_program(PROGRAM), Stack("native", "bf16", True)
     record = stages.run_program(tiny(), stack, "2+3=", spec, 3, ("live", "prefill"))

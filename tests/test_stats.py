@@ -1,4 +1,4 @@
-"""Known values for harness.runs.stats: the seed paper's Wilson bounds, textbook McNemar and Newcombe."""
+"""Known values for kvfid.runs.stats: the seed paper's Wilson bounds, textbook McNemar and Newcombe."""
 
 import math
 import random
@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from harness.runs.stats import (
+from kvfid.runs.stats import (
     histogram,
     mcnemar_exact,
     median,

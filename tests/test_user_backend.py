@@ -6,10 +6,10 @@ import importlib.util
 
 import pytest
 
-from harness.stacks.backends import attention_backend
-from harness.stacks.stack import Stack
-from harness.inputs.models import load_model
-from harness.protocol.protocol import ItemPlan, run_item
+from kvfid.stacks.backends import attention_backend
+from kvfid.stacks.stack import Stack
+from kvfid.inputs.models import load_model
+from kvfid.protocol.protocol import ItemPlan, run_item
 from protocol_fixtures import PROMPT
 
 USER_MODULE = '''
@@ -40,8 +40,8 @@ def test_a_user_attention_function_runs_through_the_protocol(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("name,message", [("no_such_module_xyz:attention", "cannot load"),
-                                          ("harness.states.cache:no_such_function", "cannot load"),
-                                          ("harness.states.surgery:Selection", None),
+                                          ("kvfid.states.cache:no_such_function", "cannot load"),
+                                          ("kvfid.states.surgery:Selection", None),
                                           ("flash", "unknown backend 'flash'; valid: sdpa")])
 def test_bad_backend_names_are_refused_before_compute(name, message):
     if message is None:   # a class is callable: accepted here, judged by transformers when it runs
@@ -72,7 +72,7 @@ def gemma2_config(**overrides):
 
 @pytest.mark.parametrize("backend", ["sdpa", "twin"])
 def test_softcapping_is_refused_before_compute_where_the_backend_cannot_apply_it(backend):
-    from harness.stacks.stack import StackUnavailable, check_supports
+    from kvfid.stacks.stack import StackUnavailable, check_supports
 
     config = gemma2_config(attn_logit_softcapping=50.0)
     with pytest.raises(StackUnavailable, match="softcapping"):
@@ -83,13 +83,14 @@ def test_softcapping_is_refused_before_compute_where_the_backend_cannot_apply_it
 
 
 def test_a_window_shorter_than_the_run_is_refused_where_a_kernel_does_not_serve_windows(monkeypatch):
-    """The triton kernel serves windows (kernels.hf.SERVES); without `sliding_window` in that set a
+    """The triton kernel serves windows (kvfid.kernels.hf.SERVES); without `sliding_window` in that set a
     window shorter than the run is refused, and one covering every key needs no window support."""
-    import kernels.hf
-    from harness.stacks.stack import StackUnavailable, check_supports
+    from kvfid import kernels
+    import kvfid.kernels.hf
+    from kvfid.stacks.stack import StackUnavailable, check_supports
 
     check_supports(Stack("triton", "fp32"), gemma2_config(attn_logit_softcapping=None), length=200)
-    monkeypatch.setattr(kernels.hf, "SERVES", kernels.hf.SERVES - {"sliding_window"})
+    monkeypatch.setattr(kvfid.kernels.hf, "SERVES", kvfid.kernels.hf.SERVES - {"sliding_window"})
     config = gemma2_config(attn_logit_softcapping=None)
     check_supports(Stack("triton", "fp32"), config, length=64)    # the window covers every key
     with pytest.raises(StackUnavailable, match="sliding-window attention"):
@@ -116,7 +117,7 @@ def test_a_softcapped_model_on_the_twin_exits_3_in_one_line(tmp_path, command):
     import transformers
     from click.testing import CliRunner
 
-    from harness.cli import main
+    from kvfid.cli import main
 
     folder = tmp_path / "gemma2"
     transformers.Gemma2ForCausalLM(gemma2_config(attn_logit_softcapping=50.0)).save_pretrained(folder)
@@ -134,7 +135,7 @@ def test_a_case_with_a_stack_the_model_cannot_serve_is_refused_before_compute(tm
     import transformers
     from click.testing import CliRunner
 
-    from harness.cli import main
+    from kvfid.cli import main
 
     folder = tmp_path / "gemma2"
     transformers.Gemma2ForCausalLM(gemma2_config(attn_logit_softcapping=50.0)).save_pretrained(folder)
@@ -153,9 +154,9 @@ def test_a_case_with_a_stack_the_model_cannot_serve_is_refused_before_compute(tm
 def test_a_backend_says_what_it_refuses_and_the_checks_ask_it_not_its_name(monkeypatch):
     """A registered backend's own refusals (a mechanism, a model class, +compile) are what
     check_supports and the serving table apply; no check looks at the backend's name."""
-    from harness.stacks import backends, serving
-    from harness.stacks.backends import AttentionBackend
-    from harness.stacks.stack import StackUnavailable, check_supports
+    from kvfid.stacks import backends, serving
+    from kvfid.stacks.backends import AttentionBackend
+    from kvfid.stacks.stack import StackUnavailable, check_supports
 
     probe = AttentionBackend("probe", "eager that says it applies no softcap", lambda: "eager",
                              unserved=lambda: {"softcap": "the probe applies no softcapping",

@@ -7,8 +7,8 @@ import json
 
 import click
 
-from harness.commands.options import db_option, exit_with, fmt_option, item_options, stack_options
-from harness.names import BIT_EXACT, CONSTRUCTION_HELP, DIVERGES, VERDICT_HELP
+from kvfid.commands.options import db_option, exit_with, fmt_option, item_options, stack_options
+from kvfid.names import BIT_EXACT, CONSTRUCTION_HELP, DIVERGES, VERDICT_HELP
 
 
 @click.command()
@@ -40,9 +40,9 @@ def repro(fmt, expect, **options) -> None:
     """Reproduce one item on one stack: every arm against live, cache and suffix verdicts, and
     the environment it ran in (in --format json)."""
     if options["program"]:  # a stage program's merge boundary
-        from harness.diagnoses.program_repro import repro_program as run_repro
+        from kvfid.diagnoses.program_repro import repro_program as run_repro
     else:
-        from harness.diagnoses.repro import repro as run_repro
+        from kvfid.diagnoses.repro import repro as run_repro
 
         options.pop("program")
     outcome = run_repro(**options)
@@ -63,7 +63,7 @@ def repro(fmt, expect, **options) -> None:
 def blame(fmt, **options) -> None:
     """Name the op that first gives a position of P other bits in incremental decoding than in a
     prefill (or a chunk): a culprit has bit-equal inputs on both sides and a differing output."""
-    from harness.diagnoses.blame import blame_command
+    from kvfid.diagnoses.blame import blame_command
 
     outcome = blame_command(**options)
     click.echo(json.dumps(outcome.to_json(), indent=1) if fmt == "json" else outcome.text())
@@ -82,7 +82,7 @@ def blame(fmt, **options) -> None:
 def replay(fmt, expect_exact, **options) -> None:
     """Re-score supplied trajectories (JSONL: prompt_ids or prompt, and tokens) the way a trainer
     does and report, per token, how its logprob differs from step-by-step generation."""
-    from harness.diagnoses import replay as replay_lib
+    from kvfid.diagnoses import replay as replay_lib
 
     result = replay_lib.replay_command(progress=lambda i: click.echo(f"replay {i}", err=True),
                                        **options)
@@ -115,7 +115,7 @@ def replay(fmt, expect_exact, **options) -> None:
 def rollouts(**options) -> None:
     """Sample trajectories with temperature (seeded), each token's logprob kept: a real input for
     `kvfid replay`, whose engine reference those logprobs are."""
-    from harness.diagnoses.replay import rollouts_command
+    from kvfid.diagnoses.replay import rollouts_command
 
     rows, out = rollouts_command(**options)
     click.echo(f"{len(rows)} trajectories, {sum(len(r['tokens']) for r in rows)} tokens -> {out}",
@@ -153,7 +153,7 @@ def rollouts(**options) -> None:
 def engine_check(fmt, **options) -> None:
     """vLLM's own constructions on the same tokens, bitwise: decode vs prefill re-scoring,
     prefix cache cold vs warm, chunked prefill off vs on, alone vs batched."""
-    from harness.tasks.engine_store import check_and_store
+    from kvfid.tasks.engine_store import check_and_store
 
     text, written = check_and_store(fmt, progress=lambda s: click.echo(f"engine-check: {s}", err=True),
                                     **options)
@@ -172,7 +172,7 @@ def engine_report(check_id, db, out, fmt) -> None:
     """A stored engine check read back (CHECK: an id, a unique prefix, or `latest`): its table,
     and its report (report.md, report.html, engine-check.json) written; without CHECK, the
     stored engine checks."""
-    from harness.tasks import engine_store
+    from kvfid.tasks import engine_store
 
     if check_id is None:
         rows = engine_store.list_checks(db)
@@ -200,7 +200,7 @@ def engine_report(check_id, db, out, fmt) -> None:
 def engine_bench(fmt, **options) -> None:
     """The faithful engine's price: stock and faithful vLLM on the same requests, prefill and
     decode tokens per second (medians of 3) and how many times slower faithful is."""
-    from harness.engines import bench
+    from kvfid.engines import bench
 
     result = bench.engine_bench(progress=lambda s: click.echo(f"engine-bench: {s}", err=True), **options)
     click.echo(json.dumps(result, indent=1) if fmt == "json" else bench.render(result))

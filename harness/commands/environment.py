@@ -6,8 +6,8 @@ import json
 
 import click
 
-from harness.commands.options import exit_with, fmt_option
-from harness.names import DTYPE_NAMES
+from kvfid.commands.options import exit_with, fmt_option
+from kvfid.names import DTYPE_NAMES
 
 
 @click.command()
@@ -21,13 +21,13 @@ def models(model: str | None, length: int | None, fmt: str) -> None:
     preset or hf:<folder>), each layer type of that model (its state, its mechanisms) and which
     stacks serve it and why not, read from its config before any compute."""
     if model is None:
-        from harness.inputs.models import describe_presets
+        from kvfid.inputs.models import describe_presets
 
         click.echo(describe_presets(fmt))
         return
-    from harness.stacks.backends import builtin_backends
-    from harness.stacks.serving import describe_serving
-    from harness.diagnoses.repro import check_model_name
+    from kvfid.stacks.backends import builtin_backends
+    from kvfid.stacks.serving import describe_serving
+    from kvfid.diagnoses.repro import check_model_name
 
     check_model_name(model)
     click.echo(describe_serving(model, builtin_backends(), fmt, length))
@@ -37,7 +37,7 @@ def models(model: str | None, length: int | None, fmt: str) -> None:
 @fmt_option
 def env(fmt: str) -> None:
     """Print the environment record (GPUs through NVML, versions, CPU, git) and its key."""
-    from harness.environment import envinfo
+    from kvfid.environment import envinfo
 
     record = envinfo.collect()
     click.echo(json.dumps({**record, "key": envinfo.environment_key(record)}, indent=1)
@@ -59,8 +59,8 @@ def env(fmt: str) -> None:
 def kernels(dtypes, device, quick, threads, jobs, out, fmt) -> None:
     """Bitwise batch-invariance and prefill-vs-decode verdicts for every op and implementation;
     exit 1 if an implementation that claims invariance is not invariant."""
-    from harness.reports.invariance_table import render_table
-    from harness.tasks.kernel_commands import kernel_verdicts
+    from kvfid.reports.invariance_table import render_table
+    from kvfid.tasks.kernel_commands import kernel_verdicts
 
     result, written = kernel_verdicts(dtypes, device, quick, threads, out, jobs=jobs,
                                       progress=lambda m: click.echo(m, err=True))
@@ -85,8 +85,8 @@ def compile_command(archs, dtypes, kernel_names, quick, jobs, out, fmt) -> None:
     """Compile every Triton kernel config for GPU archs on this machine (no GPU needed) and
     inspect the cubins; exit 1 on a compile failure, spill, shared memory over the limit, atomic,
     or a bf16/fp16 product without tensor cores."""
-    from harness.reports.compile_report import render_table
-    from harness.tasks.kernel_commands import compile_report
+    from kvfid.reports.compile_report import render_table
+    from kvfid.tasks.kernel_commands import compile_report
 
     report = compile_report(archs, dtypes, kernel_names, quick, jobs, out)
     click.echo(json.dumps(report, indent=1) if fmt == "json" else render_table(report))

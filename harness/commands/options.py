@@ -1,10 +1,10 @@
-"""Options several commands share. Light: click and `harness.names`, nothing that loads torch."""
+"""Options several commands share. Light: click and `kvfid.names`, nothing that loads torch."""
 
 from __future__ import annotations
 
 import click
 
-from harness.names import BACKENDS, CONSTRUCTION_HELP, DTYPE_NAMES, MODEL_NAMES  # noqa: F401
+from kvfid.names import BACKENDS, CONSTRUCTION_HELP, DTYPE_NAMES, MODEL_NAMES  # noqa: F401
 
 FORMAT_HELP = "text for people, json for programs."
 
@@ -58,7 +58,7 @@ stack_options = options(
 
 
 def exit_with(ok: bool) -> None:
-    """Exit 1 when a verdict failed (0 otherwise): harness.errors.EXIT_VERDICT."""
-    from harness.errors import EXIT_OK, EXIT_VERDICT
+    """Exit 1 when a verdict failed (0 otherwise): kvfid.errors.EXIT_VERDICT."""
+    from kvfid.errors import EXIT_OK, EXIT_VERDICT
 
     raise SystemExit(EXIT_OK if ok else EXIT_VERDICT)

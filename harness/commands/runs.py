@@ -8,7 +8,7 @@ import time
 
 import click
 
-from harness.commands.options import db_option, exit_with, fmt_option, reports_option
+from kvfid.commands.options import db_option, exit_with, fmt_option, reports_option
 
 
 @click.command()
@@ -31,9 +31,9 @@ def run(**options) -> None:
     cases/ (`smoke` is cases/smoke.toml), a TOML path, or `default` (the GPU case with CUDA, else
     the CPU one).
 
-    Under `torchrun --nproc-per-node N -m harness.cli run CASE`, each rank runs its shard of
+    Under `torchrun --nproc-per-node N -m kvfid.cli run CASE`, each rank runs its shard of
     the items into one run and rank 0 closes it and prints the headline."""
-    from harness.tasks.launch import launch
+    from kvfid.tasks.launch import launch
 
     launched = launch(**options)
     for line in launched.lines:
@@ -47,7 +47,7 @@ def run(**options) -> None:
 @fmt_option
 def runs(db, fmt) -> None:
     """List the runs in the ledger (a run whose processes died shows as `died`)."""
-    from harness.tasks.ledger_views import list_runs, runs_text
+    from kvfid.tasks.ledger_views import list_runs, runs_text
 
     rows = list_runs(db)
     click.echo(json.dumps(rows, indent=1) if fmt == "json" else runs_text(rows))
@@ -59,7 +59,7 @@ def runs(db, fmt) -> None:
 @fmt_option
 def show(run_id, db, fmt) -> None:
     """Print a run's aggregates (RUN: an id, a unique prefix, or `latest`)."""
-    from harness.tasks.ledger_views import show_run
+    from kvfid.tasks.ledger_views import show_run
 
     click.echo(show_run(db, run_id, fmt))
 
@@ -72,8 +72,8 @@ def show(run_id, db, fmt) -> None:
 def audit(run_id, db, item_count, quiet) -> None:
     """Check a stored run against its plan and its record checksums, then re-run it and check
     every fingerprint; exit 1 when anything is missing, changed or does not reproduce."""
-    from harness.runs.audit import audit_run
-    from harness.tasks.ledger_views import db_path
+    from kvfid.runs.audit import audit_run
+    from kvfid.tasks.ledger_views import db_path
 
     result = audit_run(db_path(db), run_id, items=item_count, progress=not quiet)
     click.echo(result.text())
@@ -87,7 +87,7 @@ def audit(run_id, db, item_count, quiet) -> None:
               help="Reports folder; files go to OUT/<environment key>/<run id>/.")
 def report_command(run_id, db, out) -> None:
     """Write a run's report: report.md, report.html (self-contained) and summary.json."""
-    from harness.tasks.ledger_views import report_run
+    from kvfid.tasks.ledger_views import report_run
 
     for name, path in report_run(db, run_id, out).items():
         click.echo(f"{name}: {path}")
@@ -100,7 +100,7 @@ def report_command(run_id, db, out) -> None:
 def merge(run_ids, db, into) -> None:
     """Merge runs of one case (e.g. shards) into a new run; exit 1 if a unit stored twice has
     different fingerprints."""
-    from harness.tasks.ledger_views import merge_runs
+    from kvfid.tasks.ledger_views import merge_runs
 
     merged, copied, conflicts = merge_runs(db, list(run_ids), into)
     click.echo(f"run {merged.id} {merged.status}: {copied} units from {len(run_ids)} runs")
@@ -138,8 +138,8 @@ def compare_command(fmt, **options) -> None:
     """What changed from A to B. A and B: run ids (unique prefixes, `latest`) or environment keys
     (the latest finished run there, of the other side's case when it has one). Exit 1 when B
     regressed against A."""
-    from harness.compare.runs import render_markdown
-    from harness.tasks.compare_command import compare_command as run_compare
+    from kvfid.compare.runs import render_markdown
+    from kvfid.tasks.compare_command import compare_command as run_compare
 
     result, files = run_compare(**options)
     for name, path in files.items():
@@ -160,7 +160,7 @@ def compare_command(fmt, **options) -> None:
 def bench(reports, db, case_path, items, quick, jobs) -> None:
     """Everything `make bench` does: environment, kernel table, speed benches, the default
     fidelity case, its report and reports/index.md; exit 1 if a claimed invariance fails."""
-    from harness.tasks.bench import run_bench
+    from kvfid.tasks.bench import run_bench
 
     start = time.perf_counter()
     outcome = run_bench(reports, db, case_path, kernels_quick=quick, speed=not quick,
@@ -179,7 +179,7 @@ def bench(reports, db, case_path, items, quick, jobs) -> None:
 def bench_report(bench_json, reports, threshold) -> None:
     """File a pytest-benchmark JSON under reports/<environment key>/bench/ and compare its
     medians with the previous result of the same key; exit 1 on a regression."""
-    from harness.reports import benchreport
+    from kvfid.reports import benchreport
 
     saved, comparison = benchreport.file_bench(bench_json, reports, threshold)
     click.echo(f"bench: {saved}", err=True)

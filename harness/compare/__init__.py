@@ -1,4 +1,2 @@
 """Comparisons: run A against run B (or two environment keys), refusing unlike runs; per-stack
 changes, the kernel and bench inputs, the document."""
-
-import kernels  # noqa: F401  (sets TRITON_INTERPRET before triton loads, on machines without CUDA)

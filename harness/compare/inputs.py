@@ -1,9 +1,9 @@
 """The optional inputs of a comparison: kernel invariance results and kernel benchmarks per side.
 
-`compare_kernel_inputs` finds claimed invariances (harness.environment.invariance) that held in A
-and fail in B; `compare_bench_inputs` compares kernel medians (harness.reports.benchreport's rule);
+`compare_kernel_inputs` finds claimed invariances (kvfid.environment.invariance) that held in A
+and fail in B; `compare_bench_inputs` compares kernel medians (kvfid.reports.benchreport's rule);
 `stored_inputs` finds what `kvfid bench` filed for an environment key. Each returns plain data
-and the regression reasons for harness.compare.runs.
+and the regression reasons for kvfid.compare.runs.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.errors import BadInput
-from harness.reports.benchreport import compare_bench, latest_previous, load_bench
-from harness.reports.document import number, seconds
+from kvfid.errors import BadInput
+from kvfid.reports.benchreport import compare_bench, latest_previous, load_bench
+from kvfid.reports.document import number, seconds
 
 
 def stored_inputs(reports, environment_key: str) -> dict:
@@ -88,7 +88,7 @@ def _kernel_failure(check: str, verdict: dict) -> str:
 
 
 def compare_bench_inputs(bench_a, bench_b, threshold: float) -> tuple[dict | None, list[str]]:
-    """Kernel medians B against A (harness.reports.benchreport's rule: slower by more than threshold)."""
+    """Kernel medians B against A (kvfid.reports.benchreport's rule: slower by more than threshold)."""
     if bench_a is None and bench_b is None:
         return None, []
     if bench_a is None or bench_b is None:

@@ -1,7 +1,7 @@
 """Presenting a regression comparison: report blocks, Markdown, one HTML page, files.
 
-`document(result)` turns harness.compare.runs's result into blocks of the document engine
-(harness.reports.document: headings, tables, the interval figure `svg_intervals` draws as inline
+`document(result)` turns kvfid.compare.runs's result into blocks of the document engine
+(kvfid.reports.document: headings, tables, the interval figure `svg_intervals` draws as inline
 SVG); `render_markdown`, `render_html` and `write_comparison` (comparison.md, comparison.html,
 comparison.json) present it. What makes A and B unlike runs leads the page when the comparison
 was allowed anyway.
@@ -13,8 +13,8 @@ import html
 import json
 from pathlib import Path
 
-from harness.outputs import write_files
-from harness.reports.document import (Code, Figure, Heading, Paragraph, Table, interval_text,
+from kvfid.outputs import write_files
+from kvfid.reports.document import (Code, Figure, Heading, Paragraph, Table, interval_text,
                                       markdown, ratio, seconds, to_html)
 
 SHOWN = 40          # rows of a long list shown in the Markdown (the JSON has them all)
@@ -26,7 +26,7 @@ def _items(flips: list[dict]) -> str:
 
 
 def document(result: dict) -> list:
-    """The comparison as blocks of harness.reports.document."""
+    """The comparison as blocks of kvfid.reports.document."""
     a, b = result["a"], result["b"]
     verdict = (f"**REGRESSED**: {len(result['regressions'])} regression(s)."
                if result["regressed"] else "No regression.")

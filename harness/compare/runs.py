@@ -5,13 +5,13 @@ or an environment key (its latest finished run, of the other side's case when it
 side may live in its own ledger file (a committed baseline against a user's GPU ledger). It
 compares like with like: runs that differ in case, model, B/S, items or thread count are refused
 (`UnlikeRuns`, exit 2) unless `allow_different`, and then the report leads with what differs.
-Then, per stack stored in both runs, on the items stored in both (harness.compare.stack):
+Then, per stack stored in both runs, on the items stored in both (kvfid.compare.stack):
 bit-exact verdicts that flipped item by item, rates whose 95% Wilson intervals no longer overlap,
 and fingerprints that differ per item and arm, with each run's own first bad layer against live.
 Kernel invariance results and kernel benchmarks are optional inputs per side
-(harness.compare.inputs). The environment table names each variable that changes numerics
-(harness.environment.cpu.NUMERICS_ENV) that either run set. The result is plain JSON-able data
-with `regressed` and its reasons; harness.compare.render presents it (`render_markdown`,
+(kvfid.compare.inputs). The environment table names each variable that changes numerics
+(kvfid.environment.cpu.NUMERICS_ENV) that either run set. The result is plain JSON-able data
+with `regressed` and its reasons; kvfid.compare.render presents it (`render_markdown`,
 `render_html` and `write_comparison`, re-exported here).
 """
 
@@ -20,15 +20,15 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from harness.runs.aggregate import aggregate
-from harness.compare.render import (SHOWN, document,  # noqa: F401 (re-exported)
+from kvfid.runs.aggregate import aggregate
+from kvfid.compare.render import (SHOWN, document,  # noqa: F401 (re-exported)
                                             render_html, render_markdown, svg_intervals,
                                             write_comparison)
-from harness.compare.stack import compare_stack, rate_change  # noqa: F401 (re-exported)
-from harness.compare.inputs import (compare_bench_inputs, compare_kernel_inputs,
+from kvfid.compare.stack import compare_stack, rate_change  # noqa: F401 (re-exported)
+from kvfid.compare.inputs import (compare_bench_inputs, compare_kernel_inputs,
                                             stored_inputs)
-from harness.errors import BadInput
-from harness.ledger.store import Ledger, LedgerError
+from kvfid.errors import BadInput
+from kvfid.ledger.store import Ledger, LedgerError
 
 INTERVAL_RULE = ("A rate changed beyond its interval when the two runs' 95% Wilson intervals do "
                  "not overlap (then each run's rate also lies outside the other's interval); a "
@@ -217,7 +217,7 @@ def _load(ledger: Ledger, head: dict) -> dict:
 
 
 def _stored_case(run):
-    from harness.runs.case import stored_case
+    from kvfid.runs.case import stored_case
 
     try:
         return stored_case(run)
@@ -251,7 +251,7 @@ def _environment_parts(run_a, run_b) -> list[dict]:
                 "Triton launch options": str(env.get("triton_launch_options")),
                 "git revision": run.git_revision}
     pa, pb = parts(run_a), parts(run_b)
-    # Numerics-changing variables (harness.environment.cpu.numerics_env): one row each that
+    # Numerics-changing variables (kvfid.environment.cpu.numerics_env): one row each that
     # either run set, so a change is named, not folded into one cell.
     env_a, env_b = ((r.environment.get("numerics_env") or {}) for r in (run_a, run_b))
     named = [k for k in dict.fromkeys([*env_a, *env_b])

@@ -1,6 +1,6 @@
 """One stack of a regression comparison: what changed between run A and run B, item by item.
 
-`compare_stack` (called by harness.compare.runs) takes the units both runs stored for one stack and
+`compare_stack` (called by kvfid.compare.runs) takes the units both runs stored for one stack and
 returns its entry and regression reasons: bit-exact verdicts that flipped, item by item (with
 INVARIANCE_RULE); rates whose 95% Wilson intervals no longer overlap (`rate_change`,
 INTERVAL_RULE); and stored fingerprints that differ per item and row, with what the records say
@@ -9,12 +9,12 @@ about where tokens part and each run's first bad layer against live (FINGERPRINT
 
 from __future__ import annotations
 
-from harness.records.program import ProgramRecord
-from harness.records.record import CrossingRecord, ItemRecord
-from harness.records.replay_record import ReplayRecord
-from harness.runs.aggregate import rate
-from harness.reports.document import interval_text, number
-from harness.ledger.rows import cell_label
+from kvfid.records.program import ProgramRecord
+from kvfid.records.record import CrossingRecord, ItemRecord
+from kvfid.records.replay_record import ReplayRecord
+from kvfid.runs.aggregate import rate
+from kvfid.reports.document import interval_text, number
+from kvfid.ledger.rows import cell_label
 
 # --------------------------------------------------------------------------- one stack
 

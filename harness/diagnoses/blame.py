@@ -27,13 +27,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from harness.tracing import align
-from harness.tracing.slices import Spans, boundary as _boundary, compare as _compare, diff as _diff
-from harness.states.cache import bits_equal
-from harness.errors import BadInput
-from harness.protocol.decode import Runner, as_batch, new_cache
-from harness.tracing.optrace import trace
-from harness.protocol.protocol import parse_construction, run_live
+from kvfid.tracing import align
+from kvfid.tracing.slices import Spans, boundary as _boundary, compare as _compare, diff as _diff
+from kvfid.states.cache import bits_equal
+from kvfid.errors import BadInput
+from kvfid.protocol.decode import Runner, as_batch, new_cache
+from kvfid.tracing.optrace import trace
+from kvfid.protocol.protocol import parse_construction, run_live
 
 
 @dataclass
@@ -144,7 +144,7 @@ def first_differing_position(module, prefix: list[int], prompt_length: int, agai
 def _states_compared(module, prefix: list[int], prompt_length: int, against: str) -> tuple[dict, bool]:
     """The two sides' boundary states over all of P compared (cache.compare_states), and
     whether their last logits are bit-equal."""
-    from harness.states import cache as kv
+    from kvfid.states import cache as kv
 
     spans_a, spans_b = _constructions(prefix, prompt_length, against)
     runner = Runner(module)
@@ -242,7 +242,7 @@ def blame_item(model, stack, prompt: list[int], boundary: int, against: str = "p
         first = first_differing_position(module, prefix, len(prompt), against)
         chosen = position if position is not None else first
         if stack.compiled:
-            from harness.stacks.compiled import trace_units
+            from kvfid.stacks.compiled import trace_units
 
             result = blame(module, prefix, len(prompt), against, chosen, trace_units)
             if first is not None and not result.culprits:   # invariant alone, not compiled whole
@@ -274,9 +274,9 @@ def blame_command(model_name: str, prompt: str | None, item_set: str | None, ite
                   boundary: int, against: str, position: int | None,
                   compiled: bool = False, faithful_recurrence: bool | None = None) -> BlameOutcome:
     """`kvfid blame`: every option checked before compute (exit 2 / 3), then `blame_item`."""
-    from harness.diagnoses import repro
-    from harness.stacks.stack import check_supports
-    from harness.inputs.models import load_model
+    from kvfid.diagnoses import repro
+    from kvfid.stacks.stack import check_supports
+    from kvfid.inputs.models import load_model
 
     repro.check_model_name(model_name)
     stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads, compiled,

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.errors import BadInput
-from harness.names import BIT_EXACT, DIVERGES
+from kvfid.errors import BadInput
+from kvfid.names import BIT_EXACT, DIVERGES
 
 
 @dataclass
 class ProgramOutcome:
     """What `kvfid repro --program` prints, and whether the verdict is the expected one."""
 
-    record: dict  # harness.stages.program.run_program
+    record: dict  # kvfid.stages.program.run_program
     environment: dict
     environment_key: str
 
@@ -72,13 +72,13 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
                   dtype: str, batch_invariant: bool, device: str, threads, boundary: int,
                   suffix: int, arms: str, replicas: str, transplants, cross, ignore_eos: bool = False,
                   compiled: bool = False, faithful_recurrence: bool = False) -> ProgramOutcome:
-    """Check the program and the options, then measure it (harness.stages.program)."""
-    from harness.environment import envinfo
-    from harness.stages import program as stages, checks as stages_checks
-    from harness.stacks.stack import check_supports
-    from harness.inputs.models import load_model
-    from harness.stacks.serving import describe_layers
-    from harness.diagnoses.repro import check_model_name, checked_stack, pick_item
+    """Check the program and the options, then measure it (kvfid.stages.program)."""
+    from kvfid.environment import envinfo
+    from kvfid.stages import program as stages, checks as stages_checks
+    from kvfid.stacks.stack import check_supports
+    from kvfid.inputs.models import load_model
+    from kvfid.stacks.serving import describe_layers
+    from kvfid.diagnoses.repro import check_model_name, checked_stack, pick_item
 
     spec = stages.parse_program(program)
     if suffix < 1:
@@ -107,10 +107,10 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
     openers = [len(o) for o in stages.delimiters(model.codec, spec)]
     stages_checks.check_program_fits(prompt_length, spec, openers, suffix, model.context_length)
     if spec.layout == "batched":
-        from harness.stages.batched import check_batched
+        from kvfid.stages.batched import check_batched
 
         check_batched(spec, stages.delimiters(model.codec, spec))
-    from harness.stages import transplant as stages_transplant
+    from kvfid.stages import transplant as stages_transplant
 
     ranges = stages_transplant.segment_ranges(prompt_length, spec, openers)
     moves = tuple(stages_transplant.parse(t, ranges, chosen) for t in transplants)
@@ -120,7 +120,7 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
     record = stages.run_program(model, stack, item.prompt, spec, suffix, chosen, ignore_eos, again,
                                 moves)
     if crossed:
-        from harness.stages.crossing import run_crossing
+        from kvfid.stages.crossing import run_crossing
 
         eos = frozenset() if ignore_eos else model.codec.eos_ids
         record["crossing"] = run_crossing(model, spec, record, crossed, suffix, eos)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.records.record import ArmRecord, Comparison, ItemRecord
+from kvfid.records.record import ArmRecord, Comparison, ItemRecord
 
 
 def _short(text: str, width: int = 60) -> str:

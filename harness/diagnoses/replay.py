@@ -8,7 +8,7 @@ to live). Each other construction re-scores the whole trajectory the way a train
 `prefill` (one forward over prompt + continuation, logits at every position), `chunked:N` (the
 same through the cache in chunks of N), `batched:N` (the prefill with N identical rows), or an
 engine does: `cached:K` (a prefix-cache hit) and `spec:k` (speculative verification), as
-harness.diagnoses.rescore says.
+kvfid.diagnoses.rescore says.
 
 Per trajectory and construction: the fraction of continuation tokens whose log-probability bits
 differ from the reference, max and mean |delta logprob|, the per-token KL(reference || other)
@@ -16,11 +16,11 @@ between the two next-token distributions (computed in fp64), and the first diffe
 Log-probabilities are taken in fp32 from the model's logits, as a trainer takes them.
 
 With the engine's own logprobs in the file (`logprobs`, one per continuation token, e.g. what
-vLLM sampled with), the engine is a reference too: harness.diagnoses.replay_gaps reports the
+vLLM sampled with), the engine is a reference too: kvfid.diagnoses.replay_gaps reports the
 three gaps (engine vs step-by-step, step-by-step vs each construction, engine vs each
 construction) in kvfid's figures and under RL frameworks' names.
 
-Each construction's numbers are a `LogprobMismatch` (harness.records.replay_record);
+Each construction's numbers are a `LogprobMismatch` (kvfid.records.replay_record);
 `replay_trajectory` is the one path that computes them, for `kvfid replay` (`replay`) and for a
 replay case's matrix unit (`replay_unit`, a `ReplayRecord` the ledger stores).
 
@@ -36,18 +36,18 @@ from pathlib import Path
 
 import torch
 
-from harness.states.cache import bits, sha_tensor
-from harness.protocol.decode import Runner, as_batch, new_cache
-from harness.errors import BadInput
-from harness.records.plain import as_plain
-from harness.protocol.protocol import parse_construction
-from harness.records.record import ItemRef
-from harness.diagnoses.rescore import (ALLOWED, CONSTRUCTIONS, check_constructions,  # noqa: F401
+from kvfid.states.cache import bits, sha_tensor
+from kvfid.protocol.decode import Runner, as_batch, new_cache
+from kvfid.errors import BadInput
+from kvfid.records.plain import as_plain
+from kvfid.protocol.protocol import parse_construction
+from kvfid.records.record import ItemRef
+from kvfid.diagnoses.rescore import (ALLOWED, CONSTRUCTIONS, check_constructions,  # noqa: F401
                                   reference_logits, rescored_logits)
-from harness.diagnoses.replay_gaps import (DECADES, STEP, _quantile, aggregate_gaps,  # noqa: F401
+from kvfid.diagnoses.replay_gaps import (DECADES, STEP, _quantile, aggregate_gaps,  # noqa: F401
                                       delta_decades, engine_logprobs, gap, render_gaps)
-from harness.records.replay_record import LogprobMismatch, ReplayRecord
-from harness.inputs.trajectories import Trajectory, as_row, check_fits, load_trajectories  # noqa: F401
+from kvfid.records.replay_record import LogprobMismatch, ReplayRecord
+from kvfid.inputs.trajectories import Trajectory, as_row, check_fits, load_trajectories  # noqa: F401
 
 
 
@@ -178,11 +178,11 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
                    device: str, threads: int | None, constructions: str, progress=None,
                    compiled: bool = False, faithful_recurrence: bool | None = None) -> dict:
     """`kvfid replay`: the options and the file checked before compute (exit 2 / 3), then `replay`."""
-    from harness import checks
-    from harness.diagnoses import repro
-    from harness.stacks.stack import check_supports
-    from harness.protocol.engine_arms import check_rollback
-    from harness.inputs.models import load_model
+    from kvfid import checks
+    from kvfid.diagnoses import repro
+    from kvfid.stacks.stack import check_supports
+    from kvfid.protocol.engine_arms import check_rollback
+    from kvfid.inputs.models import load_model
 
     repro.check_model_name(model_name)
     stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
@@ -212,21 +212,21 @@ def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, te
     """`kvfid rollouts`: sample on sdpa/fp32 (one thread), with vLLM (`engine="vllm"`, at
     `dtype`; `faithful`: its faithful engine) or from an OpenAI-compatible server, and write the
     JSONL atomically."""
-    from harness.inputs import items
-    from harness.diagnoses import repro
-    from harness.stacks.stack import Stack
-    from harness.inputs.models import load_model
-    from harness.outputs import write_files
+    from kvfid.inputs import items
+    from kvfid.diagnoses import repro
+    from kvfid.stacks.stack import Stack
+    from kvfid.inputs.models import load_model
+    from kvfid.outputs import write_files
 
     repro.check_model_name(model_name)
     if faithful and (engine != "vllm" or server is not None):
         raise BadInput("--faithful is for --engine vllm (kvfid's plugin runs inside vLLM)")
     if server is not None:
-        from harness.engines.server import server_rollouts
+        from kvfid.engines.server import server_rollouts
 
         rows = server_rollouts(server, model_name, item_set, count, tokens, temperature, seed)
     elif engine == "vllm":
-        from harness.engines.check import engine_rollouts
+        from kvfid.engines.check import engine_rollouts
 
         rows = engine_rollouts(model_name, item_set, count, tokens, temperature, seed, dtype, faithful)
     else:

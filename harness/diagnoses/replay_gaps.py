@@ -23,8 +23,8 @@ import statistics
 
 import torch
 
-from harness.states.cache import bits
-from harness.records.replay_record import PickedGap
+from kvfid.states.cache import bits
+from kvfid.records.replay_record import PickedGap
 
 STEP = "step-by-step"
 ENGINE = "engine"

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness import checks
-from harness.protocol.engine_arms import check_rollback
-from harness.stacks.stack import Stack, check_supports
-from harness.errors import BadInput
-from harness.names import BIT_EXACT, DIVERGES, MODEL_NAMES, PRESET_NAMES
-from harness.inputs.models import load_model
-from harness.protocol.protocol import ItemPlan, parse_transplant
+from kvfid import checks
+from kvfid.protocol.engine_arms import check_rollback
+from kvfid.stacks.stack import Stack, check_supports
+from kvfid.errors import BadInput
+from kvfid.names import BIT_EXACT, DIVERGES, MODEL_NAMES, PRESET_NAMES
+from kvfid.inputs.models import load_model
+from kvfid.protocol.protocol import ItemPlan, parse_transplant
 
 
 @dataclass
@@ -85,7 +85,7 @@ def checked_stack(backend: str, dtype: str, batch_invariant: bool, device: str,
 
 def pick_item(prompt: str | None, item_set: str | None, item_index: int | None):
     """The item of `--prompt`, or of `--item-set` and `--item`."""
-    from harness.inputs import items
+    from kvfid.inputs import items
 
     if (prompt is None) == (item_set is None):
         raise BadInput("give exactly one of --prompt or --item-set/--item")
@@ -109,8 +109,8 @@ def measure(repro: Repro):
     """Run the checked repro: the item's ItemRecord, with its crossing when asked for."""
     from dataclasses import replace
 
-    from harness.inputs.items import match_answer
-    from harness.protocol.protocol import run_crossing, run_item
+    from kvfid.inputs.items import match_answer
+    from kvfid.protocol.protocol import run_crossing, run_item
 
     record = run_item(repro.model, repro.stack, repro.item, repro.plan, matcher=match_answer)
     if repro.cross_stacks:
@@ -121,7 +121,7 @@ def measure(repro: Repro):
 
 
 def verdict(record) -> str | None:
-    """`bit-exact` or `diverges` (harness.names.VERDICT_HELP) of an ItemRecord; None when nothing
+    """`bit-exact` or `diverges` (kvfid.names.VERDICT_HELP) of an ItemRecord; None when nothing
     was compared with live (live ended before B tokens, or live was the only arm)."""
     against_live = [c for c in record.comparisons if c.kind in ("arm", "bridge")]
     if not record.ok or not against_live:
@@ -134,7 +134,7 @@ def verdict(record) -> str | None:
 class ReproOutcome:
     """What `kvfid repro` prints, and whether the verdict is the expected one."""
 
-    record: object           # harness.records.record.ItemRecord
+    record: object           # kvfid.records.record.ItemRecord
     codec: object
     environment: dict
     environment_key: str
@@ -149,13 +149,13 @@ class ReproOutcome:
     def to_json(self) -> dict:
         from dataclasses import replace
 
-        from harness.records.record import to_dict
+        from kvfid.records.record import to_dict
 
         return {**to_dict(replace(self.record, environment=self.environment)),
                 "verdict": self.verdict, "environment_key": self.environment_key}
 
     def text(self) -> str:
-        from harness.diagnoses import render
+        from kvfid.diagnoses import render
 
         shown = self.verdict or "none (nothing was compared with live)"
         return f"{render.item_text(self.record, self.codec)}\n\nverdict: {shown}"
@@ -164,7 +164,7 @@ class ReproOutcome:
 def repro(**options) -> ReproOutcome:
     """`kvfid repro`: every option checked (exit 2 / 3), the item measured, the verdict and the
     environment it was measured in."""
-    from harness.environment import envinfo
+    from kvfid.environment import envinfo
 
     checked = prepare(**options)
     record = measure(checked)

@@ -14,7 +14,7 @@ keeps the logits at every continuation position the way a trainer or an engine b
 * `spec:k[+pattern]`: the continuation verified as a speculative decoder verifies it, k drafts
   plus one per forward, the accepted positions' rows kept; the acceptance pattern is returned.
 
-The engine constructions run through harness.protocol.engine_arms.feed_rows, the code of the
+The engine constructions run through kvfid.protocol.engine_arms.feed_rows, the code of the
 protocol's `cached:K` and `spec:k` arms, over the trajectory without its last token (which no
 logits are asked after), exactly the ids the reference feeds.
 """
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from harness.protocol import engine_arms
-from harness.protocol.constructions import parse_construction
-from harness.protocol.decode import Runner, as_batch, new_cache
-from harness.inputs.trajectories import Trajectory
+from kvfid.protocol import engine_arms
+from kvfid.protocol.constructions import parse_construction
+from kvfid.protocol.decode import Runner, as_batch, new_cache
+from kvfid.inputs.trajectories import Trajectory
 
 CONSTRUCTIONS = ("prefill", "chunked", "batched", "cached", "spec", "spec-tree")
 ALLOWED = "prefill, chunked:N, batched:N, cached:K, spec:k, spec:tree:WxD"

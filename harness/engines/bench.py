@@ -11,7 +11,7 @@ the engine starts, since vLLM-CPU's worker disables `torch.set_num_threads`; res
 The faithful engine makes many small calls, so on a machine whose cores other work shares, its
 time at two threads is mostly waiting at thread barriers; one thread measures the computation.
 At another thread count the faithful engine's GEMMs take that count's tiled route
-(kernels.invariant.route), which may be another computation than at the default.
+(kvfid.kernels.invariant.route), which may be another computation than at the default.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from harness.engines import engine as vllm_engine
-from harness.engines.engine import EngineConfig
+from kvfid.engines import engine as vllm_engine
+from kvfid.engines.engine import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ def _measure(llm, prompts, tokens: int, repeats: int) -> dict:
 def engine_bench(model_name: str, dtype: str, count: int, tokens: int, item_set: str = "arith",
                  bench: EngineBench = EngineBench(), progress=None, threads: int | None = None) -> dict:
     """Stock and faithful vLLM on the same prompts: tokens/s per phase and faithful / stock."""
-    from harness.errors import BadInput
-    from harness.inputs.trajectories import items_and_codec
+    from kvfid.errors import BadInput
+    from kvfid.inputs.trajectories import items_and_codec
 
     if tokens < 2:
         raise BadInput(f"--tokens {tokens}: at least 2 (decode is timed after the first token)")

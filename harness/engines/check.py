@@ -23,10 +23,10 @@ import functools
 import os
 import time
 
-from harness.errors import BadInput, Unavailable
-from harness.engines import engine as vllm_engine
-from harness.engines import kv as engine_kv
-from harness.engines.engine import EngineConfig
+from kvfid.errors import BadInput, Unavailable
+from kvfid.engines import engine as vllm_engine
+from kvfid.engines import kv as engine_kv
+from kvfid.engines.engine import EngineConfig
 
 
 def _compare(a: list[list[float]], b: list[list[float]]) -> dict:
@@ -96,7 +96,7 @@ def _alone(call, llm, items, *rest):
 
 def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invariant, kv,
                   faithful, progress, threads):
-    from harness.inputs.trajectories import items_and_codec
+    from kvfid.inputs.trajectories import items_and_codec
 
     vllm_engine.require_vllm()
     folder = vllm_engine.model_folder(model_name)
@@ -195,7 +195,7 @@ def engine_rollouts(model_name: str, item_set: str, count: int, tokens: int, tem
                     seed: int, dtype: str, faithful: bool = False) -> list[dict]:
     """`kvfid rollouts --engine vllm`: sampled by vLLM (seeded per request), its logprobs kept;
     `faithful`: by the faithful engine."""
-    from harness.inputs.trajectories import Trajectory, as_row, items_and_codec
+    from kvfid.inputs.trajectories import Trajectory, as_row, items_and_codec
 
     vllm_engine.require_vllm()
     folder = vllm_engine.model_folder(model_name)

@@ -20,7 +20,7 @@ import gc
 import os
 from dataclasses import dataclass
 
-from harness.errors import BadInput, Unavailable
+from kvfid.errors import BadInput, Unavailable
 
 INSTALL = "vLLM is not installed in this environment; build its venv with `make install-vllm` " \
           "and run kvfid from .venv-vllm/bin"
@@ -54,7 +54,7 @@ def model_folder(model_name: str) -> str:
             raise BadInput(f"--model {model_name}: no config.json in that folder")
         return str(folder)
     if model_name == "smollm2-135m":
-        from harness.inputs import models
+        from kvfid.inputs import models
 
         gguf = models.smollm2_gguf_path()
         if gguf is None:
@@ -110,7 +110,7 @@ def engine(folder: str, dtype: str, config: EngineConfig = EngineConfig(), max_l
     with contextlib.ExitStack() as stack:
         extra = {}
         if config.faithful:
-            from harness.engines import faithful as engine_faithful
+            from kvfid.engines import faithful as engine_faithful
 
             stack.enter_context(engine_faithful.installed())
             extra["compilation_config"] = engine_faithful.COMPILATION

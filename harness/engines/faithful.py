@@ -5,7 +5,7 @@ Inside vLLM-CPU, with `KVFID_FAITHFUL=1` (or `installed()` in this process):
 - attention: the `CPU_ATTN` backend is overridden (`register_backend`, vLLM's extension point) by
   one whose forward reads each request's K and V out of the paged cache (engine_kv's unpacking of
   vLLM's own writer; a request's whole sequence in one step takes the K and V the writer has just
-  stored, as they came) and runs kernels.attention.native, the native tiling contract: fixed query and
+  stored, as they came) and runs kvfid.kernels.attention.native, the native tiling contract: fixed query and
   key tiles on absolute positions, one reduction order whatever the batch, the chunk or the cached
   prefix. vLLM's writer still fills the cache, so the engine state is read the same way stock or not;
 - GEMMs: vLLM's CPU linear dispatch (`layers.utils.dispatch_cpu_unquantized_gemm`, replaced for
@@ -34,8 +34,8 @@ def _backend_classes():
     """The faithful backend and its implementation (classes built once vLLM imports)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-    from harness.engines.kv import paged_layout, unpack_blocks
-    from kernels.attention import native as attention_native
+    from kvfid.engines.kv import paged_layout, unpack_blocks
+    from kvfid.kernels.attention import native as attention_native
 
     class FaithfulAttentionImpl(CPUAttentionBackendImpl):
         """kvfid's native attention over vLLM's paged cache, one request at a time."""
@@ -162,7 +162,7 @@ def _install():
 
 def mode_impl() -> str:
     """The batch-invariant mode's implementation a faithful engine runs (the native stack's)."""
-    from harness.stacks.stack import Stack
+    from kvfid.stacks.stack import Stack
 
     return os.environ.get(IMPL_ENV) or Stack("native", "bf16", batch_invariant=True).batch_invariant_impl
 
@@ -171,7 +171,7 @@ def mode_impl() -> str:
 def installed():
     """The faithful engine for engines started in this process within the block; everything is
     restored on exit (the backend registry, the GEMM dispatch, RMSNorm, the mode, the variable)."""
-    from kernels.invariant.mode import set_batch_invariant_mode
+    from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
     before = os.environ.get(ENV)
     os.environ[ENV] = "in-process"           # the plugin, loaded by each engine, then does nothing
@@ -193,7 +193,7 @@ def register() -> None:
     global _registered
     if os.environ.get(ENV) != "1" or _registered:
         return
-    from kernels.invariant.mode import set_batch_invariant_mode
+    from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
     _install()
     set_batch_invariant_mode(impl=mode_impl()).__enter__()   # the engine process's life: never exited

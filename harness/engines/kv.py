@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from harness.states.cache import BoundaryState, compare_states
+from kvfid.states.cache import BoundaryState, compare_states
 
 
 @functools.lru_cache(maxsize=None)

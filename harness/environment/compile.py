@@ -24,8 +24,8 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from harness.environment.compile_plan import Target
-from harness.environment.roofline import Work, roofline
+from kvfid.environment.compile_plan import Target
+from kvfid.environment.roofline import Work, roofline
 
 ROOT = Path(__file__).resolve().parents[2]
 # Maximum shared memory per block (CUDA C++ Programming Guide, "Technical Specifications per
@@ -131,8 +131,7 @@ def _worker(request_path: str) -> None:
 def _run_workers(targets: list[Target], out_dir: Path, scratch: Path, jobs: int,
                  python_path: list[str]) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "0",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *python_path,
-                                          os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([*python_path, os.environ.get("PYTHONPATH", "")])}
     # Round-robin over the workers; the plan interleaves cheap and expensive kernels. Requests,
     # records and logs are files, so no worker ever waits on a pipe.
     workers = []
@@ -145,8 +144,8 @@ def _run_workers(targets: list[Target], out_dir: Path, scratch: Path, jobs: int,
                                        "records": str(scratch / f"records-{index}.jsonl"),
                                        "targets": [{**asdict(t), "name": t.name} for t in share]}))
         log = open(scratch / f"worker-{index}.log", "w")
-        workers.append((subprocess.Popen([sys.executable, "-m", "harness.environment.compile", "--worker",
-                                          str(request)], cwd=ROOT, env=env, stdout=log,
+        workers.append((subprocess.Popen([sys.executable, "-m", "kvfid.environment.compile", "--worker",
+                                          str(request)], env=env, stdout=log,
                                          stderr=subprocess.STDOUT), log, index))
     records = {}
     for proc, log, index in workers:

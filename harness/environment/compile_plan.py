@@ -15,12 +15,12 @@ import itertools
 from dataclasses import dataclass, field
 
 
-from harness.environment.roofline import Work
-from kernels import DTYPES, LAUNCH_OPTIONS
-from kernels.attention import kernel as _attention
-from kernels.invariant import matmul as _matmul
-from kernels.invariant import norm as _norm
-from kernels.invariant import softmax as _softmax
+from kvfid.environment.roofline import Work
+from kvfid.kernels import DTYPES, LAUNCH_OPTIONS
+from kvfid.kernels.attention import kernel as _attention
+from kvfid.kernels.invariant import matmul as _matmul
+from kvfid.kernels.invariant import norm as _norm
+from kvfid.kernels.invariant import softmax as _softmax
 
 ARCHS = ("sm_80", "sm_90", "sm_100")
 _SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -49,7 +49,7 @@ class Target:
     config: str  # what distinguishes this configuration, e.g. "decode-D64-G7"
     args: dict  # runtime argument -> example int/float, or "*<dtype>" for a tensor
     constexprs: dict
-    options: dict  # num_warps, num_stages and kernels.LAUNCH_OPTIONS
+    options: dict  # num_warps, num_stages and kvfid.kernels.LAUNCH_OPTIONS
     tensor_cores: bool  # its products must run on tensor cores
     work: tuple[Work, ...] = field(default=())
 
@@ -135,7 +135,7 @@ def _attention_target(arch: str, dtype: str, phase: str, label: str, head_dim: i
         states = batch * n_kv * args["n_group_chunks"] * args["n_slots"] * rows * (v_dim + 2) * 4
         work = Work(f"merge of {work.label}", states + batch * n_q * q_len * v_dim * size,
                     3 * states // 4)
-    return Target("attention", "kernels.attention.kernel:_attention_kernel", arch, dtype,
+    return Target("attention", "kvfid.kernels.attention.kernel:_attention_kernel", arch, dtype,
                   f"{phase}{'-merge' if merge else ''}-{label}", args, constexprs,
                   _options(**_attention.merge_launch(_attention.head_dim_pad(v_dim))) if merge
                   else _options(config.num_warps, config.num_stages), dtype != "fp32" and not merge,
@@ -183,7 +183,7 @@ def matmul_targets(arch: str, dtype: str) -> list[Target]:
         work = Work(f"{phase} M{rows} K{HIDDEN} N{HIDDEN}",
                     (rows * HIDDEN + HIDDEN * HIDDEN + rows * HIDDEN + bias * HIDDEN) * size,
                     2 * rows * HIDDEN * HIDDEN)
-        out.append(Target("matmul", "kernels.invariant.matmul:_matmul_kernel", arch, dtype,
+        out.append(Target("matmul", "kvfid.kernels.invariant.matmul:_matmul_kernel", arch, dtype,
                           f"{phase}{'-bias' if bias else ''}", args, constexprs,
                           _options(config.num_warps, config.num_stages), dtype != "fp32",
                           (work,)))
@@ -197,18 +197,18 @@ def row_targets(arch: str, dtype: str) -> list[Target]:
     for kernel in ROW_WIDTHS:
         width = ROW_WIDTHS[kernel]
         if kernel == "mean":
-            function, block = "kernels.invariant.norm:_mean_kernel", (_norm.BLOCK_ROWS, _norm.BLOCK_COLS)
+            function, block = "kvfid.kernels.invariant.norm:_mean_kernel", (_norm.BLOCK_ROWS, _norm.BLOCK_COLS)
             args = {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "n_rows": rows,
                     "n_cols": width, "sx_row": width, "sx_col": 1}
             constexprs, flops, writes = {}, rows * width, rows
         elif kernel == "rms_norm":
-            function, block = "kernels.invariant.norm:_rms_norm_kernel", (_norm.BLOCK_ROWS, _norm.BLOCK_COLS)
+            function, block = "kvfid.kernels.invariant.norm:_rms_norm_kernel", (_norm.BLOCK_ROWS, _norm.BLOCK_COLS)
             args = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
                     "n_rows": rows, "n_cols": width, "sx_row": width, "sx_col": 1,
                     "so_row": width, "eps": 1e-6}
             constexprs, flops, writes = {"HAS_WEIGHT": True}, 4 * rows * width, rows * width
         else:
-            function = "kernels.invariant.softmax:_softmax_kernel"
+            function = "kvfid.kernels.invariant.softmax:_softmax_kernel"
             block = (_softmax.BLOCK_ROWS, _softmax.BLOCK_COLS)
             args = {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "n_rows": rows,
                     "n_cols": width, "sx_row": width, "sx_col": 1, "so_row": width}
@@ -226,7 +226,7 @@ KERNELS = ("attention", "matmul", *ROW_WIDTHS)
 
 
 def visible_targets(arch: str, dtype: str) -> list[Target]:
-    """The visibility-mask kernel (kernels.attention.visible) at each of LONG_SHAPES' (head dim,
+    """The visibility-mask kernel (kvfid.kernels.attention.visible) at each of LONG_SHAPES' (head dim,
     group), decode and prefill strides: it has no split path and no per-phase constexprs, so one
     binary per (head dim, group, dtype) serves every call."""
     out = []
@@ -257,7 +257,7 @@ def visible_targets(arch: str, dtype: str) -> list[Target]:
             work = Work(f"visible {phase} B{batch} Hq{n_q} Hkv{n_kv} Tq{q_len} Tk{kv_len} (all seen)",
                         batch * (n_q * q_len + n_kv * kv_len) * 2 * head_dim * size,
                         2 * batch * n_q * pairs * 2 * head_dim)
-            out.append(Target("attention", "kernels.attention.visible:_visible_kernel", arch, dtype,
+            out.append(Target("attention", "kvfid.kernels.attention.visible:_visible_kernel", arch, dtype,
                               f"visible-{phase}-D{head_dim}-G{group}", args, constexprs,
                               _options(config.num_warps, config.num_stages), dtype != "fp32",
                               (work,)))

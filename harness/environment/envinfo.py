@@ -2,7 +2,7 @@
 
 This module owns `collect()`, which reads every visible GPU through NVML (nvidia-ml-py), the CUDA
 runtime and cuDNN that torch was built with, library and Python versions, the CPU and what decides
-its numerics (harness.environment.cpu), the numerics-changing environment variables, the Triton launch options
+its numerics (kvfid.environment.cpu), the numerics-changing environment variables, the Triton launch options
 every kernel is compiled with, and the project's git revision; `environment_key()`, which names the folder that groups comparable runs;
 and `describe()`, the human text behind `kvfid env`. Each NVML field the device does not support
 is None, and a machine without NVML (no library or no driver) is a normal environment with
@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy
 import torch
 
-from harness.environment.cpu import collect_cpu, numerics_env
-from kernels import LAUNCH_OPTIONS
-from kernels.invariant import route as mode_route
+from kvfid.environment.cpu import collect_cpu, numerics_env
+from kvfid.kernels import LAUNCH_OPTIONS
+from kvfid.kernels.invariant import route as mode_route
 
 _GPU_FIELDS = (
     "name", "uuid", "compute_capability", "driver_version", "cuda_driver_version",
@@ -54,7 +54,7 @@ def collect(nvml=None) -> dict:
         "cpu": collect_cpu(),
         "numerics_env": numerics_env(),
         "triton_launch_options": dict(LAUNCH_OPTIONS),
-        # The tiled batch-invariant mode's routes kept for this machine (kernels.invariant.route): a
+        # The tiled batch-invariant mode's routes kept for this machine (kvfid.kernels.invariant.route): a
         # route changes a +bi stack's bits, and is timed once per machine, so it is recorded.
         "tiled_routes": {name: r["route"] for name, r in mode_route.kept().items()},
         "platform": platform.platform(),

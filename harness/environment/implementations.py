@@ -3,8 +3,8 @@
 This module owns `IMPLEMENTATIONS`: (op, name) -> `Implementation`, for every op the models use
 (attention decode and prefill, matmul, RMSNorm, softmax, log-softmax): stock torch, SDPA and eager
 as transformers calls them, the Triton kernels, the stock ops under the batch-invariant modes, and
-each op's deliberately variant twin (harness.stacks.twins), the control that shows the checks can fail on
-any machine. Each entry says which invariances (batch, sequence) it claims; harness.environment.invariance
+each op's deliberately variant twin (kvfid.stacks.twins), the control that shows the checks can fail on
+any machine. Each entry says which invariances (batch, sequence) it claims; kvfid.environment.invariance
 checks them.
 A test may replace an entry (monkeypatch.setitem).
 """
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from harness.stacks import twins
+from kvfid.stacks import twins
 
 OPS = ("attention-decode", "attention-prefill", "matmul", "rms-norm", "softmax", "log-softmax")
 ATTENTION_OPS = OPS[:2]
@@ -77,13 +77,13 @@ def attention_eager(q, k, v) -> torch.Tensor:
 
 
 def attention_triton(q, k, v) -> torch.Tensor:
-    from kernels.attention.kernel import attention
+    from kvfid.kernels.attention.kernel import attention
 
     return attention(q, k, v)
 
 
 def attention_native(q, k, v) -> torch.Tensor:
-    from kernels.attention.native import attention
+    from kvfid.kernels.attention.native import attention
 
     return attention(q, k, v)
 
@@ -93,7 +93,7 @@ def matmul_stock(x, weight) -> torch.Tensor:
 
 
 def matmul_triton(x, weight) -> torch.Tensor:
-    from kernels.invariant.matmul import matmul
+    from kvfid.kernels.invariant.matmul import matmul
 
     rows = x.reshape(-1, x.shape[-1])
     return matmul(rows, weight.t()).reshape(*x.shape[:-1], weight.shape[0])
@@ -108,19 +108,19 @@ def rms_norm_stock(x, weight, eps) -> torch.Tensor:
 
 
 def rms_norm_triton(x, weight, eps) -> torch.Tensor:
-    from kernels.invariant.norm import rms_norm
+    from kvfid.kernels.invariant.norm import rms_norm
 
     return rms_norm(x, weight, eps)
 
 
 def softmax_triton(x) -> torch.Tensor:
-    from kernels.invariant.softmax import softmax
+    from kvfid.kernels.invariant.softmax import softmax
 
     return softmax(x, -1)
 
 
 def log_softmax_triton(x) -> torch.Tensor:
-    from kernels.invariant.softmax import log_softmax
+    from kvfid.kernels.invariant.softmax import log_softmax
 
     return log_softmax(x, -1)
 
@@ -164,7 +164,7 @@ def _registry() -> dict[tuple[str, str], Implementation]:
                            cpu_skip=None if op == "rms-norm" else "the `triton` row's kernel call, "
                                                                   "repeated; interpreter time saved"),
             Implementation(op, "rowwise-mode", stock, True, True, mode="rowwise"),
-            # Fixed tiles of rows per stock call, each shape probed here first (kernels.invariant.tiled).
+            # Fixed tiles of rows per stock call, each shape probed here first (kvfid.kernels.invariant.tiled).
             Implementation(op, "tiled-mode", stock, True, True, mode="tiled"),
             Implementation(op, "twin", twin, False, False, control=True),
         ]

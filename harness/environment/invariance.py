@@ -3,8 +3,8 @@
 This module owns `compare_kernels()`, which runs every implementation of every op (attention
 decode and prefill, matmul, RMSNorm, softmax, log-softmax; stock torch, SDPA and eager as
 transformers calls them, the Triton kernels, and the batch-invariant modes) through two bitwise
-checks. The implementations and their claims live in harness.environment.implementations; the
-table (`render_table`) and the filed result (`write_result`) in harness.reports.invariance_table,
+checks. The implementations and their claims live in kvfid.environment.implementations; the
+table (`render_table`) and the filed result (`write_result`) in kvfid.reports.invariance_table,
 a floor above.
 
 * **batch**: rows computed alone against the same rows inside batches of 2 ... 128 (each batch
@@ -17,7 +17,7 @@ a floor above.
 Bits are compared (so -0.0 differs from +0.0); a difference is reported with the first failing
 batch size or position and the max abs difference, never turned into a tolerance. An
 implementation that claims an invariance and fails it makes the result's `ok` False, and so does a
-deliberately variant twin (harness.stacks.twins) that a check fails to catch: that check could not fail.
+deliberately variant twin (kvfid.stacks.twins) that a check fails to catch: that check could not fail.
 Whether a stock op is invariant differs between machines (CPU instruction sets, BLAS paths): a
 stock row that passes a check is a finding, "stock invariant here", never an error.
 """
@@ -32,14 +32,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from harness.environment import envinfo
-from harness.checks import check_cuda
-from kernels import DTYPES
-from harness.states.cache import bits_equal  # noqa: F401 (re-exported: the one bitwise comparison)
-from harness.environment.measure import BATCH_SIZES, max_abs_diff, randn
-from harness.environment.probes import probe_stock
-from harness.environment.tiled import tiled_routes, union_probes
-from harness.environment.implementations import (  # noqa: F401 (re-exported)
+from kvfid.environment import envinfo
+from kvfid.checks import check_cuda
+from kvfid.kernels import DTYPES
+from kvfid.states.cache import bits_equal  # noqa: F401 (re-exported: the one bitwise comparison)
+from kvfid.environment.measure import BATCH_SIZES, max_abs_diff, randn
+from kvfid.environment.probes import probe_stock
+from kvfid.environment.tiled import tiled_routes, union_probes
+from kvfid.environment.implementations import (  # noqa: F401 (re-exported)
     ATTENTION_OPS, IMPLEMENTATIONS, OPS, Implementation, attention_eager, attention_sdpa,
     attention_triton, log_softmax_triton, matmul_stock, matmul_triton, rms_norm_stock,
     rms_norm_triton, softmax_triton)
@@ -222,9 +222,9 @@ def _run_one(impl: Implementation, dtype: torch.dtype, device: torch.device, sha
 def measure_rows(pairs, device: str, shapes: Shapes, batch_sizes: Sequence[int], seed: int,
                  progress: Callable[[str], None] | None = None) -> tuple[list[dict], list[dict]]:
     """Each (op, implementation name, dtype) of `pairs` through `_run_one`, in order; the rows and
-    the tiled-mode call shapes probed in this process on the way (kernels.invariant.tiled)."""
-    from kernels.invariant import tiled as mode_tiled
-    from kernels.invariant.mode import set_batch_invariant_mode
+    the tiled-mode call shapes probed in this process on the way (kvfid.kernels.invariant.tiled)."""
+    from kvfid.kernels.invariant import tiled as mode_tiled
+    from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
     rows = []
     for op, name, dtype in pairs:
@@ -251,7 +251,7 @@ def _row_in_a_process(pair, device, shapes, batch_sizes, seed, threads):
 def _rows_in_processes(pairs, device, shapes, batch_sizes, seed, threads, jobs, progress):
     """`measure_rows` over `jobs` processes: the same rows in the same order, and the union of
     the processes' tiled-mode probes (each call shape once). The Triton rows go first."""
-    from harness.environment.invariance_jobs import in_processes
+    from kvfid.environment.invariance_jobs import in_processes
 
     def done(pair, result):
         if progress:
@@ -275,11 +275,11 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
     `rows` (one per op x implementation x dtype), `skipped` (implementations not run here and why),
     the shapes, the environment record and its key, and the duration. `quick`: small shapes and
     QUICK_BATCH_SIZES (for tests); batch sizes default to BATCH_SIZES otherwise. `stock_probes`:
-    stock mm and SDPA searched over a grid of shapes for a witness of variance (harness.environment.probes).
-    `tiled_routes`: the tiled mode's tile and dtype route per dtype on this machine (kernels.invariant.route).
-    `jobs` > 1: the rows measured in that many processes (harness.environment.invariance_jobs).
+    stock mm and SDPA searched over a grid of shapes for a witness of variance (kvfid.environment.probes).
+    `tiled_routes`: the tiled mode's tile and dtype route per dtype on this machine (kvfid.kernels.invariant.route).
+    `jobs` > 1: the rows measured in that many processes (kvfid.environment.invariance_jobs).
     """
-    import kernels  # selects the Triton interpreter before triton loads, when there is no CUDA
+    from kvfid import kernels
 
     names = {name for _, name in IMPLEMENTATIONS}
     checks = (("dtypes", dtypes, DTYPES), ("ops", ops, OPS), ("implementations", impls, names))

@@ -1,6 +1,6 @@
 """What the invariance checks (invariance.py) and the stock probes (probes.py) both measure with:
 the batch sizes, seeded inputs and the largest difference; the one bitwise comparison is
-harness.states.cache.bits_equal."""
+kvfid.states.cache.bits_equal."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ measured, stock bf16 mm at [64, 576] x [576, 1536] differed by batch on an Intel
 not on an AMD EPYC (AVX-512). So these are findings per machine, never test assumptions. Each
 probe walks its grid in a fixed order and stops at the first witness: the shape, batch size or
 position, and the max abs difference. No witness anywhere is reported as "stock invariant here"
-(harness.reports.invariance_table renders them).
+(kvfid.reports.invariance_table renders them).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from harness.environment.measure import BATCH_SIZES, max_abs_diff, randn
-from harness.states.cache import bits_equal
-from kernels import DTYPES
+from kvfid.environment.measure import BATCH_SIZES, max_abs_diff, randn
+from kvfid.states.cache import bits_equal
+from kvfid.kernels import DTYPES
 
 # (K, N): SmolLM2's k/v projection, its MLP up projection, the down projection, a small odd one.
 MATMUL_GRID = ((576, 192), (576, 1536), (1536, 576), (96, 80))

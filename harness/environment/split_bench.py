@@ -36,8 +36,8 @@ def _time_us(fn, repeats: int, cuda: bool) -> float:
 def measure(head_dim: int, group: int, context: int, dry_run: bool) -> dict:
     import torch
 
-    from harness.environment.roofline import GPUS, Work, floor_us
-    from kernels.attention.kernel import AttentionConfig, attention, config_for
+    from kvfid.environment.roofline import GPUS, Work, floor_us
+    from kvfid.kernels.attention.kernel import AttentionConfig, attention, config_for
 
     cuda = torch.cuda.is_available() and not dry_run
     device = torch.device("cuda" if cuda else "cpu")
@@ -72,8 +72,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="interpreter, toy sizes")
     args = parser.parse_args(argv)
-    import kernels  # noqa: F401  (sets TRITON_INTERPRET before triton loads, without CUDA)
-    from harness.environment.compile_plan import LONG_CONTEXT, LONG_SHAPES
+    import kvfid  # noqa: F401  (the package selects the interpreter before triton loads)
+    from kvfid.environment.compile_plan import LONG_CONTEXT, LONG_SHAPES
 
     shapes = ((16, 2),) if args.dry_run else LONG_SHAPES
     ok = True

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from kernels import DTYPES
+from kvfid.kernels import DTYPES
 
 
 def union_probes(*lists: list[dict]) -> list[dict]:
-    """Tiled-mode probe verdicts (kernels.invariant.tiled.verdicts) from several processes, each call
+    """Tiled-mode probe verdicts (kvfid.kernels.invariant.tiled.verdicts) from several processes, each call
     shape, thread count and route once."""
     return list({(p["call"], p["threads"], p.get("route")): p for probes in lists for p in probes}.values())
 
 
 def tiled_routes(ran_tiled: bool, dtypes, device: torch.device) -> dict[str, dict]:
-    """The tiled mode's route per dtype at this thread count (kernels.invariant.route: kept for this
+    """The tiled mode's route per dtype at this thread count (kvfid.kernels.invariant.route: kept for this
     machine, so every process of a run takes the same), where tiled rows ran on a CPU."""
-    from kernels.invariant import route as mode_route
+    from kvfid.kernels.invariant import route as mode_route
 
     if device.type != "cpu" or not ran_tiled:
         return {}
@@ -31,8 +31,8 @@ def choose_routes(stacks) -> None:
     """Choose (or read back) the route every CPU stack in the tiled batch-invariant mode will
     take, at its thread count, for its dtype and fp32, before a run's environment record is
     taken: the first run on a fresh machine then records the routes its units use (the record
-    reads kernels.invariant.route's store; a route is timed once per machine and kept)."""
-    from kernels.invariant import route as mode_route
+    reads kvfid.kernels.invariant.route's store; a route is timed once per machine and kept)."""
+    from kvfid.kernels.invariant import route as mode_route
 
     for stack in stacks:
         if stack.batch_invariant_impl != "tiled" or not stack.device.startswith("cpu"):

@@ -1,4 +1,2 @@
 """What an item is made of: the models (presets and `hf:` folders, loaded as transformers loads
 them), the item sets and the trajectories file."""
-
-import kernels  # noqa: F401  (sets TRITON_INTERPRET before triton loads, on machines without CUDA)

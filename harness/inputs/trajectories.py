@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.errors import BadInput
+from kvfid.errors import BadInput
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,8 @@ def as_row(t: Trajectory, **extra) -> dict:
 def items_and_codec(model_name: str, item_set: str, count: int):
     """The first `count` items of `item_set` (BadInput naming --item-set) and the model's codec:
     what every engine-side sampler starts from."""
-    from harness.inputs import items
-    from harness.inputs.models import load_model
+    from kvfid.inputs import items
+    from kvfid.inputs.models import load_model
 
     try:
         chosen = items.load_item_set(item_set, count)

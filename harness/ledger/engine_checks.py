@@ -3,7 +3,7 @@
 A stored check (the `engine_checks` table, ledger schema 3) carries its id (`engine-` and a run
 id's time and suffix), the environment record and its key, the engine and its version (`vllm
 0.32.0`), the git revision, when it was written, and its `EngineCheckRecord`
-(harness.records.engine) as JSON with its SHA-256, written in one transaction. Ledgers
+(kvfid.records.engine) as JSON with its SHA-256, written in one transaction. Ledgers
 older than schema 3 hold none and read as holding none; reading never writes (a read-only
 ledger is opened as every reading command opens it).
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from harness.records.engine import EngineCheckRecord
-from harness.records.record import to_json
-from harness.ledger.store import Ledger, LedgerError, _loads, _record, new_run_id, now
-from harness.ledger.opening import LedgerRefused, Transaction, record_sha
+from kvfid.records.engine import EngineCheckRecord
+from kvfid.records.record import to_json
+from kvfid.ledger.store import Ledger, LedgerError, _loads, _record, new_run_id, now
+from kvfid.ledger.opening import LedgerRefused, Transaction, record_sha
 
 PREFIX = "engine-"
 

@@ -20,7 +20,7 @@ import sqlite3
 from pathlib import Path
 from urllib.parse import quote
 
-from harness.errors import BadInput, ReadOnly, Unavailable, write_failure
+from kvfid.errors import BadInput, ReadOnly, Unavailable, write_failure
 
 SCHEMA_VERSION = 3
 SQLITE_MAGIC = b"SQLite format 3\x00"

@@ -1,6 +1,6 @@
 """The rows of a unit's record: what the ledger's rows table holds and what audit compares.
 
-A record (harness.records.record: `run_item`'s or `run_crossing`'s, a ReplayRecord or a
+A record (kvfid.records.record: `run_item`'s or `run_crossing`'s, a ReplayRecord or a
 ProgramRecord) is stored whole; its rows (one per arm, comparison, replica, transplant, crossing
 cell, replayed construction) are a projection of it: metrics for queries and fingerprints for `audit`. `record_rows` is that projection, `fingerprints` its
 fingerprint part. Row labels keep the text ledgers of schema 1-2 stored, so their runs stay
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from harness.states.cache import sha_ids
-from harness.records.record import Comparison, CrossingRecord, ItemRecord
-from harness.records.program import ProgramRecord
-from harness.records.replay_record import ReplayRecord
+from kvfid.states.cache import sha_ids
+from kvfid.records.record import Comparison, CrossingRecord, ItemRecord
+from kvfid.records.program import ProgramRecord
+from kvfid.records.replay_record import ReplayRecord
 
 
 def record_rows(record: ItemRecord | CrossingRecord) -> list[tuple[str, str, dict, dict]]:

@@ -2,9 +2,9 @@
 
 A run stores its case (text and hash), what it fixed before any result (`design`), its
 environment record and key, the git revision, its times and status. A unit is one (item, stack)
-measurement, or one item's precision crossing, stored with its full record (harness.records.record,
+measurement, or one item's precision crossing, stored with its full record (kvfid.records.record,
 as its JSON text with a checksum) so reports and audits can recompute everything; the ledger
-never looks inside a record beyond its status and its rows (harness.ledger.rows). Each unit's rows (one per arm, comparison,
+never looks inside a record beyond its status and its rows (kvfid.ledger.rows). Each unit's rows (one per arm, comparison,
 transplant, crossing cell) carry metrics and fingerprints, and are written with the unit in ONE
 transaction: an interrupted run loses nothing it has written, and never half a unit.
 """
@@ -20,12 +20,12 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness.errors import BadInput
-from harness.records.record import CrossingRecord, RecordRefused, to_json
-from harness.records.read import from_json
-from harness.ledger.lease import Lease, this_process
-from harness.ledger.opening import LedgerRefused, Transaction, connect, record_sha
-from harness.ledger.rows import fingerprints, record_rows
+from kvfid.errors import BadInput
+from kvfid.records.record import CrossingRecord, RecordRefused, to_json
+from kvfid.records.read import from_json
+from kvfid.ledger.lease import Lease, this_process
+from kvfid.ledger.opening import LedgerRefused, Transaction, connect, record_sha
+from kvfid.ledger.rows import fingerprints, record_rows
 
 DEFAULT_DB = Path("reports") / "ledger.sqlite"
 
@@ -85,7 +85,7 @@ class StoredUnit:
 
 class Ledger:
     """One SQLite ledger file; safe to share between processes (WAL, busy timeout). Opening
-    refuses a file that is not a kvfid ledger (harness.ledger.opening)."""
+    refuses a file that is not a kvfid ledger (kvfid.ledger.opening)."""
 
     def __init__(self, path: str | Path, readonly: bool = False) -> None:
         """Open for writing (schema created or migrated), or `readonly` (nothing written)."""

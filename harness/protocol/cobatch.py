@@ -21,8 +21,8 @@ from typing import Sequence
 
 import torch
 
-from harness.states.cache import top2
-from harness.protocol.decode import Greedy, Runner
+from kvfid.states.cache import top2
+from kvfid.protocol.decode import Greedy, Runner
 
 PAD_ID = 0  # the token id at pad positions (masked; any id would do)
 
@@ -53,7 +53,7 @@ class CoBatch:
 def default_pool(n: int = 16) -> list:
     """Neighbours for an item that comes without an item set (a single prompt): the built-in
     arith set."""
-    from harness.inputs.items import arith_items
+    from kvfid.inputs.items import arith_items
 
     return arith_items(n)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from harness.states import surgery
-from harness.protocol.engine_tree import parse_tree
-from harness.errors import BadInput
-from harness.names import CONSTRUCTION_HELP
+from kvfid.states import surgery
+from kvfid.protocol.engine_tree import parse_tree
+from kvfid.errors import BadInput
+from kvfid.names import CONSTRUCTION_HELP
 _NUMBERED = (r"(?:chunked|batched):\d+|cobatched:\d+(?:\+decode)?"
              r"|cached:(?:\d+|0?\.\d+|prompt)|spec:\d+(?:\+(?:all|none|ngram|rate0?\.\d+))?"
              r"|spec:tree:(?:\d+x\d+|\d+(?:,\d+)*)(?:\+rate0?\.\d+)?")

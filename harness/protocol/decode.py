@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.errors import Unavailable
-from harness.states.cache import top2
-from kernels import KernelRefusal
+from kvfid.errors import Unavailable
+from kvfid.states.cache import top2
+from kvfid.kernels import KernelRefusal
 
 
 def cache_keyword(module: torch.nn.Module) -> str:
@@ -28,8 +28,8 @@ def cache_keyword(module: torch.nn.Module) -> str:
 
 def new_cache(module: torch.nn.Module):
     """An empty cache for this model: a dynamic cache with its layer classes, or the cache class
-    the model brings (harness.states.layers.empty_cache)."""
-    from harness.states.layers import empty_cache
+    the model brings (kvfid.states.layers.empty_cache)."""
+    from kvfid.states.layers import empty_cache
 
     return empty_cache(module)
 

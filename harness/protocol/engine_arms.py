@@ -18,7 +18,7 @@ like any other construction:
   the k tokens that followed the latest earlier occurrence of the last two tokens). The accepted
   count of every step is kept: the record's acceptance pattern.
 * `spec:tree:WxD` / `spec:tree:P1,P2,..`: the same with a draft tree verified under its ancestor
-  mask and its accepted path kept (harness.protocol.engine_tree).
+  mask and its accepted path kept (kvfid.protocol.engine_tree).
 
 A cache whose cut leaves a trace (a recurrent state that cannot be rolled back) is refused with one
 line. Nothing here knows which backend runs.
@@ -31,9 +31,9 @@ import random
 
 import torch
 
-from harness.errors import Unavailable
-from harness.protocol import engine_tree
-from harness.protocol.decode import Runner, as_batch
+from kvfid.errors import Unavailable
+from kvfid.protocol import engine_tree
+from kvfid.protocol.decode import Runner, as_batch
 
 KINDS = ("cached", "spec", "spec-tree")
 _NGRAM = 2           # the n of prompt-lookup drafting
@@ -47,8 +47,8 @@ class RollbackError(Unavailable):
 def check_rollback(model, arms) -> None:
     """Refuse, before any compute, a prefix-cache hit or a speculative arm on a model with a
     recurrent layer state, which a cut cannot put back (RollbackError, exit 3)."""
-    from harness.protocol.constructions import parse_construction
-    from harness.stacks.serving import describe_layers
+    from kvfid.protocol.constructions import parse_construction
+    from kvfid.stacks.serving import describe_layers
 
     serving_arms = [a for a in arms if parse_construction(a).kind in KINDS]
     if not serving_arms:

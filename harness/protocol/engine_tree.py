@@ -1,5 +1,5 @@
 """`spec:tree`: P rebuilt as a tree-shaped speculative verifier builds it (EAGLE-2/3, Medusa
-trees in vLLM and SGLang), beside `spec:k`'s chain (harness.protocol.engine_arms).
+trees in vLLM and SGLang), beside `spec:k`'s chain (kvfid.protocol.engine_arms).
 
 The tree is given by its nodes' parents: node j (1..n) hangs under node parents[j-1], node 0 being
 the pending token (the root). `spec:tree:WxD` is the full tree of width W and depth D (every node
@@ -26,7 +26,7 @@ import re
 
 import torch
 
-from harness.protocol.decode import Runner, as_batch
+from kvfid.protocol.decode import Runner, as_batch
 
 MAX_NODES = 64
 _SPELLING = re.compile(r"spec:tree:(?:(\d+)x(\d+)|(\d+(?:,\d+)*))(?:\+rate(0?\.\d+))?")

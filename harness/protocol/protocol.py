@@ -1,7 +1,7 @@
 """The protocol: constructions (arms), suffixes, replicas, the bridge, transplants, the crossing.
 
 `run_item` measures one item on one stack into an `ItemRecord`; `run_crossing` runs the
-fixed-prefix precision crossing into a `CrossingRecord` (harness.records.record). Both take a
+fixed-prefix precision crossing into a `CrossingRecord` (kvfid.records.record). Both take a
 `Model` and `Stack`s and never look inside either: which attention backend or precision runs is
 the stack's business. Every forward call goes through
 a `Runner`, so each arm reports its wall time, forward calls and forward time; one untimed warm-up
@@ -15,15 +15,15 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from harness.states import cache as kv
-from harness.protocol import cobatch, engine_arms
-from harness.states import surgery
-from harness.records import record as rec
-from harness.records.plain import decode
-from harness.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
+from kvfid.states import cache as kv
+from kvfid.protocol import cobatch, engine_arms
+from kvfid.states import surgery
+from kvfid.records import record as rec
+from kvfid.records.plain import decode
+from kvfid.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
                                    TransplantSpec, parse_construction, parse_transplant)
-from harness.states.cache import top2
-from harness.protocol.decode import Greedy, Runner, as_batch, feed_chunks, greedy, new_cache
+from kvfid.states.cache import top2
+from kvfid.protocol.decode import Greedy, Runner, as_batch, feed_chunks, greedy, new_cache
 
 # --------------------------------------------------------------------------- arms
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-from harness.records.plain import as_plain, decode
-from harness.records.record import KINDS, to_json
+from kvfid.records.plain import as_plain, decode
+from kvfid.records.record import KINDS, to_json
 
 
 @dataclass(frozen=True)

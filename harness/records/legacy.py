@@ -2,15 +2,15 @@
 
 Those records spelled a replica as a comparison whose b label ends in a prime (`prefill'`) with
 its fingerprints beside it, and crossing cells under "stack|construction" keys; both become
-their typed places here (harness.records.record). Nothing writes this form any more.
+their typed places here (kvfid.records.record). Nothing writes this form any more.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from harness.records.plain import decode
-from harness.records.record import (Comparison, CrossingCell, CrossingRecord, Fingerprints,
+from kvfid.records.plain import decode
+from kvfid.records.record import (Comparison, CrossingCell, CrossingRecord, Fingerprints,
                                      ItemRecord, ItemRef, RecordRefused, Replica,
                                      StackComparison)
 

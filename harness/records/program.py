@@ -1,4 +1,4 @@
-"""The record of one stage program (harness.stages.program) on one stack: the ledger stores it
+"""The record of one stage program (kvfid.stages.program) on one stack: the ledger stores it
 like any unit.
 
 Its own module because record.py is full; `ProgramRecord` registers itself in record.KINDS, and
@@ -12,8 +12,8 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field
 
-from harness.records.plain import decode
-from harness.records.record import (KINDS, CacheDiff, ItemRef, LogitsDiff, SuffixDiff, UnitRecord,
+from kvfid.records.plain import decode
+from kvfid.records.record import (KINDS, CacheDiff, ItemRef, LogitsDiff, SuffixDiff, UnitRecord,
                                      to_json)
 
 

@@ -1,5 +1,5 @@
 """Reading a stored record back: schema 3 of any kind in record.KINDS, schema 1-2 (the untagged
-dicts of earlier ledgers) through harness.records.legacy, anything else refused with one
+dicts of earlier ledgers) through kvfid.records.legacy, anything else refused with one
 line. It sits above every record module, so all kinds (replay_record's, program_record's and
 engine_record's too) are registered here.
 """
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 
-from harness.records.engine import EngineCheckRecord  # noqa: F401 (registers its kind)
-from harness.records.plain import decode
-from harness.records.record import KINDS, SCHEMA_VERSION, RecordRefused
-from harness.records.program import ProgramRecord  # noqa: F401 (registers the program kind)
-from harness.records.legacy import from_untagged
-from harness.records.replay_record import ReplayRecord  # noqa: F401 (registers the replay kind)
+from kvfid.records.engine import EngineCheckRecord  # noqa: F401 (registers its kind)
+from kvfid.records.plain import decode
+from kvfid.records.record import KINDS, SCHEMA_VERSION, RecordRefused
+from kvfid.records.program import ProgramRecord  # noqa: F401 (registers the program kind)
+from kvfid.records.legacy import from_untagged
+from kvfid.records.replay_record import ReplayRecord  # noqa: F401 (registers the replay kind)
 
 
 def from_json(text: str):

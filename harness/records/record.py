@@ -4,8 +4,8 @@ A unit of a run is one `ItemRecord` (one item on one stack: its arms, their comp
 live, replicas, transplants) or one `CrossingRecord` (one item's fixed-prefix precision
 crossing: a cell per (stack, construction) and a comparison within each stack). Every field name
 is spelled here only; readers use attributes. `to_json` here and `from_json`
-(harness.records.read) are the one serialization: `{"schema": SCHEMA_VERSION, "kind": ...,
-fields...}`, decoded field by field from the type hints (harness.records.plain), so a new record
+(kvfid.records.read) are the one serialization: `{"schema": SCHEMA_VERSION, "kind": ...,
+fields...}`, decoded field by field from the type hints (kvfid.records.plain), so a new record
 kind is a frozen dataclass with a `KIND` added to `KINDS`.
 """
 
@@ -15,8 +15,8 @@ import json
 import typing
 from dataclasses import dataclass, field
 
-from harness.errors import Unavailable
-from harness.records.plain import as_plain, decode
+from kvfid.errors import Unavailable
+from kvfid.records.plain import as_plain, decode
 
 SCHEMA_VERSION = 3
 
@@ -29,7 +29,7 @@ class RecordRefused(Unavailable, ValueError):
 
 @dataclass(frozen=True)
 class TensorDiff:
-    """One tensor against another, bit for bit (harness.states.cache.tensor_diff)."""
+    """One tensor against another, bit for bit (kvfid.states.cache.tensor_diff)."""
 
     equal: bool = True
     n_diff: int = 0
@@ -81,7 +81,7 @@ class CacheDiff:
 
 @dataclass(frozen=True)
 class LogitsDiff:
-    """Two boundary logits (harness.states.cache.compare_logits)."""
+    """Two boundary logits (kvfid.states.cache.compare_logits)."""
 
     equal: bool = True
     max_abs: float = 0.0
@@ -94,7 +94,7 @@ class LogitsDiff:
 
 @dataclass(frozen=True)
 class SuffixDiff:
-    """Two greedy suffixes (harness.states.cache.compare_suffixes)."""
+    """Two greedy suffixes (kvfid.states.cache.compare_suffixes)."""
 
     identical: bool = True
     first_divergence: int | None = None
@@ -156,7 +156,7 @@ class ArmRecord:
     generated: tuple[int, ...] | None = None       # live of a short item: the tokens before EOS
     live_margins: tuple[float, ...] | None = None  # live: the margins of the B generated tokens
     rows_identical: bool | None = None             # batched: every row's state equals row 0's
-    cobatch: dict | None = None                    # cobatched: harness.protocol.cobatch describe()
+    cobatch: dict | None = None                    # cobatched: kvfid.protocol.cobatch describe()
     acceptance: tuple[int, ...] | None = None      # spec:k: accepted drafts per verification step
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field
 
-from harness.records.record import KINDS, ItemRef, UnitRecord, to_json
+from kvfid.records.record import KINDS, ItemRef, UnitRecord, to_json
 
 
 @dataclass(frozen=True)

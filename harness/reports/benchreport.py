@@ -6,7 +6,7 @@
 elsewhere (`kvfid bench-report`) by its own key. `latest_previous()` finds the run before one;
 `compare_bench()` compares medians per benchmark and flags regressions (median slower by more than
 the threshold); `render_bench()` is its Markdown and `render_bench_html()` its HTML page, which
-adds the scale curve's plot (harness.reports.document). The environment key
+adds the scale curve's plot (kvfid.reports.document). The environment key
 comes from the record the bench conftest put into pytest-benchmark's `machine_info` (see
 tests/bench/conftest.py), so a result is filed with the machine it was measured on, not the one
 that files it.
@@ -19,10 +19,10 @@ import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness.environment import envinfo
-from harness.errors import BadInput
-from harness.reports.document import Figure, Heading, Paragraph, Table, markdown, ratio, seconds, to_html
-from harness.reports.figures import svg_curves
+from kvfid.environment import envinfo
+from kvfid.errors import BadInput
+from kvfid.reports.document import Figure, Heading, Paragraph, Table, markdown, ratio, seconds, to_html
+from kvfid.reports.figures import svg_curves
 
 MACHINE_INFO_KEY = "kvfid"  # machine_info[MACHINE_INFO_KEY] = {"environment": ..., "environment_key": ...}
 
@@ -249,7 +249,7 @@ def model_steps(rows: list[dict]) -> list[dict]:
 
 
 def _note(step: dict) -> str:
-    """What ran: the interpreter, or the tiled mode's route per dtype (kernels.invariant.route);
+    """What ran: the interpreter, or the tiled mode's route per dtype (kvfid.kernels.invariant.route);
     for a decode step, the stack whose prefill built the cache it read where that was neither the
     baseline nor the step's own stack (the baseline's prefill skipped as over the bench's budget)."""
     notes = ["Triton interpreter"] if step["interpreter"] else [
@@ -315,7 +315,7 @@ def model_steps_document(rows: list[dict]) -> list:
 
 
 def bench_document(comparison: dict) -> list:
-    """The comparison as blocks of harness.reports.document: one row per benchmark."""
+    """The comparison as blocks of kvfid.reports.document: one row per benchmark."""
     new, old = comparison["new"], comparison["previous"]
     where = lambda side: f" ({side['path']})" if side["path"] else ""
     against = ("none (first run here)" if old is None else

@@ -1,11 +1,11 @@
 """The `kvfid compile` report as a document: resources, instruction mix, roofline floors, problems.
 
-What is compiled and judged is harness.environment.compile; this module only lays its result out.
+What is compiled and judged is kvfid.environment.compile; this module only lays its result out.
 """
 
 from __future__ import annotations
 
-from harness.reports.document import Bullets, Paragraph, Table, plain_text
+from kvfid.reports.document import Bullets, Paragraph, Table, plain_text
 
 
 def _floors(row: dict) -> str:
@@ -13,7 +13,7 @@ def _floors(row: dict) -> str:
 
 
 def compile_document(report: dict) -> list:
-    """The report as blocks of harness.reports.document: resources, instruction mix, roofline
+    """The report as blocks of kvfid.reports.document: resources, instruction mix, roofline
     floors, then each problem, each arch's count and the verdict."""
     rows, found = [], []
     for row in report["configs"]:

@@ -5,9 +5,9 @@ Every report kvfid writes (run report, comparison, index, kernel table, bench ta
 table) is a list of blocks: `Heading`, `Paragraph`, `Table`, `Bullets`, `Code`, `Figure` (raw
 inline SVG), `Details` (a block the HTML folds away); a `Link` may stand in a paragraph, a list
 item or a table cell. Text may carry two inline marks, `code` and **strong**: Markdown keeps them,
-the HTML turns them into elements. Figures are drawn in harness.reports.figures and appear in the
+the HTML turns them into elements. Figures are drawn in kvfid.reports.figures and appear in the
 HTML only; a report keeps their numbers in a table, so Markdown loses no data. The tuple blocks of
-harness.reports.report (("h2", text), ("table", head, rows), ...) are accepted as they are.
+kvfid.reports.report (("h2", text), ("table", head, rows), ...) are accepted as they are.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class Details:
 
 
 def block(item) -> object:
-    """A block from harness.reports.report's tuple form, or the block itself."""
+    """A block from kvfid.reports.report's tuple form, or the block itself."""
     if not isinstance(item, tuple):
         return item
     kind = item[0]

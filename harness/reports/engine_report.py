@@ -1,6 +1,6 @@
 """An engine check's report: one stored `kvfid engine-check` as Markdown and self-contained HTML.
 
-Like a run report it goes through harness.reports.document and is written to
+Like a run report it goes through kvfid.reports.document and is written to
 `<reports>/<environment key>/<check id>/report.md` and `report.html` (with the record itself as
 `engine-check.json`; no summary.json, so the runs index does not take it for a run). It holds what
 ran (engine and version, model, dtype, prompts x tokens, faithful or stock), the logprob table
@@ -16,10 +16,10 @@ import json
 import shlex
 from pathlib import Path
 
-from harness.environment.envinfo import describe as describe_environment
-from harness.outputs import write_files
-from harness.reports.document import Cell, markdown, number, to_html
-from harness.reports.figures import svg_lines
+from kvfid.environment.envinfo import describe as describe_environment
+from kvfid.outputs import write_files
+from kvfid.reports.document import Cell, markdown, number, to_html
+from kvfid.reports.figures import svg_lines
 
 EXACT, DIFFERS = "bit-exact", "diverges"
 LOGPROB_HEAD = ["constructions", "tokens differ", "max |Δ logprob|", "items exact", "note"]
@@ -79,7 +79,7 @@ def command(record) -> str:
 
 
 def document(stored, raw_environment: bool = True) -> list:
-    """The report as blocks (harness.reports.document's tuple form and Cells)."""
+    """The report as blocks (kvfid.reports.document's tuple form and Cells)."""
     r = stored.record
     doc = [("h1", f"kvfid engine-check {stored.id}: {r.label}"),
            ("p", verdict(r)),
@@ -134,7 +134,7 @@ def _per_layer(record) -> list:
 
 def write_report(stored, root: str | Path = "reports") -> dict[str, Path]:
     """Write report.md, report.html and engine-check.json to <root>/<environment key>/<id>/."""
-    from harness.records.record import to_json
+    from kvfid.records.record import to_json
 
     folder = Path(root) / stored.environment_key / stored.id
     doc = document(stored)

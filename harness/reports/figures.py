@@ -3,7 +3,7 @@
 `svg_lines` draws median d_rel per layer on a log axis (bit-exact layers on a band marked 0);
 `svg_bars` draws grouped histograms (first-divergence index); `svg_curves` draws points on
 log-log axes (the bench report's scale curve). Each returns one `<svg>` element that a
-self-contained HTML page embeds (harness.reports.report, harness.reports.benchreport).
+self-contained HTML page embeds (kvfid.reports.report, kvfid.reports.benchreport).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
 key>/<run id>/` (written by `report.write_report`) and, optionally, the runs of ledger files
 (summarised on the fly; nothing is written for them), keeps the newest run per (environment key,
 case), and writes `reports/index.md` and `reports/index.html`: per case a grid of environments
-and stacks (harness.reports.index_page). Each run links its report (report.md from the Markdown,
+and stacks (kvfid.reports.index_page). Each run links its report (report.md from the Markdown,
 report.html from the HTML) and each environment key its kernel table; both pages go through
-harness.reports.document.
+kvfid.reports.document.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import json
 import re
 from pathlib import Path
 
-from harness.outputs import write_files
-from harness.reports.document import markdown, to_html
-from harness.reports.index_page import index_document
-from harness.runs.aggregate import aggregate
-from harness.ledger.store import Ledger, LedgerError
+from kvfid.outputs import write_files
+from kvfid.reports.document import markdown, to_html
+from kvfid.reports.index_page import index_document
+from kvfid.runs.aggregate import aggregate
+from kvfid.ledger.store import Ledger, LedgerError
 
 
 def update_index(reports_dir="reports", ledgers=()) -> Path:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import re
 
-from harness.environment import envinfo
-from harness.reports.document import Cell, Heading, Link, Paragraph, Table, fraction, interval_text
+from kvfid.environment import envinfo
+from kvfid.reports.document import Cell, Heading, Link, Paragraph, Table, fraction, interval_text
 
 HEADLINE = "prefill"    # the construction a cell shows (else the stack's first one)
 ACROSS = 6              # at most this many stacks across before the grid turns
@@ -25,7 +25,7 @@ VERDICT_WORDS = {"bit-exact": "bit-exact", "cache-differs": "cache differs", "di
 
 
 def index_document(entries: list[dict]) -> list:
-    """The index as blocks of harness.reports.document: a grid per case, then the runs shown."""
+    """The index as blocks of kvfid.reports.document: a grid per case, then the runs shown."""
     doc = [Heading("kvfid reports index"),
            Paragraph("The newest run of each case on each environment key (finished runs first). "
                      f"A cell: {HEADLINE}'s cache bit-exact count against live, and its suffix ≠ "

@@ -1,7 +1,7 @@
-"""The kernel invariance table: harness.environment.invariance's result as a document.
+"""The kernel invariance table: kvfid.environment.invariance's result as a document.
 
 One row per op x implementation x dtype with both bitwise checks and the verdict, then the stock
-probes (harness.environment.probes), the implementations not run here, and the result line.
+probes (kvfid.environment.probes), the implementations not run here, and the result line.
 `write_result` files it as <reports>/<environment key>/kernels.json, kernels.md and kernels.html.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.outputs import write_files
-from harness.reports.document import (Bullets, Heading, Paragraph, Table, markdown, number,
+from kvfid.outputs import write_files
+from kvfid.reports.document import (Bullets, Heading, Paragraph, Table, markdown, number,
                                       to_html)
 
 
@@ -64,7 +64,7 @@ def probe_blocks(rows: list[dict]) -> list:
 
 
 def route_lines(routes: dict[str, dict]) -> list[str]:
-    """The tiled mode's route per dtype (kernels.invariant.route) and the timings it was chosen by."""
+    """The tiled mode's route per dtype (kvfid.kernels.invariant.route) and the timings it was chosen by."""
     lines = []
     for name, r in sorted(routes.items()):
         route, stock = r["route"], r.get("stock_ms")
@@ -92,7 +92,7 @@ def tiled_blocks(probes: list[dict], routes: dict[str, dict] | None = None) -> l
 
 
 def invariance_document(result: dict) -> list:
-    """The comparison as blocks of harness.reports.document."""
+    """The comparison as blocks of kvfid.reports.document."""
     shapes = result["shapes"]
     doc = [Heading(f"Kernel invariance ({'quick' if result['quick'] else 'full'}, "
                    f"{result['device']}, {result['threads']} torch threads)"),

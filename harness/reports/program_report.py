@@ -1,15 +1,15 @@
 """The run report's Stage program section: the program (a picture of the stages and what each
 sees), then per (stack, layout, arm) at the merge boundary the cache verdict against live, how
 often the suffix differs, the first bad segment and layer, the replicas and the transplants
-(harness.runs.aggregate `program`), and the `kvfid repro --program` command of a unit."""
+(kvfid.runs.aggregate `program`), and the `kvfid repro --program` command of a unit."""
 
 from __future__ import annotations
 
 import shlex
 
-from harness.records.plain import decode
-from harness.records.program import Segment, picture
-from harness.reports.document import interval_text
+from kvfid.records.plain import decode
+from kvfid.records.program import Segment, picture
+from kvfid.reports.document import interval_text
 
 
 def _counted(counts: dict) -> str:

@@ -2,7 +2,7 @@
 
 Per (stack, construction): tokens whose logprob bits differ from step-by-step generation, max,
 mean and p99 |delta logprob|, mean KL, items exact and the median first differing position
-(harness.runs.aggregate `replay`), then the |delta logprob| distribution by decade: a bar figure
+(kvfid.runs.aggregate `replay`), then the |delta logprob| distribution by decade: a bar figure
 in the HTML, its numbers as a table everywhere. A cell with no differing token says so in words:
 that sentence is the claim the issue asks the report to make, so it appears only when true.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import shlex
 
-from harness.reports.document import number
-from harness.reports.figures import svg_bars
+from kvfid.reports.document import number
+from kvfid.reports.figures import svg_bars
 
 EXACT = "exactly zero: every logprob bit-identical to generation"
 

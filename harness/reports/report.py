@@ -1,8 +1,8 @@
 """Run reports: Markdown, one self-contained HTML page, summary.json.
 
 The report is one document (headings, tables, figures) built from a run's aggregates
-(harness.runs.aggregate) and rendered twice: Markdown without the figures, HTML with them as inline SVG
-(harness.reports.figures). This module owns that document, its two renderers, the headline table that
+(kvfid.runs.aggregate) and rendered twice: Markdown without the figures, HTML with them as inline SVG
+(kvfid.reports.figures). This module owns that document, its two renderers, the headline table that
 `show` prints, the `kvfid repro` command of a unit, and `write_report`. `aggregate`, `svg_lines`
 and `svg_bars` are re-exported here for callers that reach them as `report.X`.
 """
@@ -13,13 +13,13 @@ import json
 import shlex
 from pathlib import Path
 
-from harness.runs.aggregate import OUTCOMES, ROLES, aggregate  # noqa: F401 (re-exported)
-from harness.environment.envinfo import describe as describe_environment
-from harness.reports.figures import PALETTE, svg_bars, svg_lines  # noqa: F401 (re-exported)
-from harness.outputs import write_files
-from harness.reports.program_report import program_blocks, program_command, program_rows
-from harness.reports.replay_report import replay_blocks, replay_command, replay_rows
-from harness.reports.document import (interval_text, markdown, number, percent,  # noqa: F401
+from kvfid.runs.aggregate import OUTCOMES, ROLES, aggregate  # noqa: F401 (re-exported)
+from kvfid.environment.envinfo import describe as describe_environment
+from kvfid.reports.figures import PALETTE, svg_bars, svg_lines  # noqa: F401 (re-exported)
+from kvfid.outputs import write_files
+from kvfid.reports.program_report import program_blocks, program_command, program_rows
+from kvfid.reports.replay_report import replay_blocks, replay_command, replay_rows
+from kvfid.reports.document import (interval_text, markdown, number, percent,  # noqa: F401
                                       text_table, to_html)
 
 
@@ -283,7 +283,7 @@ def write_report(ledger, run_id: str, root: str | Path = "reports", *, units=Non
                  summary: dict | None = None) -> dict[str, Path]:
     """Write report.md, report.html and summary.json to <root>/<environment key>/<run id>/;
     `units` and `summary`, when the caller has them, are the run's stored units and aggregates."""
-    from harness.runs.case import stored_case
+    from kvfid.runs.case import stored_case
 
     run = ledger.run(run_id)
     units = ledger.units(run.id) if units is None else units

@@ -6,7 +6,7 @@ bit-exactness, first bad layer, median d_rel per layer, first-divergence quartil
 correctness and flips with a paired interval and exact McNemar p, transplant outcomes per
 selection and row role, margins at divergence, the crossing 2x2; for replayed trajectories, per
 stack and construction the logprob mismatch and its |delta| by decade). The result is strict JSON;
-`show`, `report` (harness.reports.report) and `compare` (harness.compare.runs) all read it.
+`show`, `report` (kvfid.reports.report) and `compare` (kvfid.compare.runs) all read it.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 
-from harness.records.plain import as_plain
-from harness.records.record import CrossingRecord, ItemRecord
-from harness.diagnoses.replay import aggregate as replay_aggregate
-from harness.diagnoses.replay_gaps import ENGINE, STEP, aggregate_gaps
-from harness.records.program import ProgramRecord
-from harness.records.replay_record import ReplayRecord
-from harness.runs import stats
-from harness.runs.program_aggregate import program_stack
+from kvfid.records.plain import as_plain
+from kvfid.records.record import CrossingRecord, ItemRecord
+from kvfid.diagnoses.replay import aggregate as replay_aggregate
+from kvfid.diagnoses.replay_gaps import ENGINE, STEP, aggregate_gaps
+from kvfid.records.program import ProgramRecord
+from kvfid.records.replay_record import ReplayRecord
+from kvfid.runs import stats
+from kvfid.runs.program_aggregate import program_stack
 
 OUTCOMES = ("donor", "recipient", "third", "boundary")
 ROLES = ("divergent", "control", "unsampled")
@@ -42,7 +42,7 @@ def _spread(xs: list[float]) -> dict:
 
 def aggregate(units, design: dict | None = None) -> dict:
     """Per-stack aggregates (and the crossing) of stored units (`.item_index`, `.stack`,
-    `.record`: harness.records.record); `design` is the run's design (its transplant control
+    `.record`: kvfid.records.record); `design` is the run's design (its transplant control
     sample)."""
     design = design or {}
     controls = set(design.get("control_indices", []))
@@ -152,7 +152,7 @@ def _d_rel_per_layer(caches: list, layers: int) -> dict[str, list[float | None]]
 
 
 def _replay(units: list) -> dict:
-    """Per construction over the stack's trajectories: harness.diagnoses.replay.aggregate."""
+    """Per construction over the stack's trajectories: kvfid.diagnoses.replay.aggregate."""
     records = [u.record for u in sorted(units, key=lambda u: u.item_index)]
     return {c: replay_aggregate([as_plain(r.constructions[c]) for r in records
                                  if c in r.constructions])
@@ -161,7 +161,7 @@ def _replay(units: list) -> dict:
 
 def _replay_engine(units: list) -> dict:
     """With an engine reference on every trajectory: per gap (engine~step-by-step, then
-    step-by-step~C and engine~C per construction C), harness.diagnoses.replay_gaps.aggregate_gaps."""
+    step-by-step~C and engine~C per construction C), kvfid.diagnoses.replay_gaps.aggregate_gaps."""
     records = [u.record for u in sorted(units, key=lambda u: u.item_index)]
     if not records or any(r.engine is None for r in records):
         return {}

@@ -17,13 +17,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.environment import envinfo
-from harness.records.read import from_json
-from harness.runs.case import stored_case
-from harness.ledger.store import Ledger
-from harness.ledger.opening import record_sha
-from harness.runs.matrix import Matrix, Unit, plan_units, progress_bar
-from harness.ledger.rows import fingerprints, record_rows
+from kvfid.environment import envinfo
+from kvfid.records.read import from_json
+from kvfid.runs.case import stored_case
+from kvfid.ledger.store import Ledger
+from kvfid.ledger.opening import record_sha
+from kvfid.runs.matrix import Matrix, Unit, plan_units, progress_bar
+from kvfid.ledger.rows import fingerprints, record_rows
 
 
 @dataclass(frozen=True)

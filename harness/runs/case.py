@@ -4,7 +4,7 @@ A case names the model, the item set, B and S, the stacks, the constructions, re
 precision crossing and the transplants (`[[stacks]]`: several products of stacks, each on its
 first `items` items). `load_case(path)` refuses a bad file before any compute with a
 `CaseError` naming the file, the key, the bad value and the allowed ones; `parse_case` does the
-same for case text stored in the ledger. A `[program]` case (harness.runs.case_program) measures a
+same for case text stored in the ledger. A `[program]` case (kvfid.runs.case_program) measures a
 stage program per unit. `Case.plan(index)` gives the `ItemPlan` for
 one item, so the run loop never reads TOML.
 
@@ -22,16 +22,16 @@ import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from harness.stacks.backends import DTYPES, backend_names
-from harness.stacks.stack import Stack, parse_stack
-from harness.runs.case_fields import CaseError, Validator
-from harness.runs.case_program import KEYS as PROGRAM_KEYS, ProgramCase, read_program
-from harness.runs.case_stacks import stack_groups, stack_tables
-from harness.checks import construction_reason, count_reason
-from harness.inputs.items import item_set_reason, load_item_set
-from harness.diagnoses.rescore import ALLOWED as REPLAY_ALLOWED, CONSTRUCTIONS as REPLAY_CONSTRUCTIONS
-from harness.inputs.models import PRESETS, model_names
-from harness.protocol.protocol import (CONSTRUCTION_HELP, ItemPlan, ProtocolError, TransplantSpec,
+from kvfid.stacks.backends import DTYPES, backend_names
+from kvfid.stacks.stack import Stack, parse_stack
+from kvfid.runs.case_fields import CaseError, Validator
+from kvfid.runs.case_program import KEYS as PROGRAM_KEYS, ProgramCase, read_program
+from kvfid.runs.case_stacks import stack_groups, stack_tables
+from kvfid.checks import construction_reason, count_reason
+from kvfid.inputs.items import item_set_reason, load_item_set
+from kvfid.diagnoses.rescore import ALLOWED as REPLAY_ALLOWED, CONSTRUCTIONS as REPLAY_CONSTRUCTIONS
+from kvfid.inputs.models import PRESETS, model_names
+from kvfid.protocol.protocol import (CONSTRUCTION_HELP, ItemPlan, ProtocolError, TransplantSpec,
                               parse_transplant)
 
 

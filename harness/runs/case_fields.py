@@ -3,9 +3,9 @@ what is allowed (`CaseError`, exit 2)."""
 
 from __future__ import annotations
 
-from harness.checks import construction_reason
-from harness.errors import BadInput
-from harness.protocol.protocol import CONSTRUCTION_HELP, ProtocolError, parse_construction
+from kvfid.checks import construction_reason
+from kvfid.errors import BadInput
+from kvfid.protocol.protocol import CONSTRUCTION_HELP, ProtocolError, parse_construction
 
 
 class CaseError(BadInput, ValueError):
@@ -29,7 +29,7 @@ class Validator:
         raise CaseError(f"{self.source}: {where} = {value!r} is not allowed; allowed: {allowed}")
 
     def check(self, table: str, key: str, value, reason):
-        """`value` when `reason(value)` (a harness.checks rule) finds nothing wrong."""
+        """`value` when `reason(value)` (a kvfid.checks rule) finds nothing wrong."""
         why = reason(value)
         if why is not None:
             self.fail(table, key, value, why.removeprefix("allowed: "))

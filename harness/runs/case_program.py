@@ -1,11 +1,11 @@
-"""A case's stage program (`[program]`, harness.stages.program): read and checked on load.
+"""A case's stage program (`[program]`, kvfid.stages.program): read and checked on load.
 
 A program case's units are (stack, item) like any case's, but each unit measures the item's
 stage program at its merge boundary: `constructions` are the arms (live and those that rebuild
 it), `S` the merge's suffix, `[replicas]` arms built twice, `[transplants]` pairs and selections
 at the merge boundary (`segment=NAME` names one stage's positions). B (the program's stages are
 its boundary) and `[crossing]` do not apply. What depends on the item's prompt (the stages'
-positions, the model's context) is checked per item by harness.runs.program_matrix, still before
+positions, the model's context) is checked per item by kvfid.runs.program_matrix, still before
 any compute.
 """
 
@@ -15,10 +15,10 @@ import itertools
 import re
 from dataclasses import dataclass, replace
 
-from harness.protocol.constructions import ProtocolError, parse_transplant
-from harness.stages.program import LAYOUTS, POSITIONS, Program, parse_program
-from harness.stages.checks import check_arms, parse_sees, stage_names
-from harness.runs.case_fields import CaseError
+from kvfid.protocol.constructions import ProtocolError, parse_transplant
+from kvfid.stages.program import LAYOUTS, POSITIONS, Program, parse_program
+from kvfid.stages.checks import check_arms, parse_sees, stage_names
+from kvfid.runs.case_fields import CaseError
 
 KEYS = {"layout", "branches", "branch_tokens", "merge_tokens", "positions", "sees"}
 NOT_PROGRAM = ("B", "crossing")

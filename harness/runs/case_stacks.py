@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import itertools
 
-from harness.stacks.backends import DTYPES, backend_names
-from harness.stacks.stack import Stack
-from harness.checks import device_reason, threads_reason
+from kvfid.stacks.backends import DTYPES, backend_names
+from kvfid.stacks.stack import Stack
+from kvfid.checks import device_reason, threads_reason
 
 
 def stack_tables(v, data: dict) -> list[dict]:

@@ -37,8 +37,8 @@ def run_ranked(case, db, info: RankInfo, *, items=None, run_id=None, progress=Tr
     import torch
     import torch.distributed as dist
 
-    from harness.runs import matrix, shards
-    from harness.ledger.store import Ledger, new_run_id
+    from kvfid.runs import matrix, shards
+    from kvfid.ledger.store import Ledger, new_run_id
 
     if torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank)   # "cuda" in the case means this rank's GPU

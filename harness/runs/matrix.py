@@ -4,9 +4,9 @@ A unit is one (item, stack) measurement (`run_item`), or one item's precision cr
 (`run_crossing`). `run_case` checks everything it can before any compute (environment, items,
 context lengths; `prepare`), loads the model once, opens the ledger once (a new file only after
 the checks), then for each stack and each item measures a unit and writes it in one transaction
-(`measure`), holding a lease on the run (harness.ledger.lease) so
+(`measure`), holding a lease on the run (kvfid.ledger.lease) so
 that a killed run shows as `died`. `--resume` skips stored units; `--shard I/N` takes every N-th
-item, so processes given the same run id fill one run. harness.runs.audit re-checks a stored run.
+item, so processes given the same run id fill one run. kvfid.runs.audit re-checks a stored run.
 """
 
 from __future__ import annotations
@@ -19,23 +19,23 @@ from pathlib import Path
 
 import torch
 
-from harness.environment import envinfo
-from harness.environment.tiled import choose_routes
-from harness.runs.case import Case, CaseError
-from harness.checks import check_cuda, selection_reason
-from harness.errors import DiskFull, Unavailable
-from harness.stacks.stack import check_supports
-from harness.protocol.engine_arms import check_rollback
-from harness.inputs.items import load_item_set, match_answer
-from harness.ledger.store import Ledger, LedgerError, new_run_id
-from harness.ledger.opening import probe
-from harness.inputs.models import ModelUnavailable, load_model
-from harness.protocol.protocol import ProtocolError, run_crossing, run_item
-from harness.records.record import CrossingRecord
-from harness.diagnoses.replay import replay_unit
-from harness.names import CASES
-from harness.runs import program_matrix, replay_matrix
-from harness.runs.shards import Shard
+from kvfid.environment import envinfo
+from kvfid.environment.tiled import choose_routes
+from kvfid.runs.case import Case, CaseError
+from kvfid.checks import check_cuda, selection_reason
+from kvfid.errors import DiskFull, Unavailable
+from kvfid.stacks.stack import check_supports
+from kvfid.protocol.engine_arms import check_rollback
+from kvfid.inputs.items import load_item_set, match_answer
+from kvfid.ledger.store import Ledger, LedgerError, new_run_id
+from kvfid.ledger.opening import probe
+from kvfid.inputs.models import ModelUnavailable, load_model
+from kvfid.protocol.protocol import ProtocolError, run_crossing, run_item
+from kvfid.records.record import CrossingRecord
+from kvfid.diagnoses.replay import replay_unit
+from kvfid.names import CASES
+from kvfid.runs import program_matrix, replay_matrix
+from kvfid.runs.shards import Shard
 
 GPU_DEFAULT_CASE = CASES / "gpu-qwen2.5-shape.toml"
 CPU_DEFAULT_CASE = CASES / "smollm2-cpu.toml"

@@ -1,13 +1,13 @@
 """A program case's aggregates: per stack and layout, the stage program's stages and, per
 rebuilt arm over the stack's items, how often its merge-boundary cache is bit-exact with live
 and its suffix differs, which segment and layer hold the first differing key or value, the
-replicas and the transplant outcomes (harness.runs.aggregate puts them under `program`)."""
+replicas and the transplant outcomes (kvfid.runs.aggregate puts them under `program`)."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from harness.records.plain import as_plain
+from kvfid.records.plain import as_plain
 
 
 def program_stack(records: list, rate) -> dict:

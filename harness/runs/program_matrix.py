@@ -1,24 +1,24 @@
-"""A program case bound to its model (harness.runs.case_program): every item's program checked
+"""A program case bound to its model (kvfid.runs.case_program): every item's program checked
 before any compute, and one unit measured as the stage program protocol measures it.
 
 Its units are (stack, item): `Matrix.measure` runs the item's stage program on one stack in each
-of the case's layouts with harness.stages.program (the code `kvfid repro --program` runs), into
+of the case's layouts with kvfid.stages.program (the code `kvfid repro --program` runs), into
 one ProgramRecord the ledger stores.
 """
 
 from __future__ import annotations
 
-from harness.stages import checks as stages_checks
-from harness.stages import program as stages
-from harness.stages import transplant as stages_transplant
-from harness.stacks.stack import check_supports
-from harness.protocol.constructions import ProtocolError
-from harness.inputs.items import load_item_set
-from harness.records.program import ProgramRecord, run_from_result
-from harness.records.record import ItemRef
-from harness.stacks.serving import describe_layers
-from harness.stages.batched import check_batched
-from harness.runs.case_fields import CaseError
+from kvfid.stages import checks as stages_checks
+from kvfid.stages import program as stages
+from kvfid.stages import transplant as stages_transplant
+from kvfid.stacks.stack import check_supports
+from kvfid.protocol.constructions import ProtocolError
+from kvfid.inputs.items import load_item_set
+from kvfid.records.program import ProgramRecord, run_from_result
+from kvfid.records.record import ItemRef
+from kvfid.stacks.serving import describe_layers
+from kvfid.stages.batched import check_batched
+from kvfid.runs.case_fields import CaseError
 
 
 def _said(err: ProtocolError) -> str:

@@ -1,16 +1,16 @@
 """A replay case bound to its model: the trajectories loaded and checked before any compute.
 
 Its units are (stack, trajectory): `Matrix.measure` re-scores one trajectory on one stack with
-harness.diagnoses.replay (the code `kvfid replay` runs), into a ReplayRecord the ledger stores.
+kvfid.diagnoses.replay (the code `kvfid replay` runs), into a ReplayRecord the ledger stores.
 """
 
 from __future__ import annotations
 
-from harness.stacks.stack import check_supports
-from harness.protocol.engine_arms import check_rollback
-from harness.diagnoses.replay import check_fits, load_trajectories
-from harness.diagnoses.rescore import check_constructions
-from harness.runs.case_fields import CaseError
+from kvfid.stacks.stack import check_supports
+from kvfid.protocol.engine_arms import check_rollback
+from kvfid.diagnoses.replay import check_fits, load_trajectories
+from kvfid.diagnoses.rescore import check_constructions
+from kvfid.runs.case_fields import CaseError
 
 
 def bind(case, model) -> list:

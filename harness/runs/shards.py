@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.errors import BadInput
+from kvfid.errors import BadInput
 
 
 class ShardError(BadInput, ValueError):

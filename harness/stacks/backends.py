@@ -1,7 +1,7 @@
 """The attention backends: a registry (`sdpa`, `eager`, `triton`, `native`, `twin`, a user's
 `module:function`, transformers-registered implementations) in which each backend says what it
 refuses, so a new one (our Triton kernel) joins without the protocol knowing. The one place that
-names backends; `harness.stacks.stack` sets one for a measurement.
+names backends; `kvfid.stacks.stack` sets one for a measurement.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from harness.names import BACKENDS, DTYPE_NAMES
+from kvfid.names import BACKENDS, DTYPE_NAMES
 
-from kernels import DTYPES  # noqa: E402  (re-exported: the stack's dtype names)
+from kvfid.kernels import DTYPES  # noqa: E402  (re-exported: the stack's dtype names)
 
-if tuple(DTYPES) != DTYPE_NAMES:      # the command line offers harness.names' spelling
-    raise ImportError(f"kernels.DTYPES {tuple(DTYPES)} != harness.names.DTYPE_NAMES {DTYPE_NAMES}")
+if tuple(DTYPES) != DTYPE_NAMES:      # the command line offers kvfid.names' spelling
+    raise ImportError(f"kvfid.kernels.DTYPES {tuple(DTYPES)} != kvfid.names.DTYPE_NAMES {DTYPE_NAMES}")
 
 
 def _refuses_nothing(*_) -> None:
@@ -27,7 +27,7 @@ def _refuses_nothing(*_) -> None:
 class AttentionBackend:
     """A named attention implementation; `implementation()` registers it if needed and returns
     the name transformers knows it by. It says itself what it refuses (the protocol asks, and
-    never tests its name): `unserved()`, each mechanism of harness.stacks.serving.MECHANISMS it
+    never tests its name): `unserved()`, each mechanism of kvfid.stacks.serving.MECHANISMS it
     does not serve and why (`{window}` and `{length}` filled in there); `model_refusal(module
     class)`, why it cannot run a whole model class; `causal_only`, encoder-decoder models refused;
     `compile_refusal()`, why `+compile` cannot compile its forward here. A user's function or a
@@ -90,19 +90,19 @@ def attention_backend(name: str) -> AttentionBackend:
 
 
 def _triton_implementation() -> str:
-    from kernels import hf  # imported late: sets TRITON_INTERPRET on CPU before triton loads
+    from kvfid.kernels import hf  # imported late: sets TRITON_INTERPRET on CPU before triton loads
 
     return hf.register()
 
 
 def _native_implementation() -> str:
-    from kernels import hf_native
+    from kvfid.kernels import hf_native
 
     return hf_native.register()
 
 
 def _twin_implementation() -> str:
-    from harness.stacks import twins
+    from kvfid.stacks import twins
 
     return twins.register_hf()
 
@@ -160,24 +160,24 @@ def _triton_compile_refusal() -> str | None:
 
 
 def _native_compile_refusal() -> str:
-    from kernels.hf import COMPILE_BREAKS
+    from kvfid.kernels.hf import COMPILE_BREAKS
 
     return f"the native kernel cannot be compiled whole: {COMPILE_BREAKS}"
 
 
 # twin is the negative control: correct attention whose split-KV count follows the call's shape,
-# so live, prefill and batched constructions differ on every machine (harness.stacks.twins).
+# so live, prefill and batched constructions differ on every machine (kvfid.stacks.twins).
 _SPECS = {
     "sdpa": dict(implementation=lambda: "sdpa", model_refusal=_sdpa_model_refusal, unserved=lambda: {
         "softcap": "transformers' sdpa attention does not apply attention-logit softcapping; use "
                    "--backend eager", "sinks": _SDPA_SINKS}),
     "eager": dict(implementation=lambda: "eager"),
     "triton": dict(implementation=_triton_implementation, causal_only=True,
-                   unserved=_kernel_unserved("kernels.hf", "triton"),
+                   unserved=_kernel_unserved("kvfid.kernels.hf", "triton"),
                    model_refusal=_registered_model_refusal("triton"),
                    compile_refusal=_triton_compile_refusal),
     "native": dict(implementation=_native_implementation, causal_only=True,
-                   unserved=_kernel_unserved("kernels.hf_native", "native"),
+                   unserved=_kernel_unserved("kvfid.kernels.hf_native", "native"),
                    model_refusal=_registered_model_refusal("native"),
                    compile_refusal=_native_compile_refusal),
     "twin": dict(implementation=_twin_implementation, model_refusal=_registered_model_refusal("twin"),
@@ -190,5 +190,5 @@ for _name, _description in BACKENDS.items():
 
 
 def builtin_backends() -> list[AttentionBackend]:
-    """The built-in backends, in harness.names' order (the columns of `kvfid models MODEL`)."""
+    """The built-in backends, in kvfid.names' order (the columns of `kvfid models MODEL`)."""
     return [_BACKENDS[name] for name in BACKENDS]

@@ -31,7 +31,7 @@ layout above existed).
 A stack whose forward dynamo cannot compile whole is refused before compute: its backend says
 why (`AttentionBackend.compile_refusal`; e.g. the native kernel's host reads break the graph in
 every layer and push transformers' shared decorated frame past dynamo's recompile limit, so part
-of it would run eagerly: measured, see kernels.hf.COMPILE_BREAKS). `kvfid blame` compiles units
+of it would run eagerly: measured, see kvfid.kernels.hf.COMPILE_BREAKS). `kvfid blame` compiles units
 one by one (`trace_units`); when they all agree alone, blame names the layer whose state first
 differs with the forward compiled whole.
 """
@@ -46,12 +46,12 @@ from typing import Iterator
 
 import torch
 
-from harness.errors import Unavailable
+from kvfid.errors import Unavailable
 
 
 def unavailable_reason(backend, device: str) -> str | None:
     """Why inductor cannot compile this stack's forward here (its attention backend's own
-    refusal, then the device's), or None. `backend`: a harness.stacks.backends.AttentionBackend."""
+    refusal, then the device's), or None. `backend`: a kvfid.stacks.backends.AttentionBackend."""
     reason = backend.compile_refusal()
     if reason:
         return reason

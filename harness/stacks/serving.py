@@ -1,6 +1,6 @@
 """Which stacks serve which layers: each layer's state and mechanisms, read from the config and
 transformers' cache classes (never from a family's name), against what each attention backend
-says it refuses (harness.stacks.backends.AttentionBackend; no backend is named here).
+says it refuses (kvfid.stacks.backends.AttentionBackend; no backend is named here).
 
 Mechanisms: `sliding_window` (a layer that attends to its last W positions), `chunked_attention`
 (block-local attention), `softcap` (attention-logit softcapping), `sinks` (a per-head sink logit in
@@ -11,8 +11,8 @@ attends to the keys an indexer selects, passed as the attention mask: DeepSeek-V
 `compressed_kv` (compressed entries read beside a window: DeepSeek-V4), `bidirectional` (an
 attention module with `is_causal = False`: a decoder built without its causal mask). A backend
 serves a layer when it
-serves each of the layer's mechanisms; our kernels serve those in `kernels.hf.SERVES` (triton) and
-`kernels.hf_native.SERVES` (native). A window covering every key of a run needs no window support.
+serves each of the layer's mechanisms; our kernels serve those in `kvfid.kernels.hf.SERVES` (triton) and
+`kvfid.kernels.hf_native.SERVES` (native). A window covering every key of a run needs no window support.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from harness.states.layers import UnknownLayer, cache_layers, layer_kind
-from harness.states.layers_held import mechanisms as held_mechanisms
+from kvfid.states.layers import UnknownLayer, cache_layers, layer_kind
+from kvfid.states.layers_held import mechanisms as held_mechanisms
 
 MECHANISMS = ("sliding_window", "chunked_attention", "softcap", "sinks", "split_head_dims",
               "recurrent", "sparse_indexer", "compressed_kv", "bidirectional")
@@ -190,7 +190,7 @@ def load_config(name: str):
 
         from transformers import AutoConfig
 
-        from harness.inputs.models import ModelUnavailable
+        from kvfid.inputs.models import ModelUnavailable
 
         if not (Path(name[3:]) / "config.json").is_file():
             raise ModelUnavailable(f"{name}: no config.json in that folder")
@@ -200,7 +200,7 @@ def load_config(name: str):
             first = (str(err).splitlines() or [""])[0][:200]
             raise ModelUnavailable(f"{name}: not a readable config ({type(err).__name__}: "
                                    f"{first})") from None
-    from harness.inputs.models import load_model
+    from kvfid.inputs.models import load_model
 
     return load_model(name).config
 

@@ -3,7 +3,7 @@
 A `Stack` is data (frozen, hashable, serializable to the ledger). `Stack.activate(model)` returns
 the model's module prepared for that stack and restores everything it changed on exit: the torch
 thread count, the module's attention implementation, the batch-invariant op overrides. The
-backend comes from the registry (harness.stacks.backends); this module never names one.
+backend comes from the registry (kvfid.stacks.backends); this module never names one.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Iterator
 
 import torch
 
-from harness.checks import check_cuda
-from harness.errors import Unavailable
-from harness.stacks.backends import attention_backend
-from kernels import DTYPES
+from kvfid.checks import check_cuda
+from kvfid.errors import Unavailable
+from kvfid.stacks.backends import attention_backend
+from kvfid.kernels import DTYPES
 
 
 class StackUnavailable(Unavailable, EnvironmentError):
@@ -35,9 +35,9 @@ class Stack:
     batch_invariant: bool = False
     device: str = "cpu"
     threads: int | None = None
-    compiled: bool = False   # the forward under torch.compile (harness.stacks.compiled)
+    compiled: bool = False   # the forward under torch.compile (kvfid.stacks.compiled)
     # Recurrent layers compute a multi-token call by their decode step's recurrence, one token at a
-    # time (kernels.recurrence.faithful_recurrence). None: on with the batch-invariant mode (the
+    # time (kvfid.kernels.recurrence.faithful_recurrence). None: on with the batch-invariant mode (the
     # faithful stack), off without; False with the mode asks for the chunked scan (`+bi+scan`).
     faithful_recurrence: bool | None = None
 
@@ -108,21 +108,21 @@ class Stack:
                 raise StackUnavailable(f"backend {self.backend} is not available here: {first_line}") from err
             restore.callback(module.set_attn_implementation, previous_impl)
             if self.batch_invariant:
-                from kernels.invariant.mode import set_batch_invariant_mode
+                from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
                 restore.enter_context(set_batch_invariant_mode(True,
                                                                impl=self.batch_invariant_impl))
             if self.faithful_recurrence:
-                from kernels.recurrence import faithful_recurrence
+                from kvfid.kernels.recurrence import faithful_recurrence
 
                 restore.enter_context(faithful_recurrence(module))
             restore.enter_context(torch.inference_mode())
             if not self.compiled:   # a hook would be traced into the compiled graph
-                from harness.states.selection import recorded_selections
+                from kvfid.states.selection import recorded_selections
 
                 restore.enter_context(recorded_selections(module))   # sparse attention's choices
             if self.compiled:
-                from harness.stacks.compiled import compiled_forward
+                from kvfid.stacks.compiled import compiled_forward
 
                 restore.enter_context(compiled_forward(module, self.label,
                                                        attention_backend(self.backend)))
@@ -154,18 +154,18 @@ def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> S
 
 def check_supports(stack: Stack, model_or_config, length: int | None = None) -> None:
     """Refuse, before any compute, a model this stack cannot serve (exit 3, one line): a layer
-    whose cache state kvfid cannot read whole (harness.states.layers.UnknownLayer), a model
+    whose cache state kvfid cannot read whole (kvfid.states.layers.UnknownLayer), a model
     class transformers refuses for the backend, or a layer mechanism the backend does not serve
-    (harness.stacks.serving asks what the backend says it refuses, `AttentionBackend`; the
-    triton kernel's set is kernels.hf.SERVES). A window at least `length` tokens long (default:
+    (kvfid.stacks.serving asks what the backend says it refuses, `AttentionBackend`; the
+    triton kernel's set is kvfid.kernels.hf.SERVES). A window at least `length` tokens long (default:
     the model's context) covers every key, so it needs no window support. Padding the triton kernel cannot take
     (right padding, custom masks) never comes from a config: kvfid's constructions pad on the
     left."""
-    from harness.stacks import serving
+    from kvfid.stacks import serving
 
     backend = attention_backend(stack.backend)
     if stack.compiled:
-        from harness.stacks.compiled import unavailable_reason
+        from kvfid.stacks.compiled import unavailable_reason
 
         reason = unavailable_reason(backend, stack.device)
         if reason:

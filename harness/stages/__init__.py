@@ -1,4 +1,2 @@
 """Stage programs: branches then a merge (packed under a visibility mask, or batched), their arms,
 transplants and crossing at the merge boundary."""
-
-import kernels  # noqa: F401  (sets TRITON_INTERPRET before triton loads, on machines without CUDA)

@@ -1,5 +1,5 @@
 """The `batched` layout of a stage program: the branches decoded as rows of one batch, then
-their states composed into the merge stage's packed state (harness.stages.program).
+their states composed into the merge stage's packed state (kvfid.stages.program).
 
 Row i is the prompt, branch i's delimiter and its tokens, with positions from 0 (a branch row
 restarts after the prompt: positions are `parallel` by nature). After the last branch token is
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from harness.states import cache as kv
-from harness.protocol.constructions import ProtocolError
-from harness.protocol.decode import Runner, new_cache
+from kvfid.states import cache as kv
+from kvfid.protocol.constructions import ProtocolError
+from kvfid.protocol.decode import Runner, new_cache
 
 
 def check_batched(program, openers: list[list[int]]) -> None:

@@ -1,10 +1,10 @@
-"""What a stage program (harness.stages.program) is checked for before any compute: that its
+"""What a stage program (kvfid.stages.program) is checked for before any compute: that its
 stages and suffix fit the model's context, that its arms can rebuild it, that the model's layers
 attend through the mask only. Each refusal is one line (ProtocolError, exit 2)."""
 
 from __future__ import annotations
 
-from harness.protocol.constructions import ProtocolError, parse_construction
+from kvfid.protocol.constructions import ProtocolError, parse_construction
 
 ARMS = ("prefill", "incremental", "chunked:N")
 

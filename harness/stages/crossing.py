@@ -1,4 +1,4 @@
-"""The precision crossing at a stage program's merge boundary (harness.stages.program): the
+"""The precision crossing at a stage program's merge boundary (kvfid.stages.program): the
 program's integers frozen from one stack's live run (tokens, segments, positions, so the same
 mask), then in each crossed stack both `incremental` and `prefill` rebuilt over them and their
 suffixes compared with the reference live suffix. Every cell starts from the same integers, so a
@@ -6,8 +6,8 @@ difference between cells is the precision's or the construction's, never another
 
 from __future__ import annotations
 
-from harness.states import cache as kv
-from harness.stages.program import Layout, decode_suffix, rebuild
+from kvfid.states import cache as kv
+from kvfid.stages.program import Layout, decode_suffix, rebuild
 
 CONSTRUCTIONS = ("incremental", "prefill")
 

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.states import cache as kv
-from harness.stages import batched as stages_batched, transplant as stages_transplant
-from harness.stages.checks import check_program_fits
-from harness.protocol.constructions import ProtocolError, parse_construction
-from harness.states.cache import top2
-from harness.protocol.decode import Greedy, Runner, new_cache
+from kvfid.states import cache as kv
+from kvfid.stages import batched as stages_batched, transplant as stages_transplant
+from kvfid.stages.checks import check_program_fits
+from kvfid.protocol.constructions import ProtocolError, parse_construction
+from kvfid.states.cache import top2
+from kvfid.protocol.decode import Greedy, Runner, new_cache
 
 LAYOUTS = ("packed", "batched")
 POSITIONS = ("continuing", "parallel")
@@ -126,7 +126,7 @@ class Layout:
 
     def mask(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """[1, 1, end - start, end] float: the rows of positions start..end-1 over keys 0..end-1."""
-        from kernels.attention.reference import segment_mask
+        from kvfid.kernels.attention.reference import segment_mask
 
         seg = torch.tensor(self.segments[:end])[None]
         visible = segment_mask(seg, self.sees, q_len=end - start)  # [1, q, end]

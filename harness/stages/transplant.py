@@ -1,4 +1,4 @@
-"""Transplants at a stage program's merge boundary (harness.stages.program): recipient R's
+"""Transplants at a stage program's merge boundary (kvfid.stages.program): recipient R's
 tokens, mask, positions and boundary logits kept, its state replaced by donor D's (all of it, a
 layer range, keys or values only, a position range, or one stage's positions: `segment=NAME`,
 NAME one of prompt, branch1 .. branchN, merge), then the suffix decoded in the merge. Outcomes
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import re
 
-from harness.states import cache as kv
-from harness.states import surgery
-from harness.protocol.constructions import ProtocolError, TransplantSpec, parse_transplant
-from harness.states.cache import top2
-from harness.protocol.decode import Runner
+from kvfid.states import cache as kv
+from kvfid.states import surgery
+from kvfid.protocol.constructions import ProtocolError, TransplantSpec, parse_transplant
+from kvfid.states.cache import top2
+from kvfid.protocol.decode import Runner
 
 
 def segment_ranges(prompt_length: int, program, opener_lengths: list[int]) -> dict:

@@ -1,8 +1,8 @@
 """Boundary states: snapshots of every layer's state, fingerprints, bitwise/ULP/relative
-comparisons (transplant surgery: harness.states.surgery).
+comparisons (transplant surgery: kvfid.states.surgery).
 
 A `BoundaryState` owns its tensors (cloned out of a live cache), so later decoding never changes
-it. It is a list of layer states (harness.states.layers): K/V over the whole prefix, a window's
+it. It is a list of layer states (kvfid.states.layers): K/V over the whole prefix, a window's
 K/V over the positions it holds, an MLA layer's latent, a recurrent layer's recurrent and conv
 states. Comparisons are bitwise first: `equal` / `n_diff` compare raw bit patterns (-0.0 is not
 +0.0, NaN payloads count), so they always agree with the SHA-256 fingerprints. ULP distance is
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from harness.errors import Unavailable
-from harness.states.layers import (POSITIONAL, LayerState, cache_tensors, empty_cache, read_cache,
+from kvfid.errors import Unavailable
+from kvfid.states.layers import (POSITIONAL, LayerState, cache_tensors, empty_cache, read_cache,
                                      restore_cache)
 
 

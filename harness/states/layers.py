@@ -15,7 +15,7 @@ The kinds come from the cache layer classes transformers builds from the config 
 name. A layer that holds no state of its own is `stateless` (a block without attention) or
 `shared:J` (a layer that reads layer J's K/V, config `kv_sharing_modes`: compared and transplanted
 through J). A subclass of a known attention layer keeps its base's kind and adds what it holds
-(harness.states.layers_held: an indexer's key cache, compressor buffers); a model's own cache
+(kvfid.states.layers_held: an indexer's key cache, compressor buffers); a model's own cache
 class adds the per-layer lists it keeps. A cache layer class kvfid cannot read whole is refused
 before any compute (`UnknownLayer`, exit 3), so no verdict is given over a partial state.
 """
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.errors import Unavailable
-from harness.states import layers_held, selection
+from kvfid.errors import Unavailable
+from kvfid.states import layers_held, selection
 
 POSITIONAL = ("k", "v", *layers_held.POSITIONAL_HELD)   # parts with a position axis (dim -2)
 RECURRENT = ("recurrent", "conv")

@@ -12,7 +12,7 @@ beside its layers: read by what is there (tensors, dicts of tensors), never by a
   `layers` (`linear_cache[i]`): each such list gives layer i a part named after it.
 
 `indexer_keys` and the recorded selection of an indexer (`kvfid_selection`, written by
-harness.states.selection) have a position axis at dim -2, like k and v (`POSITIONAL_HELD`);
+kvfid.states.selection) have a position axis at dim -2, like k and v (`POSITIONAL_HELD`);
 every other held part is compared whole.
 """
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-# Attributes the known base classes own (read and restored by harness.states.layers itself).
+# Attributes the known base classes own (read and restored by kvfid.states.layers itself).
 BASE_ATTRS = frozenset({"keys", "values", "is_initialized", "device", "dtype", "sliding_window",
                         "cumulative_length", "_sliding_window_tensor", "record_past"})
-POSITIONAL_HELD = ("indexer_keys", "kvfid_selection")   # harness.states.selection
+POSITIONAL_HELD = ("indexer_keys", "kvfid_selection")   # kvfid.states.selection
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 

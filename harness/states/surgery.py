@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.states.cache import BoundaryState, bits
-from harness.states.layers import POSITIONAL, RECURRENT
+from kvfid.states.cache import BoundaryState, bits
+from kvfid.states.layers import POSITIONAL, RECURRENT
 
 _WORDS = {"keys": "k", "values": "v", "recurrent": "recurrent", "conv": "conv"}
 

@@ -42,12 +42,12 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
               case: str = "default", *, kernels_quick: bool = False, speed: bool = True,
               items: int | None = None, jobs: int | None = None) -> BenchOutcome:
     """Run every `make bench` step; return the headline and the files written."""
-    from harness.environment import envinfo, invariance
-    from harness.runs.case import load_case
-    from harness.tasks.launch import resolve_case
-    from harness.reports.invariance_table import write_result
-    from harness.tasks.local_shards import default_jobs
-    from harness.tasks.publish import publish
+    from kvfid.environment import envinfo, invariance
+    from kvfid.runs.case import load_case
+    from kvfid.tasks.launch import resolve_case
+    from kvfid.reports.invariance_table import write_result
+    from kvfid.tasks.local_shards import default_jobs
+    from kvfid.tasks.publish import publish
 
     chosen = load_case(resolve_case(case))      # a bad case is refused before any compute
     if items is not None:
@@ -119,7 +119,7 @@ RUN_OVER_STEPS = 1.4
 
 
 def _arm_steps(arm: str, B: int, S: int) -> int:
-    """Decode steps of one arm after its prefill (harness.protocol): a unit's warm-up makes one; a
+    """Decode steps of one arm after its prefill (kvfid.protocol): a unit's warm-up makes one; a
     prefill arm decodes the suffix only (S - 1 after the prefill's token); live, incremental and
     the others B + S - 1 (incremental feeds its B boundary tokens one at a time)."""
     return {"warm-up": 1, "prefill": S - 1}.get(arm, B + S - 1)
@@ -133,7 +133,7 @@ def item_seconds(case, steps: list[dict]) -> float | None:
     divergent and control rows are transplanted); per item, its share of the crossing's arms at
     each crossed stack's cost. A prefill is costed as the headline's (64 tokens; a case's prompts
     are shorter). None when a stack has no measured step."""
-    from harness.stacks.stack import parse_stack
+    from kvfid.stacks.stack import parse_stack
 
     length = min((s["context"] for s in steps if s["context"] is not None), default=None)
     medians = {(parse_stack(s["stack"], threads=1).label, s["phase"]): s["median_s"]
@@ -191,10 +191,10 @@ def sized_items(case, steps: list[dict], jobs: int, budget_s: float) -> tuple[in
 
 def _tiled_line(kernel_probes: list[dict], kernel_routes: dict[str, dict]) -> str:
     """What the tiled batch-invariant mode's probes found: those of the kernel table (its
-    processes) and of this one (kernels.invariant.tiled), each call shape once; and the route each
-    dtype takes on this machine (kernels.invariant.route)."""
-    from harness.environment.invariance import union_probes
-    from kernels.invariant import route as mode_route, tiled as mode_tiled
+    processes) and of this one (kvfid.kernels.invariant.tiled), each call shape once; and the route each
+    dtype takes on this machine (kvfid.kernels.invariant.route)."""
+    from kvfid.environment.invariance import union_probes
+    from kvfid.kernels.invariant import route as mode_route, tiled as mode_tiled
 
     probes = union_probes(kernel_probes, mode_tiled.verdicts())
     kernel_routes = {**kernel_routes, **mode_route.routes()}
@@ -206,7 +206,7 @@ def _tiled_line(kernel_probes: list[dict], kernel_routes: dict[str, dict]) -> st
 
 
 def route_text(routes: dict[str, dict]) -> str:
-    """The tiled mode's routes (kernels.invariant.route.routes(), e.g. of the kernel table) in words."""
+    """The tiled mode's routes (kvfid.kernels.invariant.route.routes(), e.g. of the kernel table) in words."""
     if not routes:
         return "routes: none chosen (no tiled call on this CPU)"
     return "routes: " + ", ".join(
@@ -246,7 +246,7 @@ def _run_parts(raw: Path, parts) -> tuple[int, str]:
     import json
     import tempfile
 
-    from harness.tasks.local_shards import child_env
+    from kvfid.tasks.local_shards import child_env
 
     with tempfile.TemporaryDirectory() as scratch:
         paths = [Path(scratch) / f"{part or 'all'}.json" for part in parts]
@@ -277,8 +277,8 @@ def _speed(reports: Path, out: BenchOutcome) -> tuple[str, list[dict]]:
     reports/<environment key>/bench/ (the one store of bench results; nothing in .benchmarks/),
     and compare it with the previous result of this key: (the headline line, the model steps
     measured, which size the fidelity step)."""
-    from harness.environment import envinfo
-    from harness.reports import benchreport
+    from kvfid.environment import envinfo
+    from kvfid.reports import benchreport
 
     environment = envinfo.collect()
     key = envinfo.environment_key(environment)

@@ -1,6 +1,6 @@
 """What `kvfid engine-check --db/--report` and `kvfid engine-report` run: an engine check measured,
 stored in the ledger under this environment's key with the engine's version
-(harness.ledger.engine_checks), its report written (harness.reports.engine_report); and a stored
+(kvfid.ledger.engine_checks), its report written (kvfid.reports.engine_report); and a stored
 one read back, listed or reported again.
 
 The ledger is opened for writing only once the check has been measured, so a check vLLM refuses
@@ -13,17 +13,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.ledger.store import Ledger
+from kvfid.ledger.store import Ledger
 
 
 def check_and_store(fmt: str = "text", db: str | Path | None = None, report: bool = False,
                     out: str | Path = "reports", progress=None, **options) -> tuple[str, dict]:
-    """Measure an engine check (harness.engines.check); with `db` or `report`, store it
+    """Measure an engine check (kvfid.engines.check); with `db` or `report`, store it
     (in `db`, else the default ledger) and with `report` write its report under `out`. Returns
     what to print and {name: path} of what was written (`ledger`, `id`, the report's files)."""
-    from harness.engines import check as engine_check
-    from harness.ledger.opening import probe
-    from harness.tasks.ledger_views import db_path
+    from kvfid.engines import check as engine_check
+    from kvfid.ledger.opening import probe
+    from kvfid.tasks.ledger_views import db_path
 
     store = db is not None or report
     path = db_path(db)
@@ -36,7 +36,7 @@ def check_and_store(fmt: str = "text", db: str | Path | None = None, report: boo
     stored = store_result(path, result)
     written = {"ledger": path, "id": stored.id}
     if report:
-        from harness.reports.engine_report import write_report
+        from kvfid.reports.engine_report import write_report
 
         written.update(write_report(stored, out))
     return text, written
@@ -44,9 +44,9 @@ def check_and_store(fmt: str = "text", db: str | Path | None = None, report: boo
 
 def store_result(db: str | Path, result: dict, environment: dict | None = None):
     """Store engine_check's `result` (as an EngineCheckRecord) under this environment's key."""
-    from harness.environment import envinfo
-    from harness.records.engine import from_result
-    from harness.ledger.engine_checks import write_check
+    from kvfid.environment import envinfo
+    from kvfid.records.engine import from_result
+    from kvfid.ledger.engine_checks import write_check
 
     environment = envinfo.collect() if environment is None else environment
     record = from_result(result)
@@ -57,8 +57,8 @@ def store_result(db: str | Path, result: dict, environment: dict | None = None):
 
 def list_checks(db: str | Path | None) -> list[dict]:
     """Every stored engine check, oldest first."""
-    from harness.ledger.engine_checks import checks
-    from harness.tasks.ledger_views import db_path
+    from kvfid.ledger.engine_checks import checks
+    from kvfid.tasks.ledger_views import db_path
 
     with Ledger(db_path(db), readonly=True) as ledger:
         return [{"id": s.id, "engine": s.record.label, "model": s.record.model,
@@ -69,7 +69,7 @@ def list_checks(db: str | Path | None) -> list[dict]:
 
 def checks_text(rows: list[dict]) -> str:
     """`kvfid engine-report` with no id: the stored checks as a table."""
-    from harness.reports.document import text_table
+    from kvfid.reports.document import text_table
 
     return text_table(["engine check", "engine", "model", "verdict", "written", "environment"],
                       [[r["id"], r["engine"], r["model"],
@@ -82,11 +82,11 @@ def report_check(db: str | Path | None, check_id: str, out: str | Path = "report
                  fmt: str = "text") -> tuple[str, dict]:
     """A stored engine check read back: its table as engine-check printed it (or its record as
     JSON) and its report files written under `out`."""
-    from harness.engines import check as engine_check
-    from harness.records.record import to_json
-    from harness.reports.engine_report import write_report
-    from harness.ledger.engine_checks import check
-    from harness.tasks.ledger_views import db_path
+    from kvfid.engines import check as engine_check
+    from kvfid.records.record import to_json
+    from kvfid.reports.engine_report import write_report
+    from kvfid.ledger.engine_checks import check
+    from kvfid.tasks.ledger_views import db_path
 
     with Ledger(db_path(db), readonly=True) as ledger:
         stored = check(ledger, check_id)

@@ -4,7 +4,7 @@ Runs, in order and each under its own time limit: `kvfid compile` (every kernel 
 for sm_80/sm_90/sm_100 and judged, with its roofline: seconds, so a broken GPU path shows before
 the minutes of the rest; a failure there is reported and the later steps still run), the
 long-context decode comparison (split path against the unsplit kernel at B=1, 32k keys:
-harness.environment.split_bench), the GPU-marked tests, `kvfid kernels`, the speed benches, and an 8-item fidelity run of
+kvfid.environment.split_bench), the GPU-marked tests, `kvfid kernels`, the speed benches, and an 8-item fidelity run of
 `cases/gpu-qwen2.5-shape.toml` with its report; writes every result into one flat output folder
 (at most 8 files, for machines that return only a few: the run's aggregates are not copied, since
 `kvfid show latest --db ledger.sqlite --format json` rebuilds them) and prints a headline. Needs only what the GPU image has (torch, triton, transformers, click, pytest,
@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.tasks.bench import bench_command
-from harness.tasks.local_shards import child_env
+from kvfid.tasks.bench import bench_command
+from kvfid.tasks.local_shards import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ class Step:
 def plan(out: Path, dry_run: bool) -> list[Step]:
     """The steps; dry-run swaps in toy sizes and the CPU smoke case."""
     py = sys.executable
-    cli = [py, "-m", "harness.cli"]
+    cli = [py, "-m", "kvfid.cli"]
     db = str(out / "ledger.sqlite")
     case = "cases/smoke.toml" if dry_run else "cases/gpu-qwen2.5-shape.toml"
     bench = bench_command(out / "bench.json", quick=dry_run)
@@ -56,7 +56,7 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
         Step("compile", cli + ["compile", "--format", "json"] + compile_args, 180, "compile.json"),
         # Long-context decode (B=1, 32k keys): the split path against the unsplit kernel, with
         # its bits checked; its JSON lines land in gpu-check.json (the step's tail).
-        Step("split", [py, "-m", "harness.environment.split_bench"] + (["--dry-run"] if dry_run else []),
+        Step("split", [py, "-m", "kvfid.environment.split_bench"] + (["--dry-run"] if dry_run else []),
              60),
         # Dry run: one file's GPU tests (each skips on a CPU; collecting all of tests/ costs 10 s).
         # Measured on an H200 (docs/gpu.md): 55 s with Triton's cache warm, over 120 s cold.
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
         return 3
     started = time.perf_counter()
     results = []
-    from harness.environment import envinfo
+    from kvfid.environment import envinfo
 
     environment = envinfo.collect()
 

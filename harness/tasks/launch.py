@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.errors import BadInput, Interrupted
-from harness.names import CASES, case_names
+from kvfid.errors import BadInput, Interrupted
+from kvfid.names import CASES, case_names
 
 
 def resolve_case(name: str) -> Path:
     """`default` (the GPU case with CUDA, else the CPU one), a name in cases/ (no `/`, no
     `.toml`), or a path; an unknown name is refused naming the cases there (exit 2)."""
-    from harness.runs import matrix
+    from kvfid.runs import matrix
 
     if name == "default":
         return matrix.default_case_path()
@@ -44,9 +44,9 @@ def launch(case_name: str, item_count: int | None = None, db=None, resume: str |
            run_id: str | None = None, shard: str = "0/1", write_report: bool = False,
            quiet: bool = False, jobs: int = 1) -> Launched:
     """Run the case into the ledger (see the module docstring)."""
-    from harness.runs import distributed, matrix, shards
-    from harness.runs.case import load_case
-    from harness.tasks.ledger_views import db_path, publish_result, run_and_publish
+    from kvfid.runs import distributed, matrix, shards
+    from kvfid.runs.case import load_case
+    from kvfid.tasks.ledger_views import db_path, publish_result, run_and_publish
 
     case = load_case(resolve_case(case_name))
     if item_count is not None:

@@ -1,5 +1,5 @@
 """What the reading commands show of a ledger: `runs`, `show`, `report`. Each opens the ledger
-read-only (harness.ledger.opening), so reading a ledger never changes its bytes.
+read-only (kvfid.ledger.opening), so reading a ledger never changes its bytes.
 """
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.errors import BadInput
-from harness.ledger.lease import shown_status
-from harness.ledger.store import Ledger, default_db_path
+from kvfid.errors import BadInput
+from kvfid.ledger.lease import shown_status
+from kvfid.ledger.store import Ledger, default_db_path
 
 
 def db_path(db: str | Path | None) -> Path:
@@ -29,7 +29,7 @@ def list_runs(db: str | Path | None) -> list[dict]:
 
 def runs_text(rows: list[dict]) -> str:
     """`kvfid runs` as a table."""
-    from harness.reports.document import text_table
+    from kvfid.reports.document import text_table
 
     return text_table(["run", "case", "status", "units", "started", "environment"],
                       [[r["id"], r["case"], r["status"], f"{r['units']}/{r['planned']}",
@@ -38,7 +38,7 @@ def runs_text(rows: list[dict]) -> str:
 
 def headline(db: str | Path | None, run_id: str) -> str:
     """The headline table of a run (what `kvfid run` prints when it ends)."""
-    from harness.reports import report
+    from kvfid.reports import report
 
     with Ledger(db_path(db), readonly=True) as ledger:
         stored = ledger.run(run_id)
@@ -47,8 +47,8 @@ def headline(db: str | Path | None, run_id: str) -> str:
 
 def show_run(db: str | Path | None, run_id: str, fmt: str = "text") -> str:
     """A run's aggregates: JSON, or the Markdown document `kvfid show` prints."""
-    from harness.reports import report
-    from harness.runs.case import stored_case
+    from kvfid.reports import report
+    from kvfid.runs.case import stored_case
 
     with Ledger(db_path(db), readonly=True) as ledger:
         stored = ledger.run(run_id)
@@ -71,8 +71,8 @@ def merge_runs(db: str | Path | None, run_ids: list[str], into: str | None):
 
 def report_run(db: str | Path | None, run_id: str, out: str | Path = "reports") -> dict[str, Path]:
     """Write a run's report files and the reports index; {name: path}."""
-    from harness.reports import report
-    from harness.reports.index import update_index
+    from kvfid.reports import report
+    from kvfid.reports.index import update_index
 
     with Ledger(db_path(db), readonly=True) as ledger:
         paths = report.write_report(ledger, ledger.run(run_id).id, out)
@@ -82,9 +82,9 @@ def report_run(db: str | Path | None, run_id: str, out: str | Path = "reports") 
 def run_and_publish(case, db: str | Path | None, *, report: bool = False,
                     out: str | Path = "reports", **options):
     """`kvfid run CASE [--report]`: the case run into the ledger (opened once), aggregated once,
-    and with `report` its report and the index written (harness.tasks.publish.Published: `.result`,
+    and with `report` its report and the index written (kvfid.tasks.publish.Published: `.result`,
     `.headline()`, `.files`). `options`: items, run_id, resume, shard, model, progress."""
-    from harness.tasks.publish import publish
+    from kvfid.tasks.publish import publish
 
     return publish(case, db_path(db), reports=out, report=report, **options)
 
@@ -93,7 +93,7 @@ def publish_result(db: str | Path | None, result, *, report: bool = False,
                    out: str | Path = "reports"):
     """Rank 0 of a torchrun launch: the run the ranks measured (`result`, a RunResult),
     aggregated once and, with `report`, reported and indexed, on one open ledger."""
-    from harness.tasks.publish import publish_run
+    from kvfid.tasks.publish import publish_run
 
     with Ledger(db_path(db)) as ledger:
         return publish_run(ledger, result, reports=out, report=report)

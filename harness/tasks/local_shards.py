@@ -1,7 +1,7 @@
 """`kvfid run --jobs N` (and `kvfid bench` on a CPU): one case over N processes of this machine.
 
 The items are split as `--shard I/N` splits them (every N-th item). This process opens the ledger
-and creates the run first, so the N-1 others (`python -m harness.cli run CASE --run-id RUN --shard
+and creates the run first, so the N-1 others (`python -m kvfid.cli run CASE --run-id RUN --shard
 I/N --quiet`, started here) only join it; it measures shard 0 with the progress bar, waits for the
 others, then closes the run once. Each process runs its stacks on their own `threads`, so N
 processes of one-thread stacks use N cores without competing. A process that fails leaves its
@@ -17,9 +17,8 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from harness.errors import Unavailable
+from kvfid.errors import Unavailable
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class ShardFailed(Unavailable):
@@ -37,17 +36,15 @@ def default_jobs(case, cuda: bool) -> int:
 
 def child_env() -> dict[str, str]:
     """The environment of a kvfid child process (a shard, the bench suite, a GPU-check step):
-    this one with this source tree first on PYTHONPATH and without pytest-xdist's worker
-    variables, which would make pytest-benchmark believe it runs under xdist and disable itself
-    (when kvfid is itself called from a parallel test session)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
+    this one without pytest-xdist's worker variables, which would make pytest-benchmark believe
+    it runs under xdist and disable itself (when kvfid is itself called from a parallel test
+    session). The child imports kvfid as this process does (installed, or on PYTHONPATH)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
 
 
 def shard_command(case, db: Path, run_id: str, index: int, jobs: int) -> list[str]:
     """The `kvfid run` of shard `index`/`jobs` joining `run_id`."""
-    return [sys.executable, "-m", "harness.cli", "run", str(Path(case.source).resolve()),
+    return [sys.executable, "-m", "kvfid.cli", "run", str(Path(case.source).resolve()),
             "--db", str(Path(db).resolve()), "--run-id", run_id, "--shard", f"{index}/{jobs}",
             "--items", str(case.items.n), "--quiet"]
 
@@ -55,7 +52,7 @@ def shard_command(case, db: Path, run_id: str, index: int, jobs: int) -> list[st
 def measure(prepared, ledger, jobs: int, progress: bool = True):
     """Measure every unit of the prepared case over `jobs` processes into `ledger`; the closed
     run's RunResult (counts over all shards)."""
-    from harness.runs import matrix, shards
+    from kvfid.runs import matrix, shards
 
     jobs = min(jobs, prepared.case.items.n)      # a process with no item would only start up
     if jobs <= 1:
@@ -72,7 +69,7 @@ def measure(prepared, ledger, jobs: int, progress: bool = True):
         for index in range(1, jobs):
             log = tempfile.TemporaryFile(mode="w+")
             children.append((index, log, subprocess.Popen(
-                shard_command(prepared.case, ledger.path, run.id, index, jobs), cwd=ROOT,
+                shard_command(prepared.case, ledger.path, run.id, index, jobs),
                 env=env, stdout=subprocess.DEVNULL, stderr=log)))
         matrix.measure(replace(prepared, existing=run), ledger, shards.Shard(0, jobs), progress)
     except BaseException:

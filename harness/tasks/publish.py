@@ -1,7 +1,7 @@
 """Run a case and publish it: run -> aggregate (once) -> report -> index, on one open ledger.
 
 `kvfid run --report` and `kvfid bench` both end here, so the two cannot drift apart. The ledger
-file is opened once (harness.runs.matrix.opened: a new file only after the case's checks
+file is opened once (kvfid.runs.matrix.opened: a new file only after the case's checks
 passed), the run's units are read and aggregated once, and the same aggregates feed the headline,
 the report files and the index.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.errors import BadInput
-from harness.runs import matrix, shards
-from harness.ledger.store import Ledger
+from kvfid.errors import BadInput
+from kvfid.runs import matrix, shards
+from kvfid.ledger.store import Ledger
 
 
 @dataclass
@@ -25,7 +25,7 @@ class Published:
     files: dict[str, Path] = field(default_factory=dict)
 
     def headline(self) -> str:
-        from harness.reports.report import headline
+        from kvfid.reports.report import headline
 
         return headline(self.summary)
 
@@ -37,8 +37,8 @@ def publish(case, db: str | Path, *, reports: str | Path = "reports", report: bo
     """Run `case` into the ledger at `db`, aggregate it, and (with `report`) write its report
     under `reports` and update the index; `index_ledger` also lists the ledger's runs that have
     no report in the index (what `kvfid bench` does). `jobs` > 1: over that many processes of
-    this machine (harness.tasks.local_shards; not with a `shard` of its own)."""
-    from harness.tasks import local_shards
+    this machine (kvfid.tasks.local_shards; not with a `shard` of its own)."""
+    from kvfid.tasks import local_shards
 
     if jobs > 1 and shard != shards.Shard():
         raise BadInput("--jobs splits the items itself; drop --shard")
@@ -54,8 +54,8 @@ def publish(case, db: str | Path, *, reports: str | Path = "reports", report: bo
 def publish_run(ledger: Ledger, result: matrix.RunResult, *, reports: str | Path = "reports",
                 report: bool = True, index_ledger: bool = False) -> Published:
     """Aggregate a measured run once; with `report`, write its report and update the index."""
-    from harness.reports import report as run_report
-    from harness.reports.index import update_index
+    from kvfid.reports import report as run_report
+    from kvfid.reports.index import update_index
 
     run = ledger.run(result.run_id)
     units = ledger.units(run.id)

@@ -1,7 +1,7 @@
 """How `blame` aligns the ops of two calls when a recurrent layer is stepped, and which modules run
 different algorithms on the two sides.
 
-* **Stepped layers.** Under `kernels.recurrence.faithful_recurrence`, a recurrent layer runs a
+* **Stepped layers.** Under `kvfid.kernels.recurrence.faithful_recurrence`, a recurrent layer runs a
   call of several tokens one token at a time, so in a prefill its ops repeat once per token. Each
   op is keyed by its module path, a *tag* and the op: the tag is 0 for ordinary modules (one call
   per forward) and "p" for the step of a stepped layer that computes the blamed position (the one
@@ -32,7 +32,7 @@ class Tagger:
     """The alignment tag of each op of one traced call over positions [start, end)."""
 
     def __init__(self, module: torch.nn.Module, span: tuple[int, int], position: int):
-        from kernels.recurrence import is_stepped
+        from kvfid.kernels.recurrence import is_stepped
 
         self._span, self._position = span, position
         self._stepped = {name: m for name, m in module.named_modules() if name and is_stepped(m)}
@@ -46,7 +46,7 @@ class Tagger:
 
     def key(self, where: str, op: str):
         """(module path, tag, op, occurrence) of this op, or None when it is not compared."""
-        from kernels.recurrence import PRIMING, step_of
+        from kvfid.kernels.recurrence import PRIMING, step_of
 
         owner = self._owner(where)
         if owner is None:

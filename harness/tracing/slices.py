@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.states.cache import bits_equal, ulp_ordered
+from kvfid.states.cache import bits_equal, ulp_ordered
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
-"""Argument checks of kernels.attention.kernel: refused before any launch, with one clear line."""
+"""Argument checks of kvfid.kernels.attention.kernel: refused before any launch, with one clear line."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels import FLOAT_DTYPES, triton_runs_on
-from kernels.attention.config import MAX_HEAD_DIM
+from kvfid.kernels import FLOAT_DTYPES, triton_runs_on
+from kvfid.kernels.attention.config import MAX_HEAD_DIM
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -1,5 +1,5 @@
 """The attention kernel's fixed tilings: a function of (arch, dtype, head dim > 128), never of
-the batch or a length (kernels.attention.kernel's invariance argument)."""
+the batch or a length (kvfid.kernels.attention.kernel's invariance argument)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels import FLOAT_DTYPES, gpu_arch, uses_tl_dot
+from kvfid.kernels import FLOAT_DTYPES, gpu_arch, uses_tl_dot
 
 BLOCK_M = 16  # query positions per tile (per query head of the group), on every path
 

@@ -33,7 +33,7 @@ reached, because every construction runs the same arithmetic for t:
   invariance makes bit-identical).
 
 A visibility mask (`visibility`, any causal pattern given as a mask: packed branches, trees) is
-computed by kernels.attention.visible, each query in its view's coordinates, with the same tile
+computed by kvfid.kernels.attention.visible, each query in its view's coordinates, with the same tile
 update (attention_math.tile_update). Rows are independent programs (batch rows and heads are grid
 axes), so batch size cannot change a row. The query heads that share one key/value head are stacked into one tile (GQA), so each key
 tile is loaded once per group.
@@ -68,16 +68,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import LAUNCH_OPTIONS
-from kernels.attention.config import (BLOCK_M, CONFIGS, INTERPRETER_CONFIG, MAX_HEAD_DIM,  # noqa: F401
+from kvfid.kernels import LAUNCH_OPTIONS
+from kvfid.kernels.attention.config import (BLOCK_M, CONFIGS, INTERPRETER_CONFIG, MAX_HEAD_DIM,  # noqa: F401
                                NO_WINDOW, WIDE_CONFIGS, AttentionConfig, config_for,
                                merge_launch, WORKSPACE_BYTES, group_tile_for, head_dim_pad)
-from kernels.attention.reference import attention_ref  # noqa: F401  (the kernel's reference, here)
-from kernels.attention.checks import check_inputs, check_mechanisms, first_valid_rows
-from kernels.attention.tiles import merge, tile_scores, tile_update, with_sink
-from kernels.attention.views import check_visibility
-from kernels.attention.visible import visible_attention_into
-from kernels.jit import kernel
+from kvfid.kernels.attention.reference import attention_ref  # noqa: F401  (the kernel's reference, here)
+from kvfid.kernels.attention.checks import check_inputs, check_mechanisms, first_valid_rows
+from kvfid.kernels.attention.tiles import merge, tile_scores, tile_update, with_sink
+from kvfid.kernels.attention.views import check_visibility
+from kvfid.kernels.attention.visible import visible_attention_into
+from kvfid.kernels.jit import kernel
 
 
 @kernel
@@ -235,7 +235,7 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                    visibility: torch.Tensor | None = None) -> torch.Tensor:
     """`attention` written into `out` ([B, Hq, Tq, Dv], any strides); returns `out`. Padded query
     positions are not written. `visibility` ([B, Tq, Tk] bool): the mask instead of the
-    positions' pattern (kernels.attention.visible). `align_own=False` (tiles on padded positions) and
+    positions' pattern (kvfid.kernels.attention.visible). `align_own=False` (tiles on padded positions) and
     `align_absolute=False` (key tiles from held key 0) are the control twins: correct, but
     padding- and window-cache-variant (for tests only). `config` overrides the path's tiling (tests
     run the GPU configs in the interpreter)."""
@@ -331,7 +331,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     v [B, Hkv, Tk, Dv]; returns [B, Hq, Tq, Dv]. Held key j is absolute position key_start + j.
     Bits per position do not depend on batch, construction or what a window cache still holds.
     `first_valid` [B] (absolute) left-pads rows (their padded queries are 0); the mechanisms are
-    described in kernels.hf; `config`: as in `attention_into`."""
+    described in kvfid.kernels.hf; `config`: as in `attention_into`."""
     empty = torch.zeros if first_valid is not None else torch.empty
     out = empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
     return attention_into(out, q, k, v, scale, first_valid, key_start=key_start, window=window,

@@ -23,7 +23,7 @@ the tiles a row really reads are the same in every construction. Optional: a sli
 (softcap * tanh(s / softcap), in fp32) and per-head `sinks` (a logit in the softmax denominator).
 
 Whether a stock bmm really gives a row the same bits at the same place of the same shape is a
-property of the machine's BLAS; harness.environment.invariance proves it per machine (implementation
+property of the machine's BLAS; kvfid.environment.invariance proves it per machine (implementation
 `native`) like every other kernel's claim.
 """
 
@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import FLOAT_DTYPES
-from kernels.attention.reference import attention_ref  # noqa: F401  (the same contract's reference)
-from kernels.attention.views import as_visibility, check_visibility, runs
-from kernels.invariant.mode import stock_ops
+from kvfid.kernels import FLOAT_DTYPES
+from kvfid.kernels.attention.reference import attention_ref  # noqa: F401  (the same contract's reference)
+from kvfid.kernels.attention.views import as_visibility, check_visibility, runs
+from kvfid.kernels.invariant.mode import stock_ops
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """`attention` written into `out` ([B, Hq, Tq, Dv], any strides); returns `out`. Padded query
     positions (before a row's `first_valid`) are not written. `visibility` [B, Tq, Tk] bool: the
     mask instead of the positions' pattern, each run of queries over its view's keys alone
-    (kernels.attention.views), so a query's bits are those of the causal path over the keys it
+    (kvfid.kernels.attention.views), so a query's bits are those of the causal path over the keys it
     sees; fully invisible key tiles are never computed."""
     _check(q, k, v, sinks)
     expected = (*q.shape[:3], v.shape[-1])

@@ -1,6 +1,6 @@
-"""Plain-PyTorch reference of `kernels.attention.kernel`: the same contract, computed from an explicit
+"""Plain-PyTorch reference of `kvfid.kernels.attention.kernel`: the same contract, computed from an explicit
 mask in the inputs' dtype (tests pass fp64). `visible` is the one statement of the pattern the
-kernels apply from positions (kernels.hf checks masks against it); `segment_mask` states a
+kernels apply from positions (kvfid.kernels.hf checks masks against it); `segment_mask` states a
 visibility given by segments."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                   key_start: int = 0, window: int | None = None, chunk: int | None = None,
                   softcap: float | None = None, sinks: torch.Tensor | None = None,
                   visibility: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention with the contract of `kernels.attention.kernel.attention` (any float dtype):
+    """Causal attention with the contract of `kvfid.kernels.attention.kernel.attention` (any float dtype):
     q [B, Hq, Tq, Dqk], k [B, Hkv, Tk, Dqk], v [B, Hkv, Tk, Dv] -> [B, Hq, Tq, Dv]; padded query
     positions (own position < 0) are 0. Sinks as gpt-oss's eager attention: a per-head logit
     beside the scores in the softmax, dropped after it. `visibility` [B, Tq, Tk] bool, if given,

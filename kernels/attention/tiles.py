@@ -4,8 +4,8 @@ of two partial softmax states, the sink."""
 
 import triton.language as tl
 
-from kernels.dot import mma
-from kernels.jit import device_function
+from kvfid.kernels.dot import mma
+from kvfid.kernels.jit import device_function
 
 
 @device_function

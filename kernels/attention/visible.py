@@ -1,6 +1,6 @@
 """The attention kernel under a visibility mask (Triton): each query in its view's coordinates.
 
-`kernels.attention.views` turns a [B, Tq, Tk] bool mask into runs of queries that share one
+`kvfid.kernels.attention.views` turns a [B, Tq, Tk] bool mask into runs of queries that share one
 ordered list of visible keys (a view) and plans one program per (run, query tile). A program
 works in view coordinates: its rows are view positions `tile * BLOCK_M + r` (row `c % BLOCK_M`
 of tile `c // BLOCK_M`, whatever call computes the query: prefill, chunk or decode step), its key
@@ -11,7 +11,7 @@ is never loaded: invisible tiles are skipped because they are not in the view at
 
 So a query's bits depend on its query and its visible keys in order, never on keys it cannot see
 (their values, their number, their place): under the interpreter's config they equal the causal
-kernel's (kernels.attention.kernel) over the visible keys alone. The GPU configs' split path (fixed key
+kernel's (kvfid.kernels.attention.kernel) over the visible keys alone. The GPU configs' split path (fixed key
 segments) is not taken here: a view's keys are read by one program per query tile, so on a GPU
 the bits equal the causal kernel's with `segment=0`. Softcap, sinks, GQA stacking and Dv != Dqk
 are served as in the causal kernel; windows, chunks and left padding are not (left padding is
@@ -26,11 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import LAUNCH_OPTIONS
-from kernels.attention.config import BLOCK_M, AttentionConfig, config_for, group_tile_for, head_dim_pad
-from kernels.attention.tiles import tile_scores, tile_update, with_sink
-from kernels.attention.views import as_visibility, runs, tile_plan
-from kernels.jit import kernel
+from kvfid.kernels import LAUNCH_OPTIONS
+from kvfid.kernels.attention.config import BLOCK_M, AttentionConfig, config_for, group_tile_for, head_dim_pad
+from kvfid.kernels.attention.tiles import tile_scores, tile_update, with_sink
+from kvfid.kernels.attention.views import as_visibility, runs, tile_plan
+from kvfid.kernels.jit import kernel
 
 
 @kernel
@@ -112,7 +112,7 @@ def visible_attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                            config: AttentionConfig | None = None) -> torch.Tensor:
     """Attention under `visibility` ([B, Tq, Tk] bool or transformers' [B, 1, Tq, Tk]; queries
     are the last Tq keys) written into `out` [B, Hq, Tq, Dv]; inputs checked by the caller
-    (kernels.attention.kernel.attention_into)."""
+    (kvfid.kernels.attention.kernel.attention_into)."""
     batch, n_q_heads, q_len, head_dim = q.shape
     n_kv_heads, kv_len, v_dim = k.shape[1], k.shape[2], v.shape[-1]
     mask = as_visibility(visibility.to(q.device), batch, q_len, kv_len)

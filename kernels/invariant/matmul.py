@@ -4,7 +4,7 @@
 program in order (no split-K) with fp32 accumulation, and the bias added once at the end. A row of
 `c` is therefore computed by the same arithmetic whatever number of rows comes with it.
 
-Products: on CUDA `tl.dot` accumulating into the fp32 tile (`kernels.dot.mma`): bf16/fp16
+Products: on CUDA `tl.dot` accumulating into the fp32 tile (`kvfid.kernels.dot.mma`): bf16/fp16
 operands go to the tensor cores as they are, fp32 operands stay IEEE fp32. Every element of the
 tile is computed from its row of `a` and its column of `b` by the same MMA sequence over K, whose
 order the fixed config (tiles, warps, stages from `CONFIGS` by arch and dtype) decides, so a row's
@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import FLOAT_DTYPES, LAUNCH_OPTIONS, gpu_arch, triton_runs_on, uses_tl_dot
-from kernels.dot import mma
-from kernels.jit import kernel
+from kvfid.kernels import FLOAT_DTYPES, LAUNCH_OPTIONS, gpu_arch, triton_runs_on, uses_tl_dot
+from kvfid.kernels.dot import mma
+from kvfid.kernels.jit import kernel
 
 
 @dataclass(frozen=True)

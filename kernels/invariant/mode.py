@@ -15,12 +15,12 @@ Three implementations:
   CPU tensors on a machine that runs Triton natively (no interpreter) take the rowwise path.
 * `"rowwise"`: each row computed alone by the previously registered stock kernel, on a fresh copy
   of the row: invariant by construction, and much faster than the Triton interpreter on a CPU.
-* `"tiled"`: the stock kernel on fixed tiles of rows (kernels.invariant.tiled): one call shape whatever
-  M, tile size and dtype route timed on this machine (kernels.invariant.route), each (op, shape)
+* `"tiled"`: the stock kernel on fixed tiles of rows (kvfid.kernels.invariant.tiled): one call shape whatever
+  M, tile size and dtype route timed on this machine (kvfid.kernels.invariant.route), each (op, shape)
   probed before its tiles are trusted, row by row where the probe fails.
 
 `stock_ops()` lets a block that already fixes its call shapes itself (the native attention's tiles,
-kernels.attention.native) reach the stock kernels directly while the mode is on.
+kvfid.kernels.attention.native) reach the stock kernels directly while the mode is on.
 
 The overrides are process-wide (all threads), like any dispatcher registration. Nested use is safe:
 the innermost request wins and each exit restores what its entry found.
@@ -37,13 +37,13 @@ import torch
 
 from contextlib import contextmanager
 
-from kernels.invariant import matmul as _matmul
-from kernels.invariant import route as _route
-from kernels.invariant import tiled as _tiled
-from kernels.invariant import ops as _mode_ops
-from kernels.invariant import norm as _norm
-from kernels.invariant import softmax as _softmax
-from kernels import FLOAT_DTYPES, triton_runs_on
+from kvfid.kernels.invariant import matmul as _matmul
+from kvfid.kernels.invariant import route as _route
+from kvfid.kernels.invariant import tiled as _tiled
+from kvfid.kernels.invariant import ops as _mode_ops
+from kvfid.kernels.invariant import norm as _norm
+from kvfid.kernels.invariant import softmax as _softmax
+from kvfid.kernels import FLOAT_DTYPES, triton_runs_on
 
 IMPLS = ("triton", "rowwise", "tiled")
 DISPATCH_KEYS = ("CPU", "CUDA")
@@ -91,7 +91,7 @@ def _fresh(row: torch.Tensor) -> torch.Tensor:
 
 def _key(op: str, width: int, other: torch.Tensor | None, dtype: torch.dtype, *extra) -> tuple:
     """A tiled call's probe key: what fixes the stock call (op, width, dtype, the other operand's
-    shape and layout); kernels.invariant.tiled names it in words only where a probe fails."""
+    shape and layout); kvfid.kernels.invariant.tiled names it in words only where a probe fails."""
     layout = (tuple(other.shape), other.stride()) if other is not None else None
     return (op, width, layout, dtype, *extra)
 
@@ -268,7 +268,7 @@ def _unless_stock(replacement: Callable, original) -> Callable:
 @contextmanager
 def stock_ops():
     """Within the block (this thread), the overridden ops run their stock kernels even while the
-    mode is on: for code that fixes every call's shape itself (kernels.attention.native)."""
+    mode is on: for code that fixes every call's shape itself (kvfid.kernels.attention.native)."""
     previous = getattr(_local, "stock", False)
     _local.stock = True
     try:

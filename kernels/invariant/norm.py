@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import LAUNCH_OPTIONS, check_row_input
-from kernels.jit import device_function, kernel
+from kvfid.kernels import LAUNCH_OPTIONS, check_row_input
+from kvfid.kernels.jit import device_function, kernel
 
 BLOCK_ROWS = 16  # rows per program; fixed, never a function of the row count
 BLOCK_COLS = 256  # columns per step of the in-order reduction

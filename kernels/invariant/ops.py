@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import FLOAT_DTYPES
+from kvfid.kernels import FLOAT_DTYPES
 
 # Element-wise ops whose CPU kernel has a vector body and a scalar tail (transcendental functions);
 # exact IEEE ops (add, mul, div, sqrt) round the same on both paths and are left alone.

@@ -30,7 +30,7 @@ machine and kept in `$KVFID_CACHE/tiled-routes.json` (default `~/.cache/kvfid`) 
 `machine_key()` (CPU model, the capability torch dispatches to, the ISA variables oneDNN/ATen/MKL
 read, torch version, threads, the rule's version `RULE`); every later process on that machine
 reads it back instead of timing again. `KVFID_TILED_ROUTE` pins routes (`bf16=widen:1,fp32=16`): nothing is timed or kept.
-The probes of kernels.invariant.tiled still check every (op, shape) of the chosen route bit by bit.
+The probes of kvfid.kernels.invariant.tiled still check every (op, shape) of the chosen route bit by bit.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def near_margin(scores: dict[Route, float], order: list[Route]) -> bool:
 
 def in_tiles(fn, rows: torch.Tensor, tile: int) -> torch.Tensor:
     """fn over rows [M, K] -> [M, N], `tile` rows a call, zero rows padding the last tile: the
-    tiled mode's one loop (kernels.invariant.tiled), so what is timed here is what runs."""
+    tiled mode's one loop (kvfid.kernels.invariant.tiled), so what is timed here is what runs."""
     m, width = rows.shape
     outs = []
     for start in range(0, m, tile):
@@ -135,7 +135,7 @@ def _median(values: list[float]) -> float:
 
 def measure(dtype: torch.dtype) -> dict:
     """Time every candidate route of `dtype` on a decode row and a PREFILL_ROWS prefill, each
-    through the tiled loop (under kernels.invariant.mode's stock block, so torch.mm is the stock kernel),
+    through the tiled loop (under kvfid.kernels.invariant.mode's stock block, so torch.mm is the stock kernel),
     in ROUNDS interleaved rounds; the chosen route, the scores and the median timings."""
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(OUT, WIDTH, generator=gen) * WIDTH ** -0.5).to(dtype).t()  # [K, N] as F.linear
@@ -229,11 +229,11 @@ def pinned() -> dict[torch.dtype, Route]:
 _lock = threading.RLock()
 _routes: dict[tuple, Route] = {}        # (dtype, threads) -> this process's route
 _records: dict[str, dict] = {}          # "bf16@t1" -> how that route was chosen
-_stock_block = contextlib.nullcontext   # kernels.invariant.mode sets its stock_ops(): timing sees stock kernels
+_stock_block = contextlib.nullcontext   # kvfid.kernels.invariant.mode sets its stock_ops(): timing sees stock kernels
 
 
 def use_stock_block(block) -> None:
-    """The context in which torch's ops run their stock kernels (kernels.invariant.mode.stock_ops)."""
+    """The context in which torch's ops run their stock kernels (kvfid.kernels.invariant.mode.stock_ops)."""
     global _stock_block
     _stock_block = block
 

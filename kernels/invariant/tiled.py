@@ -2,7 +2,7 @@
 call of the previously registered (stock) kernel, probed before it is trusted.
 
 A row op (a matmul's rows, a mean over the last dim, a (log-)softmax's rows) is computed T rows
-at a time, T the tile of the dtype's route on this machine (kernels.invariant.route: timed once per
+at a time, T the tile of the dtype's route on this machine (kvfid.kernels.invariant.route: timed once per
 machine, e.g. 32 rows on an AMX Xeon, where a 32-row bf16 matmul costs about 1.2x one row, and
 fewer where it costs 30x): every call the stock kernel sees has the shape [T, K] whatever the
 number of rows M (the last tile is padded with zero rows), so nothing the kernel chooses from M
@@ -24,8 +24,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from kernels.invariant import route as mode_route
-from kernels.invariant.route import Route
+from kvfid.kernels.invariant import route as mode_route
+from kvfid.kernels.invariant.route import Route
 
 _lock = threading.Lock()
 _verdicts: dict[Hashable, str | None] = {}  # (probe key, threads, route) -> None (trusted) or why not
@@ -89,7 +89,7 @@ def product(key: Hashable, call: Callable, a: torch.Tensor, b: torch.Tensor,
             *extra: torch.Tensor) -> torch.Tensor:
     """`call(tile, b, *extra)` (a stock product of a tile of a's rows) over a [M, K] by tiles, in
     the route of a's dtype: widened, the tile, b and extra (a bias) go in as exact fp32 copies
-    (a weight's kept per version, kernels.invariant.route.widened) and the product is rounded back."""
+    (a weight's kept per version, kvfid.kernels.invariant.route.widened) and the product is rounded back."""
     route = mode_route.route(a.dtype, a.device)
     if not route.widen:
         return by_tiles(key, lambda t: call(t, b, *extra), a, route=route)
@@ -104,7 +104,7 @@ def product(key: Hashable, call: Callable, a: torch.Tensor, b: torch.Tensor,
 
 
 def describe(key: Hashable, route: Route | None = None) -> str:
-    """A probe key (kernels.invariant.mode: op, width, the other operand's (shape, strides) or None, dtype,
+    """A probe key (kvfid.kernels.invariant.mode: op, width, the other operand's (shape, strides) or None, dtype,
     extras) and route in words, e.g. `mm [32, 576] x [576, 192] (strides (1, 576)) bfloat16`."""
     route = route or Route()
     op, width, layout, dtype, *extra = key

@@ -2,9 +2,9 @@
 
 `pytest tests` (`make test`) collects this folder too; every benchmark here is skipped at
 collection unless pytest-benchmark runs with `--benchmark-only`, so the test budget is not spent
-on timing. The environment record (harness.environment.envinfo) goes into pytest-benchmark's
+on timing. The environment record (kvfid.environment.envinfo) goes into pytest-benchmark's
 `machine_info`, so every saved JSON result says what it was measured on;
-harness.reports.benchreport files results by its key.
+kvfid.reports.benchreport files results by its key.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.environment import envinfo
-from harness.reports.benchreport import MACHINE_INFO_KEY
+from kvfid.environment import envinfo
+from kvfid.reports.benchreport import MACHINE_INFO_KEY
 
 HERE = Path(__file__).resolve().parent
 # Timing threads: one by default (on a shared 2-core machine two torch threads are 10-30x slower);

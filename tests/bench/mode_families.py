@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import mode_models as mm  # noqa: E402
 
-from kernels.invariant.mode import set_batch_invariant_mode  # noqa: E402
-from kernels.recurrence import faithful_recurrence  # noqa: E402
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode  # noqa: E402
+from kvfid.kernels.recurrence import faithful_recurrence  # noqa: E402
 
 
 def arms(model):

@@ -1,7 +1,7 @@
 """Kernel speed benchmarks: `pytest tests/bench --benchmark-only --benchmark-json=PATH`.
 
 Cases are data (CPU_CASES, GPU_CASES below; the GPU table is chosen when CUDA is available); each
-case runs every implementation harness.environment.invariance registers for its op (stock torch, SDPA and
+case runs every implementation kvfid.environment.invariance registers for its op (stock torch, SDPA and
 eager as transformers calls them, the Triton kernels, the batch-invariant modes), so the speed
 table and the invariance table describe the same functions. The timer is pytest-benchmark's with
 a device-aware clock: `time.perf_counter` on CPU; on CUDA the clock synchronizes the device first,
@@ -23,9 +23,9 @@ import helpers
 import pytest
 import torch
 
-import kernels  # noqa: F401  (selects the Triton interpreter without CUDA)
-from harness.environment.invariance import DTYPES, IMPLEMENTATIONS
-from kernels.invariant.mode import set_batch_invariant_mode
+from kvfid import kernels
+from kvfid.environment.invariance import DTYPES, IMPLEMENTATIONS
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")

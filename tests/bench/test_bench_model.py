@@ -4,7 +4,7 @@ tests/bench --benchmark-only -k model`.
 Declared as data (MODEL_STACKS, PHASES, CONTEXTS): a decode step (one token after a cache of the
 context's length) and a prefill (the context's tokens into a fresh cache), on the stock stack
 (sdpa/bf16, the ratio's baseline), the native faithful stack (native attention + the
-batch-invariant mode, kernels.attention.native) and the Triton faithful stack, whose attention runs
+batch-invariant mode, kvfid.kernels.attention.native) and the Triton faithful stack, whose attention runs
 in the Triton interpreter on a CPU (its cost reported beside the native one, never as the kernel's
 GPU speed). CONTEXTS is the scale curve: how the cost of faithfulness grows with the prefix. Per
 context, every prefill runs before any decode step, and the decode steps read the cache the
@@ -12,7 +12,7 @@ baseline's timed prefill left (only the step is timed); where that prefill was o
 budget and skipped, the cache the first stack's timed prefill left at that length (a bf16 cache
 of the same shape: a decode step's cost does not depend on which stack wrote it; the result says
 which). The fp32 model's next-token logits are the references every stack's result is checked
-against (a fast wrong stack is not a result). The thread count is the bench session's (one by default). harness.reports.benchreport
+against (a fast wrong stack is not a result). The thread count is the bench session's (one by default). kvfid.reports.benchreport
 puts each stack's median and its ratio to the baseline of the same run and context in its "Model
 steps" table, and the medians by context in its scale curve.
 """
@@ -25,10 +25,10 @@ import time
 import pytest
 import torch
 
-import kernels
-from harness.stacks.stack import parse_stack
-from harness.protocol.decode import cache_keyword, new_cache
-from kernels.invariant import route as mode_route
+from kvfid import kernels
+from kvfid.stacks.stack import parse_stack
+from kvfid.protocol.decode import cache_keyword, new_cache
+from kvfid.kernels.invariant import route as mode_route
 
 from test_bench_kernels import budget, device_clock, schedule
 
@@ -38,7 +38,7 @@ CONTEXTS = (CONTEXT, 512, 2048)  # the scale curve
 BASELINE = "sdpa/bf16"
 TRITON = "triton/bf16+bi"
 # sdpa/fp32: the stock stack of the CPU default case's other dtype (what `kvfid bench` sizes that
-# case by, harness.tasks.bench.item_seconds), at the headline length only.
+# case by, kvfid.tasks.bench.item_seconds), at the headline length only.
 FP32 = "sdpa/fp32"
 MODEL_STACKS = (BASELINE, "native/bf16+bi", TRITON, FP32)
 # Prefills first, at each length: the baseline's timed prefill (or, where it is skipped as over
@@ -81,7 +81,7 @@ pytestmark = pytest.mark.benchmark(timer=device_clock)
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from harness.inputs.models import ModelUnavailable, load_model
+    from kvfid.inputs.models import ModelUnavailable, load_model
 
     try:
         return load_model(MODEL)

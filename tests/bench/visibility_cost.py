@@ -17,10 +17,10 @@ import time
 
 import torch
 
-import kernels  # noqa: F401  (the interpreter switch, before triton)
-from kernels.attention import kernel as triton_attention
-from kernels.attention import native
-from kernels.attention.reference import segment_mask
+from kvfid import kernels
+from kvfid.kernels.attention import kernel as triton_attention
+from kvfid.kernels.attention import native
+from kvfid.kernels.attention.reference import segment_mask
 
 PROGRAM = {"prompt": 128, "branches": (96, 96, 96), "merge": 96}  # 512 tokens
 

@@ -13,12 +13,12 @@ from click.testing import CliRunner
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; `make install-vllm`, then `make test-vllm`")
 
-from harness.cli import main  # noqa: E402
-from harness.diagnoses import replay  # noqa: E402
-from harness.stacks.stack import Stack  # noqa: E402
-from harness.engines.check import engine_check, render  # noqa: E402
-from harness.inputs.models import load_model  # noqa: E402
-from harness.diagnoses.replay_gaps import STEP  # noqa: E402
+from kvfid.cli import main  # noqa: E402
+from kvfid.diagnoses import replay  # noqa: E402
+from kvfid.stacks.stack import Stack  # noqa: E402
+from kvfid.engines.check import engine_check, render  # noqa: E402
+from kvfid.inputs.models import load_model  # noqa: E402
+from kvfid.diagnoses.replay_gaps import STEP  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_engine_check_measures_every_construction_and_stock_kv_differs(tiny_fold
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: vLLM-CPU's attention does not split, decode and prefill may agree")
-    shown = subprocess.run([sys.executable, "-m", "harness.cli", "engine-check", "--kv", "--model",
+    shown = subprocess.run([sys.executable, "-m", "kvfid.cli", "engine-check", "--kv", "--model",
                             f"hf:{tiny_folder}", "--dtype", "fp32", "-n", "2", "--tokens", "8",
                             "--format", "json", "--db", str(tmp_path / "ledger.sqlite"), "--report",
                             "--out", str(tmp_path / "reports")], capture_output=True, text=True, timeout=600,
@@ -92,9 +92,9 @@ def test_engine_check_measures_every_construction_and_stock_kv_differs(tiny_fold
 
 
 def _stored_as_printed(tmp_path, result):
-    from harness.records.engine import from_result
-    from harness.ledger.engine_checks import check
-    from harness.ledger.store import Ledger
+    from kvfid.records.engine import from_result
+    from kvfid.ledger.engine_checks import check
+    from kvfid.ledger.store import Ledger
 
     with Ledger(tmp_path / "ledger.sqlite", readonly=True) as ledger:
         stored = check(ledger, "latest")
@@ -115,7 +115,7 @@ def test_batch_invariance_is_said_plainly_where_vllm_does_not_apply_it():
     (vLLM installs its batch-invariant overrides from the GPU worker), and the table says so."""
     from vllm.platforms import current_platform
 
-    from harness.engines import engine
+    from kvfid.engines import engine
 
     note = engine.batch_invariant_refusal()
     if current_platform.is_cuda_alike() or current_platform.is_xpu():

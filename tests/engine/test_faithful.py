@@ -13,9 +13,9 @@ from click.testing import CliRunner
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; `make install-vllm`, then `make test-vllm`")
 
-from harness.cli import main  # noqa: E402
-from harness.engines import faithful as engine_faithful, kv as engine_kv  # noqa: E402
-from harness.engines.check import engine_check, render  # noqa: E402
+from kvfid.cli import main  # noqa: E402
+from kvfid.engines import faithful as engine_faithful, kv as engine_kv  # noqa: E402
+from kvfid.engines.check import engine_check, render  # noqa: E402
 
 CONSTRUCTIONS = "prefill,chunked:8,cached:prompt,spec:2"
 
@@ -55,10 +55,10 @@ def test_the_plugin_is_an_entry_point_and_restores_what_it_overrides():
     from vllm.model_executor.layers import utils
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from kernels.invariant.mode import batch_invariant_mode
+    from kvfid.kernels.invariant.mode import batch_invariant_mode
 
     plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert plugins.get("kvfid_faithful") == "harness.engines.faithful:register"
+    assert plugins.get("kvfid_faithful") == "kvfid.engines.faithful:register"
     engine_faithful.register()                       # without KVFID_FAITHFUL=1: nothing changes
     member, stock = AttentionBackendEnum.CPU_ATTN, utils.dispatch_cpu_unquantized_gemm
     assert not member.is_overridden() and batch_invariant_mode() is None
@@ -82,8 +82,8 @@ def test_faithful_engine_is_bit_exact_in_every_row(tiny_folder, dtype, tmp_path)
     assert faithful["rows"][-1]["served_tokens"] >= 32
     text = render(faithful)
     assert "engine state" in text and "faithful" in text
-    from harness.reports.engine_report import write_report
-    from harness.tasks.engine_store import store_result
+    from kvfid.reports.engine_report import write_report
+    from kvfid.tasks.engine_store import store_result
 
     stored = store_result(tmp_path / "ledger.sqlite", faithful)
     report = write_report(stored, tmp_path / "reports")["markdown"].read_text()
@@ -125,8 +125,8 @@ def test_stock_rollouts_replay_with_an_engine_gap(tiny_folder, tmp_path, dtype):
 ENGINE_PROCESS = """
 import os, sys
 def info(worker):
-    from harness.engines.kv import attention_layers
-    from kernels.invariant.mode import batch_invariant_mode
+    from kvfid.engines.kv import attention_layers
+    from kvfid.kernels.invariant.mode import batch_invariant_mode
     return (os.getpid(), sorted({type(l.impl).__name__ for l in attention_layers(worker.model_runner)}),
             batch_invariant_mode())
 if __name__ == "__main__":

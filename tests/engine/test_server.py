@@ -18,10 +18,10 @@ from click.testing import CliRunner
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; `make install-vllm`, then `make test-vllm`")
 
-from harness.cli import main  # noqa: E402
-from harness.diagnoses import replay  # noqa: E402
-from harness.stacks.stack import Stack  # noqa: E402
-from harness.inputs.models import load_model  # noqa: E402
+from kvfid.cli import main  # noqa: E402
+from kvfid.diagnoses import replay  # noqa: E402
+from kvfid.stacks.stack import Stack  # noqa: E402
+from kvfid.inputs.models import load_model  # noqa: E402
 
 START_LIMIT_S = 300
 

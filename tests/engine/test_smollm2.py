@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; `make install-vllm`, then `make test-vllm`")
 
-from harness.engines import engine  # noqa: E402
-from harness.inputs.models import load_model  # noqa: E402
+from kvfid.engines import engine  # noqa: E402
+from kvfid.inputs.models import load_model  # noqa: E402
 
 
 def test_the_converted_smollm2_folder_generates_in_vllm():
