@@ -98,17 +98,21 @@ def recurrent_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
 PRIMING = -1
 
 
-def _slots(cache, index) -> dict[tuple, torch.Tensor]:
-    """The tensors a cache holds for layer `index`, by where they are held: (attribute[, key])
+def _slots(cache, index, counters: bool = False) -> dict[tuple, torch.Tensor]:
+    """The state tensors a cache holds for layer `index`, by where they are held: (attribute[, key])
     of its cache layer (a tensor, or a dict or list of them: `conv_states`, `recurrent_states`),
-    ("cache", attribute) for entry `index` of the cache's own per-layer lists."""
+    ("cache", attribute) for entry `index` of the cache's own per-layer lists. `counters`: the
+    integer tensors instead, counters beside the states (transformers 5.25's
+    `cumulative_length_linear`: the tokens a linear layer has seen, its `get_seq_length`)."""
     out: dict[tuple, torch.Tensor] = {}
 
     def add(where: tuple, value) -> None:
         items = value.items() if isinstance(value, dict) else enumerate(value) \
             if isinstance(value, (list, tuple)) else [(None, value)]
         for key, tensor in items:
-            if isinstance(tensor, torch.Tensor) and tensor.numel():   # an empty one holds nothing
+            # an empty tensor holds nothing; a state is floating, a counter an integer
+            if isinstance(tensor, torch.Tensor) and tensor.numel() and \
+                    tensor.is_floating_point() != counters:
                 out[where if key is None else (*where, key)] = tensor
 
     layers = getattr(cache, "layers", None) or ()
@@ -138,6 +142,7 @@ def _from_zero(layer: torch.nn.Module, forward, cache, args, kwargs):
     index = getattr(layer, "layer_idx", None)
     if _slots(cache, index):   # the layer's state is there: a decode step, as it is
         return forward(*args, **kwargs)
+    counted = {where: c.clone() for where, c in _slots(cache, index, counters=True).items()}
     previous = _steps.get(id(layer))   # the call that makes it: a tracer skips its ops
     _steps[id(layer)] = PRIMING
     try:
@@ -152,6 +157,11 @@ def _from_zero(layer: torch.nn.Module, forward, cache, args, kwargs):
         return out
     for tensor in made:
         tensor.zero_()
+    # The dropped call counted its token: counters go back to what they were, so the token is
+    # counted once (a linear layer's count is the cache's length, and so the next positions).
+    for where, counter in _slots(cache, index, counters=True).items():
+        if where in counted:
+            counter.copy_(counted[where])
     return forward(*args, **kwargs)
 
 

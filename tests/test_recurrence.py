@@ -184,3 +184,37 @@ def test_the_command_line_and_case_files_turn_the_faithful_form_on(tmp_path):
     case.write_text(case.read_text().replace("faithful_recurrence = [false, true]\n",
                                              "batch_invariant = [true]\n"))
     assert [s.label for s in load_case(case).stacks] == ["eager/bf16+bi@t1"]
+
+
+def test_a_restored_recurrent_state_keeps_the_cache_length_and_decodes_the_same_bits(next_fp32):
+    # A linear layer counts the tokens it has seen where transformers keeps such a counter (5.25's
+    # `cumulative_length_linear`: the cache's `get_seq_length` when layer 0 is linear, and so the
+    # next position): a state read out and put into a fresh cache continues as the original does.
+    from transformers import DynamicCache
+
+    from kvfid.states.layers import read_cache, restore_cache
+
+    ids = mm.prompt(LENGTH + 1)
+
+    def next_logits(cache):
+        return next_fp32(input_ids=ids[:, LENGTH:], cache=cache, use_cache=True).logits
+
+    with torch.no_grad():
+        cache = DynamicCache(config=next_fp32.config)
+        next_fp32(input_ids=ids[:, :LENGTH], cache=cache, use_cache=True)
+        states = read_cache(cache, next_fp32.config)
+        fresh, lost = DynamicCache(config=next_fp32.config), DynamicCache(config=next_fp32.config)
+        restore_cache(fresh, states)
+        restore_cache(lost, states)
+        assert int(fresh.get_seq_length()) == int(cache.get_seq_length()) == LENGTH
+        live = next_logits(cache)
+        assert torch.equal(next_logits(fresh), live)
+        # Control, where the counter exists: the same state with its count lost continues from
+        # position 0, and the bits differ.
+        counters = [layer.cumulative_length_linear for layer in lost.layers
+                    if isinstance(getattr(layer, "cumulative_length_linear", None), torch.Tensor)]
+        if counters:
+            for counter in counters:
+                counter.zero_()
+            assert int(lost.get_seq_length()) == 0
+            assert not torch.equal(next_logits(lost), live)

@@ -162,6 +162,15 @@ def check_known(config, model_name: str = "model") -> list[str]:
 
 # --------------------------------------------------------------------------- read and restore
 
+def _counters(layer, pad: int = 0) -> dict:
+    """A layer's integer counters (0-dim integer tensors: transformers 5.25's
+    `cumulative_length_linear`, the tokens a linear layer has seen, which is its
+    `get_seq_length` and so the cache's next position), less a left-padded row's `pad`."""
+    return {name: int(value) - pad for name, value in vars(layer).items()
+            if isinstance(value, torch.Tensor) and value.dim() == 0
+            and not value.is_floating_point() and name not in layers_held.BASE_ATTRS}
+
+
 def _recurrent_parts(layer, row: int) -> dict:
     parts = {}
     for index in range(layer.number_of_states):
@@ -180,7 +189,8 @@ def read_layer(layer, config, row: int = 0, pad: int = 0, index: int | None = No
     position. `cache`: its own per-layer lists (a model's cache class) join layer `index`."""
     kind = layer_kind(layer, config, index) if layer is not None else "stateless"
     parts = _recurrent_parts(layer, row) if kind.startswith("recurrent") else {}
-    start, meta, drop = 0, {}, 0
+    start, drop = 0, 0
+    meta = _counters(layer, pad) if kind.startswith("recurrent") else {}
     keys = getattr(layer, "keys", None)
     if keys is not None and keys.numel():
         held = keys.shape[-2]
@@ -191,7 +201,8 @@ def read_layer(layer, config, row: int = 0, pad: int = 0, index: int | None = No
                  "v": layer.values[row:row + 1, :, drop:].clone(), **parts}
         start = first + drop - pad
     if layer is not None and kind in ("full", "window", "latent") and type(layer) not in _classes()[0]:
-        extra, meta = layers_held.held(layer, row, drop)
+        extra, held_meta = layers_held.held(layer, row, drop)
+        meta.update(held_meta)
         if selection.ATTRIBUTE in extra:   # recorded in the padded row's key indices
             extra[selection.ATTRIBUTE] = selection.unpadded(extra[selection.ATTRIBUTE], pad)
         parts.update(extra)
@@ -217,15 +228,19 @@ def restore_layer(layer, state: LayerState, index: int) -> None:
     if type(layer).__name__ != state.cache_class:
         raise ValueError(f"layer {index}: a {state.cache_class} state cannot go into a "
                          f"{type(layer).__name__} cache layer")
-    if state.meta:   # flags first: an indexer initialised lazily would drop its restored keys
-        layers_held.restore_held(layer, {}, state.meta)
+    counters = {n: c for n, c in state.meta.items() if n in _counters(layer)}
+    for name, count in counters.items():   # in place: the cache may hold its address
+        getattr(layer, name).fill_(count)
+    meta = {n: v for n, v in state.meta.items() if n not in counters}
+    if meta:   # flags first: an indexer initialised lazily would drop its restored keys
+        layers_held.restore_held(layer, {}, meta)
     if "k" in state.parts:
         layer.update(state.parts["k"], state.parts["v"])
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length = state.start + state.held   # the window's absolute end
     if type(layer) not in _classes()[0] and state.kind in ("full", "window", "latent"):
         layers_held.restore_held(layer, {n: t for n, t in state.parts.items()
-                                         if n not in ("k", "v")}, state.meta)
+                                         if n not in ("k", "v")}, meta)
     for index_ in range(getattr(layer, "number_of_states", 0)):
         suffix = f".{index_}" if index_ else ""
         conv, recurrent = state.parts.get("conv" + suffix), state.parts.get("recurrent" + suffix)
