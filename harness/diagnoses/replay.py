@@ -47,7 +47,8 @@ from kvfid.diagnoses.rescore import (ALLOWED, CONSTRUCTIONS, check_constructions
 from kvfid.diagnoses.replay_gaps import (DECADES, STEP, _quantile, aggregate_gaps,  # noqa: F401
                                       delta_decades, engine_logprobs, gap, render_gaps)
 from kvfid.records.replay_record import LogprobMismatch, ReplayRecord
-from kvfid.inputs.trajectories import Trajectory, as_row, check_fits, load_trajectories  # noqa: F401
+from kvfid.inputs.trajectories import (Trajectory, as_row, check_fits,  # noqa: F401
+                                       load_trajectories, trajectories_from_rows)
 
 
 
@@ -178,13 +179,30 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
                    device: str, threads: int | None, constructions: str, progress=None,
                    compiled: bool = False, faithful_recurrence: bool | None = None) -> dict:
     """`kvfid replay`: the options and the file checked before compute (exit 2 / 3), then `replay`."""
+    model, stack, loaded, chosen = checked_replay(
+        trajectories, model_name, backend, dtype, batch_invariant, device, threads,
+        constructions, compiled, faithful_recurrence)
+    try:
+        return replay(model, stack, loaded, chosen, progress)
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+
+
+def checked_replay(trajectories, model_name, backend: str, dtype: str, batch_invariant: bool,
+                   device: str, threads: int | None, constructions: str, compiled: bool = False,
+                   faithful_recurrence: bool | None = None):
+    """(model, stack, trajectories, constructions) of a replay, each checked before compute
+    (BadInput, exit 2; Unavailable, exit 3). `trajectories`: a JSONL path or rows in memory;
+    `model_name`: a preset, `hf:<folder>` or a Model already loaded (the Python API's)."""
     from kvfid import checks
     from kvfid.diagnoses import repro
     from kvfid.stacks.stack import check_supports
     from kvfid.protocol.engine_arms import check_rollback
     from kvfid.inputs.models import load_model
 
-    repro.check_model_name(model_name)
+    loaded = None if isinstance(model_name, str) else model_name
+    if loaded is None:
+        repro.check_model_name(model_name)
     stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
                                 faithful_recurrence)
     chosen = checks.split_arms(constructions)
@@ -195,15 +213,18 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
             raise BadInput(f"--constructions: {err}") from None
         if kind not in CONSTRUCTIONS:
             raise BadInput(f"--constructions = {c!r} is not allowed; allowed: {ALLOWED}")
-    model = load_model(model_name)
+    model = loaded or load_model(model_name)
     check_rollback(model, chosen)   # a cut a recurrent state cannot take (exit 3)
     try:
-        loaded = load_trajectories(trajectories, model.codec)
-        longest = max((len(t.prompt_ids) + len(t.tokens) for t in loaded), default=0)
+        rows = (load_trajectories(trajectories, model.codec) if isinstance(trajectories, (str, Path))
+                else trajectories_from_rows(trajectories, model.codec))
+        longest = max((len(t.prompt_ids) + len(t.tokens) for t in rows), default=0)
         check_supports(stack, model, longest)
-        return replay(model, stack, loaded, chosen, progress)
+        check_fits(rows, model.config.vocab_size, model.context_length)
+        check_constructions(chosen, rows)
     except ValueError as err:
         raise BadInput(str(err)) from None
+    return model, stack, rows, chosen
 
 
 def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, temperature: float,

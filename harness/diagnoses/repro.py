@@ -38,8 +38,11 @@ def prepare(model_name: str, prompt: str | None, item_set: str | None, item_inde
             boundary: int, suffix: int, arms: str, replicas: str, transplants, cross,
             ignore_eos: bool = False, compiled: bool = False,
             faithful_recurrence: bool | None = None) -> Repro:
-    """Check every option, then load the model and check what needs it (layers, context)."""
-    check_model_name(model_name)
+    """Check every option, then load the model and check what needs it (layers, context).
+    `model_name`: a preset, `hf:<folder>`, or a Model already loaded (the Python API's)."""
+    loaded = None if isinstance(model_name, str) else model_name
+    if loaded is None:
+        check_model_name(model_name)
     stack = checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
                           faithful_recurrence)
     try:
@@ -52,7 +55,7 @@ def prepare(model_name: str, prompt: str | None, item_set: str | None, item_inde
     for arm in plan.arms:
         checks.require(checks.construction_reason(arm), "--arms", arm)
     item = pick_item(prompt, item_set, item_index)
-    model = load_model(model_name)
+    model = loaded or load_model(model_name)
     prompt_length = len(model.codec.prompt_ids(item.prompt))
     plan.check_fits(prompt_length, model.context_length)
     for each in [stack, *cross_stacks]:

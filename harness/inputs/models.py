@@ -284,6 +284,26 @@ def _load_hf_folder(folder: str) -> Model:
     return Model(f"hf:{folder}", module, codec, time.perf_counter() - start)
 
 
+def from_module(module: torch.nn.Module, tokenizer=None, name: str | None = None) -> Model:
+    """A transformers causal LM held in memory (a trainer's) as a Model: an fp32 copy on the CPU
+    is its master, from which each stack's copy is made as transformers loads that dtype (a bf16
+    model's weights come back bit for bit); the tokenizer's chat template is its codec, bytes
+    without one (a random-weight model of at least 260 ids)."""
+    import copy
+
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(module, "generate"):
+        raise ValueError(f"not a transformers causal LM: {type(module).__name__} (it needs a "
+                         "config and generate)")
+    if tokenizer is None and int(getattr(config.get_text_config(), "vocab_size", 0)) < ByteCodec.vocab_size:
+        raise ValueError(f"{type(module).__name__}: no tokenizer given, and a vocabulary under "
+                         f"{ByteCodec.vocab_size} ids cannot take kvfid's byte codec")
+    start = time.perf_counter()
+    master = copy.deepcopy(module).to(device="cpu", dtype=torch.float32).eval()
+    codec = ChatCodec(tokenizer) if tokenizer is not None else ByteCodec()
+    return Model(name or type(module).__name__, master, codec, time.perf_counter() - start)
+
+
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("tiny-llama", "random Llama, 4 layers, GQA 4/2, head dim 32", "0.6M",
            lambda: _random_model("tiny-llama", "llama", _TINY, seed=1)),

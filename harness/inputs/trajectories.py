@@ -37,28 +37,44 @@ def load_trajectories(path: str | Path, codec=None) -> list[Trajectory]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"{path}: cannot read the trajectories ({err})") from None
-    out, with_logprobs = [], None
+    rows = []
     for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        t = _trajectory(line, where, number, codec)
+        if line.strip():
+            where = f"{path}:{number}"
+            try:
+                rows.append((where, number, json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not JSON ({err.msg})") from None
+    if not rows:
+        raise ValueError(f"{path}: no trajectories")
+    return _checked(rows, codec)
+
+
+def trajectories_from_rows(rows, codec=None) -> list[Trajectory]:
+    """Trajectories given in memory: each a Trajectory or a dict as a line of the JSONL file
+    (`prompt_ids` or `prompt`, `tokens`, optional `id` and `logprobs`). Raises ValueError naming
+    the row."""
+    given = [(f"row {n}", n, r) for n, r in enumerate(rows)]
+    if not given:
+        raise ValueError("no trajectories")
+    return _checked(given, codec)
+
+
+def _checked(rows: list[tuple], codec) -> list[Trajectory]:
+    """Each (where, number, row) read and checked; an engine reference on every row or none."""
+    out, with_logprobs = [], None
+    for where, number, row in rows:
+        t = row if isinstance(row, Trajectory) else _trajectory(row, where, number, codec)
         if with_logprobs is None:
             with_logprobs = t.logprobs is not None
         elif with_logprobs != (t.logprobs is not None):
             raise ValueError(f"{where}: logprobs on some lines and not on others; an engine "
                              "reference is given for every trajectory or for none")
         out.append(t)
-    if not out:
-        raise ValueError(f"{path}: no trajectories")
     return out
 
 
-def _trajectory(line: str, where: str, number: int, codec) -> Trajectory:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{where}: not JSON ({err.msg})") from None
+def _trajectory(row, where: str, number: int, codec) -> Trajectory:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected an object with prompt_ids or prompt, and tokens")
     if "prompt_ids" in row:

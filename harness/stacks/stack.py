@@ -86,6 +86,11 @@ class Stack:
                 del described[option]   # a +bi record always says which recurrence ran
         return described
 
+    @classmethod
+    def parse(cls, label: str, device: str = "cpu", threads: int | None = None) -> "Stack":
+        """The stack a label names, as reports print them (`native/bf16+bi@t1`): parse_stack."""
+        return parse_stack(label, device, threads)
+
     def with_dtype(self, dtype: str) -> "Stack":
         return replace(self, dtype=dtype)
 

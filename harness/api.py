@@ -1,0 +1,141 @@
+"""kvfid as a library: what a trainer, a replay tool or a notebook calls, typed end to end.
+
+The command line is a client of the same library paths: `repro` measures through
+`kvfid.diagnoses.repro` as `kvfid repro` does, `replay` through the replay path of `kvfid replay`,
+so a verdict here is the verdict the CLI prints for the same model, item and stack. The public
+names are importable from `kvfid` itself (`kvfid.__all__`; docs/api.md lists each with its
+purpose, and a test fails when one disappears without a re-export).
+
+    import kvfid
+    outcome = kvfid.repro("tiny-llama", "What is 2+2?", stack="native/fp32+bi@t1", boundary=8)
+    outcome.verdict                       # "bit-exact" or "diverges"
+    with kvfid.batch_invariant_mode():    # batch-invariant matmul, norms and softmax
+        ...
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from kvfid.diagnoses.replay import checked_replay, replay_unit
+from kvfid.diagnoses.replay_gaps import STEP
+from kvfid.diagnoses.repro import ReproOutcome
+from kvfid.diagnoses.repro import repro as _repro
+from kvfid.inputs.models import Model, from_module
+from kvfid.inputs.models import load_model as _load_preset
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.kernels.recurrence import faithful_recurrence
+from kvfid.protocol.decode import cache_keyword
+from kvfid.records.plain import decode
+from kvfid.records.record import CacheDiff
+from kvfid.records.replay_record import LogprobMismatch, PickedGap, ReplayRecord
+from kvfid.stacks.stack import Stack, parse_stack
+from kvfid.states.cache import BoundaryState, compare_states as _compare
+from kvfid.states.layers import read_cache
+
+# `with kvfid.batch_invariant_mode(): ...`: the mode's one context manager, under a library name.
+batch_invariant_mode = set_batch_invariant_mode
+
+def stack_of(stack: Stack | str) -> Stack:
+    """A Stack, or the one a report's label names (`native/bf16+bi@t1`)."""
+    return stack if isinstance(stack, Stack) else parse_stack(stack)
+
+
+def load_model(model, tokenizer=None) -> Model:
+    """A Model from a preset name (`tiny-llama`, `smollm2-135m`, ...), `hf:<folder>`, or a
+    transformers causal LM held in memory (with its tokenizer, for chat prompts)."""
+    if isinstance(model, Model):
+        return model
+    if isinstance(model, str):
+        return _load_preset(model)
+    return from_module(model, tokenizer)
+
+
+def repro(model, prompt: str, *, stack: Stack | str = "sdpa/bf16",
+          arms: Sequence[str] = ("live", "prefill", "incremental"), boundary: int = 32,
+          suffix: int = 48, replicas: Sequence[str] = (), transplants: Sequence[str] = (),
+          cross: Sequence[str] = (), ignore_eos: bool = False) -> ReproOutcome:
+    """One prompt on one stack, as `kvfid repro` measures it: every arm against live (cache,
+    boundary logits, suffix), replicas, transplants (`live<-prefill:keys`), the precision
+    crossing over `cross` dtypes. Returns the typed record, its verdict and environment."""
+    chosen = stack_of(stack)
+    return _repro(model_name=model if isinstance(model, str) else load_model(model),
+                  prompt=prompt, item_set=None, item_index=None, backend=chosen.backend,
+                  dtype=chosen.dtype, batch_invariant=chosen.batch_invariant,
+                  device=chosen.device, threads=chosen.threads, boundary=boundary, suffix=suffix,
+                  arms=",".join(arms), replicas=",".join(replicas), transplants=tuple(transplants),
+                  cross=",".join(cross), ignore_eos=ignore_eos, compiled=chosen.compiled,
+                  faithful_recurrence=chosen.faithful_recurrence)
+
+
+def read_state(cache, config=None, prefix: Iterable[int] = (), logits=None) -> BoundaryState:
+    """A transformers cache's state, every layer and part cloned (`config`: the model's, which
+    tells an MLA layer's latent from K/V)."""
+    return BoundaryState(tuple(prefix), logits=logits, layers=read_cache(cache, config))
+
+
+def compare_states(a, b, *, config=None) -> CacheDiff:
+    """Two states over the same tokens, bit for bit, per layer and part (`a` the reference):
+    transformers caches or BoundaryStates. Not bit-exact also when a part cannot be compared."""
+    states = [s if isinstance(s, BoundaryState) else read_state(s, config) for s in (a, b)]
+    return decode(CacheDiff, _compare(*states))
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """Supplied trajectories re-scored on one stack: per trajectory a ReplayRecord (each
+    construction's LogprobMismatch against step-by-step generation and, where the trajectories
+    carry the engine's logprobs, the engine's gaps)."""
+
+    stack: str
+    model: str
+    trajectories: tuple[ReplayRecord, ...]
+
+    def mismatch(self, construction: str) -> tuple[LogprobMismatch, ...]:
+        """step-by-step against `construction`, per trajectory (what rebuilding the state does)."""
+        return tuple(r.constructions[construction] for r in self.trajectories)
+
+    def engine_gaps(self, construction: str | None = None) -> tuple[PickedGap, ...]:
+        """The engine against `construction` per trajectory (what a trainer sees), or against
+        step-by-step generation (None); empty without engine logprobs."""
+        if construction is None:
+            return tuple(r.engine for r in self.trajectories if r.engine is not None)
+        return tuple(r.engine_constructions[construction] for r in self.trajectories
+                     if construction in r.engine_constructions)
+
+    def metrics(self, construction: str) -> dict[str, float]:
+        """The engine-vs-trainer gap under the names RL frameworks log it (TRL's
+        `sampling/...`, slime's, verl's `rollout_corr/k3_kl`), token-weighted over the
+        trajectories; empty without engine logprobs."""
+        gaps = self.engine_gaps(construction)
+        deltas = [d for g in gaps for d in g.abs_deltas]
+        if not deltas:
+            return {}
+        tokens = sum(g.tokens for g in gaps)
+        ratio_mean = sum(g.ratio_mean * g.tokens for g in gaps) / tokens
+        return {"sampling/sampling_logp_difference/mean": statistics.fmean(deltas),
+                "sampling/sampling_logp_difference/max": max(deltas),
+                "sampling/importance_sampling_ratio/min": min(g.ratio_min for g in gaps),
+                "sampling/importance_sampling_ratio/mean": ratio_mean,
+                "sampling/importance_sampling_ratio/max": max(g.ratio_max for g in gaps),
+                "train_rollout_logprob_abs_diff": statistics.fmean(deltas),
+                "rollout_corr/k3_kl": sum(g.k3_mean * g.tokens for g in gaps) / tokens,
+                "kvfid/tokens_differ_fraction": sum(g.differ for g in gaps) / tokens}
+
+
+def replay(trajectories, model, *, stack: Stack | str = "sdpa/bf16",
+           constructions: Sequence[str] = ("prefill",)) -> ReplayResult:
+    """Re-score supplied trajectories (a JSONL path, or rows: dicts with `prompt_ids` or
+    `prompt`, `tokens`, optional `logprobs`) the way a trainer does, against step-by-step
+    generation on the same stack, as `kvfid replay` does."""
+    chosen = stack_of(stack)
+    source = str(trajectories) if isinstance(trajectories, Path) else trajectories
+    model, chosen, rows, names = checked_replay(
+        source, model if isinstance(model, str) else load_model(model), chosen.backend,
+        chosen.dtype, chosen.batch_invariant, chosen.device, chosen.threads,
+        ",".join(constructions), chosen.compiled, chosen.faithful_recurrence)
+    records = tuple(replay_unit(model, chosen, t, names) for t in rows)
+    return ReplayResult(chosen.label, model.name, records)
