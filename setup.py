@@ -38,7 +38,7 @@ setup(
     extras_require={
         # pytest < 9.2: 9.2 drops the node ids xdist's --dist loadgroup groups by, so a test
         # group stops landing on one worker (pytest-dev/pytest-xdist#1386; seen here with 9.2.0).
-        "test": ["pytest>=8,<9.2", "pytest-benchmark>=4", "pytest-xdist>=3"],
+        "test": ["pytest>=8,<9.2", "pytest-benchmark>=4", "pytest-xdist>=3", "build>=1"],
     },
     entry_points={
         "console_scripts": ["kvfid=kvfid.cli:main"],

@@ -41,6 +41,8 @@ def pytest_configure(config):
                             "(tests/bench; `--bench-part long`)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped on CPU)")
     config.addinivalue_line("markers", "slow: loads SmolLM2 or runs the interpreter at length")
+    config.addinivalue_line("markers", "wheel: builds kvfid's wheel and installs it into fresh "
+                            "venvs (torch 2.13 and 2.15); `make test-wheel`, not `make test`")
     config.addinivalue_line("markers", "gpu_rehearsal: rehearses the GPU path on CPU at full "
                             "size (every kernel config compiled for sm_80/90/100, the GPU "
                             "check's dry run); `make test` leaves these to `make test-rehearsal`")
