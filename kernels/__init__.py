@@ -10,18 +10,18 @@ import sys
 if __name__ == "kernels":
     # This folder imported by its folder's name: a checkout's root is on sys.path (`python -m` or
     # `python -c` run there). The import name `kernels` belongs to the Hugging Face distribution,
-    # which transformers 5.25 imports; hand the name over to it, found on the rest of the path.
+    # which transformers 5.25 imports: where it is installed, hand the name over to it. Where it
+    # is not, this folder imports as before, with no `__version__`: a transformers that probes
+    # the name (before 5.25: find it, then import it for a version) reports hub kernels absent.
     import importlib.machinery
     import importlib.util
 
     _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _spec = importlib.machinery.PathFinder.find_spec(
         "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout])
-    if _spec is None:
-        raise ModuleNotFoundError("No module named 'kernels' (this folder is kvfid's kernels, "
-                                  "imported as kvfid.kernels)", name="kernels")
-    sys.modules["kernels"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["kernels"])
+    if _spec is not None:
+        sys.modules["kernels"] = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(sys.modules["kernels"])
 
 import torch  # noqa: E402
 

@@ -56,12 +56,31 @@ def test_from_the_checkout_root_the_name_kernels_is_the_hub_distribution():
     assert Path(ours).resolve() == ROOT / "kernels" / "__init__.py"
 
 
-def test_without_the_hub_distribution_the_name_kernels_is_missing_from_the_checkout_root():
-    # The control: with site-packages out of reach the folder finds nothing to hand over to, and
-    # the name is missing, as it is anywhere else.
-    code = ("import sys\nsys.path[:] = [p for p in sys.path if 'site-packages' not in p]\n"
-            "try:\n    import kernels\nexcept ModuleNotFoundError as err:\n    print(err.name)\n")
-    assert _python(code, ROOT) == ["kernels"]
+def test_without_the_hub_distribution_transformers_reports_hub_kernels_absent(tmp_path):
+    # The control: this venv's packages without the Hub's `kernels` (as the GPU image's
+    # transformers 5.17 and vLLM's 5.19 have them), from the checkout's root: the folder imports
+    # under its own name with no `__version__`, and transformers, probing the name, reports hub
+    # kernels absent instead of failing.
+    site = Path(torch.__file__).resolve().parents[1]
+    for entry in site.iterdir():
+        if entry.name != "kernels" and not entry.name.startswith("kernels-"):
+            (tmp_path / entry.name).symlink_to(entry)
+    code = ("import kernels, transformers.utils\n"
+            "print(kernels.__file__, hasattr(kernels, '__version__'), "
+            "transformers.utils.is_kernels_available())")
+    where, versioned, available = _python_no_site(code, tmp_path)
+    assert Path(where).resolve() == ROOT / "kernels" / "__init__.py"
+    assert (versioned, available) == ("False", "False")
+
+
+def _python_no_site(code: str, site: Path) -> list[str]:
+    """`code` run from the checkout's root without site-packages, with `site` on the path."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    done = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT,
+                          env={**clean, "PYTHONPATH": str(site)}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
 
 
 @pytest.mark.skipif(not _hub_installed(), reason="the Hub's kernels distribution is not installed")
