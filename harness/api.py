@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from kvfid.diagnoses.replay import checked_replay, replay_unit
-from kvfid.diagnoses.replay_gaps import STEP
 from kvfid.diagnoses.repro import ReproOutcome
 from kvfid.diagnoses.repro import repro as _repro
 from kvfid.inputs.models import Model, from_module
@@ -36,8 +35,15 @@ from kvfid.stacks.stack import Stack, parse_stack
 from kvfid.states.cache import BoundaryState, compare_states as _compare
 from kvfid.states.layers import read_cache
 
-# `with kvfid.batch_invariant_mode(): ...`: the mode's one context manager, under a library name.
-batch_invariant_mode = set_batch_invariant_mode
+def batch_invariant_mode(enabled: bool = True, *, impl: str | None = None) -> set_batch_invariant_mode:
+    """`with kvfid.batch_invariant_mode(): ...`: batch-invariant matmul, norms and softmax inside
+    the block, everything restored on exit. `impl`: Triton kernels where CUDA is (`triton`), else
+    the stock kernels on fixed tiles of rows, each shape probed first (`tiled`), as a stack picks;
+    `rowwise` or `triton` (the interpreter, slow on a CPU) by name."""
+    import torch
+
+    return set_batch_invariant_mode(
+        enabled, impl=impl or ("triton" if torch.cuda.is_available() else "tiled"))
 
 def stack_of(stack: Stack | str) -> Stack:
     """A Stack, or the one a report's label names (`native/bf16+bi@t1`)."""

@@ -44,10 +44,15 @@ def test_every_public_name_is_kept_resolved_and_documented():
         kvfid.no_such_name    # noqa: B018  (the control: an unknown name is not invented)
 
 
-def test_the_mode_is_one_object_under_both_names():
+def test_the_mode_under_both_names_and_its_default_per_device():
     from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
-    assert kvfid.batch_invariant_mode is kvfid.set_batch_invariant_mode is set_batch_invariant_mode
+    assert kvfid.set_batch_invariant_mode is set_batch_invariant_mode
+    mode = kvfid.batch_invariant_mode()
+    assert isinstance(mode, set_batch_invariant_mode)
+    assert mode._impl == ("triton" if torch.cuda.is_available() else "tiled")
+    assert kvfid.batch_invariant_mode(impl="rowwise")._impl == "rowwise"
+    assert kvfid.batch_invariant_mode(False)._impl is None
 
 
 def _cli_json(*args: str) -> dict:
