@@ -40,7 +40,7 @@ What the function reads from transformers (5.17 through 5.2x, public names only)
   coordinate; a padded query, which sees none, is not computed);
 * the mask (kvfid.kernels.hf_masks): ours (`kvfid_mask`) builds it the stock `sdpa` way and passes None
   exactly when it is the plain causal pattern. A mask equal to the pattern the kernel applies from
-  the positions above (causal, left padding, window, chunk) is read as padding; any other mask in
+  the positions above (causal, left padding, window) is read as padding; any other mask in
   which each query sees itself and no later key (a visibility mask, e.g. packed branches given to
   the model as a 4-D `attention_mask`) goes to a kernel serving "visibility" as
   `visibility=[B, Tq, Tk]` bool, and is refused on a sliding-window layer, or on a chunked layer

@@ -233,8 +233,8 @@ def _own_positions(name: str, mask: torch.Tensor | None, position_ids, batch: in
     applies from positions (causal, left padding, window, chunk); None for any other mask."""
     own = own_starts(position_ids, batch, kv_len)
     if own is None and (chunk is not None or window is not None):
-        raise KernelRefusal(f"{name}: a sliding-window or chunked layer needs position_ids in the "
-                             "attention kwargs (to place the held keys)")
+        raise KernelRefusal(f"{name}: a sliding-window layer needs position_ids in the attention "
+                             "kwargs (to place the held keys)")
     own = torch.zeros(batch, dtype=torch.long) if own is None else own.cpu()
     if mask is None or _is_kernel_pattern(mask, q_len, kv_len):
         # No padding: a held key 0 below own position 0 means position ids that are not held

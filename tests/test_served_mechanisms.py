@@ -26,6 +26,7 @@ from helpers import assert_close_to_ref, cache_keyword
 from tests.families import WINDOW, build, model as family_model
 
 from kvfid.kernels import KernelRefusal, hf, hf_native
+from kvfid.kernels.hf_masks import chunk_visibility
 from kvfid.kernels.attention.reference import attention_ref, visible
 
 CHUNK = WINDOW          # tests/families.py's llama4: attention_chunk_size
@@ -52,7 +53,7 @@ def _recorded(kernel: str, calls: list):
     attention = hf.make_attention(f"kvfid_rec_{kernel}", recording, serves)
 
     def layer_call(module, query, key, value, mask, scaling=None, dropout=0.0, **kwargs):
-        calls.append({"layer": module.layer_idx, "indices": kwargs.get("indices")})
+        calls.append({"layer": module.layer_idx, "indices": kwargs.get("indices"), "mask": mask})
         return attention(module, query, key, value, mask, scaling, dropout, **kwargs)
 
     return hf.register_kernel(f"kvfid_rec_{kernel}", layer_call)
@@ -100,6 +101,11 @@ def test_each_call_sees_its_chunk_as_the_positions_state_it_and_matches_the_refe
         pattern = visible(call["key_start"] - pads, q_len, kv_len, None, CHUNK)   # [B, q, kv]
         assert kwargs["chunk"] is None and torch.equal(kwargs["visibility"].cpu(), pattern), \
             (call["key_start"], q_len, kv_len)   # read from the mask alone, exactly
+        # had the call carried position ids (as generate counts a padded row), the same pattern
+        seen = call["key_start"] + kv_len
+        own = (torch.arange(seen - q_len, seen)[None] - pads[:, None]).clamp(min=0)
+        assert torch.equal(chunk_visibility("probe", call["mask"], own, 2, q_len, kv_len, None,
+                                            CHUNK), pattern)
         ref = attention_ref(q.double(), k.double(), v.double(), scale=kwargs["scale"],
                             first_valid=pads, key_start=call["key_start"], chunk=CHUNK)
         assert_close_to_ref(call["out"], ref, dtype)
