@@ -36,8 +36,8 @@ SCHEDULE = (11, 3, 3) + (1,) * 8   # a prefill across a chunk edge, two chunks, 
 
 
 def _recorded(kernel: str, calls: list):
-    """A registered attention: the kernel behind kvfid's factory, recording each call of the
-    chunked layer (q, k, v, the keywords the kernel got, its output)."""
+    """A registered attention: the kernel behind kvfid's factory, recording each call (its layer,
+    mask and `indices`; q, k, v, the keywords the kernel got, its output)."""
     if kernel == "native":
         from kvfid.kernels.attention.native import attention_into
         serves = hf_native.SERVES
