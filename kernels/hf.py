@@ -20,18 +20,31 @@ What the function reads from transformers (5.17 through 5.2x, public names only)
 * scaling (None: 1/sqrt(Dqk)), `sliding_window` and `softcap` from the call's kwargs; sinks from
   the `s_aux` kwarg (gpt-oss) or a `sinks` tensor on the module; a chunk size from the module's
   config (`layer_types[layer_idx] == "chunked_attention"`, `attention_chunk_size`; Llama 4);
-* positions: transformers 5.2x passes no `cache_position`, but every decoder passes `position_ids`
+* positions: transformers 5.2x passes no `cache_position`, and most decoders pass `position_ids`
   through to the attention kwargs: [B or 1, Tq], the queries' own positions (absolute without
   padding; padding-relative in left-padded batches, as generate and kvfid's co-batches build them).
   The last query is always a real token, so row b's held key 0 sits at own position
   `position_ids[b, -1] - (Tk - 1)`: negative while pad keys are still held, positive once a window
-  cache has dropped keys. Without position ids the held keys are taken to start at 0 (a full cache).
+  cache has dropped keys. Without position ids the held keys are taken to start at 0 (a full cache),
+  and a sliding-window layer is refused;
+* a chunked layer (Llama 4's attention call carries no position ids) is computed under its
+  visibility, each query in its chunk's coordinates (kvfid.kernels.hf_masks.chunk_visibility): its
+  place in its chunk and its row's padding, read from the position ids or else from the mask,
+  which states them exactly; the chunk's number is never needed (and cannot be read once a window
+  cache has slid). Where the chunk is a multiple of the kernel's key tile (Llama 4's 8192), these
+  are the tiles the absolute positions give;
+* `indices` [B, Tq, k] (DeepSeek-V3.2 and the other DSA models pass their indexer's top-k keys so
+  to every implementation but eager and sdpa, and the plain causal mask beside it): a kernel
+  serving "sparse_indexer" computes each query over the keys it both may see and was given, in
+  its view's coordinates (a query the indexer did not give itself is computed at its view's last
+  coordinate; a padded query, which sees none, is not computed);
 * the mask (kvfid.kernels.hf_masks): ours (`kvfid_mask`) builds it the stock `sdpa` way and passes None
   exactly when it is the plain causal pattern. A mask equal to the pattern the kernel applies from
-  the positions above (causal, left padding, window, chunk) is read as padding; any other mask in
+  the positions above (causal, left padding, window) is read as padding; any other mask in
   which each query sees itself and no later key (a visibility mask, e.g. packed branches given to
   the model as a 4-D `attention_mask`) goes to a kernel serving "visibility" as
-  `visibility=[B, Tq, Tk]` bool, and is refused on a sliding-window or chunked layer; anything
+  `visibility=[B, Tq, Tk]` bool, and is refused on a sliding-window layer, or on a chunked layer
+  unless it is the chunk's pattern; anything
   else (right padding, a static cache's unfilled slots, bidirectional masks) is refused before
   compute, as is a mechanism the kernel does not serve (`serves`).
 """
@@ -61,7 +74,7 @@ NAME = "kvfid_triton"
 # any other active one before calling the kernel.
 # "visibility": a mask other than the positions' pattern (kvfid.kernels.hf_masks), taken as it is.
 SERVES: frozenset[str] = frozenset({"sliding_window", "chunked_attention", "softcap", "sinks",
-                                    "split_head_dims", "visibility"})
+                                    "split_head_dims", "visibility", "sparse_indexer"})
 # The Triton kernel's own options (its variant twins, a tiling), given in `kernel_options`.
 OPTIONS: frozenset[str] = frozenset({"align_own", "align_absolute", "config"})
 
@@ -137,11 +150,17 @@ def make_attention(name: str, attention_into: Callable, serves: frozenset[str],
                 ("split_head_dims", v_dim != query.shape[-1], "different q/k and v head dims")):
             if active and mechanism not in serves:
                 raise _refuse(name, what)
+        selection = kwargs.get("indices")   # a sparse indexer's keys per query (DeepSeek-V3.2)
+        if selection is not None and "sparse_indexer" not in serves:
+            raise _refuse(name, "a sparse indexer's selection of keys (`indices`)")
         placed = place_keys(name, attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len,
-                            mech["window"], mech["chunk"], serves, query.device)
-        mech["window"] = placed.pop("window", mech["window"])   # read from the mask, if only it has it
-        # Padded query positions are not computed by the kernel: zeros, not uninitialized memory.
-        empty = torch.zeros if placed.get("first_valid") is not None else torch.empty
+                            mech["window"], mech["chunk"], serves, query.device, selection)
+        for local in ("window", "chunk"):   # read from the mask, or taken into the visibility
+            mech[local] = placed.pop(local, mech[local])
+        # Padded query positions (and queries that see no key) are not computed by the kernel:
+        # zeros, not uninitialized memory.
+        computes_all = placed.get("first_valid") is None and placed.get("visibility") is None
+        empty = torch.empty if computes_all else torch.zeros
         out = empty((batch, q_len, n_q_heads, v_dim), dtype=query.dtype, device=query.device)
         attention_into(out.transpose(1, 2), query, key, value,  # writes a [B, Hq, T, Dv] view
                        scale=scaling, **placed, **mech, **(kernel_options or {}))

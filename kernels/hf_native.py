@@ -7,9 +7,10 @@ from __future__ import annotations
 from kvfid.kernels.hf import make_attention, register_kernel
 
 NAME = "kvfid_native"
-# Every mechanism of the shared interface (kvfid.kernels.hf): the native kernel applies them all.
+# Every mechanism of the shared interface (kvfid.kernels.hf): the native kernel applies them all,
+# and a sparse indexer's selection (`indices`) as the query's visibility.
 SERVES: frozenset[str] = frozenset({"sliding_window", "chunked_attention", "softcap", "sinks",
-                                    "split_head_dims", "visibility"})
+                                    "split_head_dims", "visibility", "sparse_indexer"})
 
 
 def _native_attention_into(out, q, k, v, **kwargs):

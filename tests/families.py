@@ -97,6 +97,16 @@ def _smollm3():
                                              no_rope_layer_interval=2)   # every 2nd layer: NoPE
 
 
+def _llama4():
+    """Not a family of issue 17's table: Llama 4's text model, block-local (chunked) layers with
+    RoPE beside global NoPE layers, MoE on every other layer; chunks of WINDOW positions."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    return Llama4ForCausalLM, Llama4TextConfig(
+        **_COMMON, intermediate_size_mlp=128, num_hidden_layers=2, no_rope_layer_interval=2,
+        attention_chunk_size=WINDOW, num_local_experts=2, num_experts_per_tok=1,
+        interleave_moe_layer_step=2)
+
+
 def _falcon_h1():
     """Not a family of the issue's table: hybrid layers (Mamba-2 state-space + attention in one
     layer, transformers' LinearAttentionAndFullAttentionLayer)."""
@@ -211,7 +221,7 @@ _BUILDERS = {"gemma3": _gemma3, "mistral-sw": _mistral, "gemma2": _gemma2, "gpt-
              "olmo2": _olmo2, "smollm3": _smollm3}
 
 FAMILIES = tuple(_BUILDERS)
-EXTRA = {"falcon-h1": _falcon_h1}   # built by `build` too, not in FAMILIES
+EXTRA = {"falcon-h1": _falcon_h1, "llama4": _llama4}   # built by `build` too, not in FAMILIES
 NEWEST_FAMILIES = tuple(NEWEST)     # issue 27's; built by `build` too
 SEED = 17
 

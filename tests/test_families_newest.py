@@ -17,7 +17,7 @@ B, S = 4, 1             # fp32: the CPU's fast path; B crosses no window, the pr
 PROMPT = "Hi there"
 
 # What the kernels cannot serve, by mechanism (exit 3 before compute, one line).
-NATIVE_REFUSES = {"deepseek-v32": "sparse_indexer", "deepseek-v4": "sparse_indexer"}
+NATIVE_REFUSES = {"deepseek-v4": "compressed_kv"}
 SDPA_REFUSES = {"deepseek-v4": "sinks"}
 RECURRENT = {"minimax", "nemotron-h", "qwen3.5", "kimi-linear", "olmo-hybrid", "granite-4h"}
 # The faithful stack's constructions held bit-exact against live on every family it serves;

@@ -176,7 +176,7 @@ def test_custom_masks_are_refused_before_compute():
     with pytest.raises(ValueError, match="neither the plain causal pattern"):
         hf.kvfid_triton_attention(module, q, q, q, ragged)
     assert hf.SERVES == {"sliding_window", "chunked_attention", "softcap", "sinks", "split_head_dims",
-                         "visibility"}
+                         "visibility", "sparse_indexer"}
 
 
 # ---- the kernel-agnostic factory: what a kernel is told --------------------------------------

@@ -7,7 +7,8 @@ Mechanisms: `sliding_window` (a layer that attends to its last W positions), `ch
 the softmax denominator: an attention module with a `sinks` parameter), `split_head_dims` (value
 head dim != query/key head dim, e.g. MLA), `recurrent` (linear attention / state-space layers:
 they call no attention backend, so every backend serves them), `sparse_indexer` (each query
-attends to the keys an indexer selects, passed as the attention mask: DeepSeek-V3.2's DSA),
+attends to the keys an indexer selects, passed as the attention mask to eager and sdpa and as
+`indices` beside it to other implementations: DeepSeek-V3.2's DSA),
 `compressed_kv` (compressed entries read beside a window: DeepSeek-V4), `bidirectional` (an
 attention module with `is_causal = False`: a decoder built without its causal mask). A backend
 serves a layer when it

@@ -108,7 +108,21 @@ def attention_twin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """AttentionInterface function: [B, Hq, T, D] in, ([B, T, Hq, D], None) out."""
+    """AttentionInterface function: [B, Hq, T, D] in, ([B, T, Hq, D], None) out. A sparse
+    indexer's `indices` [B, T, k] (held keys per query, DeepSeek-V3.2 passes them beside the
+    causal mask to every implementation but eager and sdpa) narrow the mask."""
+    indices = kwargs.get("indices")
+    if indices is not None:
+        kv_len = key.shape[2]
+        chosen = torch.zeros(*indices.shape[:2], kv_len + 1, dtype=torch.bool, device=query.device)
+        chosen.scatter_(-1, torch.where(indices < 0, kv_len, indices.long()), True)
+        chosen = chosen[:, None, :, :kv_len]  # [B, 1, T, kv]
+        if attention_mask is None:
+            attention_mask = chosen
+        elif attention_mask.dtype == torch.bool:
+            attention_mask = attention_mask & chosen
+        else:
+            attention_mask = attention_mask.masked_fill(~chosen, float("-inf"))
     out = attention_twin(query, key, value, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 

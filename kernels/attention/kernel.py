@@ -332,7 +332,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     Bits per position do not depend on batch, construction or what a window cache still holds.
     `first_valid` [B] (absolute) left-pads rows (their padded queries are 0); the mechanisms are
     described in kvfid.kernels.hf; `config`: as in `attention_into`."""
-    empty = torch.zeros if first_valid is not None else torch.empty
+    empty = torch.zeros if first_valid is not None or visibility is not None else torch.empty
     out = empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
     return attention_into(out, q, k, v, scale, first_valid, key_start=key_start, window=window,
                           chunk=chunk, softcap=softcap, sinks=sinks, config=config,

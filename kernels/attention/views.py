@@ -3,17 +3,22 @@ visible keys (a *view*), checked and planned before any launch.
 
 The kernels' claim under a visibility mask: a query's output bits are a function of its own
 query and of the keys it sees, in order, and nothing else. Each query works in its *view's
-coordinates*: its visible keys numbered 0, 1, ... in held order, tiles aligned to those numbers.
-So the keys it cannot see change nothing, neither their values nor how many there are nor where
-they sit: a branch packed after other branches (which it cannot see) gets the bits it gets as a
-row of its own, and the bits the plain causal kernel gives over its visible keys alone. Invisible
-key tiles are never visited (they are not in the view).
+coordinates*: its visible keys numbered 0, 1, ... in held order, the query at the last of them
+(its own key, when it sees itself), tiles aligned to those numbers. So the keys it cannot see
+change nothing, neither their values nor how many there are nor where they sit: a branch packed
+after other branches (which it cannot see) gets the bits it gets as a row of its own, and the bits
+the plain causal kernel gives over its visible keys alone. Invisible key tiles are never visited
+(they are not in the view).
 
-A run is a maximal range of consecutive queries i, i+1, ... in which each query sees what the one
-before it sees plus itself (below its own index). Its view is the last query's visible keys; the
-run's queries are the view's last keys, one per coordinate. Masks the kernels refuse (one line):
-a query seeing a later key (not causal), a query not seeing itself (right padding, empty rows),
-heads that disagree.
+A query may see any keys at or before its own index: itself and the keys before it (a packed
+branch, a tree's ancestors, a chunk of block-local attention), or a selection that leaves itself
+out (a sparse indexer's top-k); a query that sees no key (a left-padded row's padding) is not
+computed, and its output is left as it is (the callers give zeros). A run is a maximal range of
+consecutive queries i, i+1, ... in which each query after the first sees what the one before it
+sees plus itself. Its view is the last query's visible keys; the run's queries are the view's
+last coordinates, one each. Masks the kernels refuse (one line): a query seeing a later key (not
+causal), heads that disagree. Whether a query must see itself (it must, but under a selection)
+is the caller's to check (`check_sees_itself`).
 """
 
 from __future__ import annotations
@@ -58,33 +63,48 @@ def as_visibility(mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> to
 
 
 def check_causal(visibility: torch.Tensor) -> None:
-    """Refuse a [B, Tq, Tk] mask with a query that sees a later key or does not see itself."""
+    """Refuse a [B, Tq, Tk] mask with a query that sees a later key."""
     batch, q_len, kv_len = visibility.shape
     index = torch.arange(q_len, device=visibility.device) + (kv_len - q_len)  # [Tq] held index
     cols = torch.arange(kv_len, device=visibility.device)
     if bool((visibility & (cols[None, None, :] > index[None, :, None])).any()):
         raise ValueError("visibility mask: a query sees a later key (the kernels serve causal "
                          "visibility: query i sees only keys at or before its own index)")
-    if not bool(visibility[:, torch.arange(q_len), index].all()):
+
+
+def sees_itself(visibility: torch.Tensor) -> torch.Tensor:
+    """[B, Tq] bool: each query of a [B, Tq, Tk] mask sees its own key (the last Tq keys)."""
+    q_len, kv_len = visibility.shape[1:]
+    index = torch.arange(q_len, device=visibility.device) + (kv_len - q_len)
+    return visibility[:, torch.arange(q_len, device=visibility.device), index]
+
+
+def check_sees_itself(visibility: torch.Tensor) -> None:
+    """Refuse a [B, Tq, Tk] mask with a query that does not see itself (a mask that is no
+    selection: right padding, an empty row)."""
+    if not bool(sees_itself(visibility).all()):
         raise ValueError("visibility mask: a query does not see itself (right padding or an empty "
                          "row); feed left-padded batches or give each query its own key")
 
 
 def runs(visibility: torch.Tensor) -> list[list[Run]]:
-    """Each batch row's runs from a [B, Tq, Tk] bool mask whose queries are the last Tq keys."""
+    """Each batch row's runs from a [B, Tq, Tk] bool mask whose queries are the last Tq keys; a
+    query that sees no key is in none."""
     check_causal(visibility)
     batch, q_len, kv_len = visibility.shape
     index = torch.arange(q_len, device=visibility.device) + (kv_len - q_len)  # [Tq] held index
     cols = torch.arange(kv_len, device=visibility.device)
-    # Query i joins i - 1's run when both see the same keys below i's index.
+    empty = ~visibility.any(-1)  # [B, Tq]
+    # Query i joins i - 1's run when it sees itself and, below its index, what i - 1 sees.
     changed = (visibility[:, 1:] != visibility[:, :-1]) & (cols[None, None, :] < index[None, 1:, None])
+    joins = ~changed.any(-1) & sees_itself(visibility)[:, 1:] & ~empty[:, :-1]
     starts = torch.ones(batch, q_len, dtype=torch.bool, device=visibility.device)
-    starts[:, 1:] = changed.any(-1)
+    starts[:, 1:] = ~joins
     out = []
     for b in range(batch):
         firsts = starts[b].nonzero().flatten().tolist() + [q_len]
         out.append([Run(s, e - s, visibility[b, e - 1].nonzero().flatten())
-                    for s, e in zip(firsts, firsts[1:])])
+                    for s, e in zip(firsts, firsts[1:]) if not bool(empty[b, s])])
     return out
 
 
