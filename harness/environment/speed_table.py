@@ -219,6 +219,8 @@ def measure(row: Row, cuda: bool) -> dict:
                                                  for k, v in found.items()},
            "ratio": _round(kvfid / stock) if stock else None, "floor_us": floor,
            "over_floor": _round(kvfid / floor) if floor else None}
+    if "bucket_us" in found and stock:
+        out["bucket_ratio"] = _round(found["bucket_us"] / stock)
     out["goal_met"] = (out["over_floor"] is not None and out["over_floor"] <= FLOOR_GOAL
                        if row.op == "long-decode" else
                        out["ratio"] is not None and out["ratio"] <= RATIO_GOAL)

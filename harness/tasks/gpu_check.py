@@ -63,8 +63,10 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
         # Where a unit's time goes: one prefill and one decode step per bf16 stack of the case,
         # torch.profiler's top kernels, launches, copies to the host (kvfid.tasks.unit_profile).
         Step("profile", [py, "-m", "kvfid.tasks.unit_profile"] + dry, 75, "profile.txt"),
-        # The default case complete (docs/cases.md sizes it from the H200's unit times).
-        Step("fidelity", cli + ["run", case, "--db", db, "--quiet", "--run-id", DEFAULT_RUN], 270),
+        # The default case complete (docs/cases.md sizes it from the H200's unit times); the dry
+        # run takes one item of the smoke case.
+        Step("fidelity", cli + ["run", case, "--db", db, "--quiet", "--run-id", DEFAULT_RUN]
+             + (["--items", "1"] if dry_run else []), 270),
         # A timed slice of the seed paper's design (SmolLM2, sdpa bf16/fp32): its units' times in
         # the ledger give the items per minute. Dry run: the smoke case again (paper.toml is CUDA).
         Step("paper", cli + ["run", "cases/smoke.toml" if dry_run else "cases/paper.toml",
