@@ -53,8 +53,6 @@ _FP32 = {arch: AttentionConfig(block_n=16, max_tile_rows=16 if arch == "sm_90" e
                                segment=SEGMENT) for arch in _HALF}
 CONFIGS = {(arch, dtype): _FP32[arch] if dtype == torch.float32 else _HALF[arch]
            for arch in _HALF for dtype in FLOAT_DTYPES}
-# Head dims above 128 (up to 256: Gemma): fewer query rows and keys per tile, so the fp32
-# accumulator and the Q tile fit in registers without spilling.
 # Head dims up to 64 (Qwen2.5-0.5B's 14/2 heads, gpt-oss): 128 query rows, so a GQA group of up
 # to 8 heads shares each key tile in one program (group 7 otherwise runs as two 4-head chunks,
 # each streaming its KV head's whole cache). Checked by `kvfid compile` (no spills on sm_80, sm_90
@@ -62,6 +60,8 @@ CONFIGS = {(arch, dtype): _FP32[arch] if dtype == torch.float32 else _HALF[arch]
 _NARROW_HALF = {arch: replace(config, max_tile_rows=128) for arch, config in _HALF.items()}
 NARROW_CONFIGS = {(arch, dtype): _FP32[arch] if dtype == torch.float32 else _NARROW_HALF[arch]
                   for arch in _HALF for dtype in FLOAT_DTYPES}
+# Head dims above 128 (up to 256: Gemma): fewer query rows and keys per tile, so the fp32
+# accumulator and the Q tile fit in registers without spilling.
 _WIDE_HALF = {arch: AttentionConfig(block_n=32, max_tile_rows=32, num_warps=8, num_stages=1, segment=SEGMENT)
               for arch in _HALF}
 _WIDE_FP32 = {arch: AttentionConfig(block_n=16, max_tile_rows=16, num_warps=8, num_stages=1, segment=SEGMENT)
