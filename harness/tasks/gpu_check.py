@@ -6,9 +6,10 @@ it needs no GPU, so a lease skips it: `--skip compile`), the kernel speed table 
 stock per bench shape with its bits check, the split decode against its floor, the matmul's M
 buckets: kvfid.environment.speed_table), the profile of one prefill and one decode step per bf16
 stack of the default case (kvfid.tasks.unit_profile), the default case
-`cases/gpu-qwen2.5-shape.toml` complete, a timed 4-item slice of `cases/paper.toml` (into the same
-ledger), `kvfid kernels`, the GPU-marked tests, and the default case's report; writes every result
-into one flat output folder (at most 8 files, for machines that return only a few: the run's
+`cases/gpu-qwen2.5-shape.toml` complete, a timed 4-item slice of the seed paper's design
+(`cases/paper-shape.toml`: SmolLM2's shape, random weights; into the same ledger), `kvfid
+kernels`, the GPU-marked tests, and the default case's report; writes every result into one flat
+output folder (at most 8 files, for machines that return only a few: the run's
 aggregates and report.html are not copied, since `kvfid show` / `kvfid report` rebuild them from
 ledger.sqlite) and prints a headline. Needs only what the GPU image has (torch, triton,
 transformers, click, pytest, nvidia-ml-py): run from the source tree, nothing is installed.
@@ -67,9 +68,10 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
         # run takes one item of the smoke case.
         Step("fidelity", cli + ["run", case, "--db", db, "--quiet", "--run-id", DEFAULT_RUN]
              + (["--items", "1"] if dry_run else []), 270),
-        # A timed slice of the seed paper's design (SmolLM2, sdpa bf16/fp32): its units' times in
-        # the ledger give the items per minute. Dry run: the smoke case again (paper.toml is CUDA).
-        Step("paper", cli + ["run", "cases/smoke.toml" if dry_run else "cases/paper.toml",
+        # A timed slice of the seed paper's design (sdpa bf16/fp32) on SmolLM2's shape (the GPU
+        # image has no GGUF package): its units' times in the ledger give the items per minute.
+        # Dry run: the smoke case again (paper-shape.toml is a CUDA case).
+        Step("paper", cli + ["run", "cases/smoke.toml" if dry_run else "cases/paper-shape.toml",
                              "--db", db, "--quiet", "--items", "1" if dry_run else "4"], 75),
         Step("kernels", cli + ["kernels", "--format", "json"]
              + (["--quick", "--dtypes", "fp32"] if dry_run else []), 90, "kernels.json"),
