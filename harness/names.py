@@ -21,7 +21,7 @@ BACKENDS = {
 
 # The model presets (kvfid.inputs.models builds one loader per name), then any local folder.
 PRESET_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-mistral", "smollm2-135m", "qwen2.5-0.5b-shape",
-                "llama-3.2-1b-shape")
+                "llama-3.2-1b-shape", "smollm2-135m-shape")
 MODEL_NAMES = (*PRESET_NAMES, "hf:<folder>")
 
 CONSTRUCTION_HELP = ("live, prefill, incremental, incremental-1, chunked:N, batched:N (N >= 1), "

@@ -155,3 +155,37 @@ def test_rows_identical_sees_one_differing_bit_in_any_row():
     assert kv.rows_identical(cache, logits)
     cache.layers[0].values[2] = flip_low_bit(cache.layers[0].values[2], (1, 3, 0))
     assert not kv.rows_identical(cache, logits)
+
+
+def _sha_part_by_part(state):
+    """The fingerprint's definition, each part hashed from its own host copy (as before the parts
+    were copied to the host at once)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for layer in state.layers:
+        for name, t in layer.parts.items():
+            tag = "" if name in kv.POSITIONAL else f"{name}:"
+            h.update(f"{tag}{t.dtype}:{tuple(t.shape)}:".encode())
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def test_one_copy_fingerprint_and_compare_equal_the_part_by_part_definitions():
+    """sha_cache copies every part to the host at once and compare_states decides equality for
+    all parts in one read-back: the digest and the verdicts are those of the parts one by one,
+    over mixed dtypes, a named non-positional part and an empty one."""
+    from kvfid.states.layers import LayerState
+
+    a = make_state()
+    extra = LayerState("recurrent", {"recurrent": torch.randn(1, 2, 3, 3), "conv": torch.zeros(1, 0)})
+    state = kv.BoundaryState(a.prefix, logits=a.logits, layers=(*a.layers, extra))
+    assert kv.sha_cache(state) == _sha_part_by_part(state)
+    values = list(a.values)
+    values[1] = flip_low_bit(values[1], (0, 1, 2, 3))
+    b = kv.BoundaryState(a.prefix, a.keys, tuple(values), a.logits)
+    found = kv.compare_states(a, b)
+    for index, (la, lb) in enumerate(zip(a.layers, b.layers)):
+        for name in ("k", "v"):
+            assert found["layers"][index][name] == kv.tensor_diff(la.parts[name], lb.parts[name], la.start)
+    assert found["first_bad_layer"] == 1 and found["first_bad_kv"] == "v" and found["n_diff"] == 1

@@ -31,7 +31,8 @@ def edited(old: str, new: str) -> str:
     return GOOD.replace(old, new)
 
 
-@pytest.mark.parametrize("name", ["smoke", "smollm2-cpu", "paper", "gpu-qwen2.5-shape", "replay-smollm2"])
+@pytest.mark.parametrize("name", ["smoke", "smollm2-cpu", "paper", "paper-shape", "gpu-qwen2.5-shape",
+                                  "replay-smollm2"])
 def test_shipped_cases_load(name, monkeypatch):
     monkeypatch.chdir(CASES.parent)       # a replay case's trajectories are read from the root
     case = load_case(CASES / f"{name}.toml")

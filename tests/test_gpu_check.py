@@ -15,15 +15,32 @@ def test_dry_run_runs_every_step_into_at_most_eight_flat_files(tmp_path):
     files = sorted(p.name for p in tmp_path.iterdir())
     assert all(p.is_file() for p in tmp_path.iterdir()) and len(files) <= 8
     summary = json.loads((tmp_path / "gpu-check.json").read_text())
-    assert [s["step"] for s in summary["steps"]] == ["compile", "split", "gpu-tests", "kernels",
-                                                      "bench", "fidelity", "report"]
-    split = json.loads(summary["steps"][1]["tail"][-1])  # the long-decode comparison's line
-    assert split["decode_equals_chunk_bits"] and split["split_us"] > 0 and split["unsplit_us"] > 0
+    assert [s["step"] for s in summary["steps"]] == ["compile", "speed", "profile", "fidelity",
+                                                      "paper", "kernels", "gpu-tests", "report"]
     assert all(s["rc"] == 0 for s in summary["steps"]), summary["steps"]
-    assert {"compile.json", "kernels.json", "bench.json", "report.html", "ledger.sqlite"} <= set(files)
-    assert summary["compile"]["ok"] and summary["compile"]["configs"] == 4, summary["compile"]
+    assert {"compile.json", "speed.json", "profile.txt", "kernels.json", "report.md",
+            "ledger.sqlite"} <= set(files)
+    assert summary["compile"]["ok"] and summary["compile"]["configs"] == 7, summary["compile"]
     compiled = json.loads((tmp_path / "compile.json").read_text())["configs"]
     assert all(row["roofline"] and row["mma"] > 0 for row in compiled)  # kept with its roofline
+    # The speed table: a row per kind (decode, prefill, long decode, matmul), each bit-exact.
+    rows = [json.loads(line) for line in (tmp_path / "speed.json").read_text().splitlines()]
+    assert len(rows) == 5 and rows[-1]["rows"] == 4 and rows[-1]["bits_ok"], rows
+    assert all(r["kvfid_us"] > 0 and r["stock_us"] > 0 and r["bits_ok"] for r in rows[:4])
+    assert rows[2]["unsplit_us"] > 0 and rows[3]["bucket_bits_ok"]
+    # The profile: per stack its parts' wall times and its top-ops table.
+    profile = (tmp_path / "profile.txt").read_text()
+    stacks = [json.loads(line) for line in profile.splitlines() if line.startswith("{")]
+    assert [s["stack"] for s in stacks] == ["sdpa/bf16@t1", "triton/bf16+bi@t1"]
+    assert all(s["wall_ms"]["decode step"] > 0 and s["host_ms"] > 0 for s in stacks)
+    assert "Self CPU" in profile
+    # Two runs in one ledger (the default case, then the paper slice); the report is the first's.
+    from kvfid.ledger.store import Ledger
+
+    with Ledger(tmp_path / "ledger.sqlite", readonly=True) as ledger:
+        runs = ledger.runs()
+    assert [run.id for run, _ in runs][0] == gpu_check.DEFAULT_RUN and len(runs) == 2
+    assert all(units > 0 for _, units in runs)
 
 
 def test_without_cuda_the_real_check_refuses_with_exit_3(tmp_path):

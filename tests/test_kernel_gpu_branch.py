@@ -142,3 +142,15 @@ def test_attention_gpu_branch_split_across_segments_matches_fp64(dtype, bf16_dot
         ref = attn.attention_ref(q.double(), k.double(), v.double(),
                                  **{n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in kwargs.items()})
         assert_close_to_ref(attn.attention(q, k, v, config=config, **kwargs), ref, dtype)
+
+
+def test_attention_gpu_branch_packed_group_of_seven_matches_fp64(bf16_dot_in_fp32):
+    """NARROW_CONFIGS' 128-row tiles (head dim 64: 7 query heads and a padding head in one
+    program) on the `tl.dot` branch, a prefill over three 64-key tiles."""
+    q_len = 150
+    config = attn.NARROW_CONFIGS[("sm_90", torch.bfloat16)]
+    assert attn.group_tile_for(7, config) * attn.BLOCK_M == 128
+    q = randn(1, 7, 150, 64, dtype=torch.bfloat16, seed=0)[:, :, 150 - q_len:]
+    k, v = (randn(1, 1, 150, 64, dtype=torch.bfloat16, seed=s) for s in (1, 2))
+    ref = attn.attention_ref(q.double(), k.double(), v.double())
+    assert_close_to_ref(attn.attention(q, k, v, config=config), ref, torch.bfloat16)

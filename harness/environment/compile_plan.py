@@ -88,19 +88,21 @@ QUICK_VARIANTS = ()  # `--quick` (what `make test` runs) compiles the base shape
 
 def _attention_target(arch: str, dtype: str, phase: str, label: str, head_dim: int, v_dim: int,
                       group: int, window=None, chunk=None, softcap=None, sinks=False,
-                      merge=False, batch=None, context=CONTEXT) -> Target:
-    """The attention kernel for one phase (decode, prefill, padded prefill) of one shape; `merge`:
-    the split path's merge launch of it (its work: the segment states it reads)."""
-    config = (_attention.WIDE_CONFIGS if max(head_dim, v_dim) > 128
-              else _attention.CONFIGS)[(arch, DTYPES[dtype])]
+                      merge=False, batch=None, context=CONTEXT, prefill=PREFILL) -> Target:
+    """The attention kernel for one phase (decode, prefill, padded prefill) of one shape, as the
+    launcher runs it there: split when its keys reach past the first segment, else unsplit;
+    `merge`: the split path's merge launch of it (its work: the segment states it reads)."""
+    config = _attention.config_table(max(head_dim, v_dim))[(arch, DTYPES[dtype])]
     size = _SIZE[dtype]
     n_kv = 2
     batch = batch or (DECODE_BATCH if phase == "decode" else 1)
-    n_q, q_len = n_kv * group, 1 if phase == "decode" else PREFILL
-    kv_len = context if phase == "decode" else PREFILL
+    n_q, q_len = n_kv * group, 1 if phase == "decode" else prefill
+    kv_len = context if phase == "decode" else prefill
     local = min(x for x in (window, chunk, kv_len) if x is not None)  # keys a query sees at most
     # A window cache holds the last window - 1 keys and the query: held key 0 is not at 0.
     held, key_start = (min(kv_len, local), 4 * local + 1) if window and phase == "decode" else (kv_len, 0)
+    if not split_at(config, key_start, held):
+        config = _attention.unsplit(config)
     group_tile = _attention.group_tile_for(group, config)
     q_strides = _contiguous_strides(batch, n_q, q_len, head_dim)
     args = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "o_ptr": f"*{dtype}",
@@ -130,31 +132,38 @@ def _attention_target(arch: str, dtype: str, phase: str, label: str, head_dim: i
     work = Work(f"{phase} B{batch} Hq{n_q} Hkv{n_kv} Tq{q_len} Tk{held}"
                 + (f" window {window}" if window else "") + (f" chunk {chunk}" if chunk else ""),
                 qo_bytes + kv_bytes, 2 * batch * n_q * pairs * (head_dim + v_dim))
-    if merge:
-        rows = group_tile * _attention.BLOCK_M
-        states = batch * n_kv * args["n_group_chunks"] * args["n_slots"] * rows * (v_dim + 2) * 4
+    if merge:  # the real query rows' segment states (at most n_slots each), fp32 m, l, acc
+        states = batch * n_q * q_len * args["n_slots"] * (v_dim + 2) * 4
         work = Work(f"merge of {work.label}", states + batch * n_q * q_len * v_dim * size,
                     3 * states // 4)
     return Target("attention", "kvfid.kernels.attention.kernel:_attention_kernel", arch, dtype,
                   f"{phase}{'-merge' if merge else ''}-{label}", args, constexprs,
-                  _options(**_attention.merge_launch(_attention.head_dim_pad(v_dim))) if merge
+                  _options(**_attention.merge_launch(_attention.head_dim_pad(v_dim),
+                                                   group_tile * _attention.BLOCK_M)) if merge
                   else _options(config.num_warps, config.num_stages), dtype != "fp32" and not merge,
                   (work,))
 
 
+def split_at(config, key_start: int, held: int) -> bool:
+    """Whether the launcher takes the split path for a call over these keys (the unsplit launch
+    when every key lies in the first segment: kvfid.kernels.attention.kernel.attention_into)."""
+    return config.segment > 0 and key_start + held > config.segment
+
+
 def attention_targets(arch: str, dtype: str, shapes=ATTENTION_SHAPES,
-                      variants=ATTENTION_VARIANTS) -> list[Target]:
+                      variants=ATTENTION_VARIANTS, prefill=PREFILL) -> list[Target]:
     """The attention kernel at every (head dim, group) of `shapes` for decode, prefill and padded
-    prefill, and every mechanism variant for decode and prefill."""
-    split = _attention.CONFIGS[(arch, DTYPES[dtype])].segment > 0
+    prefill (`prefill` tokens), and every mechanism variant for decode and prefill; each split
+    one with its merge launch."""
     specs = [(phase, f"D{head_dim}-G{group}", head_dim, head_dim, group, None, None, None, False)
              for (head_dim, group), phase in itertools.product(shapes, ("decode", "prefill", "padded"))]
     specs += [(phase, *variant) for variant, phase in itertools.product(variants, ("decode", "prefill"))]
     out = []
     for phase, *spec in specs:
-        out.append(_attention_target(arch, dtype, phase, *spec))
-        if split and phase == "decode":  # the merge launch (the same binary serves prefill's)
-            out.append(_attention_target(arch, dtype, phase, *spec, merge=True))
+        target = _attention_target(arch, dtype, phase, *spec, prefill=prefill)
+        out.append(target)
+        if target.constexprs["SEGMENT"]:  # the split path: its merge launch too
+            out.append(_attention_target(arch, dtype, phase, *spec, merge=True, prefill=prefill))
     return out
 
 
@@ -167,11 +176,18 @@ def long_decode_targets(arch: str, dtype: str) -> list[Target]:
 
 
 def matmul_targets(arch: str, dtype: str) -> list[Target]:
-    """The matmul kernel with and without bias, for decode (M = 1) and prefill."""
-    config = _matmul.CONFIGS[(arch, DTYPES[dtype])]
+    """The matmul kernel at each of its M buckets' configs (kvfid.kernels.invariant.matmul.BUCKETS;
+    the last is the fixed config every M runs until an arch is in BUCKETS_SHOWN): decode (M = 1)
+    with and without bias in every bucket that can serve it, the small bucket's largest M, and a
+    prefill (M = PREFILL) with and without bias; each named `<phase>-M<rows>-<BLOCK_M>x<BLOCK_N>`."""
+    buckets = _matmul.BUCKETS[(arch, DTYPES[dtype])]
+    fixed = buckets[-1][1]
+    launches = [(rows, bias, config) for _, config in buckets for rows, bias in ((1, False), (1, True))]
+    launches += [(bound, False, config) for bound, config in buckets[:-1]]
+    launches += [(PREFILL, False, fixed), (PREFILL, True, fixed)]
     out, size = [], _SIZE[dtype]
-    for bias, rows in itertools.product((False, True), (1, PREFILL)):
-        phase = "decode" if rows == 1 else "prefill"
+    for rows, bias, config in launches:
+        phase = "decode" if rows == 1 else "rows" if rows < PREFILL else "prefill"
         # a [M, K] activations, b = w.t() [K, N] (a transposed weight, as nn.Linear passes it).
         args = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{dtype}",
                 "bias_ptr": f"*{dtype}", "M": rows, "N": HIDDEN, "K": HIDDEN,
@@ -184,9 +200,9 @@ def matmul_targets(arch: str, dtype: str) -> list[Target]:
                     (rows * HIDDEN + HIDDEN * HIDDEN + rows * HIDDEN + bias * HIDDEN) * size,
                     2 * rows * HIDDEN * HIDDEN)
         out.append(Target("matmul", "kvfid.kernels.invariant.matmul:_matmul_kernel", arch, dtype,
-                          f"{phase}{'-bias' if bias else ''}", args, constexprs,
-                          _options(config.num_warps, config.num_stages), dtype != "fp32",
-                          (work,)))
+                          f"{phase}{'-bias' if bias else ''}-M{rows}-{config.block_m}x{config.block_n}",
+                          args, constexprs, _options(config.num_warps, config.num_stages),
+                          dtype != "fp32", (work,)))
     return out
 
 
@@ -231,7 +247,7 @@ def visible_targets(arch: str, dtype: str) -> list[Target]:
     binary per (head dim, group, dtype) serves every call."""
     out = []
     for head_dim, group in LONG_SHAPES:
-        config = _attention.CONFIGS[(arch, DTYPES[dtype])]
+        config = _attention.config_table(head_dim)[(arch, DTYPES[dtype])]
         group_tile = _attention.group_tile_for(group, config)
         n_kv = 2
         for phase, batch, q_len in (("decode", DECODE_BATCH, 1), ("prefill", 1, PREFILL)):
@@ -274,8 +290,11 @@ def plan(archs=ARCHS, dtypes=tuple(DTYPES), kernels=None, quick=False) -> list[T
             raise ValueError(f"unknown {kind} {', '.join(unknown)}; valid: {', '.join(allowed)}")
     shapes = QUICK_SHAPES if quick else ATTENTION_SHAPES
     variants = tuple(v for v in ATTENTION_VARIANTS if not quick or v[0] in QUICK_VARIANTS)
+    # `quick`: the default case's prompts lie in the first key segment, so its prefills run
+    # unsplit (a CONTEXT-token prefill stands for them).
+    prefill = CONTEXT if quick else PREFILL
     targets = [t for arch, dtype in itertools.product(archs, dtypes)
-               for t in (*attention_targets(arch, dtype, shapes, variants),
+               for t in (*attention_targets(arch, dtype, shapes, variants, prefill),
                          *(() if quick else long_decode_targets(arch, dtype)),
                          *(() if quick else visible_targets(arch, dtype)),
                          *matmul_targets(arch, dtype),

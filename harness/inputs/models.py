@@ -145,6 +145,14 @@ LLAMA32_1B_SHAPE = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8
                         tie_word_embeddings=True, bos_token_id=ByteCodec.BOS,
                         eos_token_id=ByteCodec.EOS, initializer_range=0.02)
 
+# SmolLM2-135M's config (llama, 30 layers, GQA 9/3, head dim 64): the paper's design timed where
+# the GGUF package is not installed (the GPU image has neither it nor `gguf`).
+SMOLLM2_135M_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                          head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
+                          rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=ByteCodec.BOS,
+                          eos_token_id=ByteCodec.EOS, initializer_range=0.02)
+
 
 def cache_root() -> Path:
     """Where converted weights live: $KVFID_CACHE, else ~/.cache/kvfid."""
@@ -318,6 +326,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            lambda: _random_model("qwen2.5-0.5b-shape", "qwen2", QWEN25_05B_SHAPE, seed=4)),
     Preset("llama-3.2-1b-shape", "random weights, Llama-3.2-1B config (for GPU runs)", "1.24B",
            lambda: _random_model("llama-3.2-1b-shape", "llama", LLAMA32_1B_SHAPE, seed=5)),
+    Preset("smollm2-135m-shape", "random weights, SmolLM2-135M config (the paper's design timed on GPUs)",
+           "135M", lambda: _random_model("smollm2-135m-shape", "llama", SMOLLM2_135M_SHAPE, seed=6)),
 ]}
 
 

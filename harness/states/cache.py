@@ -132,14 +132,32 @@ def sha_tensor(t: torch.Tensor) -> str:
 
 def sha_cache(state: BoundaryState) -> str:
     """SHA-256 over every layer's keys then values (dtype and shape included), then its other
-    parts (recurrent, conv) each tagged with its name."""
-    h = hashlib.sha256()
-    for layer in state.layers:
-        for name, t in layer.parts.items():
-            tag = "" if name in POSITIONAL else f"{name}:"
-            h.update(f"{tag}{t.dtype}:{tuple(t.shape)}:".encode())
-            h.update(_bytes(t))
+    parts (recurrent, conv) each tagged with its name. The parts' bytes come to the host in one
+    copy (one sync on a GPU, not one per part); the digest is that of the parts hashed in turn."""
+    parts = [(name, t) for layer in state.layers for name, t in layer.parts.items()]
+    flat = _host_bytes([t for _, t in parts])
+    h, at = hashlib.sha256(), 0
+    for (name, t), size in zip(parts, (t.numel() * t.element_size() for _, t in parts)):
+        tag = "" if name in POSITIONAL else f"{name}:"
+        h.update(f"{tag}{t.dtype}:{tuple(t.shape)}:".encode())
+        h.update(flat[at:at + size])
+        at += size
     return h.hexdigest()
+
+
+def _host_bytes(tensors: list[torch.Tensor]) -> memoryview:
+    """The raw bytes of `tensors`, one after another, copied to the host at once."""
+    if not tensors:
+        return memoryview(b"")
+    raw = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
+    if not raw:
+        return memoryview(b"")
+    by_device: dict = {}
+    for r in raw:   # parts on several devices (a model split over GPUs): one copy from each
+        by_device.setdefault(r.device, []).append(r)
+    if len(by_device) > 1:
+        return memoryview(b"".join(_bytes(r) for r in raw))
+    return memoryview(torch.cat(raw).cpu().numpy()).cast("B")
 
 
 # --------------------------------------------------------------------------- comparisons
@@ -193,6 +211,29 @@ def _uncomparable(index: int, name: str, a: LayerState, b: LayerState) -> str | 
     return None
 
 
+# tensor_diff's result for two tensors with the same bits.
+SAME = {"equal": True, "n_diff": 0, "max_abs": 0.0, "max_ulp": 0, "max_abs_rel": 0.0, "d_rel": 0.0,
+        "first_position": None}
+
+
+def _parts_equal(a: BoundaryState, b: BoundaryState) -> dict:
+    """(layer, part) -> whether the two sides' bits are equal, for every comparable part, decided
+    on the device and read back at once (one sync on a GPU, not one per part)."""
+    keys, flags = [], []
+    for index, (la, lb) in enumerate(zip(a.layers, b.layers)):
+        for name in la.parts:
+            if _uncomparable(index, name, la, lb) is None:
+                keys.append((index, name))
+                flags.append(torch.equal(bits(la.parts[name]), bits(lb.parts[name]))
+                             if la.parts[name].device != lb.parts[name].device else
+                             (bits(la.parts[name]) == bits(lb.parts[name])).all())
+    if not flags:
+        return {}
+    found = [bool(f) for f in flags] if any(isinstance(f, bool) for f in flags) else \
+        torch.stack(flags).tolist()
+    return dict(zip(keys, found))
+
+
 def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
     """Per layer and part (k, v, recurrent, conv, held parts), plus over the concatenated
     inventory; `a` is the reference for d_rel. An integer part (a selection of key indices)
@@ -203,6 +244,7 @@ def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
     layers, uncompared, pairs, bad, counted = [], [], [], [], []
     if len(a.layers) != len(b.layers):
         uncompared.append(f"{len(a.layers)} layers against {len(b.layers)}")
+    equal = _parts_equal(a, b)
     for index, (la, lb) in enumerate(zip(a.layers, b.layers)):
         entry = {"layer": index, "kind": la.kind, "span": la.span, "parts": {},
                  "uncompared": ()}
@@ -213,7 +255,8 @@ def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
                 missing.append(reason)
                 continue
             positional = name in POSITIONAL
-            diff = tensor_diff(la.parts[name], lb.parts[name], la.start if positional else None)
+            diff = (dict(SAME) if equal.get((index, name)) else
+                    tensor_diff(la.parts[name], lb.parts[name], la.start if positional else None))
             if name in ("k", "v"):      # the record's own fields; every other part by name
                 entry[name] = diff
             else:
@@ -256,9 +299,11 @@ def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
 
 
 def top2(logits: torch.Tensor) -> tuple[int, float]:
-    """Greedy token and its margin (top-1 minus top-2 logit, in fp32) for logits [V]."""
+    """Greedy token and its margin (top-1 minus top-2 logit, in fp32) for logits [V]; both read
+    back in one copy (exact in fp64: a token id, an fp32 difference)."""
     values, indices = torch.topk(logits.float(), 2)
-    return int(indices[0]), float(values[0] - values[1])
+    token, margin = torch.stack([indices[0].double(), (values[0] - values[1]).double()]).tolist()
+    return int(token), margin
 
 
 def compare_logits(a: torch.Tensor, b: torch.Tensor) -> dict:

@@ -1,19 +1,23 @@
 """`make gpu-check`: the one prepared script for a GPU machine.
 
-Runs, in order and each under its own time limit: `kvfid compile` (every kernel config compiled
-for sm_80/sm_90/sm_100 and judged, with its roofline: seconds, so a broken GPU path shows before
-the minutes of the rest; a failure there is reported and the later steps still run), the
-long-context decode comparison (split path against the unsplit kernel at B=1, 32k keys:
-kvfid.environment.split_bench), the GPU-marked tests, `kvfid kernels`, the speed benches, and an 8-item fidelity run of
-`cases/gpu-qwen2.5-shape.toml` with its report; writes every result into one flat output folder
-(at most 8 files, for machines that return only a few: the run's aggregates are not copied, since
-`kvfid show latest --db ledger.sqlite --format json` rebuilds them) and prints a headline. Needs only what the GPU image has (torch, triton, transformers, click, pytest,
-pytest-benchmark, nvidia-ml-py): run from the source tree, nothing is installed.
+Runs, in order and each under its own time limit, most wanted first (a budget cuts the last):
+`kvfid compile` (every kernel config compiled for sm_80/sm_90/sm_100 and judged, with its roofline;
+it needs no GPU, so a lease skips it: `--skip compile`), the kernel speed table (kvfid against
+stock per bench shape with its bits check, the split decode against its floor, the matmul's M
+buckets: kvfid.environment.speed_table), the profile of one prefill and one decode step per bf16
+stack of the default case (kvfid.tasks.unit_profile), the default case
+`cases/gpu-qwen2.5-shape.toml` complete, a timed 4-item slice of the seed paper's design
+(`cases/paper-shape.toml`: SmolLM2's shape, random weights; into the same ledger), `kvfid
+kernels`, the GPU-marked tests, and the default case's report; writes every result into one flat
+output folder (at most 8 files, for machines that return only a few: the run's
+aggregates and report.html are not copied, since `kvfid show` / `kvfid report` rebuild them from
+ledger.sqlite) and prints a headline. Needs only what the GPU image has (torch, triton,
+transformers, click, pytest, nvidia-ml-py): run from the source tree, nothing is installed.
 `--dry-run` runs the same steps on CPU at toy sizes, to prove the script works before a GPU is
-spent on it. `--skip STEP` leaves a step out (`compile` runs on any CPU: `kvfid compile`);
-`--budget SECONDS` fits the whole check into a lease: each step's limit is cut to the time left,
-less what the report needs, and a step with no time left is recorded as not run. The summary,
-gpu-check.json, is rewritten after every step, so a check cut off from outside keeps what it did.
+spent on it. `--skip STEP` leaves a step out; `--budget SECONDS` fits the whole check into a
+lease: each step's limit is cut to the time left, less what the report needs, and a step with no
+time left is recorded as not run. The summary, gpu-check.json, is rewritten after every step, so a
+check cut off from outside keeps what it did.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfid.tasks.bench import bench_command
 from kvfid.tasks.local_shards import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,36 +46,44 @@ class Step:
 
 
 def plan(out: Path, dry_run: bool) -> list[Step]:
-    """The steps; dry-run swaps in toy sizes and the CPU smoke case."""
+    """The steps, most wanted first (a budget cuts the last); dry-run swaps in toy sizes and the
+    CPU smoke case."""
     py = sys.executable
     cli = [py, "-m", "kvfid.cli"]
     db = str(out / "ledger.sqlite")
     case = "cases/smoke.toml" if dry_run else "cases/gpu-qwen2.5-shape.toml"
-    bench = bench_command(out / "bench.json", quick=dry_run)
+    dry = ["--dry-run"] if dry_run else []
     # Dry run: one arch, one kernel, one dtype (the full plan takes minutes on 2 CPU cores).
     compile_args = (["--arch", "sm_90", "--dtypes", "bf16", "--kernels", "matmul"] if dry_run
                     else [])
     return [
         Step("compile", cli + ["compile", "--format", "json"] + compile_args, 180, "compile.json"),
-        # Long-context decode (B=1, 32k keys): the split path against the unsplit kernel, with
-        # its bits checked; its JSON lines land in gpu-check.json (the step's tail).
-        Step("split", [py, "-m", "kvfid.environment.split_bench"] + (["--dry-run"] if dry_run else []),
-             60),
+        # kvfid against stock per bench shape with its bits check, the split decode against its
+        # floor, the matmul's M buckets (kvfid.environment.speed_table): one JSON line a row.
+        Step("speed", [py, "-m", "kvfid.environment.speed_table"] + dry, 90, "speed.json"),
+        # Where a unit's time goes: one prefill and one decode step per bf16 stack of the case,
+        # torch.profiler's top kernels, launches, copies to the host (kvfid.tasks.unit_profile).
+        Step("profile", [py, "-m", "kvfid.tasks.unit_profile"] + dry, 75, "profile.txt"),
+        # The default case complete (docs/cases.md sizes it from the H200's unit times); the dry
+        # run takes one item of the smoke case.
+        Step("fidelity", cli + ["run", case, "--db", db, "--quiet", "--run-id", DEFAULT_RUN]
+             + (["--items", "1"] if dry_run else []), 270),
+        # A timed slice of the seed paper's design (sdpa bf16/fp32) on SmolLM2's shape (the GPU
+        # image has no GGUF package): its units' times in the ledger give the items per minute.
+        # Dry run: the smoke case again (paper-shape.toml is a CUDA case).
+        Step("paper", cli + ["run", "cases/smoke.toml" if dry_run else "cases/paper-shape.toml",
+                             "--db", db, "--quiet", "--items", "1" if dry_run else "4"], 75),
+        Step("kernels", cli + ["kernels", "--format", "json"]
+             + (["--quick", "--dtypes", "fp32"] if dry_run else []), 90, "kernels.json"),
         # Dry run: one file's GPU tests (each skips on a CPU; collecting all of tests/ costs 10 s).
         # Measured on an H200 (docs/gpu.md): 55 s with Triton's cache warm, over 120 s cold.
         Step("gpu-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                           "tests/test_kernel_gpu.py" if dry_run else "tests"], 180),
-        Step("kernels", cli + ["kernels", "--format", "json"]
-             + (["--quick", "--dtypes", "fp32"] if dry_run else []), 90, "kernels.json"),
-        Step("bench", bench, 90),
-        # 8 items: the headline's 8 and the stock stacks' first 8 (measured on an H200: 5.8 s a
-        # headline unit, 2.3 s a stock one; the case's 32 take about 9 minutes).
-        Step("fidelity", cli + ["run", case, "--db", db, "--quiet"]
-             + ["--items", "1" if dry_run else "8"], 270),
-        Step("report", cli + ["report", "latest", "--db", db, "--out", str(out / "reports")], 20),
+                           "tests/test_kernel_gpu_buckets.py" if dry_run else "tests"], 180),
+        Step("report", cli + ["report", DEFAULT_RUN, "--db", db, "--out", str(out / "reports")], 20),
     ]
 
 
+DEFAULT_RUN = "gpu-check-default"   # the default case's run id in the check's ledger (reported)
 REPORT_RESERVE_S = 20   # what a budget keeps back for the report, the last step
 
 
@@ -126,8 +137,10 @@ def compile_verdict(out: Path) -> dict | None:
 
 
 def flatten_reports(out: Path) -> None:
-    """Copy the run report next to the other results (one level) and drop the nested folder."""
-    for name in ("report.md", "report.html"):
+    """Copy the run report next to the other results (one level) and drop the nested folder
+    (report.html is left out: `kvfid report latest --db ledger.sqlite` rebuilds it, and a
+    device returns at most 8 files)."""
+    for name in ("report.md",):
         found = sorted((out / "reports").rglob(name))
         if found:
             shutil.copy(found[-1], out / name)

@@ -1,9 +1,11 @@
-"""The attention kernel's fixed tilings: a function of (arch, dtype, head dim > 128), never of
-the batch or a length (kvfid.kernels.attention.kernel's invariance argument)."""
+"""The attention kernel's fixed tilings: a function of (arch, dtype, head dim class: up to 64, up
+to 128, above), never of the batch or a length (kvfid.kernels.attention.kernel's invariance
+argument)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 import triton
@@ -51,6 +53,13 @@ _FP32 = {arch: AttentionConfig(block_n=16, max_tile_rows=16 if arch == "sm_90" e
                                segment=SEGMENT) for arch in _HALF}
 CONFIGS = {(arch, dtype): _FP32[arch] if dtype == torch.float32 else _HALF[arch]
            for arch in _HALF for dtype in FLOAT_DTYPES}
+# Head dims up to 64 (Qwen2.5-0.5B's 14/2 heads, gpt-oss): 128 query rows, so a GQA group of up
+# to 8 heads shares each key tile in one program (group 7 otherwise runs as two 4-head chunks,
+# each streaming its KV head's whole cache). Checked by `kvfid compile` (no spills on sm_80, sm_90
+# and sm_100); a group of at most 4 keeps the same binary as CONFIGS' (the same GROUP_TILE).
+_NARROW_HALF = {arch: replace(config, max_tile_rows=128) for arch, config in _HALF.items()}
+NARROW_CONFIGS = {(arch, dtype): _FP32[arch] if dtype == torch.float32 else _NARROW_HALF[arch]
+                  for arch in _HALF for dtype in FLOAT_DTYPES}
 # Head dims above 128 (up to 256: Gemma): fewer query rows and keys per tile, so the fp32
 # accumulator and the Q tile fit in registers without spilling.
 _WIDE_HALF = {arch: AttentionConfig(block_n=32, max_tile_rows=32, num_warps=8, num_stages=1, segment=SEGMENT)
@@ -66,8 +75,24 @@ def config_for(device: torch.device, dtype: torch.dtype, head_dim: int = 128) ->
     execution path and the model, never of batch or length."""
     if not uses_tl_dot(device):
         return INTERPRETER_CONFIG
-    table = WIDE_CONFIGS if head_dim > 128 else CONFIGS
-    return table[(gpu_arch(device), dtype)]
+    return config_table(head_dim)[(_arch(device), dtype)]
+
+
+def config_table(head_dim: int) -> dict:
+    """The (arch, dtype) -> config table for a layer's widest head dim."""
+    return WIDE_CONFIGS if head_dim > 128 else NARROW_CONFIGS if head_dim <= 64 else CONFIGS
+
+
+@lru_cache(maxsize=None)
+def _arch(device: torch.device) -> str:
+    """gpu_arch, asked once per device (a launch-path call: no driver query per layer)."""
+    return gpu_arch(device)
+
+
+@lru_cache(maxsize=None)
+def unsplit(config: AttentionConfig) -> AttentionConfig:
+    """The config without the split path (a call whose keys all lie in one segment)."""
+    return replace(config, segment=0)
 
 
 def group_tile_for(group: int, config: AttentionConfig) -> int:
@@ -89,7 +114,8 @@ WORKSPACE_BYTES = 256 << 20
 # The split path's merge launch: elementwise over a tile's rows (no reduction across threads), so
 # its warps and stages cannot change bits, so they follow the padded value head dim: with sm_90's
 # 16-row fp32 tiles, 4 warps left an 8 B stack in the fp32 merge at head dim 64 (triton 3.6 and
-# 3.9) and 8 warps one at head dim 128 (3.9).
-def merge_launch(v_dim_pad: int) -> dict:
-    """The merge launch's warps and stages for a padded value head dim."""
-    return {"num_warps": 8 if v_dim_pad <= 64 else 4, "num_stages": 1}
+# 3.9) and 8 warps one at head dim 128 (3.9). A 128-row tile (NARROW_CONFIGS' 8 heads) takes 16
+# warps: with 8, sm_100's padded merge at head dim 64 left an 8 B stack (triton 3.9).
+def merge_launch(v_dim_pad: int, rows: int = 64) -> dict:
+    """The merge launch's warps and stages for a padded value head dim and a tile's query rows."""
+    return {"num_warps": 16 if rows > 64 else 8 if v_dim_pad <= 64 else 4, "num_stages": 1}

@@ -27,7 +27,8 @@ reached, because every construction runs the same arithmetic for t:
   empty segment changes nothing, bit for bit). A row's segments, each one's state and their
   order are functions of its position alone, so the bits stay invariant while the grid grows
   with the context (a decode step at 32k keys runs one program per segment). One segment gives
-  the unsplit kernel's bits;
+  the unsplit kernel's bits, so a call whose keys all lie in segment 0 runs the unsplit launch
+  (one launch, no workspace); the merge reads and the partial launch writes the real rows only;
 * nothing is chosen by looking at the batch or a length (the config depends on arch, dtype and
   the layer's head dim only; a long prefill on the split path runs as query chunks, which the
   invariance makes bit-identical).
@@ -53,11 +54,11 @@ Products: on CUDA `tl.dot`. bf16/fp16 operands go in as they are (tensor cores) 
 accumulation, and the probabilities P are cast to V's dtype for the PV product, as flash attention
 does; fp32 operands use IEEE fp32 (`input_precision="ieee"`, no TF32). The MMA computes each output
 element from its row and column alone, in an order fixed by the compiled config, so this keeps the
-argument above: the config (tiles, warps, stages) comes from `CONFIGS` / `WIDE_CONFIGS` by (arch,
-dtype, head dim > 128), never from the batch or a length. In the Triton interpreter `tl.dot` is a
-NumPy BLAS product whose bits for a row can depend on the row's place in the tile
-(docs/hazards.md), so there the products are fp32 broadcast multiplies reduced with `tl.sum`, whose
-order is the same for every row.
+argument above: the config (tiles, warps, stages) comes from `CONFIGS` / `NARROW_CONFIGS` /
+`WIDE_CONFIGS` by (arch, dtype, head dim class), never from the batch or a length. In the Triton
+interpreter `tl.dot` is a NumPy BLAS product whose bits for a row can depend on the row's place in
+the tile (docs/hazards.md), so there the products are fp32 broadcast multiplies reduced with
+`tl.sum`, whose order is the same for every row.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ import triton.language as tl
 
 from kvfid.kernels import LAUNCH_OPTIONS
 from kvfid.kernels.attention.config import (BLOCK_M, CONFIGS, INTERPRETER_CONFIG, MAX_HEAD_DIM,  # noqa: F401
-                               NO_WINDOW, WIDE_CONFIGS, AttentionConfig, config_for,
-                               merge_launch, WORKSPACE_BYTES, group_tile_for, head_dim_pad)
+                               NARROW_CONFIGS, NO_WINDOW, WIDE_CONFIGS, AttentionConfig,
+                               config_for, config_table, merge_launch, WORKSPACE_BYTES, group_tile_for,
+                               head_dim_pad, unsplit)
 from kvfid.kernels.attention.reference import attention_ref  # noqa: F401  (the kernel's reference, here)
 from kvfid.kernels.attention.checks import check_inputs, check_mechanisms, first_valid_rows
 from kvfid.kernels.attention.tiles import merge, tile_scores, tile_update, with_sink
@@ -179,10 +181,15 @@ def _attention_kernel(
         n_segs = (hi - 1 - origin) // SEGMENT - seg_first + 1
         ws_rows = ((pid * tl.num_programs(0) + tl.program_id(0)) * n_slots) * ROWS + rows
     if MERGE:
+        # Only the real rows' states are stored and read (a decode step has one real row of
+        # BLOCK_M per head); a padding row merges empty states and is never written out.
         for slot in range(0, n_segs):
             at = ws_rows + slot * ROWS
-            acc_s = tl.load(ws_acc_ptr + (at[:, None] * V_DIM_PAD + dv[None, :]))
-            m_i, l_i, acc = merge(m_i, l_i, acc, tl.load(ws_m_ptr + at), tl.load(ws_l_ptr + at), acc_s)
+            acc_s = tl.load(ws_acc_ptr + (at[:, None] * V_DIM_PAD + dv[None, :]),
+                            mask=row_ok[:, None], other=0.0)
+            m_s = tl.load(ws_m_ptr + at, mask=row_ok, other=float("-inf"))
+            m_i, l_i, acc = merge(m_i, l_i, acc, m_s, tl.load(ws_l_ptr + at, mask=row_ok, other=0.0),
+                                  acc_s)
     else:
         if SEGMENT > 0:
             slot = tl.program_id(2).to(tl.int64)
@@ -216,9 +223,9 @@ def _attention_kernel(
         l_i, acc = with_sink(m_i, l_i, acc, sink)
     if SEGMENT > 0 and not MERGE:
         at = ws_rows + slot * ROWS
-        tl.store(ws_m_ptr + at, m_i)
-        tl.store(ws_l_ptr + at, l_i)
-        tl.store(ws_acc_ptr + (at[:, None] * V_DIM_PAD + dv[None, :]), acc)
+        tl.store(ws_m_ptr + at, m_i, mask=row_ok)
+        tl.store(ws_l_ptr + at, l_i, mask=row_ok)
+        tl.store(ws_acc_ptr + (at[:, None] * V_DIM_PAD + dv[None, :]), acc, mask=row_ok[:, None])
     else:
         out = acc / l_i[:, None]
         o_rows = b * sob + (kv_head * GROUP + g) * soh + (pos - q_first) * sot
@@ -260,6 +267,11 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     n_group_chunks = triton.cdiv(group, group_tile)
     programs = batch * n_kv_heads * n_group_chunks
     slots = _segment_slots(config, kv_len, window, chunk)
+    if slots and key_start + kv_len <= config.segment:
+        # Every key of the call lies in segment 0, so every query tile has one segment, and one
+        # segment merged into an empty state is taken as it is: the unsplit launch's bits, in one
+        # launch and without a workspace (tests/test_kernel_attention_split.py).
+        config, slots = unsplit(config), 0
     rows, v_pad = group_tile * BLOCK_M, head_dim_pad(v_dim)
     if slots:
         # The split path's workspace grows with the query tiles; a long prefill runs as chunks
@@ -305,7 +317,7 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     launch = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     if slots:  # every segment's state, then their merge in segment order
         _attention_kernel[(tiles, programs, slots)](*args, **constexprs, **launch, MERGE=False)
-        _attention_kernel[(tiles, programs)](*args, **constexprs, **merge_launch(v_pad), MERGE=True)
+        _attention_kernel[(tiles, programs)](*args, **constexprs, **merge_launch(v_pad, rows), MERGE=True)
     else:
         _attention_kernel[(tiles, programs)](*args, **constexprs, **launch)
     return out

@@ -1,8 +1,10 @@
 """Batch-invariant matmul (Triton) and its PyTorch reference.
 
-`c = a @ b (+ bias)` with tiles fixed in advance (never chosen from M), the K axis reduced in one
-program in order (no split-K) with fp32 accumulation, and the bias added once at the end. A row of
-`c` is therefore computed by the same arithmetic whatever number of rows comes with it.
+`c = a @ b (+ bias)` with tiles fixed in advance (chosen from M only by bucket, and only on an arch
+where a GPU has shown a bucket's rows equal to the others': BUCKETS_SHOWN), the K axis reduced in
+one program in order (no split-K; one K tile in every bucket) with fp32 accumulation, and the bias
+added once at the end. A row of `c` is therefore computed by the same arithmetic whatever number
+of rows comes with it.
 
 Products: on CUDA `tl.dot` accumulating into the fp32 tile (`kvfid.kernels.dot.mma`): bf16/fp16
 operands go to the tensor cores as they are, fp32 operands stay IEEE fp32. Every element of the
@@ -16,6 +18,7 @@ row different bits depending on its place in the tile (docs/hazards.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -43,9 +46,25 @@ INTERPRETER_CONFIG = MatmulConfig(16, 256, 64, num_warps=4, num_stages=1, use_do
 # BLOCK_N 64 keeps a decode GEMV (M = 1) spread over many programs, since K is never split.
 _HALF = MatmulConfig(128, 64, 64, num_warps=4, num_stages=3)
 _FP32 = MatmulConfig(64, 64, 32, num_warps=8, num_stages=3)  # 4 warps / 2 stages spilled on triton 3.6
+ARCHS = ("sm_80", "sm_90", "sm_100")
 CONFIGS = {(arch, dtype): _FP32 if dtype == torch.float32 else _HALF
-           for arch in ("sm_80", "sm_90", "sm_100")
-           for dtype in FLOAT_DTYPES}
+           for arch in ARCHS for dtype in FLOAT_DTYPES}
+
+# Configs bucketed by M (bf16/fp16): a call of at most 128 rows takes 64 x 32 tiles, so a decode
+# GEMV (M = 1 .. 16) at N = 4096 runs 128 programs instead of 64, one per SM of an H100 (an
+# estimate from the grid, not a measurement). The reduction tile BLOCK_K is the same in every
+# bucket, so a row's products are summed over the same K tiles in the same order; and BLOCK_M
+# stays a multiple of 64, so on sm_90 every bucket runs warpgroup MMAs (HGMMA), never the
+# mma.sync of a 16-row tile. Whether the MMA instruction's N (32 or 64) leaves a row's bits alone
+# is a property of the hardware that only a GPU can show: tests/test_kernel_gpu_buckets.py checks
+# every row of M = 1 against the same row inside M = 2048 for every bucket. Until that test has
+# passed on an arch, and its name is added to BUCKETS_SHOWN, `config_for` there ignores M.
+_SMALL_M_HALF = MatmulConfig(64, 32, 64, num_warps=4, num_stages=4)
+# (max rows or None for the rest, config), in order; fp32 (IEEE products) keeps its one config.
+BUCKETS = {(arch, dtype): ((None, _FP32),) if dtype == torch.float32
+           else ((128, _SMALL_M_HALF), (None, _HALF))
+           for arch in ARCHS for dtype in FLOAT_DTYPES}
+BUCKETS_SHOWN: frozenset[str] = frozenset()  # archs whose GPU run passed the bucket test
 
 
 @kernel
@@ -89,9 +108,25 @@ def _matmul_kernel(
 
 
 
-def config_for(device: torch.device, dtype: torch.dtype) -> MatmulConfig:
-    """The fixed tiling used on `device` for `dtype`; a function of the execution path only."""
-    return CONFIGS[(gpu_arch(device), dtype)] if uses_tl_dot(device) else INTERPRETER_CONFIG
+def config_for(device: torch.device, dtype: torch.dtype, m: int | None = None) -> MatmulConfig:
+    """The tiling used on `device` for `dtype`: fixed per execution path, or, on an arch in
+    BUCKETS_SHOWN, the bucket of M (`m` rows) whose rows were shown equal to the other buckets'."""
+    if not uses_tl_dot(device):
+        return INTERPRETER_CONFIG
+    arch = _arch(device)
+    if m is not None and arch in BUCKETS_SHOWN:
+        return bucket_for(BUCKETS[(arch, dtype)], m)
+    return CONFIGS[(arch, dtype)]
+
+
+def bucket_for(buckets, m: int) -> MatmulConfig:
+    """The config of the first bucket (max rows, config) whose bound holds `m` rows."""
+    return next(config for bound, config in buckets if bound is None or m <= bound)
+
+
+@lru_cache(maxsize=None)
+def _arch(device: torch.device) -> str:
+    return gpu_arch(device)
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
@@ -103,7 +138,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tenso
         return c
     if k == 0:
         return c.copy_(bias.reshape(n).expand_as(c)) if bias is not None else c.zero_()
-    config = config or config_for(a.device, a.dtype)
+    config = config or config_for(a.device, a.dtype, m)
     block_m, block_n = config.block_m, config.block_n
     bias_arg = bias.reshape(n) if bias is not None else c  # any pointer when there is no bias
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), batch)
