@@ -1,16 +1,27 @@
 """Greedy decoding primitives: counted forward calls, prefill/step/teacher-forced loops, margins.
 
-`Runner` is the one place that calls the model: it handles transformers' API differences (the
-cache keyword is `cache` in recent 5.x, `past_key_values` before), asks only for the last
-position's logits, and counts and times every forward call so the protocol can report its own
-overhead. Nothing here knows which attention backend or precision runs.
+`Runner` is the one place that calls the model, and it calls it as transformers' `generate`
+does (`GenerationMixin.prepare_inputs_for_generation` and `_update_model_kwargs_for_generation`):
+the cache under the keyword this version names (`cache` in recent 5.x, `past_key_values`
+before); `position_ids` counted over what the cache already covers (from the attention mask of a
+padded batch: the first real token of a row is 0), for every model whose `forward` takes them;
+the all-ones attention mask of an unpadded batch where this version's `generate` keeps it (up to
+5.17; from 5.18 it drops it); `cache_position` only for a remote-code model whose forward takes
+it; `logits_to_keep` only where the forward takes it. A model that numbers a call's own tokens
+from 0 when given no positions (Bamba) would otherwise run every decode step at position 0.
+The positions a cache covers are counted by kvfid (`new_cache`, `resume`, `covering`), as
+`generate` counts them in its mask, never read from the cache's own counters (which a recurrent
+layer keeps its own way). It counts and times every forward call so the protocol can report its
+own overhead. Nothing here knows which attention backend or precision runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +30,9 @@ from kvfid.errors import Unavailable
 from kvfid.states.cache import top2
 from kvfid.kernels import KernelRefusal
 
+# cache -> the positions it covers (the length of generate's attention mask for it)
+_COVERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
 
 def cache_keyword(module: torch.nn.Module) -> str:
     """The name `forward` takes the KV cache under in this transformers version."""
@@ -26,17 +40,46 @@ def cache_keyword(module: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+@functools.cache
+def generate_keeps_full_mask() -> bool:
+    """Whether this transformers' `generate` passes an unpadded batch's all-ones attention mask on
+    to the model: 5.17 does; 5.18 on drops it (`generation_config._mask_length`)."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version("5.18")
+
+
 def new_cache(module: torch.nn.Module):
     """An empty cache for this model: a dynamic cache with its layer classes, or the cache class
-    the model brings (kvfid.states.layers.empty_cache)."""
+    the model brings (kvfid.states.layers.empty_cache). It covers no position yet."""
     from kvfid.states.layers import empty_cache
 
-    return empty_cache(module)
+    return covering(empty_cache(module), 0)
 
 
+def resume(state, module: torch.nn.Module):
+    """A cache holding boundary state `state` (kvfid.states.cache.BoundaryState), covering its
+    prefix: the next token fed is at position len(prefix)."""
+    return covering(state.to_cache(module), len(state.prefix))
+
+
+def covering(cache, positions: int):
+    """Declare that `cache` covers `positions` positions (after a cut or a gather); returns it."""
+    _COVERED[cache] = positions
+    return cache
+
+
+def covered(cache) -> int:
+    """The positions `cache` covers, as kvfid fed them."""
+    try:
+        return _COVERED[cache]
+    except (KeyError, TypeError):
+        raise RuntimeError(f"a {type(cache).__name__} kvfid did not make: its positions are "
+                           f"unknown (make caches with new_cache or resume)") from None
 @dataclass
 class Runner:
-    """Calls one module, counting forward calls and their wall time."""
+    """Calls one module as `generate` does, counting forward calls and their wall time."""
 
     module: torch.nn.Module
     calls: int = 0
@@ -46,6 +89,12 @@ class Runner:
     def __post_init__(self) -> None:
         self._keyword = cache_keyword(self.module)
         self._device = next(self.module.parameters()).device
+        params = inspect.signature(self.module.forward).parameters
+        self._takes = {name for name in ("position_ids", "attention_mask", "logits_to_keep",
+                                         "cache_position") if name in params}
+        remote = getattr(self.module, "is_remote_code", lambda: False)
+        if not remote():   # generate makes cache_position only for remote code
+            self._takes.discard("cache_position")
 
     def _counted(self, **kwargs) -> torch.Tensor:
         """One timed, counted forward call; the model's logits."""
@@ -58,15 +107,38 @@ class Runner:
         self.calls += 1
         return logits
 
+    def _inputs(self, ids: torch.Tensor, cache, attention_mask, position_ids, keep) -> dict:
+        """The keyword arguments `generate` would pass for feeding `ids` [B, T] after `cache`
+        (None: no cache, as a trainer scores): positions after what the cache covers, or those
+        given (a padded batch's, a draft tree's, a stage program's), with their mask."""
+        rows, length = ids.shape
+        known = cache is None or cache in _COVERED
+        past = covered(cache) if cache is not None and (known or position_ids is None) else 0
+        if position_ids is None:   # [B, T]: what generate's all-ones mask counts
+            position_ids = torch.arange(past, past + length).expand(rows, length).contiguous()
+            if generate_keeps_full_mask():
+                attention_mask = torch.ones((rows, past + length), dtype=torch.long)
+        if cache is not None and known:
+            _COVERED[cache] = past + length
+        kwargs = {"input_ids": ids.to(self._device)}
+        kwargs.update({self._keyword: cache, "use_cache": True} if cache is not None
+                      else {"use_cache": False})
+        if "position_ids" in self._takes:
+            kwargs["position_ids"] = position_ids.to(self._device)
+        if attention_mask is not None and "attention_mask" in self._takes:
+            kwargs["attention_mask"] = attention_mask.to(self._device)
+        if "cache_position" in self._takes:
+            kwargs["cache_position"] = torch.arange(past, past + length, device=self._device)
+        if keep is not None and "logits_to_keep" in self._takes:
+            kwargs["logits_to_keep"] = keep
+        return kwargs
+
     def forward(self, ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Feed `ids` [B, T] after what `cache` holds; return last-position logits [B, V].
         A padded batch also passes its attention mask [B, cached + T] and position ids [B, T]."""
-        padding = {} if attention_mask is None else {
-            "attention_mask": attention_mask.to(self._device),
-            "position_ids": position_ids.to(self._device)}
-        return self._counted(input_ids=ids.to(self._device), use_cache=True, logits_to_keep=1,
-                             **{self._keyword: cache}, **padding)[:, -1, :]
+        kwargs = self._inputs(ids, cache, attention_mask, position_ids, keep=1)
+        return self._counted(**kwargs)[:, -1, :]
 
     def forward_kept(self, ids: torch.Tensor, cache, rows: int,
                      attention_mask: torch.Tensor | None = None,
@@ -74,22 +146,19 @@ class Runner:
         """Feed `ids` [B, T] after what `cache` holds; the logits of the last `rows` positions
         [B, rows, V] (a verification pass keeps every row, a prefix-cache hit only the last). A
         draft tree also passes its 4-D mask and position ids."""
-        tree = {} if attention_mask is None else {
-            "attention_mask": attention_mask.to(self._device),
-            "position_ids": position_ids.to(self._device)}
-        return self._counted(input_ids=ids.to(self._device), use_cache=True, logits_to_keep=rows,
-                             **{self._keyword: cache}, **tree)
+        kwargs = self._inputs(ids, cache, attention_mask, position_ids, keep=rows)
+        return self._counted(**kwargs)[:, -rows:, :]
 
     def forward_all(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """Feed `ids` [B, T] after what `cache` holds (no cache when None), as a trainer scores a
         sequence: logits at every position [B, T, V]."""
-        kwargs = {self._keyword: cache, "use_cache": True} if cache is not None else {"use_cache": False}
-        return self._counted(input_ids=ids.to(self._device), **kwargs)
+        return self._counted(**self._inputs(ids, cache, None, None, keep=None))
 
     def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """No-cache forward over all of `ids` [B, T]; logits at every position [B, T, V]."""
+        kwargs = self._inputs(ids, None, None, None, keep=None)
         with refusals_as_unavailable():
-            out = self.module(input_ids=ids.to(self._device), use_cache=False)
+            out = self.module(**kwargs)
         return out.logits
 
 

@@ -23,7 +23,8 @@ from kvfid.records.plain import decode
 from kvfid.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
                                    TransplantSpec, parse_construction, parse_transplant)
 from kvfid.states.cache import top2
-from kvfid.protocol.decode import Greedy, Runner, as_batch, feed_chunks, greedy, new_cache
+from kvfid.protocol.decode import (Greedy, Runner, as_batch, feed_chunks, greedy, new_cache,
+                                   resume)
 
 # --------------------------------------------------------------------------- arms
 
@@ -62,7 +63,7 @@ class Arm:
 
 def decode_suffix(runner: Runner, state: kv.BoundaryState, steps: int, eos_ids) -> Greedy:
     """`steps` greedy tokens from a boundary state, by the batch-1 suffix decoder."""
-    cache = state.to_cache(runner.module)
+    cache = resume(state, runner.module)
     suffix, _ = greedy(runner, cache, state.logits, steps, eos_ids, feed_last=False)
     return suffix
 
