@@ -24,37 +24,7 @@ from pathlib import Path
 
 import torch
 
-_TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-             bos_token_id=256, eos_token_id=257, pad_token_id=257, tie_word_embeddings=False,
-             moe_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
-             num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=32,
-             kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32,
-             v_head_dim=32, sliding_window=8, initializer_range=0.08,
-             vocab_size_per_layer_input=260, hidden_size_per_layer_input=16,
-             n_input_layers=1, n_output_layers=0,   # a looped model: one input layer, one looped
-             # state-space and linear-attention layers: small states, short scan chunks (a chunked
-             # scan pads to its chunk: falcon_h1's 256 cost 50 s of a 154 s walk)
-             mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
-             mamba_chunk_size=8, chunk_size=8, ssm_state_size=16, state_size=16,
-             mamba_num_heads=4, mamba_head_dim=16, mamba_headdim=16, n_mamba_heads=4, n_groups=1,
-             linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-             linear_num_value_heads=4, linear_head_dim=16, linear_num_heads=4, block_size=8)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:160] if text else ''}"
-
-
-def _has(config, name: str) -> bool:
-    try:
-        getattr(config, name)
-    except AttributeError:
-        return False
-    except Exception:   # noqa: BLE001 -- a per-layer field of a heterogeneous config exists
-        return True
-    return True
+from registry_sizes import first_line as _first_line, tiny_module
 
 
 def registry() -> dict[str, str]:
@@ -66,34 +36,13 @@ def registry() -> dict[str, str]:
 
 def tiny(model_type: str):
     """A seeded tiny random-weight fp32 model of `model_type` (raises if not), as a kvfid Model
-    over bytes."""
+    over bytes (tests/registry_sizes.py sizes it)."""
     import transformers
-    from transformers import AutoConfig
 
     from kvfid.inputs.models import Model
     from kvfid.inputs.codecs import ByteCodec
 
-    config_cls = type(AutoConfig.for_model(model_type))
-    defaults = config_cls()
-    fields = {k: v for k, v in _TINY.items() if _has(defaults, k)}
-    config = config_cls(**fields)
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError("an encoder-decoder model")
-    model_cls = getattr(transformers, registry()[model_type])
-    with torch.device("meta"):   # counted before any memory is spent on it
-        size = sum(p.numel() for p in model_cls(config).parameters())
-    if size > 20_000_000:
-        raise ValueError(f"not tiny with these fields ({size / 1e6:.0f}M parameters)")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        module = model_cls(config).to(torch.float32).eval()
-    ids = torch.tensor([[3, 4, 5]])
-    try:   # transformers' own prefill and one decode step, before kvfid touches it
-        with torch.no_grad():
-            cache = module(input_ids=ids, use_cache=True).get("past_key_values")
-            module(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
-    except Exception as err:   # noqa: BLE001
-        raise ValueError(f"transformers' own forward fails: {_first_line(err)}") from None
+    module = tiny_module(model_type, getattr(transformers, registry()[model_type]))
     return Model(f"walk:{model_type}", module, ByteCodec())
 
 
