@@ -60,7 +60,9 @@ def mechanisms(model) -> tuple[str, ...]:
 
 
 def one(model, stack: str, boundary: int = 4, suffix: int = 1) -> str:
-    """One short repro: `bit-exact`, `differs (layer L part)`, `refused: ...`, `error: ...`."""
+    """One short repro, live against prefill: `bit-exact`, `differs KIND (layer L part, d_rel
+    D)` with KIND `by rounding`, `functionally` or `unsettled` (kvfid.states.scale; a stack below
+    fp32 is settled by the walk from its fp32 twin), `refused (exit N): ...`, `INTERNAL ...`."""
     from kvfid.errors import KvfidError
     from kvfid.stacks.stack import check_supports, parse_stack
     from kvfid.protocol.protocol import ItemPlan
@@ -74,24 +76,52 @@ def one(model, stack: str, boundary: int = 4, suffix: int = 1) -> str:
         prompt_length = len(model.codec.prompt_ids(item.prompt))
         plan.check_fits(prompt_length, model.context_length)
         check_supports(checked, model, prompt_length + boundary + suffix)
-        cache = repro.measure(repro.Repro(model, checked, item, plan, [])).against_live("prefill").cache
+        comparison = repro.measure(repro.Repro(model, checked, item, plan, [])).against_live("prefill")
     except KvfidError as err:
         return f"refused (exit {err.exit_code}): {str(err)[:200]}"
     except Exception as err:   # noqa: BLE001 -- the walk lists every outcome, internal ones too
         return f"INTERNAL {_first_line(err)}"
-    if cache.bit_exact:
+    cache, difference = comparison.cache, comparison.difference
+    if cache.bit_exact and comparison.logits.equal:
         return "bit-exact"
-    return f"differs (layer {cache.first_bad_layer} {cache.first_bad_kv})"
+    where = (f"layer {cache.first_bad_layer} {cache.first_bad_kv}" if cache.first_bad_layer is not None
+             else "; ".join(cache.uncompared)[:80] or "boundary logits")
+    if difference is None:   # nothing measured differs: a part left uncompared
+        return f"differs, uncompared ({where})"
+    return f"differs {_WORDS[difference.kind]} ({where}, d_rel {difference.d_rel:.1e})"
 
 
-STACKS = ("sdpa/fp32", "native/fp32+bi")
+_WORDS = {"rounding": "by rounding", "functional": "functionally", "unsettled": "unsettled"}
+
+
+def settled(low: str, fp32: str | None) -> str:
+    """A below-fp32 stack's outcome with an unsettled kind settled by its fp32 twin's outcome:
+    rounding where fp32 is bit-exact or differs by rounding, functional where fp32 differs
+    functionally; unsettled where the twin did not run or was refused."""
+    if not low.startswith("differs unsettled") or fp32 is None:
+        return low
+    if fp32 == "bit-exact" or fp32.startswith("differs by rounding"):
+        return low.replace("differs unsettled", "differs by rounding", 1)
+    if fp32.startswith("differs functionally"):
+        return low.replace("differs unsettled", "differs functionally", 1)
+    return low
+
+
+STACKS = ("sdpa/fp32", "native/fp32+bi", "sdpa/bf16", "native/bf16+bi")
 TRITON = "triton/fp32+bi"   # the first family of each distinct set of mechanisms
+GENERATE = ("sdpa/fp32", "native/bf16+bi")   # kvfid's live arm against generate, bit for bit
 
 
-def walk(only=None, stacks=STACKS, triton=TRITON, seen=None) -> list[dict]:
-    """Each family's row (built, an outcome per stack, its mechanisms, seconds), printed as it
-    is measured. `seen`: mechanism sets whose triton run is already done (shared by shards)."""
+def _fp32_twin(stack: str) -> str:
+    return stack.replace("/bf16", "/fp32").replace("/fp16", "/fp32")
+
+
+def walk(only=None, stacks=STACKS, triton=TRITON, seen=None, generate=GENERATE) -> list[dict]:
+    """Each family's row (built, an outcome per stack, live against generate per stack in
+    `generate`, its mechanisms, seconds), printed as it is measured. `seen`: mechanism sets
+    whose triton run is already done (shared by shards)."""
     from kvfid import kernels
+    from generate_check import live_against_generate
 
     seen = set() if seen is None else seen
     out = []
@@ -104,13 +134,28 @@ def walk(only=None, stacks=STACKS, triton=TRITON, seen=None) -> list[dict]:
         except Exception as err:   # noqa: BLE001
             row["built"] = f"not built: {_first_line(err)}"
         else:
-            row["built"] = "built"
-            row.update({stack: one(model, stack) for stack in stacks})
+            row["built"], cpu = "built", {}
+
+            def timed(key, measure, *args):
+                begin = time.process_time()
+                try:
+                    row[key] = measure(model, *args)
+                except Exception as err:   # noqa: BLE001 -- listed, and failed by the test
+                    row[key] = f"INTERNAL {_first_line(err)}"
+                cpu[key] = round(time.process_time() - begin, 2)
+
+            for stack in stacks:
+                timed(stack, one, stack)
+            for stack in stacks:
+                row[stack] = settled(row[stack], row.get(_fp32_twin(stack)))
             row["mechanisms"] = list(mechanisms(model))
             if triton and kernels.interpreting() and tuple(row["mechanisms"]) not in seen:
-                row[triton] = one(model, triton)
+                timed(triton, one, triton)
                 if not row[triton].startswith("refused"):   # else the next family of the set
                     seen.add(tuple(row["mechanisms"]))
+            for stack in generate:
+                timed(f"generate {stack}", live_against_generate, stack)
+            row["cpu_s"] = cpu
         row["seconds"] = round(time.perf_counter() - start, 1)
         print(json.dumps(row), flush=True)
         out.append(row)
@@ -118,7 +163,8 @@ def walk(only=None, stacks=STACKS, triton=TRITON, seen=None) -> list[dict]:
 
 
 EXPECTED = Path(__file__).with_name("registry_walk.json")
-OUTCOMES = ("bit-exact", "differs", "refused", "not built", "INTERNAL")
+OUTCOMES = ("bit-exact", "differs by rounding", "differs functionally", "differs unsettled",
+            "differs, uncompared", "differs", "refused", "not built", "INTERNAL")
 
 
 def outcome(text: str | None) -> str | None:
@@ -131,14 +177,16 @@ def expectations(rows: list[dict]) -> dict:
     import transformers
 
     return {"transformers": transformers.__version__,
-            "families": {r["family"]: {k: v for k, v in r.items() if k not in ("family", "seconds")}
+            "families": {r["family"]: {k: v for k, v in r.items() if k not in ("family", "seconds", "cpu_s")}
                          for r in rows}}
 
 
 def regressions(rows: list[dict], expected: dict) -> list[str]:
-    """Each family worse than kept: built before and not now, or on a faithful (+bi) stack
-    bit-exact before and not now, or differing where it did not before. The stock stack's
-    outcome is not held to (whether stock sdpa happens to be bit-exact depends on the CPU)."""
+    """Each family worse than kept: built before and not now; on a faithful (+bi) stack
+    bit-exact before and not now, or differing where it did not before; on any stack differing
+    functionally where it did not before (a functional difference does not depend on the CPU).
+    Whether a stock stack is bit-exact or differs by rounding depends on the CPU, so that is not
+    held to."""
     out = []
     for row in rows:
         kept = expected["families"].get(row["family"])
@@ -146,18 +194,35 @@ def regressions(rows: list[dict], expected: dict) -> list[str]:
             continue
         if kept["built"] == "built" and row["built"] != "built":
             out.append(f"{row['family']}: built before, now {row['built']}")
-        for stack in (k for k in kept if k.endswith("+bi") and k in row):
+        for stack in (k for k in kept if "/" in k and k in row):
             was, now = outcome(kept[stack]), outcome(row[stack])
-            if now != was and (was == "bit-exact" or now == "differs"):
+            faithful = stack.endswith("+bi") and (was == "bit-exact" or now.startswith("differs"))
+            if now != was and (faithful or now == "differs functionally"):
                 out.append(f"{row['family']} on {stack}: {kept[stack]!r} before, now {row[stack]!r}")
     return out
 
 
+def counts(rows: list[dict], stacks=(*STACKS, TRITON, *(f"generate {s}" for s in GENERATE))) -> dict:
+    """How many families have each outcome class, per stack (and `built` / `not built`)."""
+    out = {"families": len(rows), "built": sum(r["built"] == "built" for r in rows)}
+    out["not built"] = out["families"] - out["built"]
+    for stack in stacks:
+        classes = [outcome(r.get(stack)) for r in rows if r.get(stack) is not None]
+        out[stack] = {c: classes.count(c) for c in OUTCOMES if c in classes}
+    return out
+
+
 def table(rows: list[dict], stacks=(*STACKS, TRITON)) -> str:
-    """The walk as a Markdown table: family, then each stack's outcome (or why not built)."""
-    lines = ["| family | " + " | ".join(stacks) + " |", "|---" * (len(stacks) + 1) + "|"]
+    """The walk as a Markdown table: the counts per stack, then each family's outcome per stack
+    (or why it was not built)."""
+    summary = counts(rows, stacks)
+    lines = [f"{summary['built']} of {summary['families']} families built.", "",
+             "| stack | " + " | ".join(OUTCOMES) + " |", "|---" * (len(OUTCOMES) + 1) + "|"]
+    lines += [f"| {s} | " + " | ".join(str(summary[s].get(o, 0)) for o in OUTCOMES) + " |" for s in stacks]
+    lines += ["", "| family | " + " | ".join(stacks) + " |", "|---" * (len(stacks) + 1) + "|"]
     for r in rows:
-        cells = [r.get(s, "") for s in stacks] if r["built"] == "built" else [r["built"], "", ""]
+        cells = ([r.get(s, "") for s in stacks] if r["built"] == "built"
+                 else [r["built"]] + [""] * (len(stacks) - 1))
         lines.append(f"| {r['family']} | " + " | ".join(c.replace("|", "/")[:90] for c in cells) + " |")
     return "\n".join(lines)
 

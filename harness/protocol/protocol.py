@@ -17,7 +17,7 @@ from typing import Sequence
 
 from kvfid.states import cache as kv
 from kvfid.protocol import cobatch, engine_arms
-from kvfid.states import surgery
+from kvfid.states import scale, surgery
 from kvfid.records import record as rec
 from kvfid.records.plain import decode
 from kvfid.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
@@ -150,11 +150,12 @@ def compare_arms(a: Arm, b: Arm, kind: str) -> rec.Comparison:
     suffix = kv.compare_suffixes(a.suffix.tokens, b.suffix.tokens, a.suffix.margins,
                                  b.suffix.margins)
     same = a.state.prefix == b.state.prefix
-    return rec.Comparison(
-        a.label, b.label, kind, decode(rec.SuffixDiff, suffix), same,
-        decode(rec.CacheDiff, kv.compare_states(a.state, b.state)) if same else None,
-        decode(rec.LogitsDiff, kv.compare_logits(a.state.logits, b.state.logits))
-        if same else None)
+    if not same:
+        return rec.Comparison(a.label, b.label, kind, decode(rec.SuffixDiff, suffix), same)
+    cache = decode(rec.CacheDiff, kv.compare_states(a.state, b.state))
+    logits = decode(rec.LogitsDiff, kv.compare_logits(a.state.logits, b.state.logits))
+    return rec.Comparison(a.label, b.label, kind, decode(rec.SuffixDiff, suffix), same, cache,
+                          logits, scale.difference(cache, logits, scale.state_dtype(a.state)))
 
 
 def run_transplant(module, spec: TransplantSpec, arms: dict[str, Arm], prompt_length: int,
