@@ -19,11 +19,15 @@ def _greedy_generate(module, prompt: list[int], steps: int):
     """`generate`'s greedy tokens and per-step logits (fp32, as it keeps them), EOS ignored."""
     from transformers import GenerationConfig
 
-    config = GenerationConfig(do_sample=False, max_new_tokens=steps, min_new_tokens=0,
-                              eos_token_id=None, pad_token_id=0, output_logits=True,
-                              return_dict_in_generate=True)
+    config = GenerationConfig(do_sample=False, max_new_tokens=steps, pad_token_id=0,
+                              output_logits=True, return_dict_in_generate=True)
     ids = torch.tensor([prompt], device=next(module.parameters()).device)
-    out = module.generate(ids, generation_config=config)
+    own = module.generation_config   # its EOS and forced tokens would stop or steer greedy
+    module.generation_config = GenerationConfig()
+    try:
+        out = module.generate(ids, generation_config=config)
+    finally:
+        module.generation_config = own
     return out.sequences[0, len(prompt):].tolist(), [row[0] for row in out.logits]
 
 

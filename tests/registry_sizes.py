@@ -24,6 +24,7 @@ TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_la
             kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32,
             v_head_dim=32, sliding_window=8, initializer_range=0.08, n_group=1, topk_group=1,
             vocab_size_per_layer_input=260, hidden_size_per_layer_input=16,
+            is_decoder=True,   # a BERT-like ForCausalLM is a decoder only so (else bidirectional)
             n_input_layers=1, n_output_layers=0,   # a looped model: one input layer, one looped
             # state-space and linear-attention layers: small states, short scan chunks (a chunked
             # scan pads to its chunk: falcon_h1's 256 cost 50 s of a 154 s walk)
