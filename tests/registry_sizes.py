@@ -98,9 +98,11 @@ _LAYER_TYPES = ("layer_types", "layers_block_type", "block_types")
 
 
 def first_line(err: BaseException) -> str:
-    """`Type: the first line of the message` (at most 160 characters of it)."""
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:160] if text else ''}"
+    """`Type: the first line of the message` (at most 160 characters of it; a first line that
+    only announces the next, ending in a colon, with the next)."""
+    text = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    first = " ".join(text[:2]) if len(text) > 1 and text[0].endswith(":") else (text or [""])[0]
+    return f"{type(err).__name__}: {first[:160]}"
 
 
 def _has(config, name: str) -> bool:
@@ -156,8 +158,8 @@ def _sized(config, family: str | None) -> dict:
     kinds = (getattr(config, "model_type", None), family)
     for kind in kinds:
         fields.update({k: v for k, v in FAMILY.get(kind, {}).items() if _has(config, k)})
-    fields = {**fields, **_layer_plan(config, fields),
-              **{k: v for kind in kinds for k, v in FAMILY.get(kind, {}).items() if _has(config, k)}}
+    own = {k: v for kind in kinds for k, v in FAMILY.get(kind, {}).items() if _has(config, k)}
+    fields = {**fields, **_layer_plan(config, fields), **own}
     return {k: v for k, v in fields.items() if not any(k in _UNSET.get(kind, ()) for kind in kinds)}
 
 
@@ -175,7 +177,8 @@ def config_for(model_type: str, model_cls=None):
     except Exception:   # noqa: BLE001 -- defaults that do not validate: the family's fields first
         defaults = config_cls(**FAMILY.get(model_type, {}))
     subs = {name: value for name, value in vars(defaults).items()
-            if hasattr(value, "to_dict") and name not in ("generation_config", "quantization_config")}
+            if hasattr(value, "to_dict")
+            and name not in ("generation_config", "quantization_config")}
     fields = {k: v for k, v in _sized(defaults, model_type).items() if k not in subs}
     for name, sub in subs.items():
         text = name in ("text_config", "decoder", "decoder_config")

@@ -177,7 +177,8 @@ def expectations(rows: list[dict]) -> dict:
     import transformers
 
     return {"transformers": transformers.__version__,
-            "families": {r["family"]: {k: v for k, v in r.items() if k not in ("family", "seconds", "cpu_s")}
+            "families": {r["family"]: {k: v for k, v in r.items()
+                                       if k not in ("family", "seconds", "cpu_s")}
                          for r in rows}}
 
 
@@ -202,7 +203,8 @@ def regressions(rows: list[dict], expected: dict) -> list[str]:
     return out
 
 
-def counts(rows: list[dict], stacks=(*STACKS, TRITON, *(f"generate {s}" for s in GENERATE))) -> dict:
+def counts(rows: list[dict], stacks=(*STACKS, TRITON, *(f"generate {s}" for s in GENERATE))
+           ) -> dict:
     """How many families have each outcome class, per stack (and `built` / `not built`)."""
     out = {"families": len(rows), "built": sum(r["built"] == "built" for r in rows)}
     out["not built"] = out["families"] - out["built"]
@@ -218,7 +220,8 @@ def table(rows: list[dict], stacks=(*STACKS, TRITON)) -> str:
     summary = counts(rows, stacks)
     lines = [f"{summary['built']} of {summary['families']} families built.", "",
              "| stack | " + " | ".join(OUTCOMES) + " |", "|---" * (len(OUTCOMES) + 1) + "|"]
-    lines += [f"| {s} | " + " | ".join(str(summary[s].get(o, 0)) for o in OUTCOMES) + " |" for s in stacks]
+    lines += [f"| {s} | " + " | ".join(str(summary[s].get(o, 0)) for o in OUTCOMES) + " |"
+              for s in stacks]
     lines += ["", "| family | " + " | ".join(stacks) + " |", "|---" * (len(stacks) + 1) + "|"]
     for r in rows:
         cells = ([r.get(s, "") for s in stacks] if r["built"] == "built"

@@ -40,9 +40,9 @@ def test_a_state_computed_in_bf16_is_measured_against_bf16_even_with_an_fp32_par
     from kvfid.states.cache import BoundaryState
     from kvfid.states.layers import LayerState
 
-    state = BoundaryState((1,), layers=(
-        LayerState("recurrent", {"recurrent": torch.zeros(2), "conv": torch.zeros(2, dtype=torch.bfloat16)}),),
-        logits=torch.zeros(3, dtype=torch.bfloat16))
+    parts = {"recurrent": torch.zeros(2), "conv": torch.zeros(2, dtype=torch.bfloat16)}
+    state = BoundaryState((1,), layers=(LayerState("recurrent", parts),),
+                          logits=torch.zeros(3, dtype=torch.bfloat16))
     assert scale.state_dtype(state) == torch.bfloat16
     logits = rec.LogitsDiff(equal=False, d_rel=0.2)
     found = scale.difference(rec.CacheDiff(bit_exact=False, d_rel=0.1), logits, torch.bfloat16)

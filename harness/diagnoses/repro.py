@@ -148,7 +148,8 @@ def settle_in_fp32(repro: Repro, record):
 
     def settled(comparison):
         there = found.get(comparison.b)
-        if not any(comparison is u for u in unsettled) or there is None or not there.prefix_identical:
+        mine = any(comparison is u for u in unsettled)
+        if not mine or there is None or not there.prefix_identical:
             return comparison   # fp32 built another P: no same comparison to settle by
         kind = None if there.difference is None else there.difference.kind
         shown = ("bit-exact" if kind is None else

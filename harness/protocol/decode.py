@@ -77,6 +77,8 @@ def covered(cache) -> int:
     except (KeyError, TypeError):
         raise RuntimeError(f"a {type(cache).__name__} kvfid did not make: its positions are "
                            f"unknown (make caches with new_cache or resume)") from None
+
+
 @dataclass
 class Runner:
     """Calls one module as `generate` does, counting forward calls and their wall time."""
@@ -112,13 +114,13 @@ class Runner:
         (None: no cache, as a trainer scores): positions after what the cache covers, or those
         given (a padded batch's, a draft tree's, a stage program's), with their mask."""
         rows, length = ids.shape
-        known = cache is None or cache in _COVERED
-        past = covered(cache) if cache is not None and (known or position_ids is None) else 0
+        past = None if cache is None else _COVERED.get(cache)   # None: explicit positions only
         if position_ids is None:   # [B, T]: what generate's all-ones mask counts
-            position_ids = torch.arange(past, past + length).expand(rows, length).contiguous()
+            start = 0 if cache is None else covered(cache)
+            position_ids = torch.arange(start, start + length).expand(rows, length).contiguous()
             if generate_keeps_full_mask():
-                attention_mask = torch.ones((rows, past + length), dtype=torch.long)
-        if cache is not None and known:
+                attention_mask = torch.ones((rows, start + length), dtype=torch.long)
+        if past is not None:
             _COVERED[cache] = past + length
         kwargs = {"input_ids": ids.to(self._device)}
         kwargs.update({self._keyword: cache, "use_cache": True} if cache is not None
@@ -128,7 +130,8 @@ class Runner:
         if attention_mask is not None and "attention_mask" in self._takes:
             kwargs["attention_mask"] = attention_mask.to(self._device)
         if "cache_position" in self._takes:
-            kwargs["cache_position"] = torch.arange(past, past + length, device=self._device)
+            start = past or 0
+            kwargs["cache_position"] = torch.arange(start, start + length, device=self._device)
         if keep is not None and "logits_to_keep" in self._takes:
             kwargs["logits_to_keep"] = keep
         return kwargs

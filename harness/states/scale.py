@@ -67,7 +67,8 @@ def difference(cache, logits, dtype: torch.dtype):
                 logits.d_rel if logits is not None else 0.0)
     if d_rel == 0.0:
         return None
-    return Difference(kind_of(d_rel, dtype), d_rel, epsilon(dtype), str(dtype).removeprefix("torch."))
+    name = str(dtype).removeprefix("torch.")
+    return Difference(kind_of(d_rel, dtype), d_rel, epsilon(dtype), name)
 
 
 def state_dtype(state) -> torch.dtype:
