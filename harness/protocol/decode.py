@@ -1,18 +1,21 @@
 """Greedy decoding primitives: counted forward calls, prefill/step/teacher-forced loops, margins.
 
 `Runner` is the one place that calls the model, and it calls it as transformers' `generate`
-does (`GenerationMixin.prepare_inputs_for_generation` and `_update_model_kwargs_for_generation`):
-the cache under the keyword this version names (`cache` in recent 5.x, `past_key_values`
-before); `position_ids` counted over what the cache already covers (from the attention mask of a
-padded batch: the first real token of a row is 0), for every model whose `forward` takes them;
-the all-ones attention mask of an unpadded batch where this version's `generate` keeps it (up to
-5.17; from 5.18 it drops it); `cache_position` only for a remote-code model whose forward takes
-it; `logits_to_keep` only where the forward takes it. A model that numbers a call's own tokens
-from 0 when given no positions (Bamba) would otherwise run every decode step at position 0.
-The positions a cache covers are counted by kvfid (`new_cache`, `resume`, `covering`), as
-`generate` counts them in its mask, never read from the cache's own counters (which a recurrent
-layer keeps its own way). It counts and times every forward call so the protocol can report its
-own overhead. Nothing here knows which attention backend or precision runs.
+does: the model kwargs `generate` keeps (`_prepare_position_ids_for_generation`,
+`_update_model_kwargs_for_generation`) handed to the model's own
+`prepare_inputs_for_generation`, whose result is what the forward gets (a model's override
+included: Mamba drops the mask after its first call, Bamba sets the logits it keeps, a
+remote-code model gets `cache_position`). The kwargs: the cache under the keyword this version
+names (`cache` in recent 5.x, `cache_params` or `past_key_values` before); `position_ids`
+counted over what the cache already covers (a padded batch's from its attention mask: a row's
+first real token is 0), for every model whose `forward` takes them; an unpadded batch's
+all-ones attention mask where this version's `generate` keeps it (5.17; 5.18 on drops it);
+`logits_to_keep` where the forward takes it, the rows kvfid asks for. A model that numbers a call's own tokens from 0 when given no
+positions (Bamba) would otherwise run every decode step at position 0. The positions a cache
+covers are counted by kvfid (`new_cache`, `resume`, `covering`), as `generate` counts them in
+its mask, never read from the cache's own counters (which a recurrent layer keeps its own way).
+It counts and times every forward call so the protocol can report its own overhead. Nothing here
+knows which attention backend or precision runs.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ _COVERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def cache_keyword(module: torch.nn.Module) -> str:
-    """The name `forward` takes the KV cache under in this transformers version."""
+    """The name `forward` takes the cache under in this transformers version: `cache` (recent
+    5.x), `cache_params` (a state-space model before that: Mamba in 5.17), `past_key_values`."""
     params = inspect.signature(module.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    return next((name for name in ("cache", "cache_params") if name in params), "past_key_values")
 
 
 @functools.cache
@@ -92,11 +96,8 @@ class Runner:
         self._keyword = cache_keyword(self.module)
         self._device = next(self.module.parameters()).device
         params = inspect.signature(self.module.forward).parameters
-        self._takes = {name for name in ("position_ids", "attention_mask", "logits_to_keep",
-                                         "cache_position") if name in params}
-        remote = getattr(self.module, "is_remote_code", lambda: False)
-        if not remote():   # generate makes cache_position only for remote code
-            self._takes.discard("cache_position")
+        self._takes = {name for name in ("position_ids", "attention_mask", "logits_to_keep")
+                       if name in params}
 
     def _counted(self, **kwargs) -> torch.Tensor:
         """One timed, counted forward call; the model's logits."""
@@ -122,18 +123,25 @@ class Runner:
                 attention_mask = torch.ones((rows, start + length), dtype=torch.long)
         if past is not None:
             _COVERED[cache] = past + length
-        kwargs = {"input_ids": ids.to(self._device)}
-        kwargs.update({self._keyword: cache, "use_cache": True} if cache is not None
-                      else {"use_cache": False})
+        given = {"use_cache": cache is not None}
+        if cache is not None:
+            given[self._keyword] = cache
         if "position_ids" in self._takes:
-            kwargs["position_ids"] = position_ids.to(self._device)
+            given["position_ids"] = position_ids.to(self._device)
         if attention_mask is not None and "attention_mask" in self._takes:
-            kwargs["attention_mask"] = attention_mask.to(self._device)
-        if "cache_position" in self._takes:
-            start = past or 0
-            kwargs["cache_position"] = torch.arange(start, start + length, device=self._device)
+            given["attention_mask"] = attention_mask.to(self._device)
         if keep is not None and "logits_to_keep" in self._takes:
-            kwargs["logits_to_keep"] = keep
+            given["logits_to_keep"] = keep
+        # the model's own preparation, as generate calls it for each forward (a model may drop
+        # the mask after its first call, or set what it keeps)
+        kwargs = self.module.prepare_inputs_for_generation(
+            ids.to(self._device), is_first_iteration=not past, **given)
+        if cache is not None:   # kvfid reads the state from its own cache, whatever is prepared
+            kwargs[self._keyword] = cache
+        if "logits_to_keep" in self._takes:   # the rows kvfid asked for (a trainer's: all)
+            kwargs.pop("logits_to_keep", None)
+            if keep is not None:
+                kwargs["logits_to_keep"] = keep
         return kwargs
 
     def forward(self, ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
