@@ -134,8 +134,13 @@ class Runner:
             given["logits_to_keep"] = keep
         # the model's own preparation, as generate calls it for each forward (a model may drop
         # the mask after its first call, or set what it keeps)
-        kwargs = self.module.prepare_inputs_for_generation(
-            ids.to(self._device), is_first_iteration=not past, **given)
+        try:
+            kwargs = self.module.prepare_inputs_for_generation(
+                ids.to(self._device), is_first_iteration=not past, **given)
+        except Exception as err:   # noqa: BLE001 -- a model's own preparation, whatever it raises
+            text = (str(err).strip().splitlines() or [""])[0][:160]
+            raise Unavailable(f"{type(self.module).__name__} cannot prepare plain token ids as its "
+                              f"generate does ({type(err).__name__}: {text})") from None
         if cache is not None:   # kvfid reads the state from its own cache, whatever is prepared
             kwargs[self._keyword] = cache
         if "logits_to_keep" in self._takes:   # the rows kvfid asked for (a trainer's: all)
