@@ -133,10 +133,11 @@ class Runner:
         if keep is not None and "logits_to_keep" in self._takes:
             given["logits_to_keep"] = keep
         # the model's own preparation, as generate calls it for each forward (a model may drop
-        # the mask after its first call, or set what it keeps)
+        # the mask after its first call, or set what it keeps); a module without generate: as is
+        prepare = getattr(self.module, "prepare_inputs_for_generation", None)
         try:
-            kwargs = self.module.prepare_inputs_for_generation(
-                ids.to(self._device), is_first_iteration=not past, **given)
+            kwargs = (prepare(ids.to(self._device), is_first_iteration=not past, **given)
+                      if prepare is not None else {"input_ids": ids.to(self._device), **given})
         except Exception as err:   # noqa: BLE001 -- a model's own preparation, whatever it raises
             text = (str(err).strip().splitlines() or [""])[0][:160]
             raise Unavailable(f"{type(self.module).__name__} cannot prepare plain token ids as its "
