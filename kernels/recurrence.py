@@ -167,9 +167,12 @@ def _from_zero(layer: torch.nn.Module, forward, cache, args, kwargs):
 
 def _token(value, length: int, t: int):
     """Position t of a per-token argument ([B, T, ...] or a [B, T] mask: any tensor keyword whose
-    dim 1 is the call's length); others as they are."""
+    dim 1 is the call's length, also inside a tuple such as the rotary (cos, sin)); others as
+    they are."""
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length:
         return value[:, t:t + 1].contiguous()
+    if isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
+        return tuple(_token(v, length, t) for v in value)
     return value
 
 
@@ -192,14 +195,19 @@ def _stepwise(layer: torch.nn.Module, forward):
             _steps[id(layer)] = t
             try:
                 step_kwargs = {k: _token(v, length, t) for k, v in kwargs.items()}
-                step_args = (hidden_states[:, t:t + 1].contiguous(), *args[1:]) if positional else args
+                step_args = (hidden_states[:, t:t + 1].contiguous(),
+                             *(_token(a, length, t) for a in args[1:])) if positional else args
                 outs.append(_from_zero(layer, forward, cache, step_args, step_kwargs) if t == 0
                             else forward(*step_args, **step_kwargs))
             finally:
                 del _steps[id(layer)]
         if isinstance(outs[0], torch.Tensor):
             return torch.cat(outs, dim=1)  # [B, T, D]
-        return (torch.cat([o[0] for o in outs], dim=1), *outs[-1][1:])
+        # a tuple: every per-token part (a step's [B, 1, ...]: hidden states, or the q, k, v a
+        # mixer projects) joined over the steps, the rest as the last step left it
+        return tuple(torch.cat(parts, dim=1) if all(isinstance(p, torch.Tensor) and p.dim() >= 2
+                                                    and p.shape[1] == 1 for p in parts)
+                     else parts[-1] for parts in zip(*outs))
     return step_by_step
 
 

@@ -116,6 +116,15 @@ def _falcon_h1():
         mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=8)
 
 
+def _bamba():
+    """Issue 45's Mamba-2 hybrid: layer 0 Mamba-2, layer 1 attention; its forward numbers a
+    call's own tokens from 0 when given no position_ids."""
+    from transformers import BambaConfig, BambaForCausalLM
+    common = {k: v for k, v in _COMMON.items() if k != "head_dim"}
+    return BambaForCausalLM, BambaConfig(
+        **common, num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
+        mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=1,
+        mamba_chunk_size=WINDOW)
 
 # --------------------------------------------------------------------------- issue 27's families
 
@@ -222,6 +231,7 @@ _BUILDERS = {"gemma3": _gemma3, "mistral-sw": _mistral, "gemma2": _gemma2, "gpt-
 
 FAMILIES = tuple(_BUILDERS)
 EXTRA = {"falcon-h1": _falcon_h1, "llama4": _llama4}   # built by `build` too, not in FAMILIES
+POSITIONS = {"bamba": _bamba}       # issue 45's; built by `build` too (seeded after the others)
 NEWEST_FAMILIES = tuple(NEWEST)     # issue 27's; built by `build` too
 SEED = 17
 
@@ -231,7 +241,7 @@ def model(family: str, *, dtype: torch.dtype = torch.float32, experts: str | Non
     """A seeded random-weight model of `family` (initialised in fp32, then cast to `dtype`), eval
     mode, CPU; `experts` picks transformers' experts_implementation (None: its default); `config`
     sets fields of the family's config (e.g. more layers)."""
-    builders = {**_BUILDERS, **EXTRA, **NEWEST}
+    builders = {**_BUILDERS, **EXTRA, **NEWEST, **POSITIONS}
     if family not in builders:
         raise ValueError(f"unknown family {family!r}; valid: {', '.join(builders)}")
     model_cls, family_config = builders[family]()

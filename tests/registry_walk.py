@@ -24,37 +24,7 @@ from pathlib import Path
 
 import torch
 
-_TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-             bos_token_id=256, eos_token_id=257, pad_token_id=257, tie_word_embeddings=False,
-             moe_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
-             num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=32,
-             kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32,
-             v_head_dim=32, sliding_window=8, initializer_range=0.08,
-             vocab_size_per_layer_input=260, hidden_size_per_layer_input=16,
-             n_input_layers=1, n_output_layers=0,   # a looped model: one input layer, one looped
-             # state-space and linear-attention layers: small states, short scan chunks (a chunked
-             # scan pads to its chunk: falcon_h1's 256 cost 50 s of a 154 s walk)
-             mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
-             mamba_chunk_size=8, chunk_size=8, ssm_state_size=16, state_size=16,
-             mamba_num_heads=4, mamba_head_dim=16, mamba_headdim=16, n_mamba_heads=4, n_groups=1,
-             linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-             linear_num_value_heads=4, linear_head_dim=16, linear_num_heads=4, block_size=8)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:160] if text else ''}"
-
-
-def _has(config, name: str) -> bool:
-    try:
-        getattr(config, name)
-    except AttributeError:
-        return False
-    except Exception:   # noqa: BLE001 -- a per-layer field of a heterogeneous config exists
-        return True
-    return True
+from registry_sizes import first_line as _first_line, tiny_module
 
 
 def registry() -> dict[str, str]:
@@ -66,34 +36,13 @@ def registry() -> dict[str, str]:
 
 def tiny(model_type: str):
     """A seeded tiny random-weight fp32 model of `model_type` (raises if not), as a kvfid Model
-    over bytes."""
+    over bytes (tests/registry_sizes.py sizes it)."""
     import transformers
-    from transformers import AutoConfig
 
     from kvfid.inputs.models import Model
     from kvfid.inputs.codecs import ByteCodec
 
-    config_cls = type(AutoConfig.for_model(model_type))
-    defaults = config_cls()
-    fields = {k: v for k, v in _TINY.items() if _has(defaults, k)}
-    config = config_cls(**fields)
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError("an encoder-decoder model")
-    model_cls = getattr(transformers, registry()[model_type])
-    with torch.device("meta"):   # counted before any memory is spent on it
-        size = sum(p.numel() for p in model_cls(config).parameters())
-    if size > 20_000_000:
-        raise ValueError(f"not tiny with these fields ({size / 1e6:.0f}M parameters)")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        module = model_cls(config).to(torch.float32).eval()
-    ids = torch.tensor([[3, 4, 5]])
-    try:   # transformers' own prefill and one decode step, before kvfid touches it
-        with torch.no_grad():
-            cache = module(input_ids=ids, use_cache=True).get("past_key_values")
-            module(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
-    except Exception as err:   # noqa: BLE001
-        raise ValueError(f"transformers' own forward fails: {_first_line(err)}") from None
+    module = tiny_module(model_type, getattr(transformers, registry()[model_type]))
     return Model(f"walk:{model_type}", module, ByteCodec())
 
 
@@ -111,7 +60,9 @@ def mechanisms(model) -> tuple[str, ...]:
 
 
 def one(model, stack: str, boundary: int = 4, suffix: int = 1) -> str:
-    """One short repro: `bit-exact`, `differs (layer L part)`, `refused: ...`, `error: ...`."""
+    """One short repro, live against prefill: `bit-exact`, `differs KIND (layer L part, d_rel
+    D)` with KIND `by rounding`, `functionally` or `unsettled` (kvfid.states.scale; a stack below
+    fp32 is settled by the walk from its fp32 twin), `refused (exit N): ...`, `INTERNAL ...`."""
     from kvfid.errors import KvfidError
     from kvfid.stacks.stack import check_supports, parse_stack
     from kvfid.protocol.protocol import ItemPlan
@@ -125,24 +76,52 @@ def one(model, stack: str, boundary: int = 4, suffix: int = 1) -> str:
         prompt_length = len(model.codec.prompt_ids(item.prompt))
         plan.check_fits(prompt_length, model.context_length)
         check_supports(checked, model, prompt_length + boundary + suffix)
-        cache = repro.measure(repro.Repro(model, checked, item, plan, [])).against_live("prefill").cache
+        comparison = repro.measure(repro.Repro(model, checked, item, plan, [])).against_live("prefill")
     except KvfidError as err:
         return f"refused (exit {err.exit_code}): {str(err)[:200]}"
     except Exception as err:   # noqa: BLE001 -- the walk lists every outcome, internal ones too
         return f"INTERNAL {_first_line(err)}"
-    if cache.bit_exact:
+    cache, difference = comparison.cache, comparison.difference
+    if cache.bit_exact and comparison.logits.equal:
         return "bit-exact"
-    return f"differs (layer {cache.first_bad_layer} {cache.first_bad_kv})"
+    where = (f"layer {cache.first_bad_layer} {cache.first_bad_kv}" if cache.first_bad_layer is not None
+             else "; ".join(cache.uncompared)[:80] or "boundary logits")
+    if difference is None:   # nothing measured differs: a part left uncompared
+        return f"differs, uncompared ({where})"
+    return f"differs {_WORDS[difference.kind]} ({where}, d_rel {difference.d_rel:.1e})"
 
 
-STACKS = ("sdpa/fp32", "native/fp32+bi")
+_WORDS = {"rounding": "by rounding", "functional": "functionally", "unsettled": "unsettled"}
+
+
+def settled(low: str, fp32: str | None) -> str:
+    """A below-fp32 stack's outcome with an unsettled kind settled by its fp32 twin's outcome:
+    rounding where fp32 is bit-exact or differs by rounding, functional where fp32 differs
+    functionally; unsettled where the twin did not run or was refused."""
+    if not low.startswith("differs unsettled") or fp32 is None:
+        return low
+    if fp32 == "bit-exact" or fp32.startswith("differs by rounding"):
+        return low.replace("differs unsettled", "differs by rounding", 1)
+    if fp32.startswith("differs functionally"):
+        return low.replace("differs unsettled", "differs functionally", 1)
+    return low
+
+
+STACKS = ("sdpa/fp32", "native/fp32+bi", "sdpa/bf16", "native/bf16+bi")
 TRITON = "triton/fp32+bi"   # the first family of each distinct set of mechanisms
+GENERATE = ("sdpa/fp32", "native/bf16+bi")   # kvfid's live arm against generate, bit for bit
 
 
-def walk(only=None, stacks=STACKS, triton=TRITON, seen=None) -> list[dict]:
-    """Each family's row (built, an outcome per stack, its mechanisms, seconds), printed as it
-    is measured. `seen`: mechanism sets whose triton run is already done (shared by shards)."""
+def _fp32_twin(stack: str) -> str:
+    return stack.replace("/bf16", "/fp32").replace("/fp16", "/fp32")
+
+
+def walk(only=None, stacks=STACKS, triton=TRITON, seen=None, generate=GENERATE) -> list[dict]:
+    """Each family's row (built, an outcome per stack, live against generate per stack in
+    `generate`, its mechanisms, seconds), printed as it is measured. `seen`: mechanism sets
+    whose triton run is already done (shared by shards)."""
     from kvfid import kernels
+    from generate_check import live_against_generate
 
     seen = set() if seen is None else seen
     out = []
@@ -155,13 +134,28 @@ def walk(only=None, stacks=STACKS, triton=TRITON, seen=None) -> list[dict]:
         except Exception as err:   # noqa: BLE001
             row["built"] = f"not built: {_first_line(err)}"
         else:
-            row["built"] = "built"
-            row.update({stack: one(model, stack) for stack in stacks})
+            row["built"], cpu = "built", {}
+
+            def timed(key, measure, *args):
+                begin = time.process_time()
+                try:
+                    row[key] = measure(model, *args)
+                except Exception as err:   # noqa: BLE001 -- listed, and failed by the test
+                    row[key] = f"INTERNAL {_first_line(err)}"
+                cpu[key] = round(time.process_time() - begin, 2)
+
+            for stack in stacks:
+                timed(stack, one, stack)
+            for stack in stacks:
+                row[stack] = settled(row[stack], row.get(_fp32_twin(stack)))
             row["mechanisms"] = list(mechanisms(model))
             if triton and kernels.interpreting() and tuple(row["mechanisms"]) not in seen:
-                row[triton] = one(model, triton)
+                timed(triton, one, triton)
                 if not row[triton].startswith("refused"):   # else the next family of the set
                     seen.add(tuple(row["mechanisms"]))
+            for stack in generate:
+                timed(f"generate {stack}", live_against_generate, stack)
+            row["cpu_s"] = cpu
         row["seconds"] = round(time.perf_counter() - start, 1)
         print(json.dumps(row), flush=True)
         out.append(row)
@@ -169,7 +163,8 @@ def walk(only=None, stacks=STACKS, triton=TRITON, seen=None) -> list[dict]:
 
 
 EXPECTED = Path(__file__).with_name("registry_walk.json")
-OUTCOMES = ("bit-exact", "differs", "refused", "not built", "INTERNAL")
+OUTCOMES = ("bit-exact", "differs by rounding", "differs functionally", "differs unsettled",
+            "differs, uncompared", "differs", "refused", "not built", "INTERNAL")
 
 
 def outcome(text: str | None) -> str | None:
@@ -182,14 +177,17 @@ def expectations(rows: list[dict]) -> dict:
     import transformers
 
     return {"transformers": transformers.__version__,
-            "families": {r["family"]: {k: v for k, v in r.items() if k not in ("family", "seconds")}
+            "families": {r["family"]: {k: v for k, v in r.items()
+                                       if k not in ("family", "seconds", "cpu_s")}
                          for r in rows}}
 
 
 def regressions(rows: list[dict], expected: dict) -> list[str]:
-    """Each family worse than kept: built before and not now, or on a faithful (+bi) stack
-    bit-exact before and not now, or differing where it did not before. The stock stack's
-    outcome is not held to (whether stock sdpa happens to be bit-exact depends on the CPU)."""
+    """Each family worse than kept: built before and not now; on a faithful (+bi) stack
+    bit-exact before and not now, or differing where it did not before; on any stack differing
+    functionally where it did not before (a functional difference does not depend on the CPU).
+    Whether a stock stack is bit-exact or differs by rounding depends on the CPU, so that is not
+    held to."""
     out = []
     for row in rows:
         kept = expected["families"].get(row["family"])
@@ -197,18 +195,37 @@ def regressions(rows: list[dict], expected: dict) -> list[str]:
             continue
         if kept["built"] == "built" and row["built"] != "built":
             out.append(f"{row['family']}: built before, now {row['built']}")
-        for stack in (k for k in kept if k.endswith("+bi") and k in row):
+        for stack in (k for k in kept if "/" in k and k in row):
             was, now = outcome(kept[stack]), outcome(row[stack])
-            if now != was and (was == "bit-exact" or now == "differs"):
+            faithful = stack.endswith("+bi") and (was == "bit-exact" or now.startswith("differs"))
+            if now != was and (faithful or now == "differs functionally"):
                 out.append(f"{row['family']} on {stack}: {kept[stack]!r} before, now {row[stack]!r}")
     return out
 
 
+def counts(rows: list[dict], stacks=(*STACKS, TRITON, *(f"generate {s}" for s in GENERATE))
+           ) -> dict:
+    """How many families have each outcome class, per stack (and `built` / `not built`)."""
+    out = {"families": len(rows), "built": sum(r["built"] == "built" for r in rows)}
+    out["not built"] = out["families"] - out["built"]
+    for stack in stacks:
+        classes = [outcome(r.get(stack)) for r in rows if r.get(stack) is not None]
+        out[stack] = {c: classes.count(c) for c in OUTCOMES if c in classes}
+    return out
+
+
 def table(rows: list[dict], stacks=(*STACKS, TRITON)) -> str:
-    """The walk as a Markdown table: family, then each stack's outcome (or why not built)."""
-    lines = ["| family | " + " | ".join(stacks) + " |", "|---" * (len(stacks) + 1) + "|"]
+    """The walk as a Markdown table: the counts per stack, then each family's outcome per stack
+    (or why it was not built)."""
+    summary = counts(rows, stacks)
+    lines = [f"{summary['built']} of {summary['families']} families built.", "",
+             "| stack | " + " | ".join(OUTCOMES) + " |", "|---" * (len(OUTCOMES) + 1) + "|"]
+    lines += [f"| {s} | " + " | ".join(str(summary[s].get(o, 0)) for o in OUTCOMES) + " |"
+              for s in stacks]
+    lines += ["", "| family | " + " | ".join(stacks) + " |", "|---" * (len(stacks) + 1) + "|"]
     for r in rows:
-        cells = [r.get(s, "") for s in stacks] if r["built"] == "built" else [r["built"], "", ""]
+        cells = ([r.get(s, "") for s in stacks] if r["built"] == "built"
+                 else [r["built"]] + [""] * (len(stacks) - 1))
         lines.append(f"| {r['family']} | " + " | ".join(c.replace("|", "/")[:90] for c in cells) + " |")
     return "\n".join(lines)
 

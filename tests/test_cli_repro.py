@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from kvfid.stacks.stack import Stack
 from kvfid.cli import main
 from kvfid.environment import envinfo
-from kvfid.diagnoses.repro import verdict
+from kvfid.diagnoses.repro import Repro, difference_kind, settle_in_fp32, verdict
 from kvfid.protocol.protocol import ItemPlan, parse_transplant, run_item
 from protocol_fixtures import tiny
 from kvfid.inputs.items import Item, match_answer
@@ -37,9 +37,11 @@ def test_repro_json_matches_the_library_record():
     shown = from_cli.pop("verdict")
     plan = ItemPlan(6, 5, ("live", "prefill", "chunked:4"), ("prefill",),
                     (parse_transplant("live<-prefill:keys"),))
-    from_library = run_item(tiny(), Stack("sdpa", "bf16"), Item("prompt", "What is 2+2?"), plan,
-                            matcher=match_answer)
+    item, stack = Item("prompt", "What is 2+2?"), Stack("sdpa", "bf16")
+    from_library = run_item(tiny(), stack, item, plan, matcher=match_answer)
+    from_library = settle_in_fp32(Repro(tiny(), stack, item, plan, []), from_library)
     assert shown == verdict(from_library)
+    assert from_cli.pop("difference") == difference_kind(from_library)
     expected = json.loads(from_library.to_json())
     assert expected.pop("environment") is None      # a run's record: the run carries it
     assert strip_timing(from_cli) == strip_timing(expected)

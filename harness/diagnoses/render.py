@@ -42,6 +42,8 @@ def comparison_lines(comparison: Comparison, arms: dict[str, ArmRecord], codec,
                      f"max ULP {cache.max_ulp} (through zero), d_rel {cache.d_rel:.3g}")
         if cache.uncompared:
             lines.append(f"    cache   not compared: {'; '.join(cache.uncompared)}")
+    if comparison.difference is not None:
+        lines.append(f"    kind    {difference_text(comparison.difference)}")
     logits = comparison.logits
     if logits is not None:
         verdict = "bit-exact" if logits.equal else f"max |diff| {logits.max_abs:.3g}"
@@ -59,6 +61,15 @@ def comparison_lines(comparison: Comparison, arms: dict[str, ArmRecord], codec,
         if a in arms and b in arms and b_name is None:
             lines += _aligned(codec, list(arms[a].suffix), list(arms[b].suffix), first)
     return lines
+
+
+def difference_text(difference) -> str:
+    """A difference's kind in words, its scale against the dtype's epsilon, and what settled it."""
+    from kvfid.states.scale import describe
+
+    settled = f"; settled by {difference.settled_by}" if difference.settled_by else ""
+    return (f"{describe(difference.kind)} (d_rel {difference.d_rel:.3g} = "
+            f"{difference.d_rel / difference.epsilon:.3g} x the {difference.dtype} epsilon{settled})")
 
 
 def item_text(record: ItemRecord, codec) -> str:

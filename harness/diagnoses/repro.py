@@ -116,11 +116,52 @@ def measure(repro: Repro):
     from kvfid.protocol.protocol import run_crossing, run_item
 
     record = run_item(repro.model, repro.stack, repro.item, repro.plan, matcher=match_answer)
+    record = settle_in_fp32(repro, record)
     if repro.cross_stacks:
         record = replace(record, crossing=run_crossing(repro.model, repro.item, repro.stack,
                                                        repro.cross_stacks, repro.plan.B,
                                                        repro.plan.S))
     return record
+
+
+def settle_in_fp32(repro: Repro, record):
+    """The record with each unsettled difference (a stack below fp32: kvfid.states.scale)
+    settled by the same comparison on the same stack in fp32: rounding where fp32 agrees to fp32
+    rounding, functional where it differs far above it. Unchanged where nothing is unsettled, or
+    where the fp32 stack cannot serve the model (the kinds stay unsettled)."""
+    from dataclasses import replace
+
+    from kvfid.errors import KvfidError
+    from kvfid.protocol.protocol import ItemPlan, run_item
+    from kvfid.states import scale
+
+    unsettled = [c for c in record.comparisons
+                 if c.difference is not None and c.difference.kind == scale.UNSETTLED]
+    if not unsettled:
+        return record
+    twin = repro.stack.with_dtype("fp32")
+    plan = ItemPlan(repro.plan.B, repro.plan.S, repro.plan.arms, ignore_eos=repro.plan.ignore_eos)
+    try:
+        check_supports(twin, repro.model, len(repro.model.codec.prompt_ids(repro.item.prompt))
+                       + plan.B + plan.S)
+        fp32 = run_item(repro.model, twin, repro.item, plan)
+    except KvfidError:
+        return record
+    found = {c.b: c for c in fp32.comparisons}
+
+    def settled(comparison):
+        there = found.get(comparison.b)
+        mine = any(comparison is u for u in unsettled)
+        if not mine or there is None or not there.prefix_identical:
+            return comparison   # fp32 built another P: no same comparison to settle by
+        kind = None if there.difference is None else there.difference.kind
+        shown = ("bit-exact" if kind is None else
+                 f"{kind}, d_rel {there.difference.d_rel:.2g}")
+        return replace(comparison, difference=replace(
+            comparison.difference, kind=scale.settle(scale.UNSETTLED, kind),
+            settled_by=f"{twin.label}: {shown}"))
+
+    return replace(record, comparisons=tuple(settled(c) for c in record.comparisons))
 
 
 def verdict(record) -> str | None:
@@ -131,6 +172,16 @@ def verdict(record) -> str | None:
         return None
     exact = all(c.prefix_identical and c.bit_exact and c.suffix.identical for c in against_live)
     return BIT_EXACT if exact else DIVERGES
+
+
+def difference_kind(record) -> str | None:
+    """The gravest kind among the differences of the arms compared with live (functional, then
+    unsettled, then rounding; kvfid.states.scale), None where none differs."""
+    from kvfid.states import scale
+
+    kinds = {c.difference.kind for c in record.comparisons
+             if c.kind in ("arm", "bridge") and c.difference is not None}
+    return next((k for k in (scale.FUNCTIONAL, scale.UNSETTLED, scale.ROUNDING) if k in kinds), None)
 
 
 @dataclass
@@ -155,12 +206,18 @@ class ReproOutcome:
         from kvfid.records.record import to_dict
 
         return {**to_dict(replace(self.record, environment=self.environment)),
-                "verdict": self.verdict, "environment_key": self.environment_key}
+                "verdict": self.verdict, "difference": difference_kind(self.record),
+                "environment_key": self.environment_key}
 
     def text(self) -> str:
         from kvfid.diagnoses import render
 
+        from kvfid.states.scale import describe
+
         shown = self.verdict or "none (nothing was compared with live)"
+        kind = difference_kind(self.record)
+        if kind is not None:
+            shown += f"; the difference is {describe(kind)}"
         return f"{render.item_text(self.record, self.codec)}\n\nverdict: {shown}"
 
 

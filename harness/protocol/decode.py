@@ -1,16 +1,30 @@
 """Greedy decoding primitives: counted forward calls, prefill/step/teacher-forced loops, margins.
 
-`Runner` is the one place that calls the model: it handles transformers' API differences (the
-cache keyword is `cache` in recent 5.x, `past_key_values` before), asks only for the last
-position's logits, and counts and times every forward call so the protocol can report its own
-overhead. Nothing here knows which attention backend or precision runs.
+`Runner` is the one place that calls the model, and it calls it as transformers' `generate`
+does: the model kwargs `generate` keeps (`_prepare_position_ids_for_generation`,
+`_update_model_kwargs_for_generation`) handed to the model's own
+`prepare_inputs_for_generation`, whose result is what the forward gets (a model's override
+included: Mamba drops the mask after its first call, Bamba sets the logits it keeps, a
+remote-code model gets `cache_position`). The kwargs: the cache under the keyword this version
+names (`cache` in recent 5.x, `cache_params` or `past_key_values` before); `position_ids`
+counted over what the cache already covers (a padded batch's from its attention mask: a row's
+first real token is 0), for every model whose `forward` takes them; an unpadded batch's
+all-ones attention mask where this version's `generate` keeps it (5.17; 5.18 on drops it);
+`logits_to_keep` where the forward takes it, the rows kvfid asks for. A model that numbers a call's own tokens from 0 when given no
+positions (Bamba) would otherwise run every decode step at position 0. The positions a cache
+covers are counted by kvfid (`new_cache`, `resume`, `covering`), as `generate` counts them in
+its mask, never read from the cache's own counters (which a recurrent layer keeps its own way).
+It counts and times every forward call so the protocol can report its own overhead. Nothing here
+knows which attention backend or precision runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -19,24 +33,59 @@ from kvfid.errors import Unavailable
 from kvfid.states.cache import top2
 from kvfid.kernels import KernelRefusal
 
+# cache -> the positions it covers (the length of generate's attention mask for it)
+_COVERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
 
 def cache_keyword(module: torch.nn.Module) -> str:
-    """The name `forward` takes the KV cache under in this transformers version."""
+    """The name `forward` takes the cache under in this transformers version: `cache` (recent
+    5.x), `cache_params` (a state-space model before that: Mamba in 5.17), `past_key_values`."""
     params = inspect.signature(module.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    return next((name for name in ("cache", "cache_params") if name in params), "past_key_values")
+
+
+@functools.cache
+def generate_keeps_full_mask() -> bool:
+    """Whether this transformers' `generate` passes an unpadded batch's all-ones attention mask on
+    to the model: 5.17 does; 5.18 on drops it (`generation_config._mask_length`)."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version("5.18")
 
 
 def new_cache(module: torch.nn.Module):
     """An empty cache for this model: a dynamic cache with its layer classes, or the cache class
-    the model brings (kvfid.states.layers.empty_cache)."""
+    the model brings (kvfid.states.layers.empty_cache). It covers no position yet."""
     from kvfid.states.layers import empty_cache
 
-    return empty_cache(module)
+    return covering(empty_cache(module), 0)
+
+
+def resume(state, module: torch.nn.Module):
+    """A cache holding boundary state `state` (kvfid.states.cache.BoundaryState), covering its
+    prefix: the next token fed is at position len(prefix)."""
+    return covering(state.to_cache(module), len(state.prefix))
+
+
+def covering(cache, positions: int):
+    """Declare that `cache` covers `positions` positions (after a cut or a gather); returns it."""
+    _COVERED[cache] = positions
+    return cache
+
+
+def covered(cache) -> int:
+    """The positions `cache` covers, as kvfid fed them."""
+    try:
+        return _COVERED[cache]
+    except (KeyError, TypeError):
+        raise RuntimeError(f"a {type(cache).__name__} kvfid did not make: its positions are "
+                           f"unknown (make caches with new_cache or resume)") from None
 
 
 @dataclass
 class Runner:
-    """Calls one module, counting forward calls and their wall time."""
+    """Calls one module as `generate` does, counting forward calls and their wall time."""
 
     module: torch.nn.Module
     calls: int = 0
@@ -46,6 +95,9 @@ class Runner:
     def __post_init__(self) -> None:
         self._keyword = cache_keyword(self.module)
         self._device = next(self.module.parameters()).device
+        params = inspect.signature(self.module.forward).parameters
+        self._takes = {name for name in ("position_ids", "attention_mask", "logits_to_keep")
+                       if name in params}
 
     def _counted(self, **kwargs) -> torch.Tensor:
         """One timed, counted forward call; the model's logits."""
@@ -58,15 +110,52 @@ class Runner:
         self.calls += 1
         return logits
 
+    def _inputs(self, ids: torch.Tensor, cache, attention_mask, position_ids, keep) -> dict:
+        """The keyword arguments `generate` would pass for feeding `ids` [B, T] after `cache`
+        (None: no cache, as a trainer scores): positions after what the cache covers, or those
+        given (a padded batch's, a draft tree's, a stage program's), with their mask."""
+        rows, length = ids.shape
+        past = None if cache is None else _COVERED.get(cache)   # None: explicit positions only
+        if position_ids is None:   # [B, T]: what generate's all-ones mask counts
+            start = 0 if cache is None else covered(cache)
+            position_ids = torch.arange(start, start + length).expand(rows, length).contiguous()
+            if generate_keeps_full_mask():
+                attention_mask = torch.ones((rows, start + length), dtype=torch.long)
+        if past is not None:
+            _COVERED[cache] = past + length
+        given = {"use_cache": cache is not None}
+        if cache is not None:
+            given[self._keyword] = cache
+        if "position_ids" in self._takes:
+            given["position_ids"] = position_ids.to(self._device)
+        if attention_mask is not None and "attention_mask" in self._takes:
+            given["attention_mask"] = attention_mask.to(self._device)
+        if keep is not None and "logits_to_keep" in self._takes:
+            given["logits_to_keep"] = keep
+        # the model's own preparation, as generate calls it for each forward (a model may drop
+        # the mask after its first call, or set what it keeps); a module without generate: as is
+        prepare = getattr(self.module, "prepare_inputs_for_generation", None)
+        try:
+            kwargs = (prepare(ids.to(self._device), is_first_iteration=not past, **given)
+                      if prepare is not None else {"input_ids": ids.to(self._device), **given})
+        except Exception as err:   # noqa: BLE001 -- a model's own preparation, whatever it raises
+            text = (str(err).strip().splitlines() or [""])[0][:160]
+            raise Unavailable(f"{type(self.module).__name__} cannot prepare plain token ids as its "
+                              f"generate does ({type(err).__name__}: {text})") from None
+        if cache is not None:   # kvfid reads the state from its own cache, whatever is prepared
+            kwargs[self._keyword] = cache
+        if "logits_to_keep" in self._takes:   # the rows kvfid asked for (a trainer's: all)
+            kwargs.pop("logits_to_keep", None)
+            if keep is not None:
+                kwargs["logits_to_keep"] = keep
+        return kwargs
+
     def forward(self, ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Feed `ids` [B, T] after what `cache` holds; return last-position logits [B, V].
         A padded batch also passes its attention mask [B, cached + T] and position ids [B, T]."""
-        padding = {} if attention_mask is None else {
-            "attention_mask": attention_mask.to(self._device),
-            "position_ids": position_ids.to(self._device)}
-        return self._counted(input_ids=ids.to(self._device), use_cache=True, logits_to_keep=1,
-                             **{self._keyword: cache}, **padding)[:, -1, :]
+        kwargs = self._inputs(ids, cache, attention_mask, position_ids, keep=1)
+        return self._counted(**kwargs)[:, -1, :]
 
     def forward_kept(self, ids: torch.Tensor, cache, rows: int,
                      attention_mask: torch.Tensor | None = None,
@@ -74,22 +163,19 @@ class Runner:
         """Feed `ids` [B, T] after what `cache` holds; the logits of the last `rows` positions
         [B, rows, V] (a verification pass keeps every row, a prefix-cache hit only the last). A
         draft tree also passes its 4-D mask and position ids."""
-        tree = {} if attention_mask is None else {
-            "attention_mask": attention_mask.to(self._device),
-            "position_ids": position_ids.to(self._device)}
-        return self._counted(input_ids=ids.to(self._device), use_cache=True, logits_to_keep=rows,
-                             **{self._keyword: cache}, **tree)
+        kwargs = self._inputs(ids, cache, attention_mask, position_ids, keep=rows)
+        return self._counted(**kwargs)[:, -rows:, :]
 
     def forward_all(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """Feed `ids` [B, T] after what `cache` holds (no cache when None), as a trainer scores a
         sequence: logits at every position [B, T, V]."""
-        kwargs = {self._keyword: cache, "use_cache": True} if cache is not None else {"use_cache": False}
-        return self._counted(input_ids=ids.to(self._device), **kwargs)
+        return self._counted(**self._inputs(ids, cache, None, None, keep=None))
 
     def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """No-cache forward over all of `ids` [B, T]; logits at every position [B, T, V]."""
+        kwargs = self._inputs(ids, None, None, None, keep=None)
         with refusals_as_unavailable():
-            out = self.module(input_ids=ids.to(self._device), use_cache=False)
+            out = self.module(**kwargs)
         return out.logits
 
 

@@ -33,7 +33,7 @@ import torch
 
 from kvfid.errors import Unavailable
 from kvfid.protocol import engine_tree
-from kvfid.protocol.decode import Runner, as_batch
+from kvfid.protocol.decode import Runner, as_batch, covered, covering
 
 KINDS = ("cached", "spec", "spec-tree")
 _NGRAM = 2           # the n of prompt-lookup drafting
@@ -115,6 +115,7 @@ def _rollback(cache, tokens: int) -> None:
         raise RollbackError(f"a prefix-cache hit or a speculative rollback needs a cache that can "
                             f"be cut back; {', '.join(kinds)} keeps a recurrent state that cannot")
     cache.crop(-tokens)
+    covering(cache, covered(cache) - tokens)
 
 
 def _cached(runner: Runner, cache, k: int, prefix: list[int], vocab_size: int,

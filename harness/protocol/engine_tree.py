@@ -26,7 +26,7 @@ import re
 
 import torch
 
-from kvfid.protocol.decode import Runner, as_batch
+from kvfid.protocol.decode import Runner, as_batch, covering
 
 MAX_NODES = 64
 _SPELLING = re.compile(r"spec:tree:(?:(\d+)x(\d+)|(\d+(?:,\d+)*))(?:\+rate(0?\.\d+))?")
@@ -153,3 +153,4 @@ def _keep_path(cache, root: int, path: list[int]) -> None:
             held = getattr(layer, name)
             setattr(layer, name, torch.cat([held[:, :, :root + 1],
                                             held.index_select(2, slots.to(held.device))], dim=2))
+    covering(cache, root + 1 + len(path))

@@ -17,13 +17,14 @@ from typing import Sequence
 
 from kvfid.states import cache as kv
 from kvfid.protocol import cobatch, engine_arms
-from kvfid.states import surgery
+from kvfid.states import scale, surgery
 from kvfid.records import record as rec
 from kvfid.records.plain import decode
 from kvfid.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
                                    TransplantSpec, parse_construction, parse_transplant)
 from kvfid.states.cache import top2
-from kvfid.protocol.decode import Greedy, Runner, as_batch, feed_chunks, greedy, new_cache
+from kvfid.protocol.decode import (Greedy, Runner, as_batch, feed_chunks, greedy, new_cache,
+                                   resume)
 
 # --------------------------------------------------------------------------- arms
 
@@ -62,7 +63,7 @@ class Arm:
 
 def decode_suffix(runner: Runner, state: kv.BoundaryState, steps: int, eos_ids) -> Greedy:
     """`steps` greedy tokens from a boundary state, by the batch-1 suffix decoder."""
-    cache = state.to_cache(runner.module)
+    cache = resume(state, runner.module)
     suffix, _ = greedy(runner, cache, state.logits, steps, eos_ids, feed_last=False)
     return suffix
 
@@ -149,11 +150,12 @@ def compare_arms(a: Arm, b: Arm, kind: str) -> rec.Comparison:
     suffix = kv.compare_suffixes(a.suffix.tokens, b.suffix.tokens, a.suffix.margins,
                                  b.suffix.margins)
     same = a.state.prefix == b.state.prefix
-    return rec.Comparison(
-        a.label, b.label, kind, decode(rec.SuffixDiff, suffix), same,
-        decode(rec.CacheDiff, kv.compare_states(a.state, b.state)) if same else None,
-        decode(rec.LogitsDiff, kv.compare_logits(a.state.logits, b.state.logits))
-        if same else None)
+    if not same:
+        return rec.Comparison(a.label, b.label, kind, decode(rec.SuffixDiff, suffix), same)
+    cache = decode(rec.CacheDiff, kv.compare_states(a.state, b.state))
+    logits = decode(rec.LogitsDiff, kv.compare_logits(a.state.logits, b.state.logits))
+    return rec.Comparison(a.label, b.label, kind, decode(rec.SuffixDiff, suffix), same, cache,
+                          logits, scale.difference(cache, logits, scale.state_dtype(a.state)))
 
 
 def run_transplant(module, spec: TransplantSpec, arms: dict[str, Arm], prompt_length: int,

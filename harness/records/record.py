@@ -85,6 +85,7 @@ class LogitsDiff:
 
     equal: bool = True
     max_abs: float = 0.0
+    d_rel: float = 0.0              # ||a - b|| / ||a|| in fp64 (0 in records written before it)
     argmax_a: int | None = None
     argmax_b: int | None = None
     argmax_agree: bool = True
@@ -106,10 +107,25 @@ class SuffixDiff:
 
 
 @dataclass(frozen=True)
+class Difference:
+    """The kind of a difference between two states over one prefix (kvfid.states.scale):
+    rounding, functional (the two paths compute different functions: never numerics), or
+    unsettled (below fp32 and not yet compared in fp32). `d_rel` is the larger of the state's
+    and the boundary logits'; `settled_by` says what the fp32 comparison found, when one ran."""
+
+    kind: str
+    d_rel: float
+    epsilon: float
+    dtype: str
+    settled_by: str | None = None
+
+
+@dataclass(frozen=True)
 class Comparison:
     """Arm `b` against arm `a` (the reference). kind: arm | bridge (b against live), replica (an
     arm against its own second run), crossing (two constructions within one crossing stack).
-    `cache` and `logits` are None when the two prefixes differ."""
+    `cache` and `logits` are None when the two prefixes differ; `difference` is None where
+    nothing differs (or nothing was compared; records before it hold None too)."""
 
     a: str
     b: str
@@ -118,6 +134,7 @@ class Comparison:
     prefix_identical: bool = True
     cache: CacheDiff | None = None
     logits: LogitsDiff | None = None
+    difference: Difference | None = None
 
     @property
     def bit_exact(self) -> bool:

@@ -153,6 +153,13 @@ def document(run, case, summary: dict, units, raw_environment: bool = True) -> l
     return doc
 
 
+def _kinds_text(kinds: dict | None) -> str:
+    """`rounding / functional / unsettled` counts (kvfid.states.scale), `-` for older records."""
+    if not kinds:
+        return "-"
+    return " / ".join(str(kinds.get(k, 0)) for k in ("rounding", "functional", "unsettled"))
+
+
 def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple]:
     cons = s["constructions"]
     short = f"; short: {', '.join(s['short'])}" if s["short"] else ""
@@ -160,11 +167,18 @@ def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple
                                             f"state{short}. B={s['B']}, S={s['S']}.")]
     out += [("h3", "Suffix and cache against live"), _table(
         ["construction", "suffix ≠ live [95% CI]", "replica floor (arm)", "replica floor (live)",
-         "cache bit-exact", "logits bit-exact", "boundary argmax differs", "median d_rel"],
+         "cache bit-exact", "logits bit-exact", "boundary argmax differs", "median d_rel",
+         "differs by rounding / functionally / unsettled"],
         [[c, interval_text(x["suffix_disagree"]), interval_text(x["replica_floor"]),
           interval_text(x["live_replica_floor"]), interval_text(x["cache_bit_exact"]),
           f"{x['logits_bit_exact']}/{x['cache_comparable']}", x["boundary_argmax_differs"],
-          number(x["d_rel_median"])] for c, x in cons.items()])]
+          number(x["d_rel_median"]), _kinds_text(x.get("differences"))] for c, x in cons.items()])]
+    functional = [c for c, x in cons.items() if (x.get("differences") or {}).get("functional")]
+    if functional:
+        out.append(("p", f"{', '.join(functional)}: a functional difference from live: the two "
+                         "paths compute different functions (the model's code or kvfid's), far "
+                         "above rounding in fp32 too. It is not numerics; no kernel or precision "
+                         "makes it agree."))
     out += [("h3", "First bad layer"), _table(
         ["construction", "distribution (first layer whose K or V differs)"],
         [[c, ", ".join(f"{k}: {n}" if k == "exact" else f"L{k}: {n}"

@@ -60,11 +60,55 @@ def aggregate(units, design: dict | None = None) -> dict:
                              if (gaps := _replay_engine(group))} or None,
            "program": {stack: program_stack([u.record for u in sorted(group, key=lambda u: u.item_index)],
                                             rate) for stack, group in programs.items()} or None}
+    in_fp32 = _fp32_kinds(by_stack)
     for stack, group in by_stack.items():
         group.sort(key=lambda u: u.item_index)
         out["stacks"][stack] = _stack([u.record for u in group], [u.item_index for u in group],
                                       controls)
+        constructions = out["stacks"][stack]["constructions"]
+        for label, counted in _difference_kinds(stack, group, in_fp32).items():
+            if label in constructions:
+                constructions[label]["differences"] = counted
     return _clean(out)
+
+
+def _twin(stack: str) -> str:
+    """The label of the same stack in fp32 (a stack label's dtype follows its backend's '/')."""
+    backend, _, rest = stack.partition("/")
+    for low in ("bf16", "fp16"):
+        if rest.startswith(low):
+            return f"{backend}/fp32{rest[len(low):]}"
+    return stack
+
+
+def _fp32_kinds(by_stack: dict) -> dict:
+    """(stack, item index, construction) -> the kind of its difference with live (None where
+    none differs), for the fp32 stacks of the run."""
+    return {(stack, u.item_index, c.b): (c.difference.kind if c.difference else None)
+            for stack, group in by_stack.items() if "/fp32" in stack
+            for u in group if u.record.ok for c in u.record.comparisons
+            if c.kind in ("arm", "bridge") and c.prefix_identical}
+
+
+def _difference_kinds(stack: str, group: list, in_fp32: dict) -> dict[str, dict[str, int]]:
+    """Per construction compared with live: how many items differ by rounding, functionally, or
+    unsettled (kvfid.states.scale), a below-fp32 stack's unsettled ones settled by the same item
+    and construction on its fp32 twin in the same run (where it built the same P)."""
+    from kvfid.states import scale
+
+    out: dict[str, Counter] = defaultdict(Counter)
+    for unit in (u for u in group if u.record.ok):
+        for c in unit.record.comparisons:
+            if c.kind not in ("arm", "bridge"):
+                continue
+            counted = out[c.b]
+            if c.difference is None:
+                continue
+            kind, key = c.difference.kind, (_twin(stack), unit.item_index, c.b)
+            if kind == scale.UNSETTLED and key in in_fp32:
+                kind = scale.settle(kind, in_fp32[key])
+            counted[kind] += 1
+    return {label: {k: counted.get(k, 0) for k in scale.KINDS} for label, counted in out.items()}
 
 
 def _stack(records: list[ItemRecord], indices: list[int], controls: set[int]) -> dict:

@@ -16,7 +16,7 @@ import torch
 
 from kvfid.states import cache as kv
 from kvfid.protocol.constructions import ProtocolError
-from kvfid.protocol.decode import Runner, new_cache
+from kvfid.protocol.decode import Runner, new_cache, resume
 
 
 def check_batched(program, openers: list[list[int]]) -> None:
@@ -65,4 +65,4 @@ def run_branches(module, layout, program, prompt: list[int], openers: list[list[
     for i in range(n):
         layout.extend(openers[i] + branches[i], i + 1)
     composed = compose(states, len(prompt), layout.tokens)
-    return composed.to_cache(module), margins, runner
+    return resume(composed, module), margins, runner

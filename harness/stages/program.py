@@ -30,7 +30,7 @@ from kvfid.stages import batched as stages_batched, transplant as stages_transpl
 from kvfid.stages.checks import check_program_fits
 from kvfid.protocol.constructions import ProtocolError, parse_construction
 from kvfid.states.cache import top2
-from kvfid.protocol.decode import Greedy, Runner, new_cache
+from kvfid.protocol.decode import Greedy, Runner, new_cache, resume
 
 LAYOUTS = ("packed", "batched")
 POSITIONS = ("continuing", "parallel")
@@ -204,7 +204,7 @@ def _cuts(construction, prompt_length: int, total: int) -> list[int]:
 
 def decode_suffix(runner: Runner, layout: Layout, state, steps: int, eos_ids) -> Greedy:
     """`steps` greedy suffix tokens of the merge from a boundary state (stopping after EOS)."""
-    cache, grown, logits = state.to_cache(runner.module), _copy(layout), state.logits
+    cache, grown, logits = resume(state, runner.module), _copy(layout), state.logits
     out, merge = Greedy(), len(layout.sees) - 1
     for step in range(steps):
         token, margin = top2(logits)

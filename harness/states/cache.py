@@ -307,11 +307,16 @@ def top2(logits: torch.Tensor) -> tuple[int, float]:
 
 
 def compare_logits(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """Boundary logits [V]: bitwise equality, max abs difference, argmax agreement, margins."""
+    """Boundary logits [V]: bitwise equality, max abs difference, d_rel, argmax agreement,
+    margins."""
     ta, ma = top2(a)
     tb, mb = top2(b)
+    a64, b64 = a.double(), b.double()
+    norm = float(torch.linalg.vector_norm(a64))
+    drift = float(torch.linalg.vector_norm(a64 - b64))
     return {"equal": bits_equal(a, b),
-            "max_abs": float((a.double() - b.double()).abs().max()),
+            "max_abs": float((a64 - b64).abs().max()),
+            "d_rel": drift / norm if norm else (0.0 if drift == 0 else float("inf")),
             "argmax_a": ta, "argmax_b": tb, "argmax_agree": ta == tb,
             "margin_a": ma, "margin_b": mb}
 
