@@ -99,7 +99,7 @@ MAX_BATCH = 64              # batched:N duplicates the item N times: bound the m
 
 def construction_reason(label: str) -> str | None:
     """Why a parsed construction label cannot be run here (a batch too large to hold)."""
-    kind, _, n = label.partition(":")
+    kind, _, n = label.partition("@")[0].partition(":")
     n = n.partition("+")[0]   # cobatched:N+decode
     if kind in ("batched", "cobatched") and n.isdigit() and int(n) > MAX_BATCH:
         return f"allowed: {kind}:N with N <= {MAX_BATCH}"
