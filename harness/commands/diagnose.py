@@ -63,7 +63,7 @@ def repro(fmt, expect, **options) -> None:
 def blame(fmt, **options) -> None:
     """Name the op that first gives a position of P other bits in incremental decoding than in a
     prefill (or a chunk): a culprit has bit-equal inputs on both sides and a differing output."""
-    from kvfid.diagnoses.blame import blame_command
+    from kvfid.diagnoses.blame_command import blame_command
 
     outcome = blame_command(**options)
     click.echo(json.dumps(outcome.to_json(), indent=1) if fmt == "json" else outcome.text())

@@ -110,6 +110,13 @@ def replay_unit(model, stack, t: Trajectory, constructions) -> ReplayRecord:
                         engine_constructions=engine)
 
 
+def _replay_ranked(model_name: str, stack, trajectories, constructions) -> dict:
+    """One rank's part of a TP replay: the model loaded here, every trajectory re-scored by all."""
+    from kvfid.inputs.models import load_model
+
+    return replay(load_model(model_name), stack, trajectories, constructions)
+
+
 def replay(model, stack, trajectories: list[Trajectory], constructions=("prefill",), progress=None) -> dict:
     """Every trajectory re-scored by every construction on `stack`, against the generator's
     step-by-step reference. Returns a JSON-ready dict: per item, and aggregated per construction."""
@@ -176,7 +183,8 @@ def render(result: dict) -> str:
 
 def replay_command(trajectories: str, model_name: str, backend: str, dtype: str, batch_invariant: bool,
                    device: str, threads: int | None, constructions: str, progress=None,
-                   compiled: bool = False, faithful_recurrence: bool | None = None) -> dict:
+                   compiled: bool = False, faithful_recurrence: bool | None = None,
+                   tp: int = 1) -> dict:
     """`kvfid replay`: the options and the file checked before compute (exit 2 / 3), then `replay`."""
     from kvfid import checks
     from kvfid.diagnoses import repro
@@ -186,8 +194,12 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
 
     repro.check_model_name(model_name)
     stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
-                                faithful_recurrence)
+                                faithful_recurrence, tp)
     chosen = checks.split_arms(constructions)
+    if any("@" in c for c in chosen):
+        raise BadInput(f"--constructions {constructions}: a replay re-scores at the stack's TP "
+                       f"size (--tp), not per construction")
+    world = stack.tp
     for c in chosen:
         try:
             kind = parse_construction(c).kind
@@ -201,6 +213,14 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
         loaded = load_trajectories(trajectories, model.codec)
         longest = max((len(t.prompt_ids) + len(t.tokens) for t in loaded), default=0)
         check_supports(stack, model, longest)
+        if world > 1:
+            from dataclasses import replace
+
+            from kvfid.stacks import tp as parallel
+
+            check_supports(replace(stack, tp=world), model, longest)
+            return parallel.on_ranks(world, _replay_ranked, model_name, stack, loaded, chosen,
+                                     device=stack.device)
         return replay(model, stack, loaded, chosen, progress)
     except ValueError as err:
         raise BadInput(str(err)) from None

@@ -11,7 +11,7 @@ whole command: prepare, measure, the verdict and the environment record.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvfid import checks
 from kvfid.protocol.engine_arms import check_rollback
@@ -31,17 +31,19 @@ class Repro:
     item: object
     plan: ItemPlan
     cross_stacks: list
+    model_name: str = ""
+    world: int = 1           # ranks the item runs on: the largest TP size of the stack and arms
 
 
 def prepare(model_name: str, prompt: str | None, item_set: str | None, item_index: int | None,
             backend: str, dtype: str, batch_invariant: bool, device: str, threads: int | None,
             boundary: int, suffix: int, arms: str, replicas: str, transplants, cross,
             ignore_eos: bool = False, compiled: bool = False,
-            faithful_recurrence: bool | None = None) -> Repro:
+            faithful_recurrence: bool | None = None, tp: int = 1) -> Repro:
     """Check every option, then load the model and check what needs it (layers, context)."""
     check_model_name(model_name)
     stack = checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
-                          faithful_recurrence)
+                          faithful_recurrence, tp)
     try:
         plan = ItemPlan(boundary, suffix, checks.split_arms(arms),
                         checks.split_arms(replicas),
@@ -51,18 +53,21 @@ def prepare(model_name: str, prompt: str | None, item_set: str | None, item_inde
         raise BadInput(str(err)) from None
     for arm in plan.arms:
         checks.require(checks.construction_reason(arm), "--arms", arm)
+    world = plan_world(stack, plan.arms, "--arms")
     item = pick_item(prompt, item_set, item_index)
     model = load_model(model_name)
     prompt_length = len(model.codec.prompt_ids(item.prompt))
     plan.check_fits(prompt_length, model.context_length)
     for each in [stack, *cross_stacks]:
         check_supports(each, model, prompt_length + boundary + suffix)
+        if world > each.tp:   # an arm at the larger size
+            check_supports(replace(each, tp=world), model, prompt_length + boundary + suffix)
     check_rollback(model, plan.arms)
     layers = int(model.config.num_hidden_layers)
     for spec in plan.transplants:
         checks.require(checks.selection_reason(spec.selection, layers, prompt_length + boundary),
                        "--transplant", spec.label)
-    return Repro(model, stack, item, plan, cross_stacks)
+    return Repro(model, stack, item, plan, cross_stacks, model_name, world)
 
 
 def check_model_name(model_name: str) -> None:
@@ -73,14 +78,28 @@ def check_model_name(model_name: str) -> None:
 
 def checked_stack(backend: str, dtype: str, batch_invariant: bool, device: str,
                   threads: int | None, compiled: bool = False,
-                  faithful_recurrence: bool | None = None) -> Stack:
+                  faithful_recurrence: bool | None = None, tp: int = 1) -> Stack:
     """The stack of a command's options, each checked (exit 2 naming what is allowed)."""
     checks.device_and_threads(device, threads)
+    checks.require(checks.tp_reason(tp), "--tp", tp)
     try:
         return Stack(backend, dtype, batch_invariant, device, threads, compiled,
-                     faithful_recurrence=faithful_recurrence)
+                     faithful_recurrence=faithful_recurrence, tp=tp)
     except ValueError as err:
         raise BadInput(str(err)) from None
+
+
+def plan_world(stack: Stack, arms, option: str) -> int:
+    """How many ranks an item needs: the largest TP size of the stack and its arms (`@tpN`);
+    one item runs TP size 1 and one other size only (exit 2 otherwise)."""
+    from kvfid.protocol.constructions import parse_construction
+
+    sizes = {stack.tp} | {int(c.at[2:]) for c in map(parse_construction, arms) if c.at}
+    world = max(sizes)
+    if not sizes <= {1, world}:
+        raise BadInput(f"{option}: TP sizes {sorted(sizes)} in one item; it runs at TP size 1 "
+                       f"and one other size N (the stack's, or its arms' @tpN)")
+    return world
 
 
 def pick_item(prompt: str | None, item_set: str | None, item_index: int | None):
@@ -112,12 +131,25 @@ def measure(repro: Repro):
     from kvfid.inputs.items import match_answer
     from kvfid.protocol.protocol import run_crossing, run_item
 
+    if repro.world > 1:
+        from kvfid.stacks import tp
+
+        return tp.on_ranks(repro.world, _measure_ranked, repro.model_name, repro.stack, repro.item,
+                           repro.plan, repro.cross_stacks, device=repro.stack.device)
     record = run_item(repro.model, repro.stack, repro.item, repro.plan, matcher=match_answer)
     if repro.cross_stacks:
         record = replace(record, crossing=run_crossing(repro.model, repro.item, repro.stack,
                                                        repro.cross_stacks, repro.plan.B,
                                                        repro.plan.S))
     return record
+
+
+def _measure_ranked(model_name: str, stack: Stack, item, plan: ItemPlan, cross_stacks):
+    """One rank's part of a TP repro: the model loaded here, the item measured by every rank."""
+    from kvfid.inputs.models import load_model
+
+    repro = Repro(load_model(model_name), stack, item, plan, list(cross_stacks), model_name)
+    return measure(repro)
 
 
 def verdict(record) -> str | None:

@@ -224,7 +224,7 @@ def check_supports(stack: Stack, model_or_config, length: int | None = None) -> 
 
 def tp_reason(stack: Stack, model_or_config, infos) -> str | None:
     """Why this model cannot be sharded at the stack's TP size, or None (kvfid.stacks.tp)."""
-    from kvfid.stacks import tp
+    from kvfid.stacks import serving, tp
 
     if stack.compiled:
         return "+compile does not run tensor parallel"

@@ -140,6 +140,8 @@ class _Shard:
 class ParallelLinear(torch.nn.Module):
     """An nn.Linear sharded over the ranks: `column`, `row` or `vocab`, at `size` 1 or N."""
 
+    recording = False   # blame's unit tracer: a stock row-parallel layer keeps its last partial sum
+
     def __init__(self, linear: torch.nn.Linear, kind: str, world: Ranks, invariant: bool):
         super().__init__()
         self.__dict__["linear"] = linear        # not a child: the module path stays the linear's
@@ -196,10 +198,12 @@ class ParallelLinear(torch.nn.Module):
             if self.invariant:
                 sums = parallel.segment_products(x, shard.pieces)       # [g, ..., N] fp32
                 if self.size > 1:
-                    sums = _gather(sums, 0)                             # [G, ..., N], rank order
+                    sums = gather(sums, 0)                             # [G, ..., N], rank order
                 return parallel.row_reduce(sums, x.dtype, shard.bias)
             out = F.linear(x, shard.weight)                             # this rank's partial sum
+            partial = out.clone() if ParallelLinear.recording else None
             _all_reduce(out)
+            self.last_partial = (partial, out) if partial is not None else None
             return out if shard.bias is None else out + shard.bias
         if self.invariant:
             out = parallel.column_product(x, shard.pieces, shard.weight, shard.bias)
@@ -207,7 +211,7 @@ class ParallelLinear(torch.nn.Module):
             out = F.linear(x, shard.weight, shard.bias)
         if self.kind == "vocab":
             if self.size > 1:
-                out = _gather(out, -1)
+                out = gather(out, -1)
             out = out[..., :self.out_features]
         return out
 
@@ -218,7 +222,7 @@ def _all_reduce(t: torch.Tensor) -> None:
     dist.all_reduce(t)
 
 
-def _gather(t: torch.Tensor, dim: int) -> torch.Tensor:
+def gather(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Every rank's `t`, concatenated along `dim` in rank order."""
     import torch.distributed as dist
 
@@ -298,7 +302,7 @@ def at_size(module: torch.nn.Module, size: int) -> Iterator[None]:
 
 
 def _gather_heads(t: torch.Tensor) -> torch.Tensor:
-    return _gather(t, 1)     # [B, H_kv / N, T, D] per rank -> [B, H_kv, T, D]
+    return gather(t, 1)     # [B, H_kv / N, T, D] per rank -> [B, H_kv, T, D]
 
 
 def _keep_heads(t: torch.Tensor) -> torch.Tensor:
@@ -307,6 +311,17 @@ def _keep_heads(t: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- ranks on this machine
+
+def shared(value):
+    """Rank 0's `value` on every rank (the value itself on one rank)."""
+    import torch.distributed as dist
+
+    if ranks().size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
 
 def backend_for(device: str, size: int) -> str:
     """gloo on a CPU; NCCL where every rank has a GPU of its own; else gloo (two ranks on one
