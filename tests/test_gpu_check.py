@@ -16,10 +16,13 @@ def test_dry_run_runs_every_step_into_at_most_eight_flat_files(tmp_path):
     assert all(p.is_file() for p in tmp_path.iterdir()) and len(files) <= 8
     summary = json.loads((tmp_path / "gpu-check.json").read_text())
     assert [s["step"] for s in summary["steps"]] == ["compile", "split", "gpu-tests", "kernels",
-                                                      "bench", "fidelity", "report"]
+                                                      "bench", "fidelity", "report", "tp",
+                                                      "tp-stock"]
     split = json.loads(summary["steps"][1]["tail"][-1])  # the long-decode comparison's line
     assert split["decode_equals_chunk_bits"] and split["split_us"] > 0 and split["unsplit_us"] > 0
     assert all(s["rc"] == 0 for s in summary["steps"]), summary["steps"]
+    assert summary["steps"][-2]["tail"][-1] == "verdict: bit-exact"     # TP=2 against TP=1
+    assert summary["steps"][-1]["tail"][-1] == "verdict: diverges"      # stock, its control
     assert {"compile.json", "kernels.json", "bench.json", "report.html", "ledger.sqlite"} <= set(files)
     assert summary["compile"]["ok"] and summary["compile"]["configs"] == 4, summary["compile"]
     compiled = json.loads((tmp_path / "compile.json").read_text())["configs"]

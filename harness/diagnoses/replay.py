@@ -228,7 +228,8 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
 
 def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, temperature: float,
                      seed: int, out: str, engine: str = "transformers", server: str | None = None,
-                     dtype: str = "bf16", faithful: bool = False) -> tuple[list[dict], str]:
+                     dtype: str = "bf16", faithful: bool = False,
+                     tp: int = 1) -> tuple[list[dict], str]:
     """`kvfid rollouts`: sample on sdpa/fp32 (one thread), with vLLM (`engine="vllm"`, at
     `dtype`; `faithful`: its faithful engine) or from an OpenAI-compatible server, and write the
     JSONL atomically."""
@@ -241,6 +242,8 @@ def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, te
     repro.check_model_name(model_name)
     if faithful and (engine != "vllm" or server is not None):
         raise BadInput("--faithful is for --engine vllm (kvfid's plugin runs inside vLLM)")
+    if tp != 1 and (engine != "vllm" or server is not None):
+        raise BadInput("--tp is for --engine vllm (its model sharded over worker processes)")
     if server is not None:
         from kvfid.engines.server import server_rollouts
 
@@ -248,7 +251,8 @@ def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, te
     elif engine == "vllm":
         from kvfid.engines.check import engine_rollouts
 
-        rows = engine_rollouts(model_name, item_set, count, tokens, temperature, seed, dtype, faithful)
+        rows = engine_rollouts(model_name, item_set, count, tokens, temperature, seed, dtype, faithful,
+                               tp)
     else:
         try:
             chosen = items.load_item_set(item_set, count)

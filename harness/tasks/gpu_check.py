@@ -5,7 +5,8 @@ for sm_80/sm_90/sm_100 and judged, with its roofline: seconds, so a broken GPU p
 the minutes of the rest; a failure there is reported and the later steps still run), the
 long-context decode comparison (split path against the unsplit kernel at B=1, 32k keys:
 kvfid.environment.split_bench), the GPU-marked tests, `kvfid kernels`, the speed benches, and an 8-item fidelity run of
-`cases/gpu-qwen2.5-shape.toml` with its report; writes every result into one flat output folder
+`cases/gpu-qwen2.5-shape.toml` with its report, and tensor parallel on two ranks (`tp`,
+`tp-stock`); writes every result into one flat output folder
 (at most 8 files, for machines that return only a few: the run's aggregates are not copied, since
 `kvfid show latest --db ledger.sqlite --format json` rebuilds them) and prints a headline. Needs only what the GPU image has (torch, triton, transformers, click, pytest,
 pytest-benchmark, nvidia-ml-py): run from the source tree, nothing is installed.
@@ -70,7 +71,21 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
         Step("fidelity", cli + ["run", case, "--db", db, "--quiet"]
              + ["--items", "1" if dry_run else "8"], 270),
         Step("report", cli + ["report", "latest", "--db", db, "--out", str(out / "reports")], 20),
+        *tp_steps(cli, dry_run),
     ]
+
+
+def tp_steps(cli: list[str], dry_run: bool) -> list[Step]:
+    """Tensor parallel on two ranks of this machine (kvfid.stacks.tp: NCCL where each rank has a
+    GPU of its own, else gloo, as on one GPU): the TP-invariant stack's live@tp2 against its TP=1
+    rebuilds (bit-exact expected), and stock sdpa's (its difference shown, exit 1 expected)."""
+    device, backend = ("cpu", "native") if dry_run else ("cuda", "triton")
+    common = cli + ["repro", "--model", "tiny-llama", "--prompt", "What is 12 plus 30?",
+                    "--device", device, "--tp", "2", "-B", "8", "-S", "8"]
+    return [Step("tp", common + ["--backend", backend, "--batch-invariant", "--dtype", "bf16",
+                                 "--arms", "live,prefill,prefill@tp1,incremental@tp1,chunked:4,"
+                                           "batched:2", "--expect", "bit-exact"], 120),
+            Step("tp-stock", common + ["--backend", "sdpa", "--arms", "live,prefill@tp1"], 60)]
 
 
 REPORT_RESERVE_S = 20   # what a budget keeps back for the report, the last step
