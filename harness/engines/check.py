@@ -150,16 +150,8 @@ def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invar
     if tp > 1:
         say(f"TP={tp}: decode and prefill re-scoring, one request at a time")
         with vllm_engine.engine(folder, dtype, config(tp=tp), longest) as llm:
-            sharded, kv_sharded = _alone(_decode, llm, prompts, tokens, kv)
-            sharded_pre, kv_sharded_pre = _alone(_rescore, llm, sequences, starts, kv)
-        same = [_common(a, b) for (a, _), (b, _) in zip(alone, sharded)]
-        row = _compare([lp[:n] for (_, lp), n in zip(alone, same)],
-                       [lp[:n] for (_, lp), n in zip(sharded, same)])
-        row["diverged"] = sum(n < len(ids) for (ids, _), n in zip(alone, same))
-        lengths = [len(p) + min(n, len(ids) - 1) for p, (ids, _), n in zip(prompts, alone, same)]
-        rows.append((f"decode TP=1 vs TP={tp}", row, (kv_alone, kv_sharded, lengths)))
-        rows.append((f"prefill re-scoring TP=1 vs TP={tp}",
-                     _compare(pre_alone, [lp for lp, _ in sharded_pre]), (kv_pre, kv_sharded_pre, None)))
+            sharded = measure_alone(llm, prompts, tokens, kv, sequences)
+        rows += tp_rows((alone, kv_alone, pre_alone, kv_pre), sharded, prompts, tp)
     made = [{"construction": name, **r, **({"kv": engine_kv.compare_rows(*states)} if kv else {})}
             for name, r, states in rows]
     return {"model": model_name, "folder": folder, "dtype": dtype, "engine": f"vllm {vllm_engine.version()}",
@@ -167,6 +159,30 @@ def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invar
             "batch_invariant": batch_invariant, "batch_invariant_note": note, "faithful": faithful,
             "kv": kv, "rows": made, "wall_s": time.perf_counter() - start, "threads": threads,
             **({"tp": tp} if tp > 1 else {})}
+
+
+def measure_alone(llm, prompts, tokens: int, kv: bool, sequences=None):
+    """Greedy decode and prefill re-scoring of each prompt, one request per call: (decoded,
+    their engine states, re-scored logprobs, their engine states). The re-scoring is of
+    `sequences` (default: each prompt and its own decoded tokens)."""
+    decoded, kv_decoded = _alone(_decode, llm, prompts, tokens, kv)
+    sequences = sequences or [p + ids for p, (ids, _) in zip(prompts, decoded)]
+    scored, kv_scored = _alone(_rescore, llm, sequences, [len(p) for p in prompts], kv)
+    return decoded, kv_decoded, [lp for lp, _ in scored], kv_scored
+
+
+def tp_rows(one, sharded, prompts, tp: int) -> list[tuple]:
+    """The rows `decode TP=1 vs TP=N` and `prefill re-scoring TP=1 vs TP=N` from two engines'
+    `measure_alone` (the TP=N engine re-scoring TP=1's decoded sequences)."""
+    (alone, kv_alone, pre, kv_pre), (other, kv_other, other_pre, kv_other_pre) = one, sharded
+    same = [_common(a, b) for (a, _), (b, _) in zip(alone, other)]
+    row = _compare([lp[:n] for (_, lp), n in zip(alone, same)],
+                   [lp[:n] for (_, lp), n in zip(other, same)])
+    row["diverged"] = sum(n < len(ids) for (ids, _), n in zip(alone, same))
+    lengths = [len(p) + min(n, len(ids) - 1) for p, (ids, _), n in zip(prompts, alone, same)]
+    return [(f"decode TP=1 vs TP={tp}", row, (kv_alone, kv_other, lengths)),
+            (f"prefill re-scoring TP=1 vs TP={tp}", _compare(pre, other_pre),
+             (kv_pre, kv_other_pre, None))]
 
 
 def _common(a: list[int], b: list[int]) -> int:
