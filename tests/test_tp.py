@@ -157,3 +157,16 @@ def test_tree_sum_adds_in_one_fixed_order():
     parts = torch.tensor([1e8, 1.0, -1e8, 1.0], dtype=torch.float32)[:, None]
     assert parallel.tree_sum(parts).item() == 0.0
     assert (((parts[0] + parts[1]) + parts[2]) + parts[3]).item() == 1.0
+
+
+def test_column_pieces_fall_back_to_each_piece_alone_where_the_probe_fails(monkeypatch):
+    """Where one call over the pieces would not give each piece's bits, each piece is computed
+    alone and concatenated (the same bits as the pieces at any TP size)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 32, generator=gen)
+    w, b = torch.randn(16, 32, generator=gen), torch.randn(16, generator=gen)
+    pieces = parallel.cut(w, 4, 0)
+    monkeypatch.setattr(parallel, "pieces_agree", lambda *args: False)
+    out = parallel.column_product(x, pieces, w, b)
+    alone = torch.cat([F.linear(x, p, c) for p, c in zip(pieces, b.split(4))], -1)
+    assert torch.equal(out, alone)

@@ -135,6 +135,7 @@ class _Shard:
     weight: torch.Tensor                  # the rank's rows (column, vocab) or columns (row)
     bias: torch.Tensor | None             # column: the rank's; row: the whole (added once)
     pieces: list[torch.Tensor] | None     # invariant: output pieces or fp32 reduction segments
+    whole: bool = False                   # invariant column: one call gives the pieces' bits
 
 
 class ParallelLinear(torch.nn.Module):
@@ -147,8 +148,8 @@ class ParallelLinear(torch.nn.Module):
         self.__dict__["linear"] = linear        # not a child: the module path stays the linear's
         self.kind, self.world, self.invariant = kind, world, invariant
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.size = world.size
         self._shards: dict[tuple, _Shard] = {}
+        self.resize(world.size)
 
     def extra_repr(self) -> str:
         return (f"{self.kind}-parallel, {self.in_features} -> {self.out_features}, size "
@@ -163,14 +164,22 @@ class ParallelLinear(torch.nn.Module):
         unit = parallel.SEGMENTS if self.invariant else self.size
         return -(-self.out_features // unit) * unit
 
-    def shard(self) -> _Shard:
-        """This rank's part at the current size (made once per size and weight version)."""
+    def resize(self, size: int) -> None:
+        """Run at TP `size` from now on: this rank's part made once per size and weight version
+        (before any forward, so a forward reads nothing but tensors: `+compile` traces it)."""
         weight, bias = self.linear.weight, self.linear.bias
-        key = (self.size, weight._version)
+        self.size = size
+        if size == 1 and not self.invariant:
+            self.current = None           # the unsharded layer
+            return
+        from kvfid.kernels.invariant.mode import batch_invariant_mode
+
+        # What the pieces' probe depends on is part of the key: the threads and the mode.
+        key = (size, weight._version, torch.get_num_threads(), batch_invariant_mode())
         if key not in self._shards:
             self._shards = {k: v for k, v in self._shards.items() if k[1] == weight._version}
             self._shards[key] = self._make(weight.detach(), None if bias is None else bias.detach())
-        return self._shards[key]
+        self.current = self._shards[key]
 
     def _make(self, weight: torch.Tensor, bias: torch.Tensor | None) -> _Shard:
         size, rank = self.size, self.rank
@@ -188,12 +197,14 @@ class ParallelLinear(torch.nn.Module):
         local_bias = bias.chunk(size, 0)[rank].contiguous() if bias is not None else None
         count = parallel.segment_count(rows) // size
         pieces = parallel.cut(local, count, 0) if self.invariant else None
-        return _Shard(torch.nn.Parameter(local, requires_grad=False), local_bias, pieces)
+        whole = bool(pieces) and (len(pieces) == 1 or parallel.pieces_agree(
+            pieces, local.dtype, local_bias is not None))
+        return _Shard(torch.nn.Parameter(local, requires_grad=False), local_bias, pieces, whole)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size == 1 and not self.invariant:
+        shard = self.current
+        if shard is None:
             return F.linear(x, self.linear.weight, self.linear.bias)   # the unsharded layer
-        shard = self.shard()
         if self.kind == "row":
             if self.invariant:
                 sums = parallel.segment_products(x, shard.pieces)       # [g, ..., N] fp32
@@ -206,7 +217,7 @@ class ParallelLinear(torch.nn.Module):
             self.last_partial = (partial, out) if partial is not None else None
             return out if shard.bias is None else out + shard.bias
         if self.invariant:
-            out = parallel.column_product(x, shard.pieces, shard.weight, shard.bias)
+            out = parallel.column_product(x, shard.pieces, shard.weight, shard.bias, shard.whole)
         else:
             out = F.linear(x, shard.weight, shard.bias)
         if self.kind == "vocab":
@@ -292,13 +303,13 @@ def at_size(module: torch.nn.Module, size: int) -> Iterator[None]:
         raise TPUnavailable("an arm at TP>1 needs a sharded model")
     before = [layer.size for layer in layers]
     for layer in layers:
-        layer.size = size
+        layer.resize(size)
     try:
         with (heads.sharded_heads(_gather_heads, _keep_heads) if size > 1 else heads.whole_heads()):
             yield
     finally:
         for layer, was in zip(layers, before):
-            layer.size = was
+            layer.resize(was)
 
 
 def _gather_heads(t: torch.Tensor) -> torch.Tensor:

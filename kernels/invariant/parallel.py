@@ -113,10 +113,13 @@ def pieces_agree(pieces: list[torch.Tensor], dtype: torch.dtype, bias: bool) -> 
 
 
 def column_product(x: torch.Tensor, pieces: list[torch.Tensor], whole: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
+                   bias: torch.Tensor | None, agree: bool | None = None) -> torch.Tensor:
     """x [..., K] times the output pieces [n_i, K] (`whole` is their concatenation): one call
-    where `pieces_agree` says it gives the pieces' bits, else each piece alone, concatenated."""
-    if len(pieces) == 1 or pieces_agree(pieces, x.dtype, bias is not None):
+    where `pieces_agree` says it gives the pieces' bits (`agree`: its answer, known already),
+    else each piece alone, concatenated."""
+    if agree is None:
+        agree = len(pieces) == 1 or pieces_agree(pieces, x.dtype, bias is not None)
+    if agree:
         return F.linear(x, whole, bias)
     biases = bias.split([p.shape[0] for p in pieces]) if bias is not None else [None] * len(pieces)
     return torch.cat([F.linear(x, w, b) for w, b in zip(pieces, biases)], -1)
