@@ -49,10 +49,10 @@ def _on_each_rank(db: str) -> dict:
 
 @pytest.fixture(scope="module")
 def ranked(tmp_path_factory):
-    from kvfid.stacks import tp
+    from kvfid.stacks.ranks import on_ranks
 
     db = str(tmp_path_factory.mktemp("tp") / "ledger.sqlite")
-    return tp.on_ranks(2, _on_each_rank, db), db
+    return on_ranks(2, _on_each_rank, db), db
 
 
 def test_stock_tp2_state_differs_from_the_tp1_rebuild(ranked):

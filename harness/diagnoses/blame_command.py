@@ -122,9 +122,9 @@ def blame_command(model_name: str, prompt: str | None, item_set: str | None, ite
                        f"{len(prompt_ids) + boundary - 1}")
     try:
         if world > 1:
-            from kvfid.stacks import tp as parallel
+            from kvfid.stacks.ranks import on_ranks
 
-            result, first = parallel.on_ranks(world, _blame_ranked, model_name, stack, prompt_ids,
+            result, first = on_ranks(world, _blame_ranked, model_name, stack, prompt_ids,
                                               boundary, against, position, device=stack.device)
         else:
             result, first = blame_item(model, stack, prompt_ids, boundary, against, position)

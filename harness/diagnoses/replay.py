@@ -216,10 +216,10 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
         if world > 1:
             from dataclasses import replace
 
-            from kvfid.stacks import tp as parallel
+            from kvfid.stacks.ranks import on_ranks
 
             check_supports(replace(stack, tp=world), model, longest)
-            return parallel.on_ranks(world, _replay_ranked, model_name, stack, loaded, chosen,
+            return on_ranks(world, _replay_ranked, model_name, stack, loaded, chosen,
                                      device=stack.device)
         return replay(model, stack, loaded, chosen, progress)
     except ValueError as err:

@@ -132,9 +132,9 @@ def measure(repro: Repro):
     from kvfid.protocol.protocol import run_crossing, run_item
 
     if repro.world > 1:
-        from kvfid.stacks import tp
+        from kvfid.stacks.ranks import on_ranks
 
-        return tp.on_ranks(repro.world, _measure_ranked, repro.model_name, repro.stack, repro.item,
+        return on_ranks(repro.world, _measure_ranked, repro.model_name, repro.stack, repro.item,
                            repro.plan, repro.cross_stacks, device=repro.stack.device)
     record = run_item(repro.model, repro.stack, repro.item, repro.plan, matcher=match_answer)
     if repro.cross_stacks:

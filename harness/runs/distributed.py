@@ -38,7 +38,7 @@ def in_group(info: RankInfo, device: str, fn, *args, **kwargs):
     import torch
     import torch.distributed as dist
 
-    from kvfid.stacks.tp import backend_for
+    from kvfid.stacks.ranks import backend_for
 
     if device.startswith("cuda") and torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())

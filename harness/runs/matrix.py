@@ -24,7 +24,7 @@ from kvfid.environment.tiled import choose_routes
 from kvfid.runs.case import Case, CaseError
 from kvfid.checks import check_cuda, selection_reason
 from kvfid.errors import DiskFull, Unavailable
-from kvfid.stacks import tp
+from kvfid.stacks.ranks import shared
 from kvfid.stacks.stack import check_supports
 from kvfid.protocol.engine_arms import check_rollback
 from kvfid.inputs.items import load_item_set, match_answer
@@ -244,7 +244,7 @@ def measure(prepared: Prepared, ledger: Ledger, shard: Shard = Shard(),
     stored = ledger.stored_units(run.id)
     units = plan_units(case, shard)
     todo = [u for u in units if (u.item_index, u.stack) not in stored]
-    tp.shared((case.items.n, todo))             # a TP run's other ranks measure them too
+    shared((case.items.n, todo))             # a TP run's other ranks measure them too
     ledger.set_status(run.id, "running")
     ledger.hold(run.id)
     if progress:
@@ -284,7 +284,7 @@ def follow(case: Case) -> None:
     """A rank other than 0 of a TP run: the units rank 0 measures (their item count and list
     received from it), measured with it on the same checked model; rank 0 alone writes the
     ledger."""
-    count, todo = tp.shared(None)
+    count, todo = shared(None)
     case = case.with_item_count(count) if count != case.items.n else case
     matrix = Matrix(case)
     choose_routes((*case.stacks, *(case.crossing.stacks if case.crossing else ())))

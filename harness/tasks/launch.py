@@ -63,10 +63,10 @@ def launch(case_name: str, item_count: int | None = None, db=None, resume: str |
                        "--shard/--resume/--jobs")
     try:
         if case.world > 1 and not ranked:
-            from kvfid.stacks import tp
+            from kvfid.stacks.ranks import on_ranks
 
-            return tp.on_ranks(case.world, _tp_rank, case_name, item_count, path, resume, run_id,
-                               write_report, quiet, device=case.stacks[0].device)
+            return on_ranks(case.world, _tp_rank, case_name, item_count, path, resume, run_id,
+                            write_report, quiet, device=case.stacks[0].device)
         if ranked and case.world > 1:
             launched = distributed.in_group(ranked, case.stacks[0].device, _tp_rank, case_name,
                                             item_count, path, resume, run_id, write_report,
@@ -100,14 +100,14 @@ def _tp_rank(case_name: str, item_count, path, resume, run_id, write_report: boo
     """One rank of a TP case's run: rank 0 runs and publishes it, the others measure with it."""
     from kvfid.runs import matrix
     from kvfid.runs.case import load_case
-    from kvfid.stacks import tp
+    from kvfid.stacks.ranks import ranks
     from kvfid.tasks.ledger_views import run_and_publish
 
     case = load_case(resolve_case(case_name))
     if world is not None and world != case.world:
         raise BadInput(f"{case.source} runs at TP size {case.world}; torchrun started {world} "
                        f"ranks")
-    if tp.ranks().rank != 0:
+    if ranks().rank != 0:
         matrix.follow(case)
         return None
     return _launched(run_and_publish(case, path, report=write_report, items=item_count,

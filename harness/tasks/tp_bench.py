@@ -38,7 +38,7 @@ def _timed(label: str, bench: TPBench) -> dict:
     from kvfid.inputs.models import load_model
     from kvfid.protocol.decode import Runner, as_batch, new_cache
     from kvfid.stacks.stack import parse_stack
-    from kvfid.stacks.tp import ranks
+    from kvfid.stacks.ranks import ranks
 
     model, stack = load_model(bench.model), parse_stack(label)
     ids = [(7 * i + 3) % 250 for i in range(bench.prompt)]
@@ -72,7 +72,7 @@ def tp_bench(bench: TPBench = TPBench(), progress=None) -> dict:
     """Every stack at every TP size, then faithful / stock per size and phase (how many times
     slower the TP-invariant stack is)."""
     from kvfid.environment import envinfo
-    from kvfid.stacks import tp
+    from kvfid.stacks.ranks import on_ranks
 
     say = progress or (lambda _: None)
     measured = {}
@@ -80,7 +80,7 @@ def tp_bench(bench: TPBench = TPBench(), progress=None) -> dict:
         for name, pattern in bench.stacks:
             label = pattern.format(dtype=bench.dtype, tp=size).removesuffix("@tp1")
             say(f"{label}")
-            measured[(name, size)] = (tp.on_ranks(size, _timed, label, bench) if size > 1
+            measured[(name, size)] = (on_ranks(size, _timed, label, bench) if size > 1
                                       else _timed(label, bench))
     slowdown = {size: {phase: measured[("stock", size)][f"{phase}_tok_s"]
                        / measured[("faithful", size)][f"{phase}_tok_s"]
