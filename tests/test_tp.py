@@ -142,9 +142,9 @@ def test_row_segments_are_the_same_bits_whichever_rank_holds_them():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
     w = torch.randn(64, 256, generator=gen).to(torch.bfloat16)
-    whole = parallel.segment_products(x, parallel.cut(w.float(), 8, 1))
-    halves = torch.cat([parallel.segment_products(x[:, :128], parallel.cut(w[:, :128].float(), 4, 1)),
-                        parallel.segment_products(x[:, 128:], parallel.cut(w[:, 128:].float(), 4, 1))])
+    whole = parallel.segment_products(x, parallel.cut(w, 8, 1))
+    halves = torch.cat([parallel.segment_products(x[:, :128], parallel.cut(w[:, :128], 4, 1)),
+                        parallel.segment_products(x[:, 128:], parallel.cut(w[:, 128:], 4, 1))])
     assert torch.equal(whole, halves)
     tp1 = parallel.row_reduce(whole, torch.bfloat16, None)
     assert torch.equal(tp1, parallel.row_reduce(halves, torch.bfloat16, None))

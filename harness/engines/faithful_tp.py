@@ -8,7 +8,7 @@ communicator). For each linear layer vLLM's dispatch sets `layer.cpu_linear`; he
   `output_partition_sizes`, this rank's share of q, k, v or gate, up) in the fixed pieces
   kvfid's native stack cuts that projection into (`parallel.column_product`), so a rank's pieces
   are the same calls as the matching pieces at TP=1;
-- row-parallel (o, down): this rank's fixed segments of the reduction axis in fp32; at TP>1
+- row-parallel (o, down): this rank's fixed segments of the reduction axis; at TP>1
   their sums are gathered from the ranks over vLLM's TP group (instead of its all-reduce, which
   `reduce_results = False` turns off) and added in the one fixed tree, rounded once, the bias
   added on every rank;
@@ -81,13 +81,13 @@ def _row(layer):
     reason = parallel.tp_reason(full, size, "the reduction axis")
     if reason:
         raise RuntimeError(f"kvfid's faithful engine at TP={size}: {reason}")
-    segments = parallel.cut(layer.weight.detach().float(), parallel.segment_count(full) // size, 1)
+    segments = parallel.cut(layer.weight.detach(), parallel.segment_count(full) // size, 1)
     bias = None if getattr(layer, "skip_bias_add", False) else layer.bias
     if size > 1:
         layer.reduce_results = False      # the segment sums travel instead of the partial sums
 
     def linear(x, weight, _bias, segments=segments, bias=bias, size=size):
-        sums = parallel.segment_products(x, segments)               # [g, ..., N] fp32
+        sums = parallel.segment_products(x, segments)               # [g, ..., N]
         if size > 1:
             from vllm.distributed import get_tp_group
 

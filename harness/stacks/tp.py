@@ -112,7 +112,7 @@ class _Shard:
 
     weight: torch.Tensor                  # the rank's rows (column, vocab) or columns (row)
     bias: torch.Tensor | None             # column: the rank's; row: the whole (added once)
-    pieces: list[torch.Tensor] | None     # invariant: output pieces or fp32 reduction segments
+    pieces: list[torch.Tensor] | None     # invariant: output pieces or reduction segments
     whole: bool = False                   # invariant column: one call gives the pieces' bits
 
 
@@ -164,7 +164,7 @@ class ParallelLinear(torch.nn.Module):
         if self.kind == "row":
             local = weight.chunk(size, 1)[rank].contiguous()
             count = parallel.segment_count(self.in_features) // size
-            segments = parallel.cut(local.float(), count, 1) if self.invariant else None
+            segments = parallel.cut(local, count, 1) if self.invariant else None
             return _Shard(local, bias, segments)
         if self.kind == "vocab":
             pad = self._padded_rows() - self.out_features
@@ -185,7 +185,7 @@ class ParallelLinear(torch.nn.Module):
             return F.linear(x, self.linear.weight, self.linear.bias)   # the unsharded layer
         if self.kind == "row":
             if self.invariant:
-                sums = parallel.segment_products(x, shard.pieces)       # [g, ..., N] fp32
+                sums = parallel.segment_products(x, shard.pieces)       # [g, ..., N]
                 if self.size > 1:
                     sums = gather(sums, 0)                             # [G, ..., N], rank order
                 return parallel.row_reduce(sums, x.dtype, shard.bias)

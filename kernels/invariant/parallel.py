@@ -4,9 +4,11 @@ share it.
 A row-parallel layer (attention `o_proj`, MLP `down_proj`) sharded over N ranks multiplies each
 rank's slice of the reduction axis and adds the N partial sums: another association of the sum
 than one GEMM's K loop, so its bits depend on N. Here the reduction axis is cut into `SEGMENTS`
-fixed segments at absolute offsets; each segment's product is computed alone, in fp32 (exact
-copies of bf16/fp16 operands), and the segment sums are added in one fixed pairwise tree,
-rounded to the model's dtype once. A rank holding segments [r*G/N, (r+1)*G/N) computes the same
+fixed segments at absolute offsets; each segment's product is computed alone by the model's
+GEMM in the model's dtype (a bf16 one accumulates in fp32 and rounds once, as each rank's
+partial sum does in a stock TP=8 engine), and the segment sums are added in fp32 in one fixed
+pairwise tree, rounded to the model's dtype once. (Segment products in fp32, from exact copies,
+cost 3.7x a bf16 prefill's time here, measured on Qwen2.5-0.5B's shape: docs/hazards.md.) A rank holding segments [r*G/N, (r+1)*G/N) computes the same
 segment products (the same call shapes), so gathering every rank's segment sums and adding them
 in that tree gives the bits one process computing all G gives, for every N dividing G.
 
@@ -58,15 +60,13 @@ def cut(weight: torch.Tensor, count: int, dim: int) -> list[torch.Tensor]:
 
 
 def segment_products(x: torch.Tensor, segments: list[torch.Tensor]) -> torch.Tensor:
-    """x [..., len(segments) * S] times each weight segment [N, S] alone, in fp32:
-    [len(segments), ..., N]."""
-    width = segments[0].shape[1]
-    out = []
-    for index, weight in enumerate(segments):
-        part = x[..., index * width:(index + 1) * width].to(torch.float32, copy=True)
-        out.append(F.linear(part.contiguous(), weight.float() if weight.dtype != torch.float32
-                            else weight))
-    return torch.stack(out)
+    """x [..., len(segments) * S] times each weight segment [N, S] alone (each input segment a
+    fresh contiguous [rows, S] copy: one matrix product per segment): [len(segments), ..., N] in
+    x's dtype."""
+    width, rows = segments[0].shape[1], x.reshape(-1, x.shape[-1])     # [M, K]
+    out = torch.stack([F.linear(rows[:, i * width:(i + 1) * width].clone(
+        memory_format=torch.contiguous_format), weight) for i, weight in enumerate(segments)])
+    return out.view(len(segments), *x.shape[:-1], out.shape[-1])
 
 
 def tree_sum(parts: torch.Tensor) -> torch.Tensor:
@@ -80,9 +80,9 @@ def tree_sum(parts: torch.Tensor) -> torch.Tensor:
 
 
 def row_reduce(sums: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    """Every segment's sum [G, ..., N] (fp32, in segment order) -> the layer's output in `dtype`:
-    the fixed tree, one rounding, then the bias."""
-    out = tree_sum(sums).to(dtype)
+    """Every segment's sum [G, ..., N] (in segment order) -> the layer's output in `dtype`: the
+    fixed tree in fp32, one rounding, then the bias."""
+    out = tree_sum(sums.float()).to(dtype)
     return out if bias is None else out + bias
 
 
@@ -119,7 +119,10 @@ def column_product(x: torch.Tensor, pieces: list[torch.Tensor], whole: torch.Ten
     else each piece alone, concatenated."""
     if agree is None:
         agree = len(pieces) == 1 or pieces_agree(pieces, x.dtype, bias is not None)
+    rows = x.reshape(-1, x.shape[-1])          # [M, K]: a matrix product, as the probe's
     if agree:
-        return F.linear(x, whole, bias)
-    biases = bias.split([p.shape[0] for p in pieces]) if bias is not None else [None] * len(pieces)
-    return torch.cat([F.linear(x, w, b) for w, b in zip(pieces, biases)], -1)
+        out = F.linear(rows, whole, bias)
+    else:
+        biases = bias.split([p.shape[0] for p in pieces]) if bias is not None else [None] * len(pieces)
+        out = torch.cat([F.linear(rows, w, b) for w, b in zip(pieces, biases)], -1)
+    return out.view(*x.shape[:-1], out.shape[-1])
