@@ -152,11 +152,6 @@ class Stack:
             raise ValueError(f"unknown arm option @{at}; valid: @tpN")
         return tp.at_size(module, int(at[2:]))
 
-    @property
-    def world(self) -> int:
-        """How many ranks the stack needs."""
-        return self.tp
-
 
 def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> Stack:
     """`sdpa/bf16`, `triton/fp32+bi`, `eager/bf16+bi+scan+compile`, `sdpa/bf16@t1`,
