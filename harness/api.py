@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from kvfid.diagnoses.replay import checked_replay, replay_unit
+from kvfid.errors import BadInput
 from kvfid.diagnoses.repro import ReproOutcome
 from kvfid.diagnoses.repro import repro as _repro
 from kvfid.inputs.models import Model, from_module
@@ -74,7 +75,7 @@ def repro(model, prompt: str, *, stack: Stack | str = "sdpa/bf16",
                   device=chosen.device, threads=chosen.threads, boundary=boundary, suffix=suffix,
                   arms=",".join(arms), replicas=",".join(replicas), transplants=tuple(transplants),
                   cross=",".join(cross), ignore_eos=ignore_eos, compiled=chosen.compiled,
-                  faithful_recurrence=chosen.faithful_recurrence)
+                  faithful_recurrence=chosen.faithful_recurrence, tp=chosen.tp)
 
 
 def read_state(cache, config=None, prefix: Iterable[int] = (), logits=None) -> BoundaryState:
@@ -138,6 +139,9 @@ def replay(trajectories, model, *, stack: Stack | str = "sdpa/bf16",
     `prompt`, `tokens`, optional `logprobs`) the way a trainer does, against step-by-step
     generation on the same stack, as `kvfid replay` does."""
     chosen = stack_of(stack)
+    if chosen.tp > 1:
+        raise BadInput(f"kvfid.replay runs in this process, at TP size 1; `kvfid replay --tp "
+                       f"{chosen.tp}` spawns the ranks")
     source = str(trajectories) if isinstance(trajectories, Path) else trajectories
     model, chosen, rows, names = checked_replay(
         source, model if isinstance(model, str) else load_model(model), chosen.backend,

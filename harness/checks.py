@@ -97,9 +97,19 @@ def check_cuda(device: str, where: str, error=Unavailable) -> None:
 MAX_BATCH = 64              # batched:N duplicates the item N times: bound the memory
 
 
+MAX_TP = 64
+
+
+def tp_reason(tp) -> str | None:
+    """Why a tensor-parallel size is not allowed, or None."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP:
+        return f"allowed: a TP size from 1 to {MAX_TP}"
+    return None
+
+
 def construction_reason(label: str) -> str | None:
     """Why a parsed construction label cannot be run here (a batch too large to hold)."""
-    kind, _, n = label.partition(":")
+    kind, _, n = label.partition("@")[0].partition(":")
     n = n.partition("+")[0]   # cobatched:N+decode
     if kind in ("batched", "cobatched") and n.isdigit() and int(n) > MAX_BATCH:
         return f"allowed: {kind}:N with N <= {MAX_BATCH}"

@@ -28,7 +28,7 @@ CONSTRUCTION_HELP = ("live, prefill, incremental, incremental-1, chunked:N, batc
                      "cobatched:N, cobatched:N+decode (N >= 2), cached:K (K tokens, a fraction "
                      "or `prompt`), spec:k[+all|+none|+ngram|+rateR] (k >= 1 drafts), "
                      "spec:tree:WxD or spec:tree:P1,P2,.. (a draft tree by its nodes' parents)"
-                     "[+rateR]")
+                     "[+rateR]; any but live @tpN (built at TP size N, e.g. prefill@tp1)")
 
 # The verdicts of `kvfid repro` (kvfid.diagnoses.repro.verdict).
 BIT_EXACT, DIVERGES = "bit-exact", "diverges"

@@ -104,7 +104,7 @@ def test_blame_under_compile_names_a_module_wherever_the_compiled_states_differ(
     the whole forward's graphs are in inductor's cache already (measured cold on the AVX2-only
     EPYC after the fixture: 37 s, against 64 s on the two-layer model); that every unit stays
     compiled past dynamo's recompile limit is the next test's."""
-    from kvfid.diagnoses.blame import blame_item
+    from kvfid.diagnoses.blame_command import blame_item
 
     model = small(layers=1)
     prompt = model.codec.prompt_ids(PROMPT.prompt)

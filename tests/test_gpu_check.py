@@ -16,8 +16,11 @@ def test_dry_run_runs_every_step_into_at_most_eight_flat_files(tmp_path):
     assert all(p.is_file() for p in tmp_path.iterdir()) and len(files) <= 8
     summary = json.loads((tmp_path / "gpu-check.json").read_text())
     assert [s["step"] for s in summary["steps"]] == ["compile", "speed", "profile", "fidelity",
-                                                      "paper", "kernels", "gpu-tests", "report"]
+                                                      "paper", "kernels", "gpu-tests", "tp",
+                                                      "tp-stock", "report"]
     assert all(s["rc"] == 0 for s in summary["steps"]), summary["steps"]
+    assert summary["steps"][-3]["tail"][-1] == "verdict: bit-exact"     # TP=2 against TP=1
+    assert summary["steps"][-2]["tail"][-1] == "verdict: diverges"      # stock, its control
     assert {"compile.json", "speed.json", "profile.txt", "kernels.json", "report.md",
             "ledger.sqlite"} <= set(files)
     assert summary["compile"]["ok"] and summary["compile"]["configs"] == 7, summary["compile"]

@@ -63,7 +63,7 @@ def repro(fmt, expect, **options) -> None:
 def blame(fmt, **options) -> None:
     """Name the op that first gives a position of P other bits in incremental decoding than in a
     prefill (or a chunk): a culprit has bit-equal inputs on both sides and a differing output."""
-    from kvfid.diagnoses.blame import blame_command
+    from kvfid.diagnoses.blame_command import blame_command
 
     outcome = blame_command(**options)
     click.echo(json.dumps(outcome.to_json(), indent=1) if fmt == "json" else outcome.text())
@@ -110,6 +110,8 @@ def replay(fmt, expect_exact, **options) -> None:
 @click.option("--dtype", default="bf16", show_default=True, help="vLLM's precision (--engine vllm).")
 @click.option("--faithful", is_flag=True,
               help="--engine vllm with kvfid's batch-invariant attention and mode (its plugin).")
+@click.option("--tp", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="vLLM's tensor-parallel size (worker processes, each on its own cores).")
 @click.option("--server", help="Sample from an OpenAI-compatible completions server at this URL "
                                "(e.g. http://127.0.0.1:8000) instead.")
 def rollouts(**options) -> None:
@@ -142,6 +144,8 @@ def rollouts(**options) -> None:
               help="Run vLLM with kvfid's batch-invariant attention and mode (its plugin).")
 @click.option("--threads", type=click.IntRange(1, 512), default=None,
               help="The engines' calls at N torch threads (default: vLLM-CPU's own, one per core).")
+@click.option("--tp", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Also run the decode and the re-scoring on vLLM at this TP size and compare them with TP=1.")
 @click.option("--db", type=click.Path(), default=None,
               help="Store the result in this ledger (with --report and no --db: $KVFID_DB, else "
                    "reports/ledger.sqlite).")
@@ -196,6 +200,8 @@ def engine_report(check_id, db, out, fmt) -> None:
               help="Greedy tokens per prompt in the decode call.")
 @click.option("--threads", type=click.IntRange(1, 1024),
               help="Both engines' calls at this many torch threads (default: vLLM-CPU's binding).")
+@click.option("--tp", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Both engines at this TP size (worker processes, each on its own cores).")
 @fmt_option
 def engine_bench(fmt, **options) -> None:
     """The faithful engine's price: stock and faithful vLLM on the same requests, prefill and

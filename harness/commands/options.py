@@ -54,7 +54,11 @@ stack_options = options(
                  help="Run the model's forward under torch.compile (inductor); part of the stack."),
     click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N."),
     click.option("--threads", type=int,
-                 help="torch thread count (default: torch's); part of the stack."))
+                 help="torch thread count (default: torch's); part of the stack."),
+    click.option("--tp", type=int, default=1, show_default=True,
+                 help="Tensor-parallel size: the model sharded over N ranks this command starts on "
+                      "this machine (gloo on a CPU); part of the stack (`@tpN`). An arm may name "
+                      "another size (prefill@tp1)."))
 
 
 def exit_with(ok: bool) -> None:

@@ -23,6 +23,7 @@ comparisons are kept, not the tensors, so a prefill of any length fits in memory
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -30,10 +31,9 @@ import torch
 from kvfid.tracing import align
 from kvfid.tracing.slices import Spans, boundary as _boundary, compare as _compare, diff as _diff
 from kvfid.states.cache import bits_equal
-from kvfid.errors import BadInput
 from kvfid.protocol.decode import Runner, as_batch, new_cache
 from kvfid.tracing.optrace import trace
-from kvfid.protocol.protocol import parse_construction, run_live
+from kvfid.protocol.protocol import parse_construction
 
 
 @dataclass
@@ -129,11 +129,13 @@ def _build(module, runner: Runner, prefix: list[int], spans: list[tuple[int, int
     return cache, logits
 
 
-def first_differing_position(module, prefix: list[int], prompt_length: int, against: str = "prefill"):
+def first_differing_position(module, prefix: list[int], prompt_length: int, against: str = "prefill",
+                             side_b=contextlib.nullcontext):
     """The lowest position whose keys or values differ in some layer between the two sides'
     caches over all of P (None when they are bit-exact, the logits included; P's last position
-    when only a state without positions, recurrent or conv, differs)."""
-    diff, logits_equal = _states_compared(module, prefix, prompt_length, against)
+    when only a state without positions, recurrent or conv, differs). `side_b()`: the context
+    side b is built in (an arm at another TP size)."""
+    diff, logits_equal = _states_compared(module, prefix, prompt_length, against, side_b)
     if diff["bit_exact"]:
         return None if logits_equal else len(prefix) - 1
     if diff["first_position"] is None:   # only a recurrent or conv state differs: it has no
@@ -141,7 +143,8 @@ def first_differing_position(module, prefix: list[int], prompt_length: int, agai
     return diff["first_position"]
 
 
-def _states_compared(module, prefix: list[int], prompt_length: int, against: str) -> tuple[dict, bool]:
+def _states_compared(module, prefix: list[int], prompt_length: int, against: str,
+                     side_b=contextlib.nullcontext) -> tuple[dict, bool]:
     """The two sides' boundary states over all of P compared (cache.compare_states), and
     whether their last logits are bit-equal."""
     from kvfid.states import cache as kv
@@ -149,9 +152,11 @@ def _states_compared(module, prefix: list[int], prompt_length: int, against: str
     spans_a, spans_b = _constructions(prefix, prompt_length, against)
     runner = Runner(module)
     cache_a, logits_a = _build(module, runner, prefix, spans_a)
-    cache_b, logits_b = _build(module, runner, prefix, spans_b)
-    diff = kv.compare_states(kv.snapshot(cache_a, prefix, logits_a, config=module.config),
-                             kv.snapshot(cache_b, prefix, logits_b, config=module.config))
+    state_a = kv.snapshot(cache_a, prefix, logits_a, config=module.config)
+    with side_b():
+        cache_b, logits_b = _build(module, runner, prefix, spans_b)
+        state_b = kv.snapshot(cache_b, prefix, logits_b, config=module.config)
+    diff = kv.compare_states(state_a, state_b)
     return diff, bits_equal(logits_a, logits_b)
 
 
@@ -170,13 +175,15 @@ def whole_forward_difference(module, prefix: list[int], prompt_length: int,
 
 
 def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
-          against: str = "prefill", position: int | None = None, tracer=trace) -> BlameResult:
+          against: str = "prefill", position: int | None = None, tracer=trace,
+          side_b=contextlib.nullcontext) -> BlameResult:
     """Trace the call that computes `position` (default: P's last) in incremental decoding (side
     a: the prompt's prefill, or the decode step of that token) and in the `against`
     construction (side b), each over the cache its earlier calls built; classify each op by the
     bits of that position's slices. `module` is a model prepared by a stack (`Stack.activate`).
     `tracer`: `optrace.trace` (every aten op) or, for a compiled stack, `compiled.trace_units`
-    (each compiled unit: compiled code runs no aten op one by one)."""
+    (each compiled unit: compiled code runs no aten op one by one) or, across TP sizes,
+    `tp_units.trace`; `side_b()`: the context side b runs in (an arm at another TP size)."""
     spans_a, spans_b = _constructions(prefix, prompt_length, against)
     p = len(prefix) - 1 if position is None else position
     if not 0 <= p < len(prefix):
@@ -186,7 +193,8 @@ def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
     spans = Spans(span_a, span_b, p)
     runner = Runner(module)
     cache_a, _ = _build(module, runner, prefix, spans_a[:spans_a.index(span_a)])
-    cache_b, _ = _build(module, runner, prefix, spans_b[:spans_b.index(span_b)])
+    with side_b():
+        cache_b, _ = _build(module, runner, prefix, spans_b[:spans_b.index(span_b)])
 
     side_a: dict[tuple, Side] = {}
     order_a: list[tuple] = []
@@ -222,84 +230,11 @@ def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,
             verdict.n_diff, verdict.max_abs, verdict.max_ulp = _diff(a.outputs, outputs, spans)
         result.ops.append(verdict)
 
-    tracer(module, lambda: runner.forward_all(as_batch(prefix[span_b[0]:span_b[1]]), cache_b), record_b)
+    with side_b():
+        tracer(module, lambda: runner.forward_all(as_batch(prefix[span_b[0]:span_b[1]]), cache_b),
+               record_b)
     result.only_a = [f"{key[0]} {key[2]}" for key in order_a if key not in matched]
     return result
-
-
-def blame_item(model, stack, prompt: list[int], boundary: int, against: str = "prefill",
-               position: int | None = None) -> tuple[BlameResult, int | None]:
-    """Generate P live (the prompt and `boundary` greedy tokens) on `stack`, find the first
-    position whose cache differs between the two constructions, and `blame()` its computation
-    (or `position` when given). Returns the result and the first differing position (None when
-    the two constructions are bit-exact over all of P)."""
-    with stack.activate(model) as module:
-        live = run_live(module, prompt, boundary, 0, model.codec.eos_ids)
-        if live.state is None:
-            raise BadInput(f"-B = {boundary}: the live run met the end-of-turn token after "
-                           f"{len(live.generated.tokens)} tokens; lower -B")
-        prefix = list(live.state.prefix)
-        first = first_differing_position(module, prefix, len(prompt), against)
-        chosen = position if position is not None else first
-        if stack.compiled:
-            from kvfid.stacks.compiled import trace_units
-
-            result = blame(module, prefix, len(prompt), against, chosen, trace_units)
-            if first is not None and not result.culprits:   # invariant alone, not compiled whole
-                result.whole_forward = whole_forward_difference(module, prefix, len(prompt), against)
-            return result, first
-        return blame(module, prefix, len(prompt), against, chosen), first
-
-
-@dataclass
-class BlameOutcome:
-    """What `kvfid blame` prints."""
-
-    stack: str
-    result: BlameResult
-    first_differing_position: int | None
-
-    def to_json(self) -> dict:
-        return {"stack": self.stack, "first_differing_position": self.first_differing_position,
-                **self.result.to_json()}
-
-    def text(self) -> str:
-        where = ("the caches are bit-exact over all of P" if self.first_differing_position is None
-                 else f"first differing cache position: {self.first_differing_position}")
-        return render(self.result, self.stack) + "\n" + where
-
-
-def blame_command(model_name: str, prompt: str | None, item_set: str | None, item_index: int | None,
-                  backend: str, dtype: str, batch_invariant: bool, device: str, threads: int | None,
-                  boundary: int, against: str, position: int | None,
-                  compiled: bool = False, faithful_recurrence: bool | None = None) -> BlameOutcome:
-    """`kvfid blame`: every option checked before compute (exit 2 / 3), then `blame_item`."""
-    from kvfid.diagnoses import repro
-    from kvfid.stacks.stack import check_supports
-    from kvfid.inputs.models import load_model
-
-    repro.check_model_name(model_name)
-    stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
-                                faithful_recurrence)
-    try:
-        parse_construction(against)
-    except ValueError as err:
-        raise BadInput(f"--against: {err}") from None
-    item = repro.pick_item(prompt, item_set, item_index)
-    model = load_model(model_name)
-    prompt_ids = model.codec.prompt_ids(item.prompt)
-    if len(prompt_ids) + boundary > model.context_length:
-        raise BadInput(f"-B = {boundary}: the prompt ({len(prompt_ids)} tokens) and B exceed the "
-                       f"context of {model.context_length}")
-    check_supports(stack, model, len(prompt_ids) + boundary)
-    if position is not None and not 0 <= position < len(prompt_ids) + boundary:
-        raise BadInput(f"--position = {position} is not allowed; P has positions 0 to "
-                       f"{len(prompt_ids) + boundary - 1}")
-    try:
-        result, first = blame_item(model, stack, prompt_ids, boundary, against, position)
-    except ValueError as err:
-        raise BadInput(str(err)) from None
-    return BlameOutcome(stack.label, result, first)
 
 
 def render(result: BlameResult, stack_label: str, limit: int = 10) -> str:

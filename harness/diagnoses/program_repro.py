@@ -71,7 +71,8 @@ class ProgramOutcome:
 def repro_program(program: str, model_name: str, prompt, item_set, item_index, backend: str,
                   dtype: str, batch_invariant: bool, device: str, threads, boundary: int,
                   suffix: int, arms: str, replicas: str, transplants, cross, ignore_eos: bool = False,
-                  compiled: bool = False, faithful_recurrence: bool = False) -> ProgramOutcome:
+                  compiled: bool = False, faithful_recurrence: bool = False,
+                  tp: int = 1) -> ProgramOutcome:
     """Check the program and the options, then measure it (kvfid.stages.program)."""
     from kvfid.environment import envinfo
     from kvfid.stages import program as stages, checks as stages_checks
@@ -84,6 +85,8 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
     if suffix < 1:
         raise BadInput(f"-S = {suffix}: a stage program needs a suffix of at least 1 token")
     check_model_name(model_name)
+    if tp != 1:
+        raise BadInput(f"--tp {tp}: a stage program runs at TP size 1 only")
     stack = checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
                           faithful_recurrence)
     try:

@@ -111,6 +111,13 @@ def replay_unit(model, stack, t: Trajectory, constructions) -> ReplayRecord:
                         engine_constructions=engine)
 
 
+def _replay_ranked(model_name: str, stack, trajectories, constructions) -> dict:
+    """One rank's part of a TP replay: the model loaded here, every trajectory re-scored by all."""
+    from kvfid.inputs.models import load_model
+
+    return replay(load_model(model_name), stack, trajectories, constructions)
+
+
 def replay(model, stack, trajectories: list[Trajectory], constructions=("prefill",), progress=None) -> dict:
     """Every trajectory re-scored by every construction on `stack`, against the generator's
     step-by-step reference. Returns a JSON-ready dict: per item, and aggregated per construction."""
@@ -177,12 +184,19 @@ def render(result: dict) -> str:
 
 def replay_command(trajectories: str, model_name: str, backend: str, dtype: str, batch_invariant: bool,
                    device: str, threads: int | None, constructions: str, progress=None,
-                   compiled: bool = False, faithful_recurrence: bool | None = None) -> dict:
-    """`kvfid replay`: the options and the file checked before compute (exit 2 / 3), then `replay`."""
+                   compiled: bool = False, faithful_recurrence: bool | None = None,
+                   tp: int = 1) -> dict:
+    """`kvfid replay`: the options and the file checked before compute (exit 2 / 3), then `replay`
+    (on ranks spawned here at a TP size above 1)."""
     model, stack, loaded, chosen = checked_replay(
         trajectories, model_name, backend, dtype, batch_invariant, device, threads,
-        constructions, compiled, faithful_recurrence)
+        constructions, compiled, faithful_recurrence, tp)
     try:
+        if stack.tp > 1:
+            from kvfid.stacks.ranks import on_ranks
+
+            return on_ranks(stack.tp, _replay_ranked, model_name, stack, loaded, chosen,
+                            device=stack.device)
         return replay(model, stack, loaded, chosen, progress)
     except ValueError as err:
         raise BadInput(str(err)) from None
@@ -190,10 +204,11 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
 
 def checked_replay(trajectories, model_name, backend: str, dtype: str, batch_invariant: bool,
                    device: str, threads: int | None, constructions: str, compiled: bool = False,
-                   faithful_recurrence: bool | None = None):
+                   faithful_recurrence: bool | None = None, tp: int = 1):
     """(model, stack, trajectories, constructions) of a replay, each checked before compute
     (BadInput, exit 2; Unavailable, exit 3). `trajectories`: a JSONL path or rows in memory;
-    `model_name`: a preset, `hf:<folder>` or a Model already loaded (the Python API's)."""
+    `model_name`: a preset, `hf:<folder>` or a Model already loaded (the Python API's; at TP
+    size 1 only: each rank loads the model by its name)."""
     from kvfid import checks
     from kvfid.diagnoses import repro
     from kvfid.stacks.stack import check_supports
@@ -204,8 +219,14 @@ def checked_replay(trajectories, model_name, backend: str, dtype: str, batch_inv
     if loaded is None:
         repro.check_model_name(model_name)
     stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
-                                faithful_recurrence)
+                                faithful_recurrence, tp)
     chosen = checks.split_arms(constructions)
+    if any("@" in c for c in chosen):
+        raise BadInput(f"--constructions {constructions}: a replay re-scores at the stack's TP "
+                       f"size (--tp), not per construction")
+    if loaded is not None and stack.tp > 1:
+        raise BadInput("a model loaded in memory is replayed at TP size 1; give a preset or "
+                       "hf:<folder> for TP sizes above 1 (each rank loads it by that name)")
     for c in chosen:
         try:
             kind = parse_construction(c).kind
@@ -229,7 +250,8 @@ def checked_replay(trajectories, model_name, backend: str, dtype: str, batch_inv
 
 def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, temperature: float,
                      seed: int, out: str, engine: str = "transformers", server: str | None = None,
-                     dtype: str = "bf16", faithful: bool = False) -> tuple[list[dict], str]:
+                     dtype: str = "bf16", faithful: bool = False,
+                     tp: int = 1) -> tuple[list[dict], str]:
     """`kvfid rollouts`: sample on sdpa/fp32 (one thread), with vLLM (`engine="vllm"`, at
     `dtype`; `faithful`: its faithful engine) or from an OpenAI-compatible server, and write the
     JSONL atomically."""
@@ -242,6 +264,8 @@ def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, te
     repro.check_model_name(model_name)
     if faithful and (engine != "vllm" or server is not None):
         raise BadInput("--faithful is for --engine vllm (kvfid's plugin runs inside vLLM)")
+    if tp != 1 and (engine != "vllm" or server is not None):
+        raise BadInput("--tp is for --engine vllm (its model sharded over worker processes)")
     if server is not None:
         from kvfid.engines.server import server_rollouts
 
@@ -249,7 +273,8 @@ def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, te
     elif engine == "vllm":
         from kvfid.engines.check import engine_rollouts
 
-        rows = engine_rollouts(model_name, item_set, count, tokens, temperature, seed, dtype, faithful)
+        rows = engine_rollouts(model_name, item_set, count, tokens, temperature, seed, dtype, faithful,
+                               tp)
     else:
         try:
             chosen = items.load_item_set(item_set, count)

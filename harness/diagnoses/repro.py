@@ -11,7 +11,7 @@ whole command: prepare, measure, the verdict and the environment record.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvfid import checks
 from kvfid.protocol.engine_arms import check_rollback
@@ -31,20 +31,23 @@ class Repro:
     item: object
     plan: ItemPlan
     cross_stacks: list
+    model_name: str = ""
+    world: int = 1           # ranks the item runs on: the largest TP size of the stack and arms
 
 
 def prepare(model_name: str, prompt: str | None, item_set: str | None, item_index: int | None,
             backend: str, dtype: str, batch_invariant: bool, device: str, threads: int | None,
             boundary: int, suffix: int, arms: str, replicas: str, transplants, cross,
             ignore_eos: bool = False, compiled: bool = False,
-            faithful_recurrence: bool | None = None) -> Repro:
+            faithful_recurrence: bool | None = None, tp: int = 1) -> Repro:
     """Check every option, then load the model and check what needs it (layers, context).
-    `model_name`: a preset, `hf:<folder>`, or a Model already loaded (the Python API's)."""
+    `model_name`: a preset, `hf:<folder>`, or a Model already loaded (the Python API's; at TP
+    size 1 only: each rank loads the model by its name)."""
     loaded = None if isinstance(model_name, str) else model_name
     if loaded is None:
         check_model_name(model_name)
     stack = checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
-                          faithful_recurrence)
+                          faithful_recurrence, tp)
     try:
         plan = ItemPlan(boundary, suffix, checks.split_arms(arms),
                         checks.split_arms(replicas),
@@ -54,18 +57,25 @@ def prepare(model_name: str, prompt: str | None, item_set: str | None, item_inde
         raise BadInput(str(err)) from None
     for arm in plan.arms:
         checks.require(checks.construction_reason(arm), "--arms", arm)
+    world = plan_world(stack, plan.arms, "--arms")
+    if loaded is not None and world > 1:
+        raise BadInput("a model loaded in memory is measured at TP size 1; give a preset or "
+                       "hf:<folder> for TP sizes above 1 (each rank loads it by that name)")
     item = pick_item(prompt, item_set, item_index)
     model = loaded or load_model(model_name)
     prompt_length = len(model.codec.prompt_ids(item.prompt))
     plan.check_fits(prompt_length, model.context_length)
     for each in [stack, *cross_stacks]:
         check_supports(each, model, prompt_length + boundary + suffix)
+        if world > each.tp:   # an arm at the larger size
+            check_supports(replace(each, tp=world), model, prompt_length + boundary + suffix)
     check_rollback(model, plan.arms)
     layers = int(model.config.num_hidden_layers)
     for spec in plan.transplants:
         checks.require(checks.selection_reason(spec.selection, layers, prompt_length + boundary),
                        "--transplant", spec.label)
-    return Repro(model, stack, item, plan, cross_stacks)
+    return Repro(model, stack, item, plan, cross_stacks, model.name if loaded else model_name,
+                 world)
 
 
 def check_model_name(model_name: str) -> None:
@@ -76,14 +86,28 @@ def check_model_name(model_name: str) -> None:
 
 def checked_stack(backend: str, dtype: str, batch_invariant: bool, device: str,
                   threads: int | None, compiled: bool = False,
-                  faithful_recurrence: bool | None = None) -> Stack:
+                  faithful_recurrence: bool | None = None, tp: int = 1) -> Stack:
     """The stack of a command's options, each checked (exit 2 naming what is allowed)."""
     checks.device_and_threads(device, threads)
+    checks.require(checks.tp_reason(tp), "--tp", tp)
     try:
         return Stack(backend, dtype, batch_invariant, device, threads, compiled,
-                     faithful_recurrence=faithful_recurrence)
+                     faithful_recurrence=faithful_recurrence, tp=tp)
     except ValueError as err:
         raise BadInput(str(err)) from None
+
+
+def plan_world(stack: Stack, arms, option: str) -> int:
+    """How many ranks an item needs: the largest TP size of the stack and its arms (`@tpN`);
+    one item runs TP size 1 and one other size only (exit 2 otherwise)."""
+    from kvfid.protocol.constructions import parse_construction
+
+    sizes = {stack.tp} | {int(c.at[2:]) for c in map(parse_construction, arms) if c.at}
+    world = max(sizes)
+    if not sizes <= {1, world}:
+        raise BadInput(f"{option}: TP sizes {sorted(sizes)} in one item; it runs at TP size 1 "
+                       f"and one other size N (the stack's, or its arms' @tpN)")
+    return world
 
 
 def pick_item(prompt: str | None, item_set: str | None, item_index: int | None):
@@ -115,6 +139,11 @@ def measure(repro: Repro):
     from kvfid.inputs.items import match_answer
     from kvfid.protocol.protocol import run_crossing, run_item
 
+    if repro.world > 1:
+        from kvfid.stacks.ranks import on_ranks
+
+        return on_ranks(repro.world, _measure_ranked, repro.model_name, repro.stack, repro.item,
+                        repro.plan, repro.cross_stacks, device=repro.stack.device)
     record = run_item(repro.model, repro.stack, repro.item, repro.plan, matcher=match_answer)
     record = settle_in_fp32(repro, record)
     if repro.cross_stacks:
@@ -162,6 +191,14 @@ def settle_in_fp32(repro: Repro, record):
             settled_by=f"{twin.label}: {shown}"))
 
     return replace(record, comparisons=tuple(settled(c) for c in record.comparisons))
+
+
+def _measure_ranked(model_name: str, stack: Stack, item, plan: ItemPlan, cross_stacks):
+    """One rank's part of a TP repro: the model loaded here, the item measured by every rank."""
+    from kvfid.inputs.models import load_model
+
+    repro = Repro(load_model(model_name), stack, item, plan, list(cross_stacks), model_name)
+    return measure(repro)
 
 
 def verdict(record) -> str | None:

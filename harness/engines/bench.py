@@ -53,8 +53,10 @@ def _measure(llm, prompts, tokens: int, repeats: int) -> dict:
 
 
 def engine_bench(model_name: str, dtype: str, count: int, tokens: int, item_set: str = "arith",
-                 bench: EngineBench = EngineBench(), progress=None, threads: int | None = None) -> dict:
-    """Stock and faithful vLLM on the same prompts: tokens/s per phase and faithful / stock."""
+                 bench: EngineBench = EngineBench(), progress=None, threads: int | None = None,
+                 tp: int = 1) -> dict:
+    """Stock and faithful vLLM on the same prompts: tokens/s per phase and faithful / stock;
+    `tp`: both engines sharded over that many worker processes."""
     from kvfid.errors import BadInput
     from kvfid.inputs.trajectories import items_and_codec
 
@@ -70,20 +72,22 @@ def engine_bench(model_name: str, dtype: str, count: int, tokens: int, item_set:
     measured = {}
     for name, faithful in bench.engines:
         say(f"{name} engine")
-        with vllm_engine.engine(folder, dtype, EngineConfig(faithful=faithful), max_len=longest) as llm, \
+        with vllm_engine.engine(folder, dtype, EngineConfig(faithful=faithful, tp=tp),
+                                max_len=longest) as llm, \
                 vllm_engine.torch_threads(threads) as used:
             measured[name] = {**_measure(llm, prompts, tokens, bench.repeats), "threads": used}
     ratio = {phase: measured["stock"][f"{phase}_tok_s"] / measured["faithful"][f"{phase}_tok_s"]
              for phase in ("prefill", "decode")}
     return {"model": model_name, "dtype": dtype, "engine": f"vllm {vllm_engine.version()}",
-            "prompts": len(prompts), "tokens": tokens, "repeats": bench.repeats,
+            "prompts": len(prompts), "tokens": tokens, "repeats": bench.repeats, "tp": tp,
             "engines": measured, "slowdown": ratio}
 
 
 def render(result: dict) -> str:
     """The price table: tokens/s per engine and phase, and how many times slower faithful is."""
     lines = [f"kvfid engine-bench  {result['engine']}  model {result['model']}  {result['dtype']}  "
-             f"{result['prompts']} prompts x {result['tokens']} tokens, median of {result['repeats']}",
+             f"{result['prompts']} prompts x {result['tokens']} tokens, median of {result['repeats']}"
+             + (f", TP={result['tp']}" if result.get("tp", 1) > 1 else ""),
              f"  {'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13} {'threads':>8}"]
     for name, m in result["engines"].items():
         lines.append(f"  {name:<10} {m['prefill_tok_s']:>14.1f} {m['decode_tok_s']:>13.1f} "

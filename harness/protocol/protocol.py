@@ -252,15 +252,18 @@ def run_item(model, stack, item, plan: ItemPlan, matcher=None,
         prefix = list(live.state.prefix)
         arms = {"live": live}
         for label in plan.arms[1:]:
-            arms[label] = build_arm(module, parse_construction(label), prompt, prefix, plan.S,
-                                    eos, others)
+            construction = parse_construction(label)
+            with stack.arm(module, construction.at):   # the stack's business (e.g. a TP size)
+                arms[label] = build_arm(module, construction, prompt, prefix, plan.S, eos,
+                                        others)
         comparisons = tuple(compare_arms(live, arms[label],
                                          "bridge" if label == "incremental" else "arm")
                             for label in plan.arms[1:])
         spent, replicas, transplants = list(arms.values()), [], []
         for label in plan.replicas:
-            again = build_arm(module, parse_construction(label), prompt, prefix, plan.S, eos,
-                              others)
+            construction = parse_construction(label)
+            with stack.arm(module, construction.at):
+                again = build_arm(module, construction, prompt, prefix, plan.S, eos, others)
             replicas.append(rec.Replica(label, again.fingerprints(),
                                         compare_arms(arms[label], again, "replica")))
             spent.append(again)

@@ -151,6 +151,16 @@ class Case:
         return replace(self, items=replace(self.items, n=n))
 
     @property
+    def world(self) -> int:
+        """How many ranks the case runs on: the largest TP size of its stacks and arms
+        (`@tpN`), the crossing's stacks included."""
+        from kvfid.protocol.constructions import parse_construction
+
+        crossing = self.crossing.stacks if self.crossing else ()
+        arms = [parse_construction(a).at for a in self.constructions]
+        return max([s.tp for s in (*self.stacks, *crossing)] + [int(a[2:]) for a in arms if a])
+
+    @property
     def unit_labels(self) -> tuple[str, ...]:
         """The stack labels of the matrix, plus `crossing` when the case has one."""
         return tuple(s.label for s in self.stacks) + (("crossing",) if self.crossing else ())
@@ -178,7 +188,7 @@ _NOT_REPLAY = ("B", "S", "constructions", "items", "replicas", "crossing", "tran
                "ignore_eos")
 _TABLES = {
     "items": {"set", "n", "seed"},
-    "stacks": {"backends", "dtypes", "batch_invariant", "faithful_recurrence", "compile", "device", "threads", "items"},
+    "stacks": {"backends", "dtypes", "batch_invariant", "faithful_recurrence", "compile", "device", "threads", "items", "tp"},
     "replicas": {"arms", "items"},
     "crossing": {"reference", "dtypes", "constructions", "items"},
     "transplants": {"pairs", "selections", "controls", "seed"},

@@ -11,7 +11,7 @@ import itertools
 
 from kvfid.stacks.backends import DTYPES, backend_names
 from kvfid.stacks.stack import Stack
-from kvfid.checks import device_reason, threads_reason
+from kvfid.checks import MAX_TP, device_reason, threads_reason, tp_reason
 
 
 def stack_tables(v, data: dict) -> list[dict]:
@@ -35,7 +35,8 @@ def stack_groups(v, data: dict) -> tuple[tuple[Stack, ...], tuple[int | None, ..
 
 
 def product_stacks(v, t: dict) -> tuple[Stack, ...]:
-    """backends x dtypes x batch-invariant modes x compile, on one device and thread count."""
+    """backends x dtypes x batch-invariant modes x compile x TP sizes, on one device and thread
+    count."""
     backends = v.choices(t, "stacks", "backends", backend_names(), None)
     dtypes = v.choices(t, "stacks", "dtypes", list(DTYPES), None)
     modes = t.get("batch_invariant", [False])
@@ -48,12 +49,18 @@ def product_stacks(v, t: dict) -> tuple[Stack, ...]:
     if "faithful_recurrence" in t and (not isinstance(faithful, list) or not faithful
                                        or not all(isinstance(f, bool) for f in faithful)):
         v.fail("stacks", "faithful_recurrence", faithful, "a non-empty list of true/false")
+    sizes = t.get("tp", [1])
+    sizes = [sizes] if isinstance(sizes, int) and not isinstance(sizes, bool) else sizes
+    if not isinstance(sizes, list) or not sizes or any(tp_reason(n) for n in sizes):
+        v.fail("stacks", "tp", t.get("tp"), "a TP size or a non-empty list of them (1 to "
+               f"{MAX_TP}; the model sharded over that many ranks)")
     device = v.optional(t, "stacks", "device", str, "cpu")
     v.check("stacks", "device", device, device_reason)
     threads = t.get("threads")
     if threads is not None:
         v.check("stacks", "threads", threads, threads_reason)
-    return tuple(Stack(b, d, bi, device, threads, c, faithful_recurrence=fr)
-                 for b, d, bi, fr, c in itertools.product(backends, dtypes, dict.fromkeys(modes),
-                                                          dict.fromkeys(faithful),
-                                                          dict.fromkeys(compiled)))
+    return tuple(Stack(b, d, bi, device, threads, c, faithful_recurrence=fr, tp=n)
+                 for b, d, bi, fr, c, n in itertools.product(backends, dtypes, dict.fromkeys(modes),
+                                                             dict.fromkeys(faithful),
+                                                             dict.fromkeys(compiled),
+                                                             dict.fromkeys(sizes)))

@@ -2,7 +2,8 @@
 
 Under `torchrun`, every rank takes `--shard rank/world` of the case and writes its own units into
 one run (rank 0 draws the run id and broadcasts it); after a barrier rank 0 closes the run and
-reports. Each rank on a CUDA machine uses the GPU of its LOCAL_RANK. Ranks on different hosts
+reports. A case at TP size N (kvfid.stacks.tp) takes N ranks as its TP group instead (`in_group`):
+all of them measure each unit, rank 0 writes it. Each rank on a CUDA machine uses the GPU of its LOCAL_RANK. Ranks on different hosts
 should write separate ledgers (SQLite over a network file system is not safe) and be joined with
 `kvfid merge`.
 """
@@ -29,6 +30,23 @@ def torchrun_rank() -> RankInfo | None:
     if not 0 <= rank < world:
         raise ValueError(f"RANK={rank} outside WORLD_SIZE={world}")
     return RankInfo(rank, world, int(os.environ.get("LOCAL_RANK", str(rank))))
+
+
+def in_group(info: RankInfo, device: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs) on this torchrun rank inside one process group of all of them (a TP
+    case: the ranks share each unit's model; kvfid.stacks.tp)."""
+    import torch
+    import torch.distributed as dist
+
+    from kvfid.stacks.ranks import backend_for
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    dist.init_process_group(backend_for(device, info.world))
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        dist.destroy_process_group()
 
 
 def run_ranked(case, db, info: RankInfo, *, items=None, run_id=None, progress=True):

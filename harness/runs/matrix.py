@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from kvfid.environment.tiled import choose_routes
 from kvfid.runs.case import Case, CaseError
 from kvfid.checks import check_cuda, selection_reason
 from kvfid.errors import DiskFull, Unavailable
+from kvfid.stacks.ranks import shared
 from kvfid.stacks.stack import check_supports
 from kvfid.protocol.engine_arms import check_rollback
 from kvfid.inputs.items import load_item_set, match_answer
@@ -110,8 +111,11 @@ class Matrix:
                 raise CaseError(f"{case.source}: item {item.id}: {err}") from None
             self._check_transplants(item, prompt + case.B)
         crossing = case.crossing.stacks if case.crossing else ()
+        world = case.world
         for stack in (*case.stacks, *crossing):     # a model the stack cannot serve (exit 3)
             check_supports(stack, model, longest)
+            if world > stack.tp:                    # its arms at the case's larger TP size
+                check_supports(replace(stack, tp=world), model, longest)
         check_rollback(model, case.plan(0).arms)    # a cut a recurrent state cannot take (exit 3)
 
     def _check_transplants(self, item, prefix_length: int) -> None:
@@ -240,6 +244,7 @@ def measure(prepared: Prepared, ledger: Ledger, shard: Shard = Shard(),
     stored = ledger.stored_units(run.id)
     units = plan_units(case, shard)
     todo = [u for u in units if (u.item_index, u.stack) not in stored]
+    shared((case.items.n, todo))             # a TP run's other ranks measure them too
     ledger.set_status(run.id, "running")
     ledger.hold(run.id)
     if progress:
@@ -273,6 +278,18 @@ def measure(prepared: Prepared, ledger: Ledger, shard: Shard = Shard(),
             ledger.release(run.id)
     status = ledger.finish(run.id)
     return RunResult(run.id, status, measured, len(units) - len(todo), len(units))
+
+
+def follow(case: Case) -> None:
+    """A rank other than 0 of a TP run: the units rank 0 measures (their item count and list
+    received from it), measured with it on the same checked model; rank 0 alone writes the
+    ledger."""
+    count, todo = shared(None)
+    case = case.with_item_count(count) if count != case.items.n else case
+    matrix = Matrix(case)
+    choose_routes((*case.stacks, *(case.crossing.stacks if case.crossing else ())))
+    for unit in todo:
+        matrix.measure(unit)
 
 
 def _existing_run(ledger: Ledger | None, run_id: str | None, must_exist: bool):

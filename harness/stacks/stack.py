@@ -1,9 +1,12 @@
-"""Stacks: attention backend + precision + batch-invariant mode + device + threads, as one context.
+"""Stacks: attention backend + precision + batch-invariant mode + device + threads + TP size,
+as one context.
 
 A `Stack` is data (frozen, hashable, serializable to the ledger). `Stack.activate(model)` returns
 the model's module prepared for that stack and restores everything it changed on exit: the torch
-thread count, the module's attention implementation, the batch-invariant op overrides. The
-backend comes from the registry (kvfid.stacks.backends); this module never names one.
+thread count, the module's attention implementation, the batch-invariant op overrides, the
+tensor-parallel sharding (kvfid.stacks.tp). The backend comes from the registry
+(kvfid.stacks.backends); this module never names one. `Stack.arm(module, at)` sets what an arm's
+label asks of the stack beyond it (`prefill@tp1`: that arm at another TP size).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Stack:
     # time (kvfid.kernels.recurrence.faithful_recurrence). None: on with the batch-invariant mode (the
     # faithful stack), off without; False with the mode asks for the chunked scan (`+bi+scan`).
     faithful_recurrence: bool | None = None
+    tp: int = 1   # tensor-parallel size: the model sharded over this many ranks (kvfid.stacks.tp)
 
     def __post_init__(self) -> None:
         attention_backend(self.backend)  # raises ValueError naming the valid ones
@@ -47,6 +51,8 @@ class Stack:
             raise ValueError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be positive, got {self.threads}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be positive, got {self.tp}")
         if self.faithful_recurrence is None:
             object.__setattr__(self, "faithful_recurrence", self.batch_invariant)
 
@@ -75,11 +81,14 @@ class Stack:
         return (f"{self.backend}/{self.dtype}" + ("+bi" if bi else "")
                 + ("+scan" if bi and not fr else "+fr" if fr and not bi else "")
                 + ("+compile" if self.compiled else "")
-                + (f"@t{self.threads}" if self.threads is not None else ""))
+                + (f"@t{self.threads}" if self.threads is not None else "")
+                + (f"@tp{self.tp}" if self.tp > 1 else ""))
 
     def describe(self) -> dict:
         """The stack as the ledger stores it."""
         described = {**asdict(self), "label": self.label, "batch_invariant_impl": self.batch_invariant_impl}
+        if self.tp == 1:
+            del described["tp"]                                # records read as before
         for option in ("compiled", "faithful_recurrence"):   # off: records read as before
             if not described[option] and not (option == "faithful_recurrence"
                                               and self.batch_invariant):
@@ -126,6 +135,10 @@ class Stack:
                 from kvfid.states.selection import recorded_selections
 
                 restore.enter_context(recorded_selections(module))   # sparse attention's choices
+            from kvfid.stacks import tp
+
+            if self.tp > 1 or self.batch_invariant or tp.ranks().size > 1:
+                restore.enter_context(tp.parallel_model(module, self.tp, self.batch_invariant))
             if self.compiled:
                 from kvfid.stacks.compiled import compiled_forward
 
@@ -133,11 +146,26 @@ class Stack:
                                                        attention_backend(self.backend)))
             yield module
 
+    def arm(self, module, at: str | None):
+        """The context an arm's stack option asks for (`tp1`: built at TP size 1 inside this
+        stack's ranks; None: this stack as it is)."""
+        if at is None:
+            return contextlib.nullcontext()
+        from kvfid.stacks import tp
+
+        if not (at.startswith("tp") and at[2:].isdigit()):
+            raise ValueError(f"unknown arm option @{at}; valid: @tpN")
+        return tp.at_size(module, int(at[2:]))
+
 
 def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> Stack:
-    """`sdpa/bf16`, `triton/fp32+bi`, `eager/bf16+bi+scan+compile`, `sdpa/bf16@t1` -> Stack (a
-    label's `@tN` wins over `threads`; `+fr`: the faithful recurrence, which `+bi` implies (earlier
-    labels `+bi+fr` read the same); `+scan`: the chunked scan; `+compile`: torch.compile)."""
+    """`sdpa/bf16`, `triton/fp32+bi`, `eager/bf16+bi+scan+compile`, `sdpa/bf16@t1`,
+    `native/bf16+bi@t1@tp2` -> Stack (a label's `@tN` wins over `threads`; `+fr`: the faithful
+    recurrence, which `+bi` implies (earlier labels `+bi+fr` read the same); `+scan`: the chunked
+    scan; `+compile`: torch.compile; `@tpN`: tensor parallel over N ranks)."""
+    text, _, tp_text = text.partition("@tp")
+    if tp_text and not tp_text.isdigit():
+        raise ValueError(f"stack {text}@tp{tp_text}: expected @tpN with N a TP size, e.g. @tp2")
     body, _, thread_text = text.partition("@t")
     if thread_text:
         if not thread_text.isdigit():
@@ -154,7 +182,7 @@ def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> S
                          "e.g. sdpa/bf16")
     backend, dtype = body.split("/")
     return Stack(backend, dtype, batch_invariant, device, threads, compiled,
-                 faithful_recurrence=faithful)
+                 faithful_recurrence=faithful, tp=int(tp_text) if tp_text else 1)
 
 
 def check_supports(stack: Stack, model_or_config, length: int | None = None) -> None:
@@ -188,3 +216,25 @@ def check_supports(stack: Stack, model_or_config, length: int | None = None) -> 
     reason = serving.model_reason(backend, serving.module_class(model_or_config))
     if reason:
         raise StackUnavailable(f"{refuse}: {reason}")
+    if stack.tp > 1:
+        reason = tp_reason(stack, model_or_config, infos)
+        if reason:
+            raise StackUnavailable(f"{refuse}: {reason}")
+
+
+def tp_reason(stack: Stack, model_or_config, infos) -> str | None:
+    """Why this model cannot be sharded at the stack's TP size, or None (kvfid.stacks.tp)."""
+    from kvfid.stacks import serving, tp
+
+    if stack.compiled:
+        return "+compile does not run tensor parallel"
+    unserved = next((i for i in infos if i.kind not in ("full", "window")), None)
+    if unserved is not None:
+        return (f"layer {unserved.index} holds a {unserved.kind} state; TP shards full and "
+                "window K/V only")
+    master = getattr(model_or_config, "master", None)
+    plan = tp.shardable(master) if master is not None else []
+    if isinstance(plan, str):
+        return f"TP cannot shard it: {plan}"
+    reason = tp.tp_reason(serving.text_config(model_or_config), stack.tp, stack.batch_invariant)
+    return f"TP={stack.tp}: {reason}" if reason else None

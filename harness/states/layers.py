@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfid.errors import Unavailable
-from kvfid.states import layers_held, selection
+from kvfid.states import heads, layers_held, selection
 
 POSITIONAL = ("k", "v", *layers_held.POSITIONAL_HELD)   # parts with a position axis (dim -2)
 RECURRENT = ("recurrent", "conv")
@@ -197,8 +197,8 @@ def read_layer(layer, config, row: int = 0, pad: int = 0, index: int | None = No
         seen = int(getattr(layer, "cumulative_length", held))   # positions fed, padding included
         first = seen - held                                      # padded index of the first held
         drop = max(0, pad - first)
-        parts = {"k": keys[row:row + 1, :, drop:].clone(),
-                 "v": layer.values[row:row + 1, :, drop:].clone(), **parts}
+        parts = {**heads.read_whole({"k": keys[row:row + 1, :, drop:].clone(),
+                                     "v": layer.values[row:row + 1, :, drop:].clone()}), **parts}
         start = first + drop - pad
     if layer is not None and kind in ("full", "window", "latent") and type(layer) not in _classes()[0]:
         extra, held_meta = layers_held.held(layer, row, drop)
@@ -235,7 +235,7 @@ def restore_layer(layer, state: LayerState, index: int) -> None:
     if meta:   # flags first: an indexer initialised lazily would drop its restored keys
         layers_held.restore_held(layer, {}, meta)
     if "k" in state.parts:
-        layer.update(state.parts["k"], state.parts["v"])
+        layer.update(*heads.kept({"k": state.parts["k"], "v": state.parts["v"]}).values())
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length = state.start + state.held   # the window's absolute end
     if type(layer) not in _classes()[0] and state.kind in ("full", "window", "latent"):

@@ -8,7 +8,9 @@ buckets: kvfid.environment.speed_table), the profile of one prefill and one deco
 stack of the default case (kvfid.tasks.unit_profile), the default case
 `cases/gpu-qwen2.5-shape.toml` complete, a timed 4-item slice of the seed paper's design
 (`cases/paper-shape.toml`: SmolLM2's shape, random weights; into the same ledger), `kvfid
-kernels`, the GPU-marked tests, and the default case's report; writes every result into one flat
+kernels`, the GPU-marked tests, tensor parallel on two ranks (`tp`, `tp-stock`: the
+TP-invariant stack bit-exact against its TP=1 rebuilds, stock sdpa's difference shown), and
+the default case's report; writes every result into one flat
 output folder (at most 8 files, for machines that return only a few: the run's
 aggregates and report.html are not copied, since `kvfid show` / `kvfid report` rebuild them from
 ledger.sqlite) and prints a headline. Needs only what the GPU image has (torch, triton,
@@ -79,11 +81,27 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
         # Measured on an H200 (docs/gpu.md): 55 s with Triton's cache warm, over 120 s cold.
         Step("gpu-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
                            "tests/test_kernel_gpu_buckets.py" if dry_run else "tests"], 180),
+        *tp_steps(cli, dry_run),
         Step("report", cli + ["report", DEFAULT_RUN, "--db", db, "--out", str(out / "reports")], 20),
     ]
 
 
 DEFAULT_RUN = "gpu-check-default"   # the default case's run id in the check's ledger (reported)
+
+
+def tp_steps(cli: list[str], dry_run: bool) -> list[Step]:
+    """Tensor parallel on two ranks of this machine (kvfid.stacks.tp: NCCL where each rank has a
+    GPU of its own, else gloo, as on one GPU): the TP-invariant stack's live@tp2 against its TP=1
+    rebuilds (bit-exact expected), and stock sdpa's (its difference shown, exit 1 expected)."""
+    device, backend = ("cpu", "native") if dry_run else ("cuda", "triton")
+    common = cli + ["repro", "--model", "tiny-llama", "--prompt", "What is 12 plus 30?",
+                    "--device", device, "--tp", "2", "-B", "8", "-S", "8"]
+    return [Step("tp", common + ["--backend", backend, "--batch-invariant", "--dtype", "bf16",
+                                 "--arms", "live,prefill,prefill@tp1,incremental@tp1,chunked:4,"
+                                           "batched:2", "--expect", "bit-exact"], 120),
+            Step("tp-stock", common + ["--backend", "sdpa", "--arms", "live,prefill@tp1"], 60)]
+
+
 REPORT_RESERVE_S = 20   # what a budget keeps back for the report, the last step
 
 

@@ -3,7 +3,8 @@
 Everything the command decides lives here, so the command only prints: which case a name means
 (`smoke` is cases/smoke.toml), the item count and shard checked before anything runs, torchrun's
 ranks each taking their shard (rank 0 closes the run and reports), and Ctrl-C turned into an
-`Interrupted` error that says how to resume.
+`Interrupted` error that says how to resume. A case with a stack or arm at TP size N runs on N
+ranks: spawned here, or torchrun's N; each unit is measured by all of them, rank 0 writes it.
 """
 
 from __future__ import annotations
@@ -54,10 +55,23 @@ def launch(case_name: str, item_count: int | None = None, db=None, resume: str |
     shard_spec = shards.parse_shard(shard)
     path = db_path(db)
     ranked = distributed.torchrun_rank()
+    if case.world > 1 and (shard != "0/1" or jobs > 1):
+        raise BadInput(f"{case.source} runs at TP size {case.world}: its ranks measure every "
+                       f"unit together; drop --shard/--jobs")
     if ranked and (resume or shard != "0/1" or jobs > 1):
         raise BadInput("under torchrun each rank takes its shard itself; drop "
                        "--shard/--resume/--jobs")
     try:
+        if case.world > 1 and not ranked:
+            from kvfid.stacks.ranks import on_ranks
+
+            return on_ranks(case.world, _tp_rank, case_name, item_count, path, resume, run_id,
+                            write_report, quiet, device=case.stacks[0].device)
+        if ranked and case.world > 1:
+            launched = distributed.in_group(ranked, case.stacks[0].device, _tp_rank, case_name,
+                                            item_count, path, resume, run_id, write_report,
+                                            quiet, world=ranked.world)
+            return launched or Launched()
         if ranked:
             result = distributed.run_ranked(case, path, ranked, items=item_count, run_id=run_id,
                                             progress=not quiet)
@@ -71,7 +85,30 @@ def launch(case_name: str, item_count: int | None = None, db=None, resume: str |
     except matrix.RunInterrupted as stop:
         raise Interrupted(f"what was measured is stored; `kvfid run {case_name} --resume "
                           f"{stop.run_id}` continues run {stop.run_id}") from None
+    return _launched(published)
+
+
+def _launched(published) -> Launched:
     result = published.result
     lines = [f"run {result.run_id} {result.status}: {result.measured} units measured, "
              f"{result.skipped} already stored", published.headline()]
     return Launched(lines, published.files)
+
+
+def _tp_rank(case_name: str, item_count, path, resume, run_id, write_report: bool, quiet: bool,
+             world: int | None = None) -> Launched | None:
+    """One rank of a TP case's run: rank 0 runs and publishes it, the others measure with it."""
+    from kvfid.runs import matrix
+    from kvfid.runs.case import load_case
+    from kvfid.stacks.ranks import ranks
+    from kvfid.tasks.ledger_views import run_and_publish
+
+    case = load_case(resolve_case(case_name))
+    if world is not None and world != case.world:
+        raise BadInput(f"{case.source} runs at TP size {case.world}; torchrun started {world} "
+                       f"ranks")
+    if ranks().rank != 0:
+        matrix.follow(case)
+        return None
+    return _launched(run_and_publish(case, path, report=write_report, items=item_count,
+                                     run_id=run_id, resume=resume, progress=not quiet))
