@@ -78,7 +78,6 @@ FAMILY = {
     "xlnet": dict(n_head=4, d_head=16, d_inner=128, n_layer=2),
     "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
-    "gemma4_assistant": dict(hidden_size_per_layer_input=0),
     "gemma4_unified_assistant": dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0),
     "blt": dict(encoder_hash_byte_group_vocab=1024),
     "xlstm": dict(num_heads=4, qk_dim_factor=1.0),
