@@ -20,7 +20,7 @@ def test_dry_run_runs_every_step_into_at_most_eight_flat_files(tmp_path):
                                                       "tp-stock", "report"]
     assert all(s["rc"] == 0 for s in summary["steps"]), summary["steps"]
     assert summary["steps"][-3]["tail"][-1] == "verdict: bit-exact"     # TP=2 against TP=1
-    assert summary["steps"][-2]["tail"][-1] == "verdict: diverges"      # stock, its control
+    assert summary["steps"][-2]["tail"][-1].startswith("verdict: diverges")  # stock, its control
     assert {"compile.json", "speed.json", "profile.txt", "kernels.json", "report.md",
             "ledger.sqlite"} <= set(files)
     assert summary["compile"]["ok"] and summary["compile"]["configs"] == 7, summary["compile"]
