@@ -34,6 +34,10 @@ def require_vllm():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")      # GiB; the default takes far more
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")   # stdout is kvfid's
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM inspects models in a `python -m` child: started in a checkout, its working directory
+    # would put the folder kernels/ on sys.path as `kernels`, which transformers < 5.25 imports
+    # and fails on where the Hugging Face distribution is absent (.venv-vllm). Not the caller's path.
+    os.environ.setdefault("PYTHONSAFEPATH", "1")
     try:
         import vllm
     except ImportError:
