@@ -61,9 +61,7 @@ def _backend_classes():
                 raise NotImplementedError(f"kvfid's faithful vLLM attention does not serve {unsupported[0]}")
             # kvfid's attention over the paged cache (kvfid.engines.paged_attention: every
             # request of the step at once, each position's bits the native path's)
-            paged_attention(output, query, kv_cache, layer.isa, attn_metadata.query_start_loc.tolist(),
-                            attn_metadata.seq_lens.tolist(), attn_metadata.block_table, self.num_heads,
-                            self.scale)
+            paged_attention(output, query, kv_cache, layer.isa, attn_metadata, self.num_heads, self.scale)
             return output
 
     class FaithfulAttentionBackend(CPUAttentionBackend):

@@ -2,8 +2,9 @@
 requests part from their alone runs.
 
 For each prompt length (lengths on both sides of 256 tokens and of the chunk size), a pool of
-distinct greedy prompts is drawn from a seed; each is run alone once, then for each co-resident
-count N the first N are sent at once, on one engine (the prefix cache off, so no request reads
+`distinct` greedy prompts is drawn from a seed; each is run alone once, then for each co-resident
+count N, N requests (the pool's prompts in turn, so beyond `distinct` some are duplicates, as
+`batched:N` duplicates an item) are sent at once, on one engine (the prefix cache off, so no request reads
 another's state; chunked prefill by the chunk size; a cache that holds them all, so none is
 preempted: the sweep isolates co-residency), and each is compared with its alone run: tokens, and the fp32
 bits of each logprob up to the first differing token. Greedy only: a seeded request's prompt
@@ -26,19 +27,20 @@ class SweepShape:
     """The sweep's grid (data, apart from the engine)."""
 
     coresident: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    lengths: tuple[int, ...] | None = None     # None: 192, 320 and the chunk size -64 / +64
+    lengths: tuple[int, ...] | None = None     # None: 200, 320 and the chunk size + 64
     chunk: int = 512
+    distinct: int = 8                          # distinct prompts per length
     tokens: int = 8
     seed: int = 0
     vocab: tuple[int, int] = (3, 250)
 
     def prompt_lengths(self) -> tuple[int, ...]:
-        return self.lengths or (192, 320, self.chunk - 64, self.chunk + 64)
+        return self.lengths or (200, 320, self.chunk + 64)
 
 
 def _prompts(shape: SweepShape, length: int) -> list[list[int]]:
     rng = random.Random(shape.seed * 1000003 + length)
-    return [[rng.randrange(*shape.vocab) for _ in range(length)] for _ in range(max(shape.coresident))]
+    return [[rng.randrange(*shape.vocab) for _ in range(length)] for _ in range(shape.distinct)]
 
 
 def _differs(a: tuple, b: tuple) -> tuple[bool, int | None]:
@@ -71,9 +73,9 @@ def run_sweep(folder: str, dtype: str, shape: SweepShape, faithful: bool = False
                      for p in pool]
             for n in shape.coresident:
                 say(f"sweep: prompt {length}, {n} co-resident")
-                made = llm.generate([TokensPrompt(prompt_token_ids=p) for p in pool[:n]], [params] * n,
-                                    use_tqdm=False)
-                found = [_differs(_output(out), alone[i]) for i, out in enumerate(made)]
+                made = llm.generate([TokensPrompt(prompt_token_ids=pool[i % len(pool)]) for i in range(n)],
+                                    [params] * n, use_tqdm=False)
+                found = [_differs(_output(out), alone[i % len(pool)]) for i, out in enumerate(made)]
                 firsts = [f for d, f in found if d]
                 points.append(SweepPoint(n, length, n, len(firsts), min(firsts, default=None)))
     return tuple(points)

@@ -48,20 +48,35 @@ def _step(dtype, requests, seed=0):
     return cache, table, torch.cat(queries).view(starts[-1], -1), starts, dense, isa
 
 
+def _metadata(starts, lengths, table):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(query_start_loc=torch.tensor(starts, dtype=torch.int32),
+                           seq_lens=torch.tensor(lengths, dtype=torch.int32), block_table=table)
+
+
 def _native(query, keys, values, scale):
     out = native.attention(query.transpose(0, 1)[None], keys.transpose(0, 1)[None],
                            values.transpose(0, 1)[None], scale=scale)     # [1, Hq, Tq, D]
     return out[0].transpose(0, 1).reshape(query.shape[0], -1)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_every_request_of_a_step_has_the_native_bits_alone(dtype):
+@pytest.mark.parametrize("dtype, gathered", [(torch.bfloat16, False), (torch.float32, False),
+                                             (torch.bfloat16, True)])
+def test_every_request_of_a_step_has_the_native_bits_alone(dtype, gathered, monkeypatch):
+    """`gathered`: the writer's layout read by its inverse permutation (how an AMX layout is read)
+    instead of as a view."""
+    if gathered:
+        from kvfid.engines.kv import paged_layout
+
+        monkeypatch.setattr(paged, "_layouts", lambda isa, dt, block, head: tuple(
+            torch.argsort(w) for w in paged_layout(isa, dt, block, head)))
     # decodes at several lengths (one past a key tile, one at a block edge), a prefill, a chunk
     requests = [(1, 1), (1, 65), (1, 200), (37, 37), (20, 150), (1, 64), (3, 97), (1, 33), (16, 300)]
     cache, table, query, starts, dense, isa = _step(dtype, requests)
     scale = HEAD ** -0.5
     out = torch.full((starts[-1], HEADS * GROUP * HEAD), float("nan"), dtype=dtype)
-    paged.paged_attention(out, query, cache, isa, starts, [n for _, n in requests], table,
+    paged.paged_attention(out, query, cache, isa, _metadata(starts, [n for _, n in requests], table),
                           HEADS * GROUP, scale)
     for r, (q, k, v) in enumerate(dense):
         alone = _native(q, k, v, scale)
@@ -71,7 +86,7 @@ def test_every_request_of_a_step_has_the_native_bits_alone(dtype):
     swapped = table.clone()
     swapped[[2, 4]] = table[[4, 2]]
     out2 = torch.zeros_like(out)
-    paged.paged_attention(out2, query, cache, isa, starts, [n for _, n in requests], swapped,
+    paged.paged_attention(out2, query, cache, isa, _metadata(starts, [n for _, n in requests], swapped),
                           HEADS * GROUP, scale)
     assert not torch.equal(out2[starts[4]:starts[5]], out[starts[4]:starts[5]])
 
