@@ -105,7 +105,7 @@ def list_checks(db: str | Path | None) -> list[dict]:
 
     with Ledger(db_path(db), readonly=True) as ledger:
         return [{"id": s.id, "kind": s.record.KIND, "engine": s.record.label, "model": s.record.model,
-                 "rows": len(getattr(s.record, "rows", s.record.requests)), "exact": s.record.exact,
+                 "rows": len(s.record.requests if s.record.KIND == "engine-load" else s.record.rows), "exact": s.record.exact,
                  "kv": getattr(s.record, "kv", True), "complete": getattr(s.record, "complete", True),
                  "written": s.written, "environment": s.environment_key}
                 for s in checks(ledger)]
