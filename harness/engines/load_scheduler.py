@@ -31,6 +31,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 DIR_ENV = "KVFID_LOAD_DIR"
 THREADS_ENV = "KVFID_LOAD_THREADS"     # a server's engine at this many torch threads
+STATES_ENV = "KVFID_LOAD_STATES"       # "0": no engine states read (the sweep counts only)
 SCHEDULER = f"{__name__}.RecordingScheduler"
 REQUESTS = "requests.jsonl"
 
@@ -95,7 +96,7 @@ class RecordingScheduler(Scheduler):
         from kvfid.engines.kv import layers_of, read_blocks
 
         length = request.num_computed_tokens
-        if length == 0:
+        if length == 0 or os.environ.get(STATES_ENV) == "0":
             return None
         try:
             layers = layers_of(self.vllm_config.compilation_config)

@@ -73,6 +73,7 @@ class SweepPoint:
     requests: int
     differ: int                         # requests whose tokens or logprob bits differ
     first_step: int | None = None       # the earliest differing step among them
+    observed: int = 0                   # the most sequences one step held (the recording scheduler)
 
 
 @dataclass(frozen=True)

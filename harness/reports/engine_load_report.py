@@ -94,7 +94,7 @@ RESUMED_HEAD = ["request", "preemption", "positions", "rebuilt vs live", "1st ba
 
 def sweep_rows(record: EngineLoadRecord) -> list[list]:
     """The sweep: per prompt length and co-resident count, requests differing from alone."""
-    return [[p.prompt, p.coresident, Cell(f"{p.differ}/{p.requests}", DIFFERS if p.differ else EXACT),
+    return [[p.prompt, p.coresident, p.observed or "-", Cell(f"{p.differ}/{p.requests}", DIFFERS if p.differ else EXACT),
              "-" if p.first_step is None else p.first_step] for p in record.sweep]
 
 
@@ -103,9 +103,10 @@ def first_parting(record: EngineLoadRecord) -> list[str]:
     out = []
     for length in sorted({p.prompt for p in record.sweep}):
         points = sorted((p for p in record.sweep if p.prompt == length), key=lambda p: p.coresident)
-        first = next((p.coresident for p in points if p.differ), None)
-        out.append(f"prompt {length}: " + (f"first differs at {first} co-resident" if first
-                                           else f"never differs up to {points[-1].coresident}"))
+        first = next((p for p in points if p.differ), None)
+        held = f" ({first.observed} held in one step)" if first is not None and first.observed else ""
+        out.append(f"prompt {length}: " + (f"first differs at {first.coresident} co-resident{held}"
+                                           if first else f"never differs up to {points[-1].coresident}"))
     return out
 
 
@@ -157,7 +158,8 @@ def document(stored, raw_environment: bool = True) -> list:
                  "Per prompt length, the share of the co-resident requests whose tokens or logprob "
                  "bits differ from their alone runs; hollow marks: none differs."),
                 ("details", "the sweep's numbers",
-                 ("table", ["prompt", "co-resident", "differ", "1st step"], sweep_rows(r)))]
+                 ("table", ["prompt", "co-resident sent", "most held in a step", "differ", "1st step"],
+                  sweep_rows(r)))]
     doc += [("p", f"Note: {n}") for n in r.notes]
     doc += [("h2", "Measure it again"), ("pre", command(r)),
             ("h2", "Environment"), ("pre", describe_environment(stored.environment))]
