@@ -142,8 +142,11 @@ def test_stored_reported_and_indexed_and_an_incomplete_run_has_no_verdict(tmp_pa
     assert "Differs: 1 of 3 requests" in md and "co-resident 9-16" in md
     assert "prompt 200: first differs at 4 co-resident" in md and "prompt 576: never differs" in md
     assert "<svg" in report["html"].read_text()
-    index = update_index(tmp_path / "reports").read_text()
-    assert "Engine load runs" in index and "no verdict" in index
+    index = update_index(tmp_path / "reports").read_text()     # the newest of the two (one key)
+    assert "Engine load runs" in index and index.count("| vllm 0.32.0/bf16 |") == 1
+    only = tmp_path / "only"
+    write_report(later, only)
+    assert "no verdict" in update_index(only).read_text()
 
 
 def test_an_engine_check_ledger_without_load_runs_still_reads(tmp_path):
