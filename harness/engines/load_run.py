@@ -10,6 +10,7 @@ import time
 from dataclasses import replace
 
 from kvfid.engines import engine as vllm_engine
+from kvfid.errors import BadInput
 from kvfid.engines.load_plan import LoadShape, plan_load
 from kvfid.records.engine_load import EngineLoadRecord
 
@@ -32,7 +33,9 @@ def engine_load(model_name: str, dtype: str, shape: LoadShape, seed: int = 0, kv
     if server:
         from kvfid.engines import load_server
 
-        served_by = load_server.serving(folder, dtype, threads, faults, say)
+        if threads is not None:
+            raise BadInput("--threads with --server: vLLM's server binds its worker's threads itself")
+        served_by = load_server.serving(folder, dtype, faults, say)
     before = os.environ.get("VLLM_BATCH_INVARIANT")
     os.environ["VLLM_BATCH_INVARIANT"] = "0"     # stock is stock: vLLM's own switch stays off
     try:

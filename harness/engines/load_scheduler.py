@@ -11,12 +11,12 @@ one or in the process of vLLM's own OpenAI server, and it writes into the folder
   kvfid.engines.kv) over the positions it holds when it leaves (`<n>-final.pt`) and just before
   each preemption frees its blocks (`<n>-preempted-<i>.pt`): the live tail a resume rebuilds.
 
-Started by a server with `$KVFID_LOAD_THREADS`, it sets the engine process's torch threads (the
-worker, in the same process, is bound before the scheduler is made). The scheduler and the
-worker share a process (vLLM-CPU's one-rank executor), so the paged
-cache is read in place, between steps: vLLM's scheduler runs after the last step's output
-and before the next step. Asynchronous scheduling would overlap them; the load run turns it off.
-Where the cache cannot be reached the state files are absent and `kv` says why.
+In process (kvfid's
+engines: vLLM-CPU's one-rank executor in the caller's process) the scheduler and the worker share
+a process, so the paged cache is read in place, between steps: vLLM's scheduler runs after the
+last step's output and before the next step (asynchronous scheduling would overlap them; the
+load run turns it off). vLLM's OpenAI server runs its worker in another process than its
+scheduler: there no state is read, and each line's `kv_note` says so.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import torch
 from vllm.v1.core.sched.scheduler import Scheduler
 
 DIR_ENV = "KVFID_LOAD_DIR"
-THREADS_ENV = "KVFID_LOAD_THREADS"     # a server's engine at this many torch threads
 STATES_ENV = "KVFID_LOAD_STATES"       # "0": no engine states read (the sweep counts only)
 SCHEDULER = f"{__name__}.RecordingScheduler"
 REQUESTS = "requests.jsonl"
@@ -58,8 +57,6 @@ class RecordingScheduler(Scheduler):
         self.kvfid_folder.mkdir(parents=True, exist_ok=True)
         self.kvfid_seen: dict[str, Seen] = {}
         self.kvfid_kv_note: str | None = None
-        if os.environ.get(THREADS_ENV):      # the worker is bound by now; torch's own setter
-            torch._C.set_num_threads(int(os.environ[THREADS_ENV]))
 
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
@@ -101,7 +98,8 @@ class RecordingScheduler(Scheduler):
         try:
             layers = layers_of(self.vllm_config.compilation_config)
             if not layers or layers[0].kv_cache is None or not torch.is_tensor(layers[0].kv_cache):
-                raise RuntimeError("the engine's attention layers hold no paged cache in this process")
+                raise RuntimeError("no attention layer with a paged cache in the scheduler's process "
+                                   "(vLLM's server runs its worker apart from it)")
             block_ids = list(self.kv_cache_manager.get_block_ids(request.request_id)[0])
             keys, values = read_blocks(layers, block_ids, length)
         except Exception as err:   # a layout or executor kvfid cannot read: said, not guessed

@@ -3,7 +3,9 @@
 The server (`python -m vllm.entrypoints.openai.api_server`, its engine in its own process) is
 started on 127.0.0.1 at a free port with the load run's engine configuration as flags, kvfid's
 recording scheduler (`--scheduler-cls`, writing into the run's folder) and, under `--faithful`,
-kvfid's plugin (`KVFID_FAITHFUL=1` and its compilation config). K client threads send the plan
+kvfid's plugin (`KVFID_FAITHFUL=1` and its compilation config). The server's worker runs apart
+from its scheduler, so a served load run compares tokens and logprob bits, not engine states
+(its record's note says so). K client threads send the plan
 over HTTP (`POST /v1/completions`, the prompt as token ids, `request_id` the planned one, the
 sampled token's logprob and token ids back), each waiting its requests' gaps (`gap * step_s`
 seconds). What goes wrong is recorded per request, never raised: a rejection (HTTP 4xx), a client
@@ -72,17 +74,15 @@ def server_command(folder: str, dtype: str, config, max_len: int, port: int) -> 
 
 
 @contextlib.contextmanager
-def server(folder: str, dtype: str, config, max_len: int, into: Path, threads: int | None):
+def server(folder: str, dtype: str, config, max_len: int, into: Path):
     """vLLM's server running the configuration, its base URL and process; stopped on exit."""
-    from kvfid.engines.load_scheduler import DIR_ENV, THREADS_ENV
+    from kvfid.engines.load_scheduler import DIR_ENV
 
     into.mkdir(parents=True, exist_ok=True)
     port, log = _free_port(), into / "server.log"
     env = {**os.environ, DIR_ENV: str(into), "VLLM_BATCH_INVARIANT": "0", "PYTHONSAFEPATH": "1",
            "KVFID_FAITHFUL": "1" if config.faithful else "0"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)      # the server runs its engine in a child
-    if threads:
-        env[THREADS_ENV] = str(threads)
     with open(log, "wb") as out:
         process = subprocess.Popen(server_command(folder, dtype, config, max_len, port), stdout=out,
                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -181,13 +181,14 @@ def clients(url: str, process, plan, faults: Faults) -> tuple[dict, dict, float]
     return served, missing, time.perf_counter() - start
 
 
-def serving(folder: str, dtype: str, threads: int | None, faults: Faults | None, say=lambda _: None):
-    """load.run_load's `served_by`: the load served by vLLM's own server."""
+def serving(folder: str, dtype: str, faults: Faults | None, say=lambda _: None):
+    """load.run_load's `served_by`: the load served by vLLM's own server (its worker's threads
+    are vLLM-CPU's own binding)."""
     faults = faults or Faults()
 
     def serve(plan, config, max_len, into):
         say("starting vLLM's OpenAI server on 127.0.0.1")
-        with server(folder, dtype, config, max_len, into, threads) as (url, process):
+        with server(folder, dtype, config, max_len, into) as (url, process):
             say(f"server up at {url}; {plan.shape.clients} clients sending")
             served, missing, wall = clients(url, process, plan, faults)
         return served, missing, 0, wall
