@@ -146,6 +146,8 @@ def why(err: BaseException, process, timeout: float) -> str:
         return f"rejected by the server: HTTP {err.code} {detail}"
     if isinstance(err, (TimeoutError, socket.timeout)) or "timed out" in str(err):
         return f"client timeout: no answer within {timeout:g} s"
+    with contextlib.suppress(subprocess.TimeoutExpired):   # a connection cut as the server dies
+        process.wait(timeout=5)
     if process.poll() is not None:
         return f"no answer: the server died (exit {process.returncode})"
     return f"no answer: {type(err).__name__}: {str(err)[:160]}"
