@@ -196,13 +196,28 @@ def engine_report(check_id, db, out, fmt) -> None:
               help="Greedy tokens per prompt in the decode call.")
 @click.option("--threads", type=click.IntRange(1, 1024),
               help="Both engines' calls at this many torch threads (default: vLLM-CPU's binding).")
+@click.option("--load", "clients", type=click.IntRange(1, 1024), default=None,
+              help="Under load instead: -n requests of engine-load's plan from this many clients, "
+                   "generated tokens/s (median of 3).")
+@click.option("--kv-blocks", type=click.IntRange(2, 1 << 24), default=18, show_default=True,
+              help="With --load: the paged cache's size in blocks of 32 tokens.")
 @fmt_option
-def engine_bench(fmt, **options) -> None:
+def engine_bench(fmt, clients, kv_blocks, **options) -> None:
     """The faithful engine's price: stock and faithful vLLM on the same requests, prefill and
-    decode tokens per second (medians of 3) and how many times slower faithful is."""
+    decode tokens per second (medians of 3) and how many times slower faithful is; with --load,
+    generated tokens per second under engine-load's load."""
     from kvfid.engines import bench
 
-    result = bench.engine_bench(progress=lambda s: click.echo(f"engine-bench: {s}", err=True), **options)
+    say = lambda s: click.echo(f"engine-bench: {s}", err=True)  # noqa: E731
+    if clients is not None:
+        from kvfid.engines.load_plan import LoadShape
+
+        shape = LoadShape(requests=options["count"], clients=clients, tokens=options["tokens"])
+        result = bench.load_bench(options["model_name"], options["dtype"], shape, kv_blocks=kv_blocks,
+                                  threads=options["threads"], progress=say)
+        click.echo(json.dumps(result, indent=1) if fmt == "json" else bench.render_load(result))
+        return
+    result = bench.engine_bench(progress=say, **options)
     click.echo(json.dumps(result, indent=1) if fmt == "json" else bench.render(result))
 
 
