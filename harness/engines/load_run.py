@@ -25,16 +25,18 @@ def engine_load(model_name: str, dtype: str, shape: LoadShape, seed: int = 0, kv
     from kvfid.engines import load
 
     say = progress or (lambda _: None)
+    plan = plan_load(shape, seed)                      # refusals before any engine starts
+    load.engine_config(plan, faithful, chunk, kv_blocks, prefix_caching)
+    load.check_budget(plan, kv_blocks, plan.longest + 1)
+    if server and threads is not None:
+        raise BadInput("--threads with --server: vLLM's server binds its worker's threads itself")
     vllm_engine.require_vllm()
     folder = vllm_engine.model_folder(model_name)
-    plan = plan_load(shape, seed)
     start = time.perf_counter()
     served_by = None
     if server:
         from kvfid.engines import load_server
 
-        if threads is not None:
-            raise BadInput("--threads with --server: vLLM's server binds its worker's threads itself")
         served_by = load_server.serving(folder, dtype, faults, say)
     before = os.environ.get("VLLM_BATCH_INVARIANT")
     os.environ["VLLM_BATCH_INVARIANT"] = "0"     # stock is stock: vLLM's own switch stays off
