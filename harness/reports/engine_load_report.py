@@ -35,8 +35,11 @@ def verdict(record: EngineLoadRecord) -> str:
     differ = sum(r.differs for r in done)
     preempted = [r for r in done if r.preemptions]
     if not differ:
-        return (f"Bit-exact: all {len(done)} requests equal their alone runs in tokens, logprob "
-                f"bits and engine state, the {len(preempted)} preempted ones included.")
+        read = all(r.kv is not None for r in done)
+        what = "tokens, logprob bits and engine state" if read else \
+            "tokens and logprob bits (engine states not read: see the note)"
+        return (f"Bit-exact: all {len(done)} requests equal their alone runs in {what}, the "
+                f"{len(preempted)} preempted ones included.")
     return (f"Differs: {differ} of {len(done)} requests differ from their alone runs "
             f"({sum(r.differs for r in preempted)} of the {len(preempted)} preempted).")
 
