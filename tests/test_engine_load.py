@@ -72,6 +72,8 @@ def test_a_request_against_alone_and_the_controls(tmp_path):
     same = compare_request(planned, _served(tmp_path, "l.pt", tokens, logprobs, state, **seen), alone,
                            tmp_path, tmp_path / "alone")
     assert not same.differs and same.kv.exact and same.kv.positions == len(prompt) + 3
+    assert same.token_ids == tuple(tokens) and same.token_logprobs == tuple(logprobs)
+    assert same.kv_sha is not None and len(same.kv_sha) == 64
     assert same.preemptions == 1 and same.recomputed == 10 - 3 and same.cache_hits == (0, 10)
     assert same.coresident == 5 and len(same.resumed) == 1 and same.resumed[0].exact
     # one logprob's last bit flipped: found, at its step

@@ -69,8 +69,12 @@ def compare_request(planned, load: Served, alone: Served, load_folder: Path,
     same = common(load.tokens, alone.tokens)
     differ = [i for i in range(same) if bits(load.logprobs[i]) != bits(alone.logprobs[i])]
     worst = max((abs(load.logprobs[i] - alone.logprobs[i]) for i in range(same)), default=0.0)
-    kv, resumed = None, ()
+    kv, resumed, sha = None, (), None
     live = load_state(load_folder, seen.get("final_state"))
+    if live is not None:
+        from kvfid.states.cache import sha_cache
+
+        sha = sha_cache(live)
     reference = load_state(alone_folder, alone.seen.get("final_state"))
     if live is not None and reference is not None:
         n = min(len(planned.prompt) + same, len(live.prefix), len(reference.prefix))
@@ -89,7 +93,8 @@ def compare_request(planned, load: Served, alone: Served, load_folder: Path,
         tokens_equal=tuple(load.tokens) == tuple(alone.tokens),
         first_token_step=None if tuple(load.tokens) == tuple(alone.tokens) else same,
         logprobs=same, logprobs_differ=len(differ), first_logprob_step=differ[0] if differ else None,
-        max_abs=float(worst), kv=kv, resumed=resumed)
+        max_abs=float(worst), kv=kv, resumed=resumed, token_ids=tuple(load.tokens),
+        token_logprobs=tuple(load.logprobs), kv_sha=sha)
 
 
 def missing_request(planned, reason: str, load: Served | None = None) -> LoadRequest:
@@ -98,6 +103,8 @@ def missing_request(planned, reason: str, load: Served | None = None) -> LoadReq
     return LoadRequest(planned.index, planned.client, len(planned.prompt), planned.greedy,
                        planned.prefix, missing=reason,
                        generated=len(load.tokens) if load is not None else 0,
+                       token_ids=tuple(load.tokens) if load is not None else (),
+                       token_logprobs=tuple(load.logprobs) if load is not None else (),
                        preemptions=len(seen.get("preempted_at", ())),
                        cache_hits=tuple(int(h) for h in seen.get("cache_hits", ())),
                        coresident=int(seen.get("coresident", 0)))

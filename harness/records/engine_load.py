@@ -56,6 +56,9 @@ class LoadRequest:
     max_abs: float = 0.0
     kv: StateDiff | None = None         # the final engine state against the alone run's
     resumed: tuple[StateDiff, ...] = ()     # per preemption: the rebuilt state against the live one
+    token_ids: tuple[int, ...] = ()     # what it got under load: its tokens, their logprobs,
+    token_logprobs: tuple[float, ...] = ()
+    kv_sha: str | None = None           # and the SHA-256 of its final engine state
 
     @property
     def differs(self) -> bool:
