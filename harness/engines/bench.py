@@ -12,6 +12,11 @@ The faithful engine makes many small calls, so on a machine whose cores other wo
 time at two threads is mostly waiting at thread barriers; one thread measures the computation.
 At another thread count the faithful engine's GEMMs take that count's tiled route
 (kvfid.kernels.invariant.route), which may be another computation than at the default.
+
+`load_bench` (`engine-bench --load K`) is the price at a realistic concurrency: both engines
+serve engine-load's seeded plan from K clients under the same KV budget (vLLM's own scheduler,
+no recording), the prefix cache emptied before each repeat; generated tokens/s per repeat, the
+median, and stock / faithful.
 """
 
 from __future__ import annotations
