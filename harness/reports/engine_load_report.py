@@ -85,14 +85,15 @@ def resumed_rows(record: EngineLoadRecord) -> list[list]:
     rows = []
     for r in record.requests:
         for i, d in enumerate(r.resumed):
-            rows.append([r.index, i + 1, d.positions, "bit-exact" if d.exact else "differs",
+            served = r.cache_hits[i + 1] if i + 1 < len(r.cache_hits) else "-"
+            rows.append([r.index, i + 1, d.positions, served, "bit-exact" if d.exact else "differs",
                          "-" if d.first_bad_layer is None else d.first_bad_layer,
                          "-" if d.first_position is None else d.first_position, d.n_diff])
     return rows
 
 
-RESUMED_HEAD = ["request", "preemption", "positions", "rebuilt vs live", "1st bad layer",
-                "1st position", "elements"]
+RESUMED_HEAD = ["request", "preemption", "positions", "of them from the prefix cache",
+                "rebuilt vs live", "1st bad layer", "1st position", "elements"]
 
 
 def sweep_rows(record: EngineLoadRecord) -> list[list]:
