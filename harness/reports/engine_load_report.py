@@ -86,13 +86,14 @@ def resumed_rows(record: EngineLoadRecord) -> list[list]:
     for r in record.requests:
         for i, d in enumerate(r.resumed):
             served = r.cache_hits[i + 1] if i + 1 < len(r.cache_hits) else "-"
-            rows.append([r.index, i + 1, d.positions, served, "bit-exact" if d.exact else "differs",
+            rows.append([r.index, i + 1, d.positions, max(d.positions - r.prompt, 0), served,
+                         "bit-exact" if d.exact else "differs",
                          "-" if d.first_bad_layer is None else d.first_bad_layer,
                          "-" if d.first_position is None else d.first_position, d.n_diff])
     return rows
 
 
-RESUMED_HEAD = ["request", "preemption", "positions", "of them from the prefix cache",
+RESUMED_HEAD = ["request", "preemption", "positions", "of them decoded live", "from the prefix cache",
                 "rebuilt vs live", "1st bad layer", "1st position", "elements"]
 
 
