@@ -70,7 +70,7 @@ def load_facts(record: EngineLoadRecord) -> list[list[str]]:
             ["KV budget", f"{record.kv_blocks} blocks of {BLOCK} tokens"],
             ["chunked prefill", f"by {record.chunk}" if record.chunk else "off (prompts never split)"],
             ["prefix cache", "on" if record.prefix_caching else "off"],
-            ["preemptions", f"{sum(r.preemptions for r in done)} of {len(preempted)} requests, "
+            ["preemptions", f"{sum(r.preemptions for r in done)} in {len(preempted)} requests, "
                             f"{sum(r.recomputed for r in done)} tokens recomputed"],
             ["prefix-cache hits", f"{sum(sum(r.cache_hits) for r in done)} tokens served"],
             ["most co-resident", str(max((r.coresident for r in done), default=0))],
