@@ -8,13 +8,8 @@ is stored with no verdict."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 import torch
