@@ -130,13 +130,15 @@ def drive(llm, plan: LoadPlan, say=lambda _: None) -> tuple[dict, dict, int, flo
     return served, missing, step, time.perf_counter() - start
 
 
-def alone(llm, requests: list[PlannedRequest]) -> dict[int, tuple]:
+def alone(llm, requests: list[PlannedRequest], say=lambda _: None) -> dict[int, tuple]:
     """Each request alone in the engine, the prefix cache emptied before it."""
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
     served = {}
-    for planned in requests:
+    for done, planned in enumerate(requests):
+        if done and done % 16 == 0:
+            say(f"alone: {done} of {len(requests)} requests done")
         llm.reset_prefix_cache()
         engine.add_request(request_id(planned.index), TokensPrompt(prompt_token_ids=list(planned.prompt)),
                            sampling(planned))
@@ -197,7 +199,7 @@ def run_load(folder: str, dtype: str, plan: LoadPlan, kv_blocks: int, chunk: int
         alone_config = engine_config(plan, faithful, chunk, None, prefix_caching)
         with recording_into(alone_dir), vllm_engine.engine(folder, dtype, alone_config, max_len=max_len) as llm, \
                 vllm_engine.torch_threads(threads):
-            reference = alone(llm, again)
+            reference = alone(llm, again, say)
         seen_alone = seen_lines(alone_dir)
         rows = []
         for planned in plan.requests:

@@ -51,7 +51,7 @@ def engine_load(model_name: str, dtype: str, shape: LoadShape, seed: int = 0, kv
     record = EngineLoadRecord(model_name, dtype, f"vllm {vllm_engine.version()}", faithful,
                               "server" if server else "in-process", seed, shape.clients,
                               shape.tokens, kv_blocks, chunk, prefix_caching, threads=threads,
-                              folder=folder, **parts)
+                              folder=folder, greedy_share=shape.greedy_share, **parts)
     if sweep is not None:
         from kvfid.engines import load_sweep
 

@@ -122,6 +122,7 @@ class EngineLoadRecord:
     notes: tuple[str, ...] = ()
     status: str = "ok"                       # "incomplete": some request is missing
     folder: str = ""
+    greedy_share: float = 0.5                # the plan's share of greedy requests
 
     @property
     def missing(self) -> tuple[LoadRequest, ...]:

@@ -121,6 +121,7 @@ def command(record: EngineLoadRecord) -> str:
     args = ["kvfid", "engine-load", "--model", record.model, "--dtype", record.dtype, "-n",
             str(len(record.requests)), "--clients", str(record.clients), "--tokens", str(record.tokens),
             "--seed", str(record.seed), "--kv-blocks", str(record.kv_blocks)]
+    args += ["--greedy-share", f"{record.greedy_share:g}"] if record.greedy_share != 0.5 else []
     args += ["--chunk", str(record.chunk)] if record.chunk else []
     args += ["--faithful"] if record.faithful else []
     args += ["--server"] if record.mode == "server" else []
