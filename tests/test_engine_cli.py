@@ -87,8 +87,7 @@ def test_the_engines_torch_threads_are_set_and_restored():
     (["--chunk", "64"], "--chunk 64 with seeded sampling"),
     (["--chunk", "48", "--greedy-share", "1"], "a multiple of 32"),
     (["--kv-blocks", "8"], "--kv-blocks 8: the longest request"),
-    (["--kill-server-after", "3"], "--kill-server-after needs --server"),
-    (["--server", "--threads", "1"], "--threads with --server")])
+    (["--kill-server-after", "3"], "--kill-server-after needs --server")])
 def test_engine_load_refuses_before_any_engine(no_vllm, args, said, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     shown = CliRunner().invoke(main, ["engine-load", "--db", "never.sqlite", *args])

