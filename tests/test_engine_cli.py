@@ -24,6 +24,10 @@ def no_vllm(monkeypatch):
                                   ["engine-check", "--kv", "--faithful", "--model", "smollm2-135m"],
                                   ["engine-bench", "--model", "smollm2-135m"],
                                   ["engine-bench", "--threads", "1", "--model", "smollm2-135m"],
+                                  ["engine-bench", "--load", "4", "--model", "smollm2-135m"],
+                                  ["engine-load", "--model", "smollm2-135m", "--db", "never.sqlite"],
+                                  ["engine-load", "--faithful", "--server", "--model", "smollm2-135m",
+                                   "--db", "never.sqlite"],
                                   ["rollouts", "--engine", "vllm", "--model", "smollm2-135m",
                                    "--out", "never.jsonl"],
                                   ["rollouts", "--engine", "vllm", "--faithful", "--model",
@@ -34,7 +38,7 @@ def test_without_vllm_the_commands_exit_3_saying_how_to_install_it(no_vllm, args
     shown = CliRunner().invoke(main, args)
     assert shown.exit_code == 3, shown.output
     assert "make install-vllm" in shown.output and len(shown.output.strip().splitlines()) == 1
-    assert not (tmp_path / "never.jsonl").exists()
+    assert not (tmp_path / "never.jsonl").exists() and not (tmp_path / "never.sqlite").exists()
 
 
 def test_faithful_is_for_the_vllm_engine_only(tmp_path):
@@ -77,3 +81,16 @@ def test_the_engines_torch_threads_are_set_and_restored():
     assert torch.get_num_threads() == before
     with torch_threads(None) as used:
         assert used == before
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--chunk", "64"], "--chunk 64 with seeded sampling"),
+    (["--chunk", "48", "--greedy-share", "1"], "a multiple of 32"),
+    (["--kv-blocks", "8"], "--kv-blocks 8: the longest request"),
+    (["--kill-server-after", "3"], "--kill-server-after needs --server")])
+def test_engine_load_refuses_before_any_engine(no_vllm, args, said, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shown = CliRunner().invoke(main, ["engine-load", "--db", "never.sqlite", *args])
+    assert shown.exit_code == 2 and said in shown.output, shown.output
+    assert not (tmp_path / "never.sqlite").exists()
+

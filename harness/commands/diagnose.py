@@ -1,5 +1,5 @@
 """Commands that look closely at one item or one set of trajectories: `repro`, `blame`, `replay`,
-`rollouts`; and inside vLLM: `engine-check`, `engine-bench`."""
+`rollouts`; and inside vLLM: `engine-check`, `engine-load`, `engine-bench`."""
 
 from __future__ import annotations
 
@@ -202,14 +202,85 @@ def engine_report(check_id, db, out, fmt) -> None:
               help="Both engines' calls at this many torch threads (default: vLLM-CPU's binding).")
 @click.option("--tp", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Both engines at this TP size (worker processes, each on its own cores).")
+@click.option("--load", "clients", type=click.IntRange(1, 1024), default=None,
+              help="Under load instead: -n requests of engine-load's plan from this many clients, "
+                   "generated tokens/s (median of 3).")
+@click.option("--kv-blocks", type=click.IntRange(2, 1 << 24), default=18, show_default=True,
+              help="With --load: the paged cache's size in blocks of 32 tokens.")
 @fmt_option
-def engine_bench(fmt, **options) -> None:
+def engine_bench(fmt, clients, kv_blocks, **options) -> None:
     """The faithful engine's price: stock and faithful vLLM on the same requests, prefill and
-    decode tokens per second (medians of 3) and how many times slower faithful is."""
+    decode tokens per second (medians of 3) and how many times slower faithful is; with --load,
+    generated tokens per second under engine-load's load."""
     from kvfid.engines import bench
 
-    result = bench.engine_bench(progress=lambda s: click.echo(f"engine-bench: {s}", err=True), **options)
+    say = lambda s: click.echo(f"engine-bench: {s}", err=True)  # noqa: E731
+    if clients is not None:
+        from kvfid.engines.load_plan import LoadShape
+
+        if options["tp"] != 1:
+            raise click.UsageError("--load runs the engine at TP 1; drop --tp or --load")
+
+        shape = LoadShape(requests=options["count"], clients=clients, tokens=options["tokens"])
+        result = bench.load_bench(options["model_name"], options["dtype"], shape, kv_blocks=kv_blocks,
+                                  threads=options["threads"], progress=say)
+        click.echo(json.dumps(result, indent=1) if fmt == "json" else bench.render_load(result))
+        return
+    result = bench.engine_bench(progress=say, **options)
     click.echo(json.dumps(result, indent=1) if fmt == "json" else bench.render(result))
 
 
-COMMANDS = [repro, blame, replay, rollouts, engine_check, engine_bench, engine_report]
+@click.command("engine-load")
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+              help="smollm2-135m or hf:<folder> (vLLM loads folders).")
+@click.option("--dtype", default="bf16", show_default=True, help="bf16, fp16 or fp32.")
+@click.option("-n", "requests", type=click.IntRange(1, 10000), default=64, show_default=True,
+              help="Requests in the plan.")
+@click.option("--clients", type=click.IntRange(1, 1024), default=8, show_default=True,
+              help="Concurrent clients sending them.")
+@click.option("--tokens", type=click.IntRange(1, 4096), default=32, show_default=True,
+              help="New tokens per request (end-of-turn ignored).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="The plan's seed: prompts, sampling seeds, clients, arrival gaps.")
+@click.option("--greedy-share", type=click.FloatRange(0, 1), default=0.5, show_default=True,
+              help="The share of greedy requests (the rest sample with their own seeds).")
+@click.option("--kv-blocks", type=click.IntRange(2, 1 << 24), default=40, show_default=True,
+              help="The paged cache's size in blocks of 32 tokens (small: the scheduler preempts).")
+@click.option("--chunk", type=click.IntRange(32, 1 << 20), default=None,
+              help="Chunked prefill by this many tokens per step (greedy plans only; default: off).")
+@click.option("--no-prefix-cache", "prefix_caching", flag_value=False, default=True,
+              help="Run the engines without the prefix cache.")
+@click.option("--faithful", is_flag=True,
+              help="Run vLLM with kvfid's batch-invariant attention and mode (its plugin).")
+@click.option("--server", is_flag=True, help="Serve the load by vLLM's own OpenAI server, "
+                                             "started here on 127.0.0.1 and stopped at the end.")
+@click.option("--client-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0,
+              show_default=True, help="--server: seconds a client waits for one answer.")
+@click.option("--kill-server-after", type=click.IntRange(1), default=None,
+              help="--server: kill the server after this many answers (what a dead server leaves).")
+@click.option("--sweep", is_flag=True, help="Also sweep co-resident sequences (1..64) and prompt "
+                                            "lengths across 256 and the chunk size.")
+@click.option("--threads", type=click.IntRange(1, 512), default=None,
+              help="The engines' calls at N torch threads (default: vLLM-CPU's own; with --server "
+                   "1: its worker bound to N cores).")
+@db_option
+@click.option("--report", is_flag=True, help="Also write its report under OUT/<environment "
+                                             "key>/<id>/ and update OUT/index.md.")
+@click.option("--out", default="reports", show_default=True, type=click.Path(file_okay=False),
+              help="The reports folder (with --report).")
+@fmt_option
+def engine_load(fmt, db, report, out, **options) -> None:
+    """vLLM under load (concurrent clients, a small KV cache that forces preemption, shared
+    prefixes, greedy and seeded sampling), each request bit for bit against itself run alone;
+    stored in the ledger (exit 1 when a request differs, 3 when some are missing)."""
+    from kvfid.tasks.engine_load_command import run_engine_load
+
+    text, written, code = run_engine_load(fmt, db, report, out, options,
+                                          lambda s: click.echo(f"engine-load: {s}", err=True))
+    click.echo(text)
+    for name, path in written.items():
+        click.echo(f"{name}: {path}", err=True)
+    raise SystemExit(code)
+
+
+COMMANDS = [repro, blame, replay, rollouts, engine_check, engine_load, engine_bench, engine_report]

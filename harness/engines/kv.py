@@ -53,10 +53,31 @@ def unpack_blocks(memory: torch.Tensor, where: torch.Tensor, block: int, head: i
 
 def attention_layers(runner) -> list:
     """The runner's attention layers in layer order."""
-    context = runner.compilation_config.static_forward_context
+    return layers_of(runner.compilation_config)
+
+
+def layers_of(compilation_config) -> list:
+    """The attention layers a compilation config's forward context holds, in layer order."""
+    context = compilation_config.static_forward_context
     named = [(name, layer) for name, layer in context.items()
              if hasattr(layer, "kv_cache") and hasattr(layer, "impl")]
     return [layer for _, layer in sorted(named, key=lambda item: int(re.findall(r"\.(\d+)\.", item[0])[0]))]
+
+
+def read_blocks(layers: list, block_ids: list[int], length: int) -> tuple[list, list]:
+    """Every layer's K and V [1, H_kv, length, D] held by `block_ids` (a request's blocks in
+    order), unpacked from the paged cache."""
+    keys, values = [], []
+    for layer in layers:
+        cache = layer.kv_cache                           # [blocks, H, block, 2 * D]
+        blocks, heads, block, width = cache.shape
+        head = width // 2
+        ids = torch.tensor(block_ids[:-(-length // block)], dtype=torch.long)
+        where_k, where_v = paged_layout(layer.isa, cache.dtype, block, head)
+        memory = cache[ids].view(len(ids), heads, 2, block * head)
+        keys.append(unpack_blocks(memory[:, :, 0], where_k, block, head)[None, :, :length].clone())
+        values.append(unpack_blocks(memory[:, :, 1], where_v, block, head)[None, :, :length].clone())
+    return keys, values
 
 
 def read_on_worker(worker, wanted: dict[str, int]) -> dict[str, tuple[list, list]]:
@@ -64,21 +85,12 @@ def read_on_worker(worker, wanted: dict[str, int]) -> dict[str, tuple[list, list
     first n positions (`wanted[id]` = n), unpacked from the paged cache."""
     runner = worker.model_runner
     held = {key.rsplit("-", 1)[0]: state for key, state in runner.requests.items()}
+    layers = attention_layers(runner)
     out = {}
     for request, length in wanted.items():
         if request not in held:
             raise RuntimeError(f"request {request} is no longer held by the model runner")
-        keys, values = [], []
-        for layer in attention_layers(runner):
-            cache = layer.kv_cache                           # [blocks, H, block, 2 * D]
-            blocks, heads, block, width = cache.shape
-            head = width // 2
-            ids = torch.tensor(held[request].block_ids[0][:-(-length // block)], dtype=torch.long)
-            where_k, where_v = paged_layout(layer.isa, cache.dtype, block, head)
-            memory = cache[ids].view(len(ids), heads, 2, block * head)
-            keys.append(unpack_blocks(memory[:, :, 0], where_k, block, head)[None, :, :length].clone())
-            values.append(unpack_blocks(memory[:, :, 1], where_v, block, head)[None, :, :length].clone())
-        out[request] = (keys, values)
+        out[request] = read_blocks(layers, held[request].block_ids[0], length)
     return out
 
 

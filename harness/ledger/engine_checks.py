@@ -1,11 +1,13 @@
-"""Engine checks in the ledger: each `kvfid engine-check` result stored as one typed record.
+"""Engine checks in the ledger: each `kvfid engine-check` and `kvfid engine-load` result stored
+as one typed record.
 
 A stored check (the `engine_checks` table, ledger schema 3) carries its id (`engine-` and a run
-id's time and suffix), the environment record and its key, the engine and its version (`vllm
-0.32.0`), the git revision, when it was written, and its `EngineCheckRecord`
-(kvfid.records.engine) as JSON with its SHA-256, written in one transaction. Ledgers
-older than schema 3 hold none and read as holding none; reading never writes (a read-only
-ledger is opened as every reading command opens it).
+id's time and suffix; `load-` for a load run), the environment record and its key, the engine
+and its version (`vllm 0.32.0`), the git revision, when it was written, and its record
+(`EngineCheckRecord`, kvfid.records.engine, or `EngineLoadRecord`, kvfid.records.engine_load:
+the record's own `kind` tells them apart, so the table and the schema are unchanged) as JSON with
+its SHA-256, written in one transaction. Ledgers older than schema 3 hold none and read as
+holding none; reading never writes (a read-only ledger is opened as every reading command opens it).
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import json
 from dataclasses import dataclass
 
 from kvfid.records.engine import EngineCheckRecord
+from kvfid.records.engine_load import EngineLoadRecord
 from kvfid.records.record import to_json
 from kvfid.ledger.store import Ledger, LedgerError, _loads, _record, new_run_id, now
 from kvfid.ledger.opening import LedgerRefused, Transaction, record_sha
 
 PREFIX = "engine-"
+LOAD_PREFIX = "load-"
+KINDS = (EngineCheckRecord, EngineLoadRecord)
 
 
 @dataclass(frozen=True)
@@ -31,17 +36,19 @@ class StoredCheck:
     environment: dict
     git_revision: str | None
     written: str
-    record: EngineCheckRecord
+    record: EngineCheckRecord | EngineLoadRecord
 
 
-def write_check(ledger: Ledger, record: EngineCheckRecord, environment: dict,
+def write_check(ledger: Ledger, record: EngineCheckRecord | EngineLoadRecord, environment: dict,
                 environment_key: str, check_id: str | None = None) -> StoredCheck:
     """Store one engine check (its record, checksum, environment and key) in one transaction."""
     git = environment.get("git") or {}
     revision = git.get("revision")
     if revision and git.get("dirty"):
         revision += "+dirty"
-    check_id = check_id or PREFIX + new_run_id()
+    if not isinstance(record, KINDS):
+        raise LedgerError(f"{ledger.path}: a {type(record).__name__} is not an engine check")
+    check_id = check_id or (LOAD_PREFIX if isinstance(record, EngineLoadRecord) else PREFIX) + new_run_id()
     text = to_json(record)
     with Transaction(ledger.db, ledger.path):
         if ledger.db.execute("SELECT 1 FROM engine_checks WHERE id = ?", (check_id,)).fetchone():
@@ -88,7 +95,7 @@ def _stored(row, ledger: Ledger) -> StoredCheck:
     if record_sha(text) != sha:
         raise LedgerRefused(f"{where}: its record does not have the SHA-256 it was written with")
     record = _record(text, where)
-    if not isinstance(record, EngineCheckRecord):
-        raise LedgerRefused(f"{where}: holds a {record.KIND} record, not an engine check")
+    if not isinstance(record, KINDS):
+        raise LedgerRefused(f"{where}: holds a {record.KIND} record, not an engine check or load run")
     return StoredCheck(check_id, key, engine, _loads(environment, where), revision, written,
                        record)

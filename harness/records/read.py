@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from kvfid.records.engine import EngineCheckRecord  # noqa: F401 (registers its kind)
+from kvfid.records.engine_load import EngineLoadRecord  # noqa: F401 (registers the load kind)
 from kvfid.records.plain import decode
 from kvfid.records.record import KINDS, SCHEMA_VERSION, RecordRefused
 from kvfid.records.program import ProgramRecord  # noqa: F401 (registers the program kind)

@@ -124,3 +124,30 @@ def svg_curves(series: list[tuple[str, list[tuple[float, float]]]], xlabel: str,
                  f'<title>{html.escape(name)}: {x:g}, {y:.3g}</title></circle>' for x, y in kept]
         legend.append((name, color, dash))
     return _frame(xlabel, ylabel, body, legend)
+
+
+def svg_shares(series: list[tuple[str, list[tuple[float, float]]]], xlabel: str, ylabel: str) -> str:
+    """(x, share) points per series: x on a log axis, ticks at the points' x values; the share
+    on a linear axis from 0 to 1, zeros drawn (the load sweep: requests differing by co-residents)."""
+    xs = sorted({x for _, pts in series for x, _ in pts if x > 0})
+    if not xs:
+        return _frame(xlabel, ylabel, [], [])
+    log = math.log10
+    x_lo, x_hi = log(xs[0]), max(log(xs[-1]), log(xs[0]) + 1e-9)
+    px = lambda v: _L + 14 + (_W - _L - _R - 28) * (log(v) - x_lo) / (x_hi - x_lo)  # noqa: E731
+    py = lambda v: _T + (_H - _T - _B) * (1 - v)  # noqa: E731
+    body = [f'<line x1="{_L}" x2="{_W - _R}" y1="{py(v):.1f}" y2="{py(v):.1f}" stroke="#eee"/>'
+            f'<text x="{_L - 4}" y="{py(v) + 4:.1f}" text-anchor="end">{v:g}</text>'
+            for v in (0.0, 0.25, 0.5, 0.75, 1.0)]
+    body += [f'<text x="{px(x):.1f}" y="{_H - _B + 14}" text-anchor="middle">{x:g}</text>' for x in xs]
+    legend = []
+    for k, (name, pts) in enumerate(series):
+        color, dash = PALETTE[(k // 2) % len(PALETTE)], "" if k % 2 == 0 else "5 3"
+        kept = [(x, y) for x, y in sorted(pts) if x > 0]
+        body.append(f'<polyline points="{" ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in kept)}" '
+                    f'fill="none" stroke="{color}" stroke-width="1.6" stroke-dasharray="{dash}"/>')
+        body += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{"white" if not y else color}" '
+                 f'stroke="{color}"><title>{html.escape(name)}: {x:g}, {y:.3g}</title></circle>'
+                 for x, y in kept]
+        legend.append((name, color, dash))
+    return _frame(xlabel, ylabel, body, legend)

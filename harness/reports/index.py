@@ -6,7 +6,8 @@ key>/<run id>/` (written by `report.write_report`) and, optionally, the runs of 
 case), and writes `reports/index.md` and `reports/index.html`: per case a grid of environments
 and stacks (kvfid.reports.index_page). Each run links its report (report.md from the Markdown,
 report.html from the HTML) and each environment key its kernel table; both pages go through
-kvfid.reports.document.
+kvfid.reports.document. Engine load runs (`kvfid engine-load --report`) are listed after the
+grids, one row per `engine-load.json` found (the newest per environment key and engine label).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def update_index(reports_dir="reports", ledgers=()) -> Path:
     """Write <reports_dir>/index.md and index.html; returns the Markdown file's path."""
     root = Path(reports_dir)
     entries = newest(collect_entries(root, ledgers))
-    doc = index_document(entries)
+    doc = index_document(entries, load_entries(root))
     return write_files({"html": (root / "index.html", to_html(doc)),
                         "markdown": (root / "index.md", markdown(doc))})["markdown"]
 
@@ -67,6 +68,29 @@ def collect_entries(root: Path, ledgers=()) -> list[dict]:
         entry["kernels"] = _beside(key_dir / "kernels.json", "kernels.md", root)
         entry["kernels_html"] = _beside(key_dir / "kernels.json", "kernels.html", root)
     return entries
+
+
+def load_entries(root: Path) -> list[dict]:
+    """The newest engine load run per (environment key, engine label) whose report is under
+    `root`: its record and the links to its report."""
+    from kvfid.records.engine_load import EngineLoadRecord
+    from kvfid.records.read import from_json
+
+    best: dict[tuple[str, str], dict] = {}
+    for path in sorted(Path(root).rglob("engine-load.json")):
+        try:
+            record = from_json(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(record, EngineLoadRecord):
+            continue
+        entry = {"id": path.parent.name, "environment_key": path.parent.parent.relative_to(root).as_posix(),
+                 "record": record, "report": _beside(path, "report.md", root),
+                 "report_html": _beside(path, "report.html", root)}
+        key = (entry["environment_key"], record.label)
+        if key not in best or entry["id"] > best[key]["id"]:
+            best[key] = entry
+    return [best[k] for k in sorted(best)]
 
 
 def grid_stacks(summary: dict) -> dict:

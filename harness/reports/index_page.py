@@ -24,8 +24,35 @@ ACROSS = 6              # at most this many stacks across before the grid turns
 VERDICT_WORDS = {"bit-exact": "bit-exact", "cache-differs": "cache differs", "diverges": "diverges"}
 
 
-def index_document(entries: list[dict]) -> list:
-    """The index as blocks of kvfid.reports.document: a grid per case, then the runs shown."""
+def index_document(entries: list[dict], loads: list[dict] = ()) -> list:
+    """The index as blocks of kvfid.reports.document: a grid per case, the runs shown, then the
+    engine load runs (index.load_entries)."""
+    return _runs_document(entries) + load_section(loads)
+
+
+def load_section(loads: list[dict]) -> list:
+    """One row per engine load run: the engine, what load did, requests differing from alone."""
+    if not loads:
+        return []
+    rows = []
+    for e in loads:
+        r = e["record"]
+        done = [q for q in r.requests if not q.missing]
+        differ = sum(q.differs for q in done)
+        verdict = ("no verdict", "diverges") if not r.complete else \
+            ("bit-exact", "bit-exact") if not differ else (f"{differ}/{len(done)} differ", "diverges")
+        rows.append([e["environment_key"], r.label, f"{len(r.requests)} from {r.clients} clients",
+                     str(sum(q.preemptions for q in done)), Cell(verdict[0], verdict[1]),
+                     f"{r.tokens_per_s:.1f}", report_link({**e, "run": e["id"]})])
+    return [Heading("Engine load runs", 2),
+            Paragraph("`kvfid engine-load`: each request under load (concurrent clients, a small KV "
+                      "cache that preempts) against itself run alone, bitwise (tokens, logprob bits, "
+                      "engine state); the newest run per environment key and engine."),
+            Table(["environment key", "engine", "requests", "preemptions", "against alone",
+                   "tok/s", "report"], rows)]
+
+
+def _runs_document(entries: list[dict]) -> list:
     doc = [Heading("kvfid reports index"),
            Paragraph("The newest run of each case on each environment key (finished runs first). "
                      f"A cell: {HEADLINE}'s cache bit-exact count against live, and its suffix ≠ "

@@ -1,7 +1,8 @@
-"""What `kvfid engine-check --db/--report` and `kvfid engine-report` run: an engine check measured,
-stored in the ledger under this environment's key with the engine's version
-(kvfid.ledger.engine_checks), its report written (kvfid.reports.engine_report); and a stored
-one read back, listed or reported again.
+"""What `kvfid engine-check --db/--report`, `kvfid engine-load` and `kvfid engine-report` run: an
+engine check or a load run measured, stored in the ledger under this environment's key with the
+engine's version (kvfid.ledger.engine_checks), its report written (kvfid.reports.engine_report,
+kvfid.reports.engine_load_report; a load run's report updates the index); and a stored one read
+back, listed or reported again.
 
 The ledger is opened for writing only once the check has been measured, so a check vLLM refuses
 (exit 3) or a bad option (exit 2) leaves no ledger behind; a ledger kvfid cannot write is
@@ -42,14 +43,56 @@ def check_and_store(fmt: str = "text", db: str | Path | None = None, report: boo
     return text, written
 
 
-def store_result(db: str | Path, result: dict, environment: dict | None = None):
-    """Store engine_check's `result` (as an EngineCheckRecord) under this environment's key."""
+def load_and_store(fmt: str = "text", db: str | Path | None = None, report: bool = False,
+                   out: str | Path = "reports", progress=None, **options) -> tuple[str, dict, object]:
+    """Measure a load run (kvfid.engines.load_run) and store it (in `db`, else the default
+    ledger; an incomplete run is stored as incomplete, never with a verdict); with `report`,
+    write its report under `out` and update the index there. Returns what to print,
+    {name: path} of what was written, and the stored run."""
+    from kvfid.engines.load_run import engine_load
+    from kvfid.ledger.opening import probe
+    from kvfid.tasks.ledger_views import db_path
+
+    path = db_path(db)
+    probe(path)                             # refused (read-only, not a ledger) before compute
+    record = engine_load(progress=progress, **options)
+    stored = store_result(path, record)
+    written = {"ledger": path, "id": stored.id}
+    if report:
+        from kvfid.reports.engine_load_report import write_report
+        from kvfid.reports.index import update_index
+
+        written.update(write_report(stored, out))
+        written["index"] = update_index(out)
+    return _shown(stored, fmt), written, stored
+
+
+def _shown(stored, fmt: str) -> str:
+    """A stored check or load run as `fmt` (its record as JSON, or its table as text)."""
+    from kvfid.records.engine_load import EngineLoadRecord
+    from kvfid.records.record import to_json
+
+    if fmt == "json":
+        return to_json(stored.record, indent=1)
+    if isinstance(stored.record, EngineLoadRecord):
+        from kvfid.reports.engine_load_report import text
+
+        return text(stored)
+    from kvfid.engines import check as engine_check
+
+    return (f"engine check {stored.id} ({stored.written}, {stored.environment_key})\n"
+            + engine_check.render(stored.record.as_result()))
+
+
+def store_result(db: str | Path, result, environment: dict | None = None):
+    """Store engine_check's `result` (as an EngineCheckRecord), or an EngineLoadRecord, under
+    this environment's key."""
     from kvfid.environment import envinfo
     from kvfid.records.engine import from_result
     from kvfid.ledger.engine_checks import write_check
 
     environment = envinfo.collect() if environment is None else environment
-    record = from_result(result)
+    record = from_result(result) if isinstance(result, dict) else result
     with Ledger(db) as ledger:
         return write_check(ledger, record, {**environment, "engine": record.engine},
                            envinfo.environment_key(environment))
@@ -61,8 +104,9 @@ def list_checks(db: str | Path | None) -> list[dict]:
     from kvfid.tasks.ledger_views import db_path
 
     with Ledger(db_path(db), readonly=True) as ledger:
-        return [{"id": s.id, "engine": s.record.label, "model": s.record.model,
-                 "rows": len(s.record.rows), "exact": s.record.exact, "kv": s.record.kv,
+        return [{"id": s.id, "kind": s.record.KIND, "engine": s.record.label, "model": s.record.model,
+                 "rows": len(s.record.requests if s.record.KIND == "engine-load" else s.record.rows), "exact": s.record.exact,
+                 "kv": getattr(s.record, "kv", True), "complete": getattr(s.record, "complete", True),
                  "written": s.written, "environment": s.environment_key}
                 for s in checks(ledger)]
 
@@ -73,24 +117,25 @@ def checks_text(rows: list[dict]) -> str:
 
     return text_table(["engine check", "engine", "model", "verdict", "written", "environment"],
                       [[r["id"], r["engine"], r["model"],
-                        ("bit-exact" if r["exact"] else "differs") + (" (logprobs, KV)" if r["kv"]
-                                                                      else " (logprobs)"),
+                        ("no verdict (incomplete)" if not r.get("complete", True) else
+                         ("bit-exact" if r["exact"] else "differs")
+                         + (" (logprobs, KV)" if r["kv"] else " (logprobs)")
+                         + (f", {r['rows']} requests under load" if r.get("kind") == "engine-load" else "")),
                         r["written"], r["environment"]] for r in rows])
 
 
 def report_check(db: str | Path | None, check_id: str, out: str | Path = "reports",
                  fmt: str = "text") -> tuple[str, dict]:
-    """A stored engine check read back: its table as engine-check printed it (or its record as
-    JSON) and its report files written under `out`."""
-    from kvfid.engines import check as engine_check
-    from kvfid.records.record import to_json
-    from kvfid.reports.engine_report import write_report
+    """A stored engine check or load run read back: its table as the command printed it (or its
+    record as JSON) and its report files written under `out`."""
+    from kvfid.records.engine_load import EngineLoadRecord
     from kvfid.ledger.engine_checks import check
     from kvfid.tasks.ledger_views import db_path
 
     with Ledger(db_path(db), readonly=True) as ledger:
         stored = check(ledger, check_id)
-    text = (to_json(stored.record, indent=1) if fmt == "json"
-            else f"engine check {stored.id} ({stored.written}, {stored.environment_key})\n"
-                 + engine_check.render(stored.record.as_result()))
-    return text, write_report(stored, out)
+    if isinstance(stored.record, EngineLoadRecord):
+        from kvfid.reports.engine_load_report import write_report
+    else:
+        from kvfid.reports.engine_report import write_report
+    return _shown(stored, fmt), write_report(stored, out)

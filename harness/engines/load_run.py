@@ -1,0 +1,59 @@
+"""What `kvfid engine-load` measures: the plan drawn, the load run and the alone runs
+(kvfid.engines.load), optionally the sweep (kvfid.engines.load_sweep), as one EngineLoadRecord
+(its text and report: kvfid.reports.engine_load_report).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+
+from kvfid.engines import engine as vllm_engine
+from kvfid.engines.load_plan import LoadShape, plan_load
+from kvfid.records.engine_load import EngineLoadRecord
+
+
+def engine_load(model_name: str, dtype: str, shape: LoadShape, seed: int = 0, kv_blocks: int = 24,
+                chunk: int | None = None, faithful: bool = False, prefix_caching: bool = True,
+                threads: int | None = None, server: bool = False, sweep=None, faults=None,
+                progress=None) -> EngineLoadRecord:
+    """The load run's record (kvfid.engines.load's docstring): `server`, vLLM's own OpenAI
+    server started here (kvfid.engines.load_server); `sweep` a SweepShape to run after it;
+    `faults` (server only) the failures to inject (load_server.Faults)."""
+    from kvfid.engines import load
+
+    say = progress or (lambda _: None)
+    plan = plan_load(shape, seed)                      # refusals before any engine starts
+    load.engine_config(plan, faithful, chunk, kv_blocks, prefix_caching)
+    load.check_budget(plan, kv_blocks, plan.longest + 1)
+    if server and threads is None:
+        threads = 1    # the server's worker and the alone runs at one count: the same computation
+    vllm_engine.require_vllm()
+    folder = vllm_engine.model_folder(model_name)
+    start = time.perf_counter()
+    served_by = None
+    if server:
+        from kvfid.engines import load_server
+
+        served_by = load_server.serving(folder, dtype, threads, faults, say)
+    before = os.environ.get("VLLM_BATCH_INVARIANT")
+    os.environ["VLLM_BATCH_INVARIANT"] = "0"     # stock is stock: vLLM's own switch stays off
+    try:
+        parts = load.run_load(folder, dtype, plan, kv_blocks, chunk, faithful, prefix_caching,
+                              threads, say=say, served_by=served_by)
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_BATCH_INVARIANT", None)
+        else:
+            os.environ["VLLM_BATCH_INVARIANT"] = before
+    record = EngineLoadRecord(model_name, dtype, f"vllm {vllm_engine.version()}", faithful,
+                              "server" if server else "in-process", seed, shape.clients,
+                              shape.tokens, kv_blocks, chunk, prefix_caching, threads=threads,
+                              folder=folder, greedy_share=shape.greedy_share, **parts)
+    if sweep is not None:
+        from kvfid.engines import load_sweep
+
+        record = replace(record, sweep=load_sweep.run_sweep(folder, dtype, sweep, faithful, threads, say))
+    incomplete = bool(record.missing)
+    return replace(record, wall_s=time.perf_counter() - start, status="incomplete" if incomplete else "ok")
