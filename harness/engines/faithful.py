@@ -25,8 +25,6 @@ from __future__ import annotations
 import contextlib
 import os
 
-import torch
-
 ENV = "KVFID_FAITHFUL"
 IMPL_ENV = "KVFID_FAITHFUL_IMPL"
 COMPILATION = {"custom_ops": ["none"]}
