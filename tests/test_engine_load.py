@@ -201,3 +201,34 @@ def test_bad_input_a_rejection_a_timeout_and_a_dead_server(tmp_path):
     assert sorted(served) == [0, 3, 4, 5]                   # the fourth answer killed the server
     assert all(missing[i] == "no answer: the server died (exit -9)" for i in (6, 7))
     assert served[0] == ((7,) * 4, (-0.5,) * 4)
+
+
+def test_without_vllm_this_process_environment_is_left_as_it_was(tmp_path, monkeypatch):
+    # kvfid as a library: asking for vLLM where it is absent sets nothing (PYTHONSAFEPATH leaked
+    # into every later child of the process, the suite's included). The control: a stand-in vllm
+    # gets vLLM's settings.
+    import importlib.util
+    import os
+
+    from kvfid.engines.engine import require_vllm
+    from kvfid.errors import Unavailable
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    saved = dict(os.environ)
+    try:
+        for name in ("PYTHONSAFEPATH", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+            os.environ.pop(name, None)
+        before = dict(os.environ)
+        with pytest.raises(Unavailable):
+            require_vllm()
+        assert dict(os.environ) == before
+        (tmp_path / "vllm").mkdir()
+        (tmp_path / "vllm" / "__init__.py").write_text("")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.delitem(sys.modules, "vllm", raising=False)
+        assert require_vllm().__file__ == str(tmp_path / "vllm" / "__init__.py")
+        assert os.environ["PYTHONSAFEPATH"] == "1" and os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -75,7 +75,8 @@ def test_without_the_hub_distribution_transformers_reports_hub_kernels_absent(tm
 
 def _python_no_site(code: str, site: Path) -> list[str]:
     """`code` run from the checkout's root without site-packages, with `site` on the path."""
-    clean = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    clean = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH",
+                                                                "PYTHONSAFEPATH")}
     done = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT,
                           env={**clean, "PYTHONPATH": str(site)}, capture_output=True, text=True,
                           timeout=300)

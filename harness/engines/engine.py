@@ -29,7 +29,12 @@ BLOCK = 32                 # vLLM-CPU's attention takes KV blocks in multiples o
 
 
 def require_vllm():
-    """The vllm module, or Unavailable (exit 3) saying how to install it."""
+    """The vllm module, or Unavailable (exit 3) saying how to install it. vLLM's settings go into
+    this process's environment only where vLLM is installed (a process without it keeps its own)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise Unavailable(INSTALL)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")      # GiB; the default takes far more
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")   # stdout is kvfid's
