@@ -127,7 +127,7 @@ def _arm_steps(arm: str, B: int, S: int) -> int:
 
 def item_seconds(case, steps: list[dict]) -> float | None:
     """Seconds one item of `case` would take over all its stacks, from the model bench's steps
-    (benchreport.model_steps) at the headline length on this machine. Per unit: a warm-up (one
+    (kvfid.reports.model_steps) at the headline length on this machine. Per unit: a warm-up (one
     prefill, one decode step), each construction's arm (one prefill, `_arm_steps` decode steps),
     its share of the replicas' arms, and S decode steps per transplant pair (an upper bound: only
     divergent and control rows are transplanted); per item, its share of the crossing's arms at
@@ -279,6 +279,7 @@ def _speed(reports: Path, out: BenchOutcome) -> tuple[str, list[dict]]:
     measured, which size the fidelity step)."""
     from kvfid.environment import envinfo
     from kvfid.reports import benchreport
+    from kvfid.reports.model_steps import model_steps
 
     environment = envinfo.collect()
     key = envinfo.environment_key(environment)
@@ -298,7 +299,7 @@ def _speed(reports: Path, out: BenchOutcome) -> tuple[str, list[dict]]:
     (saved.with_suffix(".md")).write_text(benchreport.render_bench(comparison) + "\n")
     (saved.with_suffix(".html")).write_text(benchreport.render_bench_html(comparison))  # + the plot
     out.files["bench"] = str(saved)
-    steps = benchreport.model_steps(comparison["rows"])
+    steps = model_steps(comparison["rows"])
     if previous is None:
         return (f"speed: {len(comparison['rows'])} benchmarks filed ({saved}); no previous result "
                 f"of this environment to compare with"), steps
