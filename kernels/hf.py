@@ -102,12 +102,16 @@ def _refuse(name: str, what: str) -> KernelRefusal:
 
 
 def _check_keywords(name: str, kwargs: dict, kernel_options: dict, options: frozenset[str]) -> None:
-    """Refuse a kernel option the kernel does not take, and a kernel option (or a near miss of
-    one) given as a plain keyword, where it would be dropped. Other keywords are transformers'
-    (each family passes its own: `s_aux`, `position_ids`, ...) and pass through unread."""
+    """Refuse a kernel option the kernel does not take, a near miss of the keyword
+    `kernel_options` itself, and a kernel option (or a near miss of one) given as a plain keyword:
+    each would pass through as a transformers keyword and be dropped. Other keywords are
+    transformers' (each family passes its own: `s_aux`, `position_ids`, ...) and pass through unread."""
     if unknown := sorted(set(kernel_options) - options):
         raise ValueError(f"{name}: unknown kernel option {unknown[0]!r}; allowed: {_listed(options)}")
     for keyword in sorted(kwargs):
+        if difflib.get_close_matches(keyword, ("kernel_options",), n=1, cutoff=0.75):
+            raise ValueError(f"{name}: keyword {keyword!r} looks like a misspelling of kernel_options "
+                             f"(allowed in it: {_listed(options)})")
         if keyword in options or difflib.get_close_matches(keyword, options, n=1, cutoff=0.75):
             raise ValueError(f"{name}: keyword {keyword!r} looks like a kernel option; give it in "
                              f"kernel_options (allowed: {_listed(options)})")

@@ -3,11 +3,10 @@ functions (called from a kernel).
 
 Compiled, both are `triton.jit` itself. In the Triton interpreter every call of a jitted device
 function, ours and the language's own (`tl.sum`, `tl.max`, `tl.zeros` are jitted too), first
-re-patches `triton.language` (`_patch_lang`: `inspect.getmembers` over four modules, about 4 ms a
-call on a 2 GHz EPYC), although the launch running the calling kernel has already patched those
-same modules and restores them when it ends. The attention kernel makes such calls per key tile:
-one interpreted split-path test took 32 s, 9.7 s once our device functions skipped the re-patch,
-and one 150-key attention call 0.81 s, then 0.61 s with the language's skipping it as well.
+re-patches `triton.language` (`_patch_lang`: `inspect.getmembers` over four modules), although
+the launch running the calling kernel has already patched those same modules and restores them
+when it ends. The attention kernel makes such calls per key tile, so the re-patches were most of
+an interpreted launch's time (docs/hazards.md, "The interpreter's device calls").
 
 So here a device function's call runs the interpreter's rewritten function directly, and a launch
 of one of our kernels does the same for the language's jitted functions while it runs, having
@@ -20,18 +19,15 @@ the launching kernel does. tests/test_kernel_jit.py checks the bits against the 
 call path and counts the patches. An interpreter without this shape (no `rewrite` on its function
 class, no `_patch_lang`) gets `triton.jit`'s objects unchanged.
 
-A launch also runs in a fresh chunk of CPython's frame stack. CPython (3.11 to 3.13, measured)
-keeps a thread's frames in 16 KB chunks: a call that does not fit the current chunk maps a new
-one, and the chunk is unmapped when that call returns. The interpreter makes about 10^5 small
-calls per launch (cProfile: 5.3 million `isinstance` calls in 30 launches); where their depth
-straddles a chunk's end, each one maps and unmaps a chunk. Which depth that is depends on the
-caller's stack, so the same launch cost 2x to 3x more from some callers: a SmolLM2 decode step
-on triton/bf16+bi (30 launches) took 1.06 s called directly, 1.9 s three frames deeper, 2.8 s
-inside pytest-benchmark's timing call (8,444 mmap/munmap pairs in two steps, by strace). So
-`_Kernel.run` calls the launch through `_in_fresh_chunk`, whose frame is larger than a chunk: it
-always opens a chunk of its own, and the launch's frames follow it there, at the same place
-whatever the caller (60 maps in those two steps, one per launch; 0.94 to 1.05 s from every
-caller).
+A launch also runs in a fresh chunk of CPython's frame stack. CPython (3.11 to 3.13) keeps a
+thread's frames in 16 KB chunks: a call that does not fit the current chunk maps a new one, and
+the chunk is unmapped when that call returns. The interpreter makes many small calls per launch;
+where their depth straddles a chunk's end, each one maps and unmaps a chunk. Which depth that is
+depends on the caller's stack, so the same launch cost several times more from some callers
+(docs/hazards.md, "CPython's frame stack maps a chunk per call at one depth"). So `_Kernel.run`
+calls the launch through `_in_fresh_chunk`, whose frame is larger than a chunk: it always opens a
+chunk of its own, and the launch's frames follow it there, at the same place whatever the caller
+(one map per launch).
 """
 
 from __future__ import annotations

@@ -58,33 +58,8 @@ SHARED_FIXTURES = ("quick_kernels", "serving_run", "smollm2_conversion")
 # blame under compile 57 s and 64 s apart, 96 s with the rest of their two files in one process).
 
 
-def _start_chromium_install(config, items) -> None:
-    """tests/test_index_browser.py needs Debian's `chromium`; where it is missing (a fresh machine)
-    and this process may install it, apt-get starts now, in the background, so its download and
-    unpacking overlap the suite instead of holding one worker (measured: 35 s of fixture set-up on
-    a fresh machine). The first worker to get here starts it; the fixture waits for its status."""
-    import shutil
-    import subprocess
-
-    if shutil.which("chromium") or os.geteuid() != 0 or not any(
-            Path(str(item.fspath)).name == "test_index_browser.py" for item in items):
-        return
-    from helpers import chromium_install_status
-
-    status = chromium_install_status(config)
-    try:
-        os.close(os.open(f"{status}.lock", os.O_CREAT | os.O_EXCL))
-    except FileExistsError:
-        return
-    subprocess.Popen(["sh", "-c", f"(apt-get update && apt-get install -y chromium) "
-                      f"> '{status}.log' 2>&1; echo $? > '{status}.tmp'; mv '{status}.tmp' '{status}'"],
-                     env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
-                     stdin=subprocess.DEVNULL, start_new_session=True)
-
-
 @pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    _start_chromium_install(config, items)
     for item in items:
         for name in SHARED_FIXTURES:
             if name in getattr(item, "fixturenames", ()):

@@ -7,10 +7,6 @@ Imported explicitly (`from helpers import ...`). Two kinds of check, never mixed
 
 from __future__ import annotations
 
-import os
-import tempfile
-from pathlib import Path
-
 import torch
 
 from kvfid.protocol.decode import cache_keyword  # noqa: F401  (the one compatibility point)
@@ -116,10 +112,3 @@ def check_rejects_bad_inputs(attention, make_qkv) -> None:
         attention(torch.cat([q, q], dim=2), k, v)
     with pytest.raises(TypeError):
         attention(q.double(), k.double(), v.double())
-
-
-def chromium_install_status(config) -> Path:
-    """Where this test run's early Chromium install writes its exit status (one run: the xdist
-    workers share the controller's run id)."""
-    run = getattr(config, "workerinput", {}).get("testrunuid") or str(os.getpid())
-    return Path(tempfile.gettempdir()) / f"kvfid-chromium-{run}.status"

@@ -72,7 +72,7 @@ def test_speed_benches_write_their_json_only_into_the_reports_store(tmp_path, mo
 
 
 def _steps(decode_s: dict, prefill_s: dict, context=64) -> list[dict]:
-    """Model steps as benchreport.model_steps gives them, at one length."""
+    """Model steps as kvfid.reports.model_steps gives them, at one length."""
     return [{"stack": stack, "phase": phase, "context": context, "median_s": seconds,
              "interpreter": False}
             for phase, table in (("decode", decode_s), ("prefill", prefill_s))

@@ -248,3 +248,22 @@ def test_factory_refuses_an_unknown_option_naming_the_allowed_ones():
     for attention in (hf.kvfid_triton_attention, native.kvfid_native_attention):
         with pytest.raises(ValueError, match="keyword 'confg' looks like a kernel option"):
             _call(attention, 1, 7, position_ids=torch.tensor([[6]]), confg=None)
+
+
+def test_factory_refuses_a_misspelt_kernel_options_keyword():
+    calls = []
+    probe = hf.make_attention("probe", _recording_kernel(calls), frozenset(),
+                              options=frozenset({"align_own"}))
+    # a near miss of the keyword itself would pass through as a transformers keyword, dropped
+    for keyword in ("kernel_optons", "kernel_option", "kernels_options"):
+        with pytest.raises(ValueError, match=rf"probe: keyword '{keyword}' looks like a misspelling "
+                                             r"of kernel_options \(allowed in it: align_own\)$"):
+            _call(probe, 1, 7, position_ids=torch.tensor([[6]]), **{keyword: {"align_own": False}})
+    assert calls == []
+    # control: spelt right, the option reaches the kernel; a keyword unlike it passes through
+    _call(probe, 1, 7, position_ids=torch.tensor([[6]]), kernel_options={"align_own": False},
+          cache_position=None)
+    assert len(calls) == 1 and calls[0]["align_own"] is False
+    for attention in (hf.kvfid_triton_attention, native.kvfid_native_attention):
+        with pytest.raises(ValueError, match="keyword 'kernel_optons' looks like a misspelling"):
+            _call(attention, 1, 7, position_ids=torch.tensor([[6]]), kernel_optons={"config": None})

@@ -17,7 +17,7 @@ compares the position's slice of every float input and output bit by bit:
   dimension; or the KV cache of earlier positions, which side a built in earlier decode steps and
   side b builds in the same call) is **unverified**; one whose output (or every input) cannot be
   sliced at the position (MoE rows sorted by expert) is **uncompared**, not a difference.
-Stepped recurrent layers and layers running different algorithms: see `blame_align`. Only the
+Stepped recurrent layers and layers running different algorithms: see kvfid.tracing.align. Only the
 comparisons are kept, not the tensors, so a prefill of any length fits in memory.
 """
 

@@ -57,8 +57,8 @@ def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: in
                  tp: int = 1) -> dict:
     """The in-engine table for one model and dtype on vLLM (see the module docstring), with
     VLLM_BATCH_INVARIANT set to `batch_invariant` for its engines and restored after. `kv`: each
-    row also compares the engine states (engine_kv.py); `faithful`: the engines run kvfid's
-    batch-invariant attention and mode (engine_faithful.py); `threads`: the engines' calls at
+    row also compares the engine states (kv.py); `faithful`: the engines run kvfid's
+    batch-invariant attention and mode (faithful.py); `threads`: the engines' calls at
     that many torch threads (None: vLLM-CPU's own, a thread per core)."""
     before = os.environ.get("VLLM_BATCH_INVARIANT")
     os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"

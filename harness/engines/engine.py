@@ -1,5 +1,5 @@
 """vLLM as an engine kvfid drives: generation with the engine's own sampling logprobs, and the
-requests the in-engine check (engine_check.py) sends.
+requests the in-engine check (check.py) sends.
 
 vLLM is imported here only, and only inside functions: kvfid installs and runs without it, and
 every command that needs it is refused before compute (`Unavailable`, exit 3) with the one line
@@ -97,7 +97,7 @@ class EngineConfig:
     faithful: bool = False            # kvfid's attention and batch-invariant mode inside (engine_faithful)
     tp: int = 1                       # tensor-parallel size: the model on this many worker processes
     kv_blocks: int | None = None      # the paged cache's size in blocks (None: what the KV space holds)
-    recording: bool = False           # the recording scheduler (engine_load_scheduler), synchronous steps
+    recording: bool = False           # the recording scheduler (load_scheduler), synchronous steps
     max_seqs: int = 64                # the most sequences one step may hold
     split_prompts: bool = True        # chunked prefill on: a prompt may be split across steps
 

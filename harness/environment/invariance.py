@@ -51,7 +51,8 @@ QUICK_BATCH_SIZES = (2, 3, 7, 8, 16, 17, 33)
 @dataclass(frozen=True)
 class Shapes:
     """Sizes of one comparison. The default is SmolLM2-135M's (hidden 576, 9/3 heads, head dim 64);
-    the Triton interpreter's cost (about 20 ms per attention program) sets the lengths."""
+    the Triton interpreter's cost per attention program sets the lengths (docs/cli.md,
+    `kernels`)."""
 
     n_q_heads: int = 9
     n_kv_heads: int = 3

@@ -6,8 +6,8 @@ prompts x tokens, the chunk, faithful or stock, VLLM_BATCH_INVARIANT and the not
 fp32 logprob bits differ, max |delta logprob|, items exact, and with `--kv` its `EngineKV` (the
 engine states read from vLLM's paged cache: first bad layer and position, elements, max |diff|,
 max ULP, d_rel, d_rel per layer). Its own module because record.py is full; it registers its
-kind in record.KINDS, and record_read imports it, so a stored engine check reads back wherever
-records are read (`to_json` / `record_read.from_json`, like every record).
+kind in record.KINDS, and kvfid.records.read imports it, so a stored engine check reads back
+wherever records are read (`to_json` / `read.from_json`, like every record).
 """
 
 from __future__ import annotations

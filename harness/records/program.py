@@ -2,7 +2,8 @@
 like any unit.
 
 Its own module because record.py is full; `ProgramRecord` registers itself in record.KINDS, and
-record_read imports this module, so a stored program unit reads back wherever records are read.
+kvfid.records.read imports this module, so a stored program unit reads back wherever records
+are read.
 `run_from_result` types what `stages.run_program` returns; `picture` draws the stages and what
 each sees.
 """

@@ -1,7 +1,7 @@
 """Reading a stored record back: schema 3 of any kind in record.KINDS, schema 1-2 (the untagged
 dicts of earlier ledgers) through kvfid.records.legacy, anything else refused with one
-line. It sits above every record module, so all kinds (replay_record's, program_record's and
-engine_record's too) are registered here.
+line. It sits above every record module, so all kinds (replay_record's, program's and engine's
+too) are registered here.
 """
 
 from __future__ import annotations

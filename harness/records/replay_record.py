@@ -1,7 +1,8 @@
 """The record of one replayed trajectory on one stack: the ledger stores it like any unit.
 
 Its own module because record.py is full; `ReplayRecord` registers itself in record.KINDS, and
-record_read imports this module, so a stored replay unit reads back wherever records are read.
+kvfid.records.read imports this module, so a stored replay unit reads back wherever records
+are read.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Run aggregates: the per-stack numbers of a run's stored units.
 
-`aggregate(units, design)` turns a run's stored unit records into the per-stack numbers DESIGN.md
-lists (disagreement vs live with Wilson intervals and the replica floor beside it, cache
-bit-exactness, first bad layer, median d_rel per layer, first-divergence quartiles and histogram,
-correctness and flips with a paired interval and exact McNemar p, transplant outcomes per
+`aggregate(units, design)` turns a run's stored unit records into the per-stack numbers
+docs/protocol.md lists (disagreement vs live with Wilson intervals and the replica floor beside it,
+cache bit-exactness, first bad layer, median d_rel per layer, first-divergence quartiles and
+histogram, correctness and flips with a paired interval and exact McNemar p, transplant outcomes per
 selection and row role, margins at divergence, the crossing 2x2; for replayed trajectories, per
 stack and construction the logprob mismatch and its |delta| by decade). The result is strict JSON;
 `show`, `report` (kvfid.reports.report) and `compare` (kvfid.compare.runs) all read it.

@@ -11,9 +11,9 @@ an arm.
 Dynamo also guards on the strides of every tensor the cache holds, size-1 dims included. A
 compiled prefill into an empty cache leaves the key projection's layout ([B, T, H, D] in memory),
 while a decode step's concatenation and kvfid's state copies (snapshots, transplants, a reused
-prefix) leave torch's default strides, so the same call shape compiled one graph per layout:
-measured on the serving case's one-layer model, 8 graphs where 4 call shapes occur (run 51 s
-against 39 s, nearly all of it compiling; AMD EPYC). So before each compiled call the cache's
+prefix) leave torch's default strides, so the same call shape compiled one graph per layout (on
+the serving case's one-layer model, 8 graphs where 4 call shapes occur; the time it cost:
+docs/hazards.md, "Dynamo guards on cache strides"). So before each compiled call the cache's
 tensors are put in the default strides (`default_layout`): the same bits, and every construction
 runs the same graph for the same call shape, so a difference between constructions is the
 stack's, never kvfid's copying. The copy is made once after a prefill, not per decode step
@@ -24,9 +24,8 @@ batch-invariant overrides, its attention) is ever reused by another. Inductor's 
 are kept per ATen CPU capability (`capability_cache`): inductor picks its vector ISA from
 `ATEN_CPU_CAPABILITY` but does not key its caches by it, and a compiled stack that ran under
 `ATEN_CPU_CAPABILITY=avx2` (the AVX2 stand-in, docs/environment.md) and then without it in the
-same default cache aborted the process ("double free or corruption", torch 2.13, measured on the
-AVX-512 EPYC with tests/test_compiled.py's serving run; also at 5624d02, before the default
-layout above existed).
+same default cache aborted the process ("double free or corruption", torch 2.13;
+docs/hazards.md, "Inductor's caches and `ATEN_CPU_CAPABILITY`").
 
 A stack whose forward dynamo cannot compile whole is refused before compute: its backend says
 why (`AttentionBackend.compile_refusal`; e.g. the native kernel's host reads break the graph in

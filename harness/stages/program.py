@@ -1,4 +1,5 @@
-"""Stage programs (DESIGN.md, 'stage program'): a boundary built by several stages, not one stream.
+"""Stage programs (docs/protocol.md, 'Stage programs'): a boundary built by several stages, not
+one stream.
 
 `packed:NxL+M` is N branches of L greedy tokens each, from the prompt, then a merge stage of M
 greedy tokens that reads them all, every stage opened by its delimiter, in one sequence under the

@@ -106,15 +106,12 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
 # about one more): the fidelity step gets what the kernel table and the speed benches left of it.
 # Where this machine's model steps say the default case's items would take longer over its
 # processes, it runs fewer (whole rounds of one item per process, at least one round), every
-# check of each item unchanged. On the AVX2-only EPYC (bf16 in software) one item of
-# `smollm2-cpu`, three stacks, took about 83 CPU-seconds; on the AMX Xeon about 35.
+# check of each item unchanged: an item's cost differs several-fold between CPUs (docs/cases.md).
 BENCH_BUDGET_S = 300.0
-# What a run's items take over what `item_seconds` gives, as the sizing assumes: measured on the
-# AVX2-only EPYC (family 25) at 6a796f7, 4 items over 2 processes ran 120 s where the model steps
-# said 80 (units 1.32x their steps on native/bf16+bi, whose new call shapes at each length the
-# tiled mode probes, 1.22x on sdpa/bf16, 1.03x on sdpa/fp32; 7 s to start a process, a few to
-# report). Kept as a margin: a machine where the steps predict well runs fewer items only when
-# the budget is tight.
+# What a run's items take over what `item_seconds` gives, as the sizing assumes: units run longer
+# than their model steps (the tiled mode probes new call shapes; processes start and report).
+# Kept as a margin: a machine where the steps predict well runs fewer items only when the budget
+# is tight. The measurement behind it: docs/cli.md, `kvfid bench`.
 RUN_OVER_STEPS = 1.4
 
 
@@ -127,7 +124,7 @@ def _arm_steps(arm: str, B: int, S: int) -> int:
 
 def item_seconds(case, steps: list[dict]) -> float | None:
     """Seconds one item of `case` would take over all its stacks, from the model bench's steps
-    (benchreport.model_steps) at the headline length on this machine. Per unit: a warm-up (one
+    (kvfid.reports.model_steps) at the headline length on this machine. Per unit: a warm-up (one
     prefill, one decode step), each construction's arm (one prefill, `_arm_steps` decode steps),
     its share of the replicas' arms, and S decode steps per transplant pair (an upper bound: only
     divergent and control rows are transplanted); per item, its share of the crossing's arms at
@@ -231,9 +228,9 @@ def bench_command(json_path: Path, quick: bool = False, part: str | None = None)
 
 def speed_parts(cuda: bool) -> tuple[str | None, ...]:
     """How the speed benches are split: on a CPU with two cores or more, two one-thread processes
-    side by side (the 2048-token model steps in one, everything else in the other: measured on the
-    AVX2 stand-in, 311 s in one process, the 2048-token prefills alone 26-35 s a call); on a GPU, one
-    process (one device to time on)."""
+    side by side (the 2048-token model steps in one, everything else in the other: those prefills
+    alone take about as long as the rest, docs/environment.md); on a GPU, one process (one device
+    to time on)."""
     return ("short", "long") if not cuda and (os.cpu_count() or 1) >= 2 else (None,)
 
 
@@ -279,6 +276,7 @@ def _speed(reports: Path, out: BenchOutcome) -> tuple[str, list[dict]]:
     measured, which size the fidelity step)."""
     from kvfid.environment import envinfo
     from kvfid.reports import benchreport
+    from kvfid.reports.model_steps import model_steps
 
     environment = envinfo.collect()
     key = envinfo.environment_key(environment)
@@ -298,7 +296,7 @@ def _speed(reports: Path, out: BenchOutcome) -> tuple[str, list[dict]]:
     (saved.with_suffix(".md")).write_text(benchreport.render_bench(comparison) + "\n")
     (saved.with_suffix(".html")).write_text(benchreport.render_bench_html(comparison))  # + the plot
     out.files["bench"] = str(saved)
-    steps = benchreport.model_steps(comparison["rows"])
+    steps = model_steps(comparison["rows"])
     if previous is None:
         return (f"speed: {len(comparison['rows'])} benchmarks filed ({saved}); no previous result "
                 f"of this environment to compare with"), steps

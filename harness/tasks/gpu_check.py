@@ -77,8 +77,8 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
                              "--db", db, "--quiet", "--items", "1" if dry_run else "4"], 75),
         Step("kernels", cli + ["kernels", "--format", "json"]
              + (["--quick", "--dtypes", "fp32"] if dry_run else []), 90, "kernels.json"),
-        # Dry run: one file's GPU tests (each skips on a CPU; collecting all of tests/ costs 10 s).
-        # Measured on an H200 (docs/gpu.md): 55 s with Triton's cache warm, over 120 s cold.
+        # Dry run: one file's GPU tests (each skips on a CPU; collecting all of tests/ would cost
+        # more than it checks). The limit leaves room for Triton's cold cache (docs/gpu.md).
         Step("gpu-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
                            "tests/test_kernel_gpu_buckets.py" if dry_run else "tests"], 180),
         *tp_steps(cli, dry_run),

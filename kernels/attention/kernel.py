@@ -1,4 +1,5 @@
-"""Batch-invariant, prefill-decode-invariant causal attention (Triton); reference in attention_reference.
+"""Batch-invariant, prefill-decode-invariant causal attention (Triton); its reference is
+kvfid.kernels.attention.reference.
 
 One kernel serves prefill, chunked prefill and single-token decode, over a full cache or a window
 cache that holds only the last keys (`key_start`: the absolute position of held key 0), with
@@ -19,7 +20,7 @@ reached, because every construction runs the same arithmetic for t:
   x + -0.0 == x for every x, signed zeros included). So row t sees the same key tiles, with the
   same values in the same columns, in the same order, in every construction;
 * softcapping is applied to the scaled scores in fp32 (`softcap * tanh(s / softcap)`, tanh from
-  one exp) before masking; a sink joins the denominator of the final state (attention_math);
+  one exp) before masking; a sink joins the denominator of the final state (tiles.with_sink);
 * split path (a config with `segment`, the GPU configs): the key axis is cut into segments of
   `segment` keys at absolute multiples of it; one program per (query tile, segment) runs that
   segment's key tiles from a fresh state and stores (m, l, acc) in fp32, and a merge launch folds
@@ -35,7 +36,7 @@ reached, because every construction runs the same arithmetic for t:
 
 A visibility mask (`visibility`, any causal pattern given as a mask: packed branches, trees) is
 computed by kvfid.kernels.attention.visible, each query in its view's coordinates, with the same tile
-update (attention_math.tile_update). Rows are independent programs (batch rows and heads are grid
+update (tiles.tile_update). Rows are independent programs (batch rows and heads are grid
 axes), so batch size cannot change a row. The query heads that share one key/value head are stacked into one tile (GQA), so each key
 tile is loaded once per group.
 
@@ -176,7 +177,7 @@ def _attention_kernel(
     if SEGMENT > 0:
         # The split path: segments of SEGMENT keys at origin + multiples of SEGMENT; the partial
         # launch (grid axis 2: slot) runs one segment's tiles from a fresh state and stores it,
-        # the merge launch folds the query tile's segments in order (attention_math.merge).
+        # the merge launch folds the query tile's segments in order (tiles.merge).
         seg_first = (loop_lo - origin) // SEGMENT
         n_segs = (hi - 1 - origin) // SEGMENT - seg_first + 1
         ws_rows = ((pid * tl.num_programs(0) + tl.program_id(0)) * n_slots) * ROWS + rows

@@ -6,7 +6,7 @@ works in view coordinates: its rows are view positions `tile * BLOCK_M + r` (row
 of tile `c // BLOCK_M`, whatever call computes the query: prefill, chunk or decode step), its key
 tiles are view positions at multiples of BLOCK_N, gathered from the held keys through the view
 (`keys`: coordinate -> held index), visited in order with the same online softmax as the causal
-kernel (attention_math.tile_update), causal in view coordinates. A key no row of the program sees
+kernel (tiles.tile_update), causal in view coordinates. A key no row of the program sees
 is never loaded: invisible tiles are skipped because they are not in the view at all.
 
 So a query's bits depend on its query and its visible keys in order, never on keys it cannot see

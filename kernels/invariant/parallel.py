@@ -8,7 +8,8 @@ fixed segments at absolute offsets; each segment's product is computed alone by 
 GEMM in the model's dtype (a bf16 one accumulates in fp32 and rounds once, as each rank's
 partial sum does in a stock TP=8 engine), and the segment sums are added in fp32 in one fixed
 pairwise tree, rounded to the model's dtype once. (Segment products in fp32, from exact copies,
-cost 3.7x a bf16 prefill's time here, measured on Qwen2.5-0.5B's shape: docs/hazards.md.) A rank holding segments [r*G/N, (r+1)*G/N) computes the same
+cost several times a bf16 prefill: docs/hazards.md, "Tensor parallel: the segment products'
+dtype".) A rank holding segments [r*G/N, (r+1)*G/N) computes the same
 segment products (the same call shapes), so gathering every rank's segment sums and adding them
 in that tree gives the bits one process computing all G gives, for every N dividing G.
 

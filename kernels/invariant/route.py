@@ -1,29 +1,29 @@
 """The tiled mode's route per dtype: how many rows each stock call takes, and in which dtype a
 product is computed, chosen from timings on the running machine and kept per machine.
 
-A constant measured on one CPU is wrong on another: on an AMX Xeon a 32-row bf16 matmul
-([32, 576] x [576, 1536]) costs about 1.2x one row, on an AVX2-only EPYC 33x (and a one-row bf16
-product there 12x the fp32 one). So before the first tiled call of a dtype the mode times the
-candidate routes on that product: the stock kernel at each tile size of `TILES`, and, for bf16 and
-fp16, the product **widened**: the exact fp32 copies of the half-precision inputs multiplied by the
-fp32 kernel and rounded back once (bf16 x bf16 products are exact in fp32; only the fp32
-accumulation order, fixed by the tile's shape, decides the bits). Each candidate runs the tiled
-mode's own loop (`in_tiles`: padding, copies, a call per tile) on a decode row (padded to the tile)
-and on a prefill of `PREFILL_ROWS` rows, and is scored by its worse ratio to the stock kernel (one
-row; one call of all the rows). The timing is **interleaved**: each of `ROUNDS` rounds runs the
-stock kernel and every candidate once (in a rotated order), and a score is taken from each
-call's fastest time, so that load which comes and goes on a shared machine (preemption only adds
-time) slows no candidate more than another; while a score lies near the margin, the timing goes
-on (up to `MORE` times as many rounds).
+A constant measured on one CPU is wrong on another: a 32-row bf16 matmul ([32, 576] x [576, 1536])
+costs little more than one row on an AMX Xeon and many times more on an AVX2-only EPYC, where a
+one-row bf16 product also costs many times the fp32 one (the figures: docs/environment.md, "The
+tiled mode's route"). So before the first tiled call of a dtype the mode times the candidate routes
+on that product: the stock kernel at each tile size of `TILES`, and, for bf16 and fp16, the product
+**widened**: the exact fp32 copies of the half-precision inputs multiplied by the fp32 kernel and
+rounded back once (bf16 x bf16 products are exact in fp32; only the fp32 accumulation order, fixed
+by the tile's shape, decides the bits). Each candidate runs the tiled mode's own loop (`in_tiles`:
+padding, copies, a call per tile) on a decode row (padded to the tile) and on a prefill of
+`PREFILL_ROWS` rows, and is scored by its worse ratio to the stock kernel (one row; one call of all
+the rows). The timing is **interleaved**: each of `ROUNDS` rounds runs the stock kernel and every
+candidate once (in a rotated order), and a score is taken from each call's fastest time, so that
+load which comes and goes on a shared machine (preemption only adds time) slows no candidate more
+than another; while a score lies near the margin, the timing goes on (up to `MORE` times as many
+rounds).
 
 The rule is **hysteresis toward the order of `candidates()`** (stock before widened, larger tiles
 first): the earliest route whose score is within `NEAR` of the best wins, so a later route
 displaces an earlier one only when it is clearly faster; and the tiles lie a factor 4 apart, so
 that where a tile's cost grows with its rows the candidates' scores lie far from the margin.
-Measured on the shared 2-core AMX Xeon (20 fresh choosings, one thread): with all of 1, 2, ..., 64,
-a 1.25 margin and 7 consecutive calls a candidate, bf16 took 32 rows 13 times and 64 rows 7 times
-(scores about 2.0 and 1.6), fp32 16 rows 18 times and 32 rows twice (load 1 to 2); as here, bf16 64 and fp32 16
-all 20 times (load 4 to 7), and under the AVX2 stand-in bf16 1 and fp32 16 10 times of 10.
+A rule without them (every tile size, a narrower margin, consecutive calls) chose different
+routes on one machine from one process to the next; this one chooses the same route each time
+(the choosings counted: docs/environment.md, "The tiled mode's route").
 
 The choice changes result bits (another tile shape, another kernel), so it is made once per
 machine and kept in `$KVFID_CACHE/tiled-routes.json` (default `~/.cache/kvfid`) under
