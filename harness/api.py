@@ -80,8 +80,12 @@ def repro(model, prompt: str, *, stack: Stack | str = "sdpa/bf16",
 
 def read_state(cache, config=None, prefix: Iterable[int] = (), logits=None) -> BoundaryState:
     """A transformers cache's state, every layer and part cloned (`config`: the model's, which
-    tells an MLA layer's latent from K/V)."""
-    return BoundaryState(tuple(prefix), logits=logits, layers=read_cache(cache, config))
+    tells an MLA layer's latent from K/V). The clones are ordinary tensors, also when read inside
+    a stack's context (which runs under inference mode): a caller may change them."""
+    import torch
+
+    with torch.inference_mode(False):
+        return BoundaryState(tuple(prefix), logits=logits, layers=read_cache(cache, config))
 
 
 def compare_states(a, b, *, config=None) -> CacheDiff:

@@ -119,3 +119,21 @@ def test_a_bf16_model_in_memory_keeps_its_weights_bit_for_bit():
     copy = kvfid.load_model(mine).cast(torch.bfloat16)
     for (name, a), b in zip(mine.state_dict().items(), copy.state_dict().values()):
         assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_a_state_read_inside_a_stack_context_can_be_changed():
+    # A stack's context runs under inference mode; read_state's clones are ordinary tensors all
+    # the same (the wheel's script changes one element as its control). The control: the cache's
+    # own tensors, made inside, refuse the change.
+    from transformers import DynamicCache
+
+    model = kvfid.load_model("tiny-llama")
+    ids = torch.tensor([model.codec.prompt_ids("Hello")])
+    with kvfid.Stack.parse("native/fp32+bi@t1").activate(model) as module:
+        cache = DynamicCache(config=module.config)
+        module(input_ids=ids, **{kvfid.cache_keyword(module): cache})
+        state = kvfid.read_state(cache, module.config)
+    state.layers[1].parts["v"][0, 0, 0, 0] += 1.0
+    assert not kvfid.compare_states(cache, state, config=module.config).bit_exact
+    with pytest.raises(RuntimeError, match="[Ii]nference"):
+        cache.layers[1].values[0, 0, 0, 0] += 1.0
