@@ -45,9 +45,11 @@ def test_every_public_name_is_kept_resolved_and_documented():
 
 
 def test_the_mode_under_both_names_and_its_default_per_device():
+    from kvfid.kernels import mode as moved
     from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
     assert kvfid.set_batch_invariant_mode is set_batch_invariant_mode
+    assert moved.set_batch_invariant_mode is set_batch_invariant_mode   # its name before the rooms
     mode = kvfid.batch_invariant_mode()
     assert isinstance(mode, set_batch_invariant_mode)
     assert mode._impl == ("triton" if torch.cuda.is_available() else "tiled")
