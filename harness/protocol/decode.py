@@ -30,11 +30,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfid.errors import Unavailable
-from kvfid.states.cache import top2
+from kvfid.states.cache import check_written_once, top2
 from kvfid.kernels import KernelRefusal
 
 # cache -> the positions it covers (the length of generate's attention mask for it)
 _COVERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# caches whose first call was checked for a layer written more than once per token
+_CHECKED: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def cache_keyword(module: torch.nn.Module) -> str:
@@ -108,6 +110,12 @@ class Runner:
             torch.cuda.synchronize(logits.device)
         self.seconds += time.perf_counter() - start
         self.calls += 1
+        cache = kwargs.get(self._keyword)
+        if cache is not None and cache in _COVERED and cache not in _CHECKED:
+            # a model that writes a layer twice per token does so in its first call; refused
+            # there, as the next call's mask would not fit (transformers 5.17: a size error)
+            check_written_once(cache, _COVERED[cache])
+            _CHECKED.add(cache)
         return logits
 
     def _inputs(self, ids: torch.Tensor, cache, attention_mask, position_ids, keep) -> dict:
