@@ -14,8 +14,10 @@ all-ones attention mask where this version's `generate` keeps it (5.17; 5.18 on 
 positions (Bamba) would otherwise run every decode step at position 0. The positions a cache
 covers are counted by kvfid (`new_cache`, `resume`, `covering`), as `generate` counts them in
 its mask, never read from the cache's own counters (which a recurrent layer keeps its own way).
-It counts and times every forward call so the protocol can report its own overhead. Nothing here
-knows which attention backend or precision runs.
+After a cache's first call, a layer that took more positions than the tokens fed (a model that
+writes it twice per token) is refused (CacheOverwritten, exit 3) before the next call, whose mask
+would not fit. It counts and times every forward call so the protocol can report its own
+overhead. Nothing here knows which attention backend or precision runs.
 """
 
 from __future__ import annotations
