@@ -61,10 +61,13 @@ def run(model, ids: torch.Tensor, steps: list[int]):
     of the last position [B, V], the cache's tensors)."""
     from transformers import DynamicCache
 
+    from kvfid.protocol.decode import cache_keyword
+
     assert sum(steps) == ids.shape[1]
     cache, start, logits = DynamicCache(config=model.config), 0, None
+    keyword = cache_keyword(model)   # `cache`, or `past_key_values` before 5.2x
     for n in steps:
-        out = model(input_ids=ids[:, start:start + n], cache=cache, use_cache=True)
+        out = model(input_ids=ids[:, start:start + n], **{keyword: cache}, use_cache=True)
         logits, start = out.logits[:, -1], start + n
     return logits, {k: v.clone() for k, v in cache_tensors(cache).items()}
 

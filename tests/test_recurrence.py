@@ -15,6 +15,7 @@ from helpers import assert_close_to_ref
 import mode_models as mm
 from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 from kvfid.kernels.recurrence import faithful_recurrence, recurrent_layers
+from kvfid.protocol.decode import cache_keyword
 
 LENGTH = 8
 
@@ -49,19 +50,6 @@ def test_switch_restores_what_it_found(next_bf16):
     assert "forward" not in vars(layer)
 
 
-# Measured with transformers 5.17 (the GPU image's; `make test-compat`): tiny Qwen3-Next's stock
-# prefill already gives the decode step's recurrent and conv states, and under the mode with the
-# faithful form its logits still differ from step-by-step (the recurrent state does not): a
-# finding on that version, kept visible as strict expected failures (they fail the run if they
-# start passing) rather than skipped.
-import transformers  # noqa: E402
-
-_OLD = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 20)
-_ON_517 = pytest.mark.xfail(_OLD, strict=True, reason="transformers < 5.20: Qwen3-Next's prefill "
-                            "takes another path (measured on 5.17: logits differ, states equal)")
-
-
-@_ON_517
 def test_faithful_prefill_is_bit_exact_with_incremental_and_batch(next_bf16):
     ids = mm.prompt(LENGTH)
     with set_batch_invariant_mode(impl="rowwise"), faithful_recurrence(next_bf16):
@@ -87,15 +75,13 @@ def _padded_row_states(model, ids: torch.Tensor, pad: int) -> tuple[torch.Tensor
     mask[0, :pad] = 0
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=batch, attention_mask=mask, position_ids=positions, cache=cache,
-                use_cache=True)
+    out = model(input_ids=batch, attention_mask=mask, position_ids=positions,
+                **{cache_keyword(model): cache}, use_cache=True)
     states = {k: v[:1].clone() for k, v in mm.cache_tensors(cache).items()
               if k.endswith(("conv", "recurrent"))}
     return out.logits[:1, -1], states
 
 
-@pytest.mark.skipif(_OLD, reason="transformers < 5.20: Qwen3-Next's prefill takes another path "
-                    "(above); a padded row not measured there")
 def test_a_left_padded_row_reaches_its_first_token_from_the_zero_state(next_fp32):
     """A left-padded row's pads are masked, so its state stays zero and its first real token runs
     the decode step from zero; the first token of an empty cache runs that step too, so the
@@ -110,7 +96,6 @@ def test_a_left_padded_row_reaches_its_first_token_from_the_zero_state(next_fp32
     assert mm.differing((alone[0], states), padded) == []
 
 
-@_ON_517
 def test_chunked_scan_differs_from_the_recurrence_it_replaces(next_bf16):
     """Negative control: the stock prefill's chunked scan is another algorithm than the step."""
     ids = mm.prompt(LENGTH)
@@ -195,13 +180,14 @@ def test_a_restored_recurrent_state_keeps_the_cache_length_and_decodes_the_same_
     from kvfid.states.layers import read_cache, restore_cache
 
     ids = mm.prompt(LENGTH + 1)
+    keyword = cache_keyword(next_fp32)   # 5.17 names it `past_key_values`: `cache=` is dropped
 
     def next_logits(cache):
-        return next_fp32(input_ids=ids[:, LENGTH:], cache=cache, use_cache=True).logits
+        return next_fp32(input_ids=ids[:, LENGTH:], **{keyword: cache}, use_cache=True).logits
 
     with torch.no_grad():
         cache = DynamicCache(config=next_fp32.config)
-        next_fp32(input_ids=ids[:, :LENGTH], cache=cache, use_cache=True)
+        next_fp32(input_ids=ids[:, :LENGTH], **{keyword: cache}, use_cache=True)
         states = read_cache(cache, next_fp32.config)
         fresh, lost = DynamicCache(config=next_fp32.config), DynamicCache(config=next_fp32.config)
         restore_cache(fresh, states)

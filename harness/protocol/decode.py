@@ -14,8 +14,10 @@ all-ones attention mask where this version's `generate` keeps it (5.17; 5.18 on 
 positions (Bamba) would otherwise run every decode step at position 0. The positions a cache
 covers are counted by kvfid (`new_cache`, `resume`, `covering`), as `generate` counts them in
 its mask, never read from the cache's own counters (which a recurrent layer keeps its own way).
-It counts and times every forward call so the protocol can report its own overhead. Nothing here
-knows which attention backend or precision runs.
+After a cache's first call, a layer that took more positions than the tokens fed (a model that
+writes it twice per token) is refused (CacheOverwritten, exit 3) before the next call, whose mask
+would not fit. It counts and times every forward call so the protocol can report its own
+overhead. Nothing here knows which attention backend or precision runs.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfid.errors import Unavailable
-from kvfid.states.cache import top2
+from kvfid.states.cache import check_written_once, top2
 from kvfid.kernels import KernelRefusal
 
 # cache -> the positions it covers (the length of generate's attention mask for it)
 _COVERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# caches whose first call was checked for a layer written more than once per token
+_CHECKED: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def cache_keyword(module: torch.nn.Module) -> str:
@@ -108,6 +112,12 @@ class Runner:
             torch.cuda.synchronize(logits.device)
         self.seconds += time.perf_counter() - start
         self.calls += 1
+        cache = kwargs.get(self._keyword)
+        if cache is not None and cache in _COVERED and cache not in _CHECKED:
+            # a model that writes a layer twice per token does so in its first call; refused
+            # there, as the next call's mask would not fit (transformers 5.17: a size error)
+            check_written_once(cache, _COVERED[cache])
+            _CHECKED.add(cache)
         return logits
 
     def _inputs(self, ids: torch.Tensor, cache, attention_mask, position_ids, keep) -> dict:

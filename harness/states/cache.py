@@ -31,6 +31,23 @@ class CacheOverwritten(Unavailable):
     than once per token (a layer run twice in one forward), which kvfid does not compare (exit 3)."""
 
 
+def check_written_once(cache, fed: int) -> None:
+    """CacheOverwritten when a layer of `cache` has taken more positions than the `fed` tokens
+    (padding included): refused after the call that wrote it, before the next call, whose
+    attention mask (as generate builds it, over the positions fed) no longer fits the cache."""
+    for index, layer in enumerate(getattr(cache, "layers", ())):
+        keys = getattr(layer, "keys", None)
+        if not isinstance(keys, torch.Tensor) or not keys.numel():
+            continue
+        seen = int(getattr(layer, "cumulative_length", keys.shape[-2]))   # a window holds fewer
+        if seen > fed:
+            raise CacheOverwritten(
+                f"cache layer {index} ({type(layer).__name__}) took {seen} positions after {fed} "
+                "tokens were fed: the model writes it more than once per token (a layer run "
+                "twice in one forward); kvfid compares a layer's state per position and does "
+                "not serve that")
+
+
 @dataclass(frozen=True, init=False)
 class BoundaryState:
     """Every layer's state at the boundary prefix, plus the boundary logits [V]. Built from

@@ -2,8 +2,13 @@
 
 `trace(module, run, on_op)` runs `run()` under a TorchDispatchMode and calls
 `on_op(module path, op name, float inputs, float outputs)` for each op that computes something
-(views and allocations are skipped). Tensors are detached copies on the CPU, so the caller may
-keep or drop them as it likes. Used by `kvfid blame`.
+on floating-point data. Views and allocations are skipped, and so are ops with no float tensor
+in or out: integer and boolean bookkeeping (a mask's checks, index arithmetic) carries no bits
+blame could compare, and a model runs it by the call's shape, not its values (transformers
+5.17's recurrent mask checks an all-ones mask with `eq` and `all` in a multi-token call only),
+so recording it would report a structural difference where the computation is the same and
+shift the occurrence count that aligns float ops of the same name. Tensors are detached copies
+on the CPU, so the caller may keep or drop them as it likes. Used by `kvfid blame`.
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ class _Tracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket.__name__ not in _SKIPPED and not _is_view(func):
-            self.on_op(self.where[-1] if self.where else "", str(func.overloadpacket.__name__),
-                       _floats(tree_flatten((args, kwargs or {}))[0]), _floats(tree_flatten(out)[0]))
+            inputs = _floats(tree_flatten((args, kwargs or {}))[0])
+            outputs = _floats(tree_flatten(out)[0])
+            if inputs or outputs:   # an integer/boolean-only op computes no float bits
+                self.on_op(self.where[-1] if self.where else "", str(func.overloadpacket.__name__),
+                           inputs, outputs)
         return out
 
 
