@@ -28,6 +28,11 @@ same default cache aborted the process ("double free or corruption", torch 2.13,
 AVX-512 EPYC with tests/test_compiled.py's serving run; also at 5624d02, before the default
 layout above existed).
 
+Inductor compiles without its runtime bounds checks on indirect indexing (`INDUCTOR_OPTIONS`):
+torch 2.11's C++ backend writes one such check before the index it checks is defined, in the
+decode step of a model given generate's attention mask (transformers 5.17 passes it), and the
+graph does not compile; without the check the kernels compute what they did.
+
 A stack whose forward dynamo cannot compile whole is refused before compute: its backend says
 why (`AttentionBackend.compile_refusal`; e.g. the native kernel's host reads break the graph in
 every layer and push transformers' shared decorated frame past dynamo's recompile limit, so part
@@ -47,6 +52,12 @@ from typing import Iterator
 import torch
 
 from kvfid.errors import Unavailable
+
+# Inductor's options for every compile here: no runtime bounds check on indirect indexing. On
+# torch 2.11 its C++ backend emits that check on a vectorized index before the line defining it
+# (a CppCompileError), in the decode-step graph that indexes generate's 2-D attention mask by the
+# key position; dropping the check leaves every computed value as it was (docs/hazards.md).
+INDUCTOR_OPTIONS = {"assert_indirect_indexing": False}
 
 
 def unavailable_reason(backend, device: str) -> str | None:
@@ -71,7 +82,7 @@ def compiled_forward(module: torch.nn.Module, label: str, backend) -> Iterator[N
         raise Unavailable(f"stack {label}: {reason}")
     with capability_cache():
         torch._dynamo.reset()
-        compiled = torch.compile(module.forward, dynamic=True)
+        compiled = torch.compile(module.forward, dynamic=True, options=INDUCTOR_OPTIONS)
 
         @functools.wraps(compiled)        # its signature: the cache keyword (protocol.decode)
         def forward(*args, **kwargs):
@@ -157,7 +168,7 @@ def compiled_units(module: torch.nn.Module, on_call) -> Iterator[None]:
     handles, compiled, chosen = [], [], units(module)
     with capability_cache(), torch._dynamo.config.patch(**unit_limits(len(chosen))):
         for name, unit in chosen:
-            unit.forward = torch.compile(unit.forward, dynamic=True)
+            unit.forward = torch.compile(unit.forward, dynamic=True, options=INDUCTOR_OPTIONS)
             compiled.append(unit)
             handles.append(unit.register_forward_hook(_reporter(name, on_call), with_kwargs=True))
         try:
