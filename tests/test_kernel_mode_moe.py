@@ -218,3 +218,65 @@ def test_cumsum_prefix_does_not_depend_on_the_length(dtype):
         assert all(prefix_alone_equal(lambda v: torch.cumsum(v, -1), x, k) for k in (1, 5, 33, 63))
     control = randn(3, 64, seed=10, on="cpu")
     assert not all(prefix_alone_equal(twin_cumsum_by_total, control, k) for k in (5, 33)), "twin not caught"
+
+
+def rotary_products(x, position_ids, product):
+    """A complex rotary as transformers 5.17's Llama 4 computes it: the angles by a matmul, then
+    transposed (the position dim innermost in memory), turned complex by polar; x [1, T, H, D/2]
+    complex64 times them by `product`."""
+    inv = torch.linspace(1.0, 1e-3, x.shape[-1])[None, :, None]                # [1, D/2, 1]
+    angles = (inv @ position_ids[:, None, :].float()).transpose(1, 2)          # [1, T, D/2]
+    return product(x, torch.polar(torch.ones_like(angles), angles)[:, :, None, :])
+
+
+def positions_alone_equal(product, x) -> bool:
+    """Each position's rotary products computed in a 1-position call vs inside the whole call."""
+    positions = torch.arange(x.shape[1])[None]
+    whole = torch.view_as_real(rotary_products(x, positions, product))
+    alone = [torch.view_as_real(rotary_products(x[:, t:t + 1].clone(), positions[:, t:t + 1], product))
+             for t in range(x.shape[1])]
+    return bits_equal(torch.cat(alone, 1), whole)
+
+
+def twin_complex_product(a, b):
+    """Variant in the call's length by construction: a call of several positions rounds its
+    products once from fp64, a 1-position call computes them in fp32."""
+    if a.shape[1] == 1:
+        return a * b
+    return (a.to(torch.complex128) * b.to(torch.complex128)).to(a.dtype)
+
+
+def test_complex_products_do_not_depend_on_the_call_length():
+    """The stock CPU kernel rounds a complex product by its vector body or its strided loop, so
+    with 5.17's Llama 4 rotary tables a position's bits depended on the call (measured on an
+    AVX-512 EPYC: 900 of 950 positions); under the mode each part is real mul, sub and add."""
+    x = torch.view_as_complex(randn(1, 19, 4, 8, 2, seed=11, on="cpu"))
+    stock = rotary_products(x, torch.arange(19)[None], torch.mul)
+    with ROWWISE:
+        assert positions_alone_equal(torch.mul, x)
+        out = rotary_products(x, torch.arange(19)[None], torch.mul)
+    ref = rotary_products(x.to(torch.complex128), torch.arange(19)[None], torch.mul)
+    assert_close_to_ref(torch.view_as_real(out), torch.view_as_real(ref), torch.float32)
+    assert torch.allclose(out, stock, rtol=0, atol=1e-6)
+    assert not positions_alone_equal(twin_complex_product, x), "twin not caught"
+
+
+@pytest.mark.parametrize("operand", [0.1, 3, True, -2.5, torch.tensor(0.3), torch.tensor(3),
+                                     torch.tensor(0.3, dtype=torch.bfloat16), torch.randn(5, 7)],
+                         ids=lambda v: repr(v) if not isinstance(v, torch.Tensor) else f"{v.dtype}{list(v.shape)}")
+def test_real_products_are_the_stock_kernels(operand):
+    """`mul` is overridden for its complex products only: every real product (a Python number,
+    which a Python kernel receives unwrapped, or a 0-d tensor, on either side) has the stock
+    kernel's dtype and bits, under the mode and inside stock_ops()."""
+    import contextlib
+
+    from kvfid.kernels.invariant.mode import stock_ops
+
+    tensors = [randn(5, 7, seed=12, on="cpu"), randn(5, 7, seed=12, on="cpu").bfloat16(),
+               torch.arange(35).reshape(5, 7), torch.tensor(0.7, dtype=torch.bfloat16), torch.tensor(2)]
+    for t in tensors:
+        stock = [t * operand, operand * t]
+        for block in (contextlib.nullcontext, stock_ops):
+            with ROWWISE, block():
+                for ours, theirs in zip([t * operand, operand * t], stock):
+                    assert ours.dtype == theirs.dtype and bits_equal(ours, theirs), (t.dtype, operand)

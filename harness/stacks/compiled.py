@@ -27,6 +27,11 @@ are kept per ATen CPU capability (`capability_cache`): inductor picks its vector
 same default cache aborted the process ("double free or corruption", torch 2.13;
 docs/hazards.md, "Inductor's caches and `ATEN_CPU_CAPABILITY`").
 
+Inductor compiles without its runtime bounds checks on indirect indexing (`INDUCTOR_OPTIONS`):
+torch 2.11's C++ backend writes one such check before the index it checks is defined, in the
+decode step of a model given generate's attention mask (transformers 5.17 passes it), and the
+graph does not compile; without the check the kernels compute what they did.
+
 A stack whose forward dynamo cannot compile whole is refused before compute: its backend says
 why (`AttentionBackend.compile_refusal`; e.g. the native kernel's host reads break the graph in
 every layer and push transformers' shared decorated frame past dynamo's recompile limit, so part
@@ -46,6 +51,12 @@ from typing import Iterator
 import torch
 
 from kvfid.errors import Unavailable
+
+# Inductor's options for every compile here: no runtime bounds check on indirect indexing. On
+# torch 2.11 its C++ backend emits that check on a vectorized index before the line defining it
+# (a CppCompileError), in the decode-step graph that indexes generate's 2-D attention mask by the
+# key position; dropping the check leaves every computed value as it was (docs/hazards.md).
+INDUCTOR_OPTIONS = {"assert_indirect_indexing": False}
 
 
 def unavailable_reason(backend, device: str) -> str | None:
@@ -70,7 +81,7 @@ def compiled_forward(module: torch.nn.Module, label: str, backend) -> Iterator[N
         raise Unavailable(f"stack {label}: {reason}")
     with capability_cache():
         torch._dynamo.reset()
-        compiled = torch.compile(module.forward, dynamic=True)
+        compiled = torch.compile(module.forward, dynamic=True, options=INDUCTOR_OPTIONS)
 
         @functools.wraps(compiled)        # its signature: the cache keyword (protocol.decode)
         def forward(*args, **kwargs):
@@ -156,7 +167,7 @@ def compiled_units(module: torch.nn.Module, on_call) -> Iterator[None]:
     handles, compiled, chosen = [], [], units(module)
     with capability_cache(), torch._dynamo.config.patch(**unit_limits(len(chosen))):
         for name, unit in chosen:
-            unit.forward = torch.compile(unit.forward, dynamic=True)
+            unit.forward = torch.compile(unit.forward, dynamic=True, options=INDUCTOR_OPTIONS)
             compiled.append(unit)
             handles.append(unit.register_forward_hook(_reporter(name, on_call), with_kwargs=True))
         try:

@@ -248,7 +248,8 @@ def _install(impl: str) -> torch.library.Library:
                 # The kernel registered now (before ours) is the fallback and the "rowwise" worker.
                 original = _stock_kernel(op, key)
                 if original is not None:
-                    lib.impl(op, _unless_stock(_FACTORIES[op](impl, original), original), key,
+                    stock = _mode_ops.STOCK_CALLS.get(op, _boxed)(original)
+                    lib.impl(op, _unless_stock(_FACTORIES[op](impl, original), stock), key,
                              with_keyset=True)
     except BaseException:
         _remove(lib)
@@ -256,11 +257,16 @@ def _install(impl: str) -> torch.library.Library:
     return lib
 
 
-def _unless_stock(replacement: Callable, original) -> Callable:
-    """The replacement, except inside `stock_ops()`, where the stock kernel runs."""
+def _boxed(original) -> Callable:
+    """The stock kernel called as the dispatcher hands our kernel its arguments."""
+    return original.call_boxed
+
+
+def _unless_stock(replacement: Callable, stock: Callable) -> Callable:
+    """The replacement, except inside `stock_ops()`, where `stock` (the stock kernel) runs."""
     def kernel(keys, *args, **kwargs):
         if getattr(_local, "stock", False):
-            return original.call_boxed(keys, *args, **kwargs)
+            return stock(keys, *args, **kwargs)
         return replacement(keys, *args, **kwargs)
     return kernel
 
