@@ -247,7 +247,7 @@ def _install(impl: str) -> torch.library.Library:
             for key, op in itertools.product(DISPATCH_KEYS, OVERRIDDEN_OPS + OUT_OPS + WHERE_STOCK_OPS):
                 # The kernel registered now (before ours) is the fallback and the "rowwise" worker.
                 original = _stock_kernel(op, key)
-                if original is not None:
+                if original is not None and (key == "CPU" or op not in _mode_ops.CPU_ONLY_OPS):
                     stock = _mode_ops.STOCK_CALLS.get(op, _boxed)(original)
                     lib.impl(op, _unless_stock(_FACTORIES[op](impl, original), stock), key,
                              with_keyset=True)

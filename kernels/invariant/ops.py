@@ -58,6 +58,9 @@ MOE_OPS = ("_grouped_mm",)
 SCAN_OPS = ("convolution", "linalg_solve_triangular")
 SELECT_OPS = ("topk",)
 COMPLEX_OPS = ("mul.Tensor",)
+# Overridden on the CPU only: a CUDA complex product takes one path whatever the layout, and every
+# product of a GPU stack would otherwise pass through Python.
+CPU_ONLY_OPS = COMPLEX_OPS
 OPS = MOE_OPS + REDUCTION_OPS + SCAN_OPS + SELECT_OPS + ELEMENTWISE_OPS + COMPLEX_OPS
 # a complex dtype -> the dtype of its parts
 _PARTS = {torch.complex64: torch.float32, torch.complex128: torch.float64}
