@@ -12,15 +12,14 @@ with why, the sweep (a table and, in the HTML, a figure), the command and the en
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 
 from kvfid.engines.engine import BLOCK
-from kvfid.environment.envinfo import describe as describe_environment
 from kvfid.outputs import write_files
 from kvfid.records.engine_load import EngineLoadRecord, groups
 from kvfid.reports.document import Cell, markdown, plain_text, to_html
+from kvfid.reports.engine_report import closing
 from kvfid.reports.figures import svg_shares
 
 EXACT, DIFFERS = "bit-exact", "diverges"
@@ -167,12 +166,7 @@ def document(stored, raw_environment: bool = True) -> list:
                  ("table", ["prompt", "co-resident sent", "most held in a step", "differ", "1st step"],
                   sweep_rows(r)))]
     doc += [("p", f"Note: {n}") for n in r.notes]
-    doc += [("h2", "Measure it again"), ("pre", command(r)),
-            ("h2", "Environment"), ("pre", describe_environment(stored.environment))]
-    if raw_environment:
-        doc.append(("details", "the environment record (JSON)",
-                    ("pre", json.dumps(stored.environment, indent=1))))
-    return doc
+    return doc + closing(stored, command(r), raw_environment)
 
 
 def text(stored) -> str:

@@ -106,8 +106,14 @@ def document(stored, raw_environment: bool = True) -> list:
                       "||a-b||_F/||a||_F of the worst item over every layer's K and V; per layer "
                       "below, the worst of K and V.")]
         doc += _per_layer(r)
-    doc += [("h2", "Measure it again"), ("pre", command(r)),
-            ("h2", "Environment"), ("pre", describe_environment(stored.environment))]
+    return doc + closing(stored, command(r), raw_environment)
+
+
+def closing(stored, again: str, raw_environment: bool) -> list:
+    """The sections an engine report ends with: the command that measures it again, and the
+    environment it was measured in (its raw record too, where asked)."""
+    doc = [("h2", "Measure it again"), ("pre", again),
+           ("h2", "Environment"), ("pre", describe_environment(stored.environment))]
     if raw_environment:
         doc.append(("details", "the environment record (JSON)",
                     ("pre", json.dumps(stored.environment, indent=1))))
