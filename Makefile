@@ -54,7 +54,8 @@ install-chromium:
 # `make test` is the suite but for the two tests marked gpu_rehearsal, which rehearse the GPU
 # path at full size on CPU (`kvfid compile` of every config of the GPU default case for three
 # archs, the GPU check's dry run: about 140 s of CPU of a cold machine's 680); `make
-# test-rehearsal` runs those two, `make test-compat` the whole suite, and CI all three.
+# test-rehearsal` runs those two; `make test-compat` runs the whole suite, those two included, on
+# the GPU image's versions: CI rehearses them there.
 # A run that passes leaves no temporary folders behind (pytest's default keeps the last three
 # runs' whole trees: about 600 MB a suite, mostly SmolLM2 converted); a failed test's are kept.
 JOBS ?= 2
