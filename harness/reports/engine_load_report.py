@@ -16,10 +16,9 @@ import shlex
 from pathlib import Path
 
 from kvfid.engines.engine import BLOCK
-from kvfid.outputs import write_files
 from kvfid.records.engine_load import EngineLoadRecord, groups
-from kvfid.reports.document import Cell, markdown, plain_text, to_html
-from kvfid.reports.engine_report import closing
+from kvfid.reports.document import Cell, plain_text
+from kvfid.reports.engine_report import closing, write_files_of
 from kvfid.reports.figures import svg_shares
 
 EXACT, DIFFERS = "bit-exact", "diverges"
@@ -176,10 +175,4 @@ def text(stored) -> str:
 
 def write_report(stored, root: str | Path = "reports") -> dict[str, Path]:
     """Write report.md, report.html and engine-load.json to <root>/<environment key>/<id>/."""
-    from kvfid.records.record import to_json
-
-    folder = Path(root) / stored.environment_key / stored.id
-    doc = document(stored)
-    return write_files({"markdown": (folder / "report.md", markdown(doc)),
-                        "html": (folder / "report.html", to_html(doc)),
-                        "record": (folder / "engine-load.json", to_json(stored.record, indent=1))})
+    return write_files_of(stored, document(stored), "engine-load.json", root)

@@ -140,10 +140,15 @@ def _per_layer(record) -> list:
 
 def write_report(stored, root: str | Path = "reports") -> dict[str, Path]:
     """Write report.md, report.html and engine-check.json to <root>/<environment key>/<id>/."""
+    return write_files_of(stored, document(stored), "engine-check.json", root)
+
+
+def write_files_of(stored, doc: list, record_name: str, root: str | Path) -> dict[str, Path]:
+    """A stored engine record's report (Markdown, HTML) and its record as JSON (`record_name`)
+    under <root>/<environment key>/<id>/."""
     from kvfid.records.record import to_json
 
     folder = Path(root) / stored.environment_key / stored.id
-    doc = document(stored)
     return write_files({"markdown": (folder / "report.md", markdown(doc)),
                         "html": (folder / "report.html", to_html(doc)),
-                        "record": (folder / "engine-check.json", to_json(stored.record, indent=1))})
+                        "record": (folder / record_name, to_json(stored.record, indent=1))})

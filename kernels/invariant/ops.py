@@ -28,12 +28,10 @@ alone than inside a batch (`tests/bench/mode_families.py`):
   (functional overloads only: `out=` and in-place forms go to the stock kernel);
 * complex `mul` (a complex rotary: Llama 4's `xq_ * freqs_cis`): the stock CPU kernel's vector
   body and its strided scalar loop round (a+bi)(c+di) differently, so a product's bits depend on
-  its operands' layout. Measured on torch 2.11 and 2.13 (AVX-512): complex64 products of rotary
-  tables laid out [1, T, 8] with the position dim innermost (transformers 5.17's Llama 4 rotary:
-  a matmul, then a transpose) differed from the same products one position alone in 900 of 950
-  positions; with contiguous tables in none. The override computes the real and imaginary parts
+  its operands' layout (a transposed rotary table takes the strided loop: docs/hazards.md,
+  "Complex products round by their layout"). The override computes the real and imaginary parts
   with real element-wise mul, sub and add, each rounded once whatever the path (real operands
-  and 0-d ones included); a real product goes to the stock kernel.
+  and 0-d ones included); a real product goes to the stock kernel. CPU only (CPU_ONLY_OPS).
 
 The implementation name (`triton`, `rowwise`, ...) does not change these: each is the same
 fixed-order computation under every implementation. Each factory has the signature of those in
