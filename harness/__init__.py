@@ -43,7 +43,7 @@ elif not any(isinstance(finder, _BeforeTriton) for finder in sys.meta_path):
     sys.meta_path.insert(0, _BeforeTriton())
 
 
-# The public names, each with its one-line purpose in docs/api.md (tests/test_api.py holds both).
+# The public names, each with its one-line purpose in docs/api.md (tests/commands/test_api.py holds both).
 __all__ = ["Stack", "Model", "load_model", "repro", "ReproOutcome", "read_state",
            "compare_states", "CacheDiff", "BoundaryState", "replay", "ReplayResult",
            "batch_invariant_mode", "set_batch_invariant_mode", "faithful_recurrence",

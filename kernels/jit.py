@@ -15,7 +15,7 @@ cover); both are undone when the launch ends, so outside our launches Triton's o
 own. This computes the same: a second patch of a module changes no member that is then called (a
 patched member is no longer a Triton builtin and is skipped; the rest are set to equal closures),
 and every module of this package reaches the language through `import triton.language as tl`, as
-the launching kernel does. tests/test_kernel_jit.py checks the bits against the interpreter's own
+the launching kernel does. tests/gpu/test_kernel_jit.py checks the bits against the interpreter's own
 call path and counts the patches. An interpreter without this shape (no `rewrite` on its function
 class, no `_patch_lang`) gets `triton.jit`'s objects unchanged.
 

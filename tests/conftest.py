@@ -4,10 +4,15 @@ smoke run per session (`smoke_run`, `smoke_copy`) for every test that reads a re
 import os
 import shutil
 import sqlite3
+import sys
 from contextlib import closing
 from pathlib import Path
 
 import torch
+
+# The support modules (tests/support/: helpers, families, protocol_fixtures, ...) are imported by
+# their plain names from a test in any folder, as the test files of one folder import each other.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -121,7 +126,7 @@ def serving_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_conversion(tmp_path_factory):
     """SmolLM2 converted from its GGUF once per session, into a cache of its own even where the
-    real one holds it (the conversion is tests/test_models.py's claim), then published to the real
+    real one holds it (the conversion is tests/inputs/test_models.py's claim), then published to the real
     cache if that lacks it, so the suite's other SmolLM2 test loads it instead of converting again
     (measured cold: about 10 s each). (that cache folder, the model's state dict, whether gguf's
     one-read patch was undone after the load)."""

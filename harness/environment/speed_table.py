@@ -188,7 +188,7 @@ def matmul_row(row: Row, device, dtype, cuda: bool) -> dict:
               "stock": "torch.mm (cuBLAS)" if cuda else "torch.mm"}
     # Bits: M rows under today's config against every row at M = 1 under each bucket's config
     # and all M rows under this M's bucket (at M = 2048: the bucket test of
-    # tests/test_kernel_gpu_buckets.py, without bias).
+    # tests/gpu/test_kernel_gpu_buckets.py, without bias).
     # `bits_ok` is the contract today; `bucket_bits_ok` the finding that decides BUCKETS_SHOWN.
     whole = mm.matmul(a, w.t(), config=fixed)
 

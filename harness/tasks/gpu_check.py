@@ -80,7 +80,7 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
         # Dry run: one file's GPU tests (each skips on a CPU; collecting all of tests/ would cost
         # more than it checks). The limit leaves room for Triton's cold cache (docs/gpu.md).
         Step("gpu-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                           "tests/test_kernel_gpu_buckets.py" if dry_run else "tests"], 180),
+                           "tests/gpu/test_kernel_gpu_buckets.py" if dry_run else "tests"], 180),
         *tp_steps(cli, dry_run),
         Step("report", cli + ["report", DEFAULT_RUN, "--db", db, "--out", str(out / "reports")], 20),
     ]

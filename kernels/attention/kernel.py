@@ -271,7 +271,7 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if slots and key_start + kv_len <= config.segment:
         # Every key of the call lies in segment 0, so every query tile has one segment, and one
         # segment merged into an empty state is taken as it is: the unsplit launch's bits, in one
-        # launch and without a workspace (tests/test_kernel_attention_split.py).
+        # launch and without a workspace (tests/attention/test_kernel_attention_split.py).
         config, slots = unsplit(config), 0
     rows, v_pad = group_tile * BLOCK_M, head_dim_pad(v_dim)
     if slots:

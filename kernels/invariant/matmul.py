@@ -56,7 +56,7 @@ CONFIGS = {(arch, dtype): _FP32 if dtype == torch.float32 else _HALF
 # bucket, so a row's products are summed over the same K tiles in the same order; and BLOCK_M
 # stays a multiple of 64, so on sm_90 every bucket runs warpgroup MMAs (HGMMA), never the
 # mma.sync of a 16-row tile. Whether the MMA instruction's N (32 or 64) leaves a row's bits alone
-# is a property of the hardware that only a GPU can show: tests/test_kernel_gpu_buckets.py checks
+# is a property of the hardware that only a GPU can show: tests/gpu/test_kernel_gpu_buckets.py checks
 # every row of M = 1 against the same row inside M = 2048 for every bucket. Until that test has
 # passed on an arch, and its name is added to BUCKETS_SHOWN, `config_for` there ignores M.
 _SMALL_M_HALF = MatmulConfig(64, 32, 64, num_warps=4, num_stages=4)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "support"))
 import mode_models as mm  # noqa: E402
 
 from kvfid.kernels.invariant.mode import set_batch_invariant_mode  # noqa: E402

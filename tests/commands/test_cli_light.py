@@ -17,7 +17,7 @@ from kvfid import names
 from kvfid.cli import main, version
 from kvfid.tasks.launch import resolve_case
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "triton", "transformers", "numpy")
 
 

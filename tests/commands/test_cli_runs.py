@@ -15,7 +15,7 @@ from kvfid.cli import main
 from kvfid.ledger.store import Ledger
 from kvfid.reports.report import repro_command
 
-SMOKE = str(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
+SMOKE = str(Path(__file__).resolve().parents[2] / "cases" / "smoke.toml")
 
 
 def kvfid(*args):

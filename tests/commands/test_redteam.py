@@ -2,8 +2,8 @@
 `repro` inputs, the audit tamper matrix, reads that change no byte, bad output places.
 
 Every command here runs in-process (click's runner) under a time limit; a traceback, an
-`internal error` line or a hang fails the test. The corpora live in tests/redteam.py and
-tests/redteam_table.py counts them for the closing note.
+`internal error` line or a hang fails the test. The corpora live in tests/support/redteam.py and
+tests/support/redteam_table.py counts them for the closing note.
 """
 
 import contextlib

@@ -171,7 +171,7 @@ def test_a_bad_trajectory_line_is_refused_before_compute(tmp_path):
 
 
 def test_shipped_replay_case_counts_its_trajectories(monkeypatch):
-    monkeypatch.chdir(Path(__file__).resolve().parent.parent)   # its path is read from the root
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])   # its path is read from the root
     case = load_case("cases/replay-smollm2.toml")
     assert case.replay.constructions == ("prefill", "chunked:8") and case.items.n == 8
     assert case.design()["units"] == 2 + 4 * 8     # triton/bf16+bi on the first 2

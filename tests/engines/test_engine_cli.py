@@ -1,7 +1,7 @@
 """The engine commands without an engine: `kvfid engine-check` and `kvfid rollouts --engine vllm`
 exit 3 with the line that installs vLLM; `--server` refuses a bad URL (2) and an absent server
 (3); the in-engine comparison counts one flipped bit (its negative control). The engine itself is
-tested by tests/engine (`make test-vllm`)."""
+tested by tests/engines/with_vllm (`make test-vllm`)."""
 
 from __future__ import annotations
 

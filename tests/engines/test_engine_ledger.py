@@ -2,7 +2,7 @@
 environment key with the engine's version, reading it back (and from ledgers older than schema 3,
 which hold none), its checksum, the report through the document engine, and the commands
 (`engine-check --db/--report` on a measured result put in place of vLLM, `engine-report`).
-The measurement itself is tested in tests/engine (`make test-vllm`)."""
+The measurement itself is tested in tests/engines/with_vllm (`make test-vllm`)."""
 
 from __future__ import annotations
 

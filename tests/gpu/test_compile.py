@@ -13,7 +13,8 @@ from kvfid.cli import main
 from kvfid.environment.compile import compile_targets, instruction_mix, problems, resource_usage
 from kvfid.environment.compile_plan import ARCHS, Target, plan
 
-CONTROLS = str(Path(__file__).parent)  # where the workers import compile_controls from
+# Where the workers import compile_controls from (the support modules' folder).
+CONTROLS = str(Path(__file__).resolve().parents[1] / "support")
 
 
 def _control(function: str, arch: str = "sm_90") -> Target:

@@ -1,4 +1,4 @@
-"""Every decoder family of issue 17 (tests/families.py: tiny random weights from transformers'
+"""Every decoder family of issue 17 (tests/support/families.py: tiny random weights from transformers'
 config classes): no internal error on sdpa, eager or triton; eager with the batch-invariant mode
 bit-exact live~prefill where it is today; window and recurrent states transplanted, fingerprinted
 and compared part by part; unknown layer states refused before compute."""
@@ -12,7 +12,7 @@ from kvfid.states import surgery
 from kvfid.records import record as rec
 from kvfid.records.plain import decode
 from kvfid.states.surgery import parse_selection, perturb
-from tests.families import FAMILIES, build
+from families import FAMILIES, build
 
 B, S = 10, 3            # B crosses the windows (8 positions) of the window families
 PROMPT = "Hi there"
@@ -236,7 +236,7 @@ def test_window_states_compare_like_for_like_across_chunks_and_co_batches(folder
 def test_a_hybrid_layer_keeps_both_its_states_through_to_cache(tmp_path):
     """Falcon-H1's layers hold a state-space state and K/V at once: every part is read, put back
     (the suffix decoded from the restored state is live's own) and compared."""
-    from tests.families import build as build_extra
+    from families import build as build_extra
 
     module, live = _live(build_extra("falcon-h1", tmp_path / "falcon-h1"), steps=4)
     layer = live.state.layers[0]

@@ -1,4 +1,4 @@
-"""Issue 27's families as a test (tests/families.py NEWEST: tiny random weights from transformers'
+"""Issue 27's families as a test (tests/support/families.py NEWEST: tiny random weights from transformers'
 config classes): every layer state known or refused naming the mechanism, read by what it holds;
 on sdpa, eager+bi and native+bi no internal error; the faithful CPU stack (native+bi) bit-exact
 live~prefill, live~chunked and live~cobatched with every part compared where it serves the model, and its chunked-scan twin
@@ -11,7 +11,7 @@ import torch
 from kvfid.errors import KvfidError
 from kvfid.states import cache as kv
 from kvfid.states import surgery
-from tests.families import NEWEST_FAMILIES, build
+from families import NEWEST_FAMILIES, build
 
 B, S = 4, 1             # fp32: the CPU's fast path; B crosses no window, the prompt does
 PROMPT = "Hi there"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.families import build
+from families import build
 from kvfid.inputs import models
 from kvfid.inputs.models import load_model
 

@@ -1,14 +1,14 @@
-"""The registry walk (tests/registry_walk.py) in the suite: every causal-LM family transformers
-registers, built tiny where its config allows (tests/registry_sizes.py), one short repro on sdpa
+"""The registry walk (tests/support/registry_walk.py) in the suite: every causal-LM family transformers
+registers, built tiny where its config allows (tests/support/registry_sizes.py), one short repro on sdpa
 and native+bi in fp32 and bf16 (and on triton+bi in the interpreter for the first family of each
-set of mechanisms), and kvfid's live arm against transformers' `generate` (tests/generate_check.py)
+set of mechanisms), and kvfid's live arm against transformers' `generate` (tests/support/generate_check.py)
 on sdpa/fp32 and native/bf16+bi: the same tokens and bit-identical logits at every step for every
 built family a stack serves. It fails on any internal error (exit 70), on any live arm that is
 not generate's, and, on the transformers version the expectations were kept on, on any family
-worse than `tests/registry_walk.json` keeps it (built; on a +bi stack bit-exact, or not
+worse than `tests/support/registry_walk.json` keeps it (built; on a +bi stack bit-exact, or not
 differing; on any stack not differing functionally); an improvement passes. Run in SHARDS parts
 so that pytest's workers share it. To keep new outcomes:
-`PYTHONPATH=$PWD:$PWD/tests TRITON_INTERPRET=1 python -m tests.registry_walk --expect`.
+`PYTHONPATH=$PWD/tests/support TRITON_INTERPRET=1 python -m registry_walk --expect`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_every_registered_family_walks_without_an_internal_error_or_a_regression
     if expected["transformers"] != transformers.__version__:
         return   # outcomes kept on another version: only the internal errors are checked here
     worse = rw.regressions(rows, expected)
-    assert not worse, "worse than tests/registry_walk.json keeps:\n" + "\n".join(worse)
+    assert not worse, "worse than tests/support/registry_walk.json keeps:\n" + "\n".join(worse)
 
 
 def test_a_below_fp32_difference_is_settled_by_its_fp32_twin():

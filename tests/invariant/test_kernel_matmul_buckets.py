@@ -5,7 +5,7 @@ bucket that changed the reduction tile BLOCK_K would be caught.
 In the interpreter the products are fp32 broadcast multiplies reduced with `tl.sum` over each K
 tile, so what is shown here is the tiling's half of the argument (the same K tiles in the same
 order, whatever BLOCK_M and BLOCK_N). The GPU half, that the MMA instruction a bucket's tile
-shape selects leaves a row's bits alone, is tests/test_kernel_gpu_buckets.py's.
+shape selects leaves a row's bits alone, is tests/gpu/test_kernel_gpu_buckets.py's.
 """
 
 from __future__ import annotations

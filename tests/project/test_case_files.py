@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-CASES = sorted((Path(__file__).resolve().parent.parent / "cases").glob("*.toml"))
+CASES = sorted((Path(__file__).resolve().parents[2] / "cases").glob("*.toml"))
 
 
 @pytest.mark.parametrize("path", CASES, ids=lambda p: p.name)

@@ -12,7 +12,7 @@ import pytest
 
 from kvfid.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # Options documented as part of issue 10 while another change adds them to the CLI; once

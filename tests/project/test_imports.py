@@ -8,7 +8,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Each folder and the import name it has (setup.py's package_dir), the deeper name first.
 FOLDERS = {"kernels": "kvfid.kernels", "harness": "kvfid"}
 

@@ -19,7 +19,7 @@ import torch
 
 from kvfid import kernels
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _python(code: str, cwd: Path, **env: str) -> list[str]:

@@ -1,6 +1,6 @@
-"""One of each in the tests: one builder of tiny models (tests/families.py; tests/mode_models.py
-builds through it) and no block of the attention kernels' tests written twice (the shared checks
-live in tests/helpers.py)."""
+"""One of each in the tests: one builder of tiny models (tests/support/families.py;
+tests/support/mode_models.py builds through it) and no block of the attention kernels' tests
+written twice (the shared checks live in tests/support/helpers.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 import families
 import mode_models
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
+MODE_MODELS = TESTS / "support" / "mode_models.py"
 RUN = 6   # lines: a block this long written twice is a repeated block
 
 
@@ -42,7 +43,8 @@ def repeated_runs(a: Path, b: Path, run: int = RUN) -> list[tuple[str, ...]]:
 
 
 def test_no_block_of_the_attention_kernel_tests_is_written_twice():
-    runs = repeated_runs(TESTS / "test_kernel_attention.py", TESTS / "test_kernel_attention_native.py")
+    runs = repeated_runs(TESTS / "attention" / "test_kernel_attention.py",
+                         TESTS / "attention" / "test_kernel_attention_native.py")
     assert runs == [], runs[0]
 
 
@@ -56,7 +58,7 @@ def test_the_check_finds_a_block_copied_with_other_names(tmp_path):
 def test_mode_models_come_from_the_one_builder():
     """mode_models constructs no config or model itself: its models are families'."""
     calls = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-             for node in ast.walk(ast.parse((TESTS / "mode_models.py").read_text(encoding="utf-8")))
+             for node in ast.walk(ast.parse(MODE_MODELS.read_text(encoding="utf-8")))
              if isinstance(node, ast.Call)}
     assert not {c for c in calls if c.endswith("Config") or c in ("from_config", "from_pretrained")}
     assert "model" in calls

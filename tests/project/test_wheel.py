@@ -22,7 +22,7 @@ import wheel_script
 from kvfid.cli import main
 
 pytestmark = pytest.mark.wheel
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TORCHES = ("2.13.0", "2.15.0")
 TRANSFORMERS = "transformers==5.25.0"
 
@@ -95,7 +95,7 @@ def _install_and_run(base: Path, wheel: Path, torch_version: str):
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "TRITON_INTERPRET") and not k.startswith("PYTEST")}
     return venv, subprocess.run([str(venv / "bin" / "python"),
-                                 str(ROOT / "tests" / "wheel_script.py")],
+                                 str(ROOT / "tests" / "support" / "wheel_script.py")],
                                 cwd=away, env=env, capture_output=True, text=True, timeout=900)
 
 

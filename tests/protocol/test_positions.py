@@ -12,8 +12,8 @@ import torch
 
 from kvfid.protocol import decode
 from kvfid.states import scale
-from tests.families import build, model
-from tests.generate_check import live_against_generate
+from families import build, model
+from generate_check import live_against_generate
 
 B, S = 12, 4
 

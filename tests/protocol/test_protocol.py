@@ -186,7 +186,7 @@ FINGERPRINT_SCRIPT = """
 import json, sys
 import torch
 torch.set_num_threads(1)   # as in the test session (tests/conftest.py)
-sys.path.insert(0, 'tests')
+sys.path.insert(0, 'tests/support')
 from kvfid.stacks.stack import Stack
 from kvfid.protocol.protocol import ItemPlan, run_item
 from protocol_fixtures import PROMPT, tiny

@@ -7,7 +7,7 @@ import pytest
 from kvfid.stacks.backends import backend_names
 from kvfid.runs.case import CaseError, load_case, parse_case
 
-CASES = Path(__file__).resolve().parent.parent / "cases"
+CASES = Path(__file__).resolve().parents[2] / "cases"
 
 GOOD = """
 model = "tiny-llama"

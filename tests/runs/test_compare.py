@@ -18,7 +18,7 @@ from kvfid.ledger.store import Ledger, LedgerError
 from kvfid.runs.matrix import run_case
 from kvfid.inputs.models import load_model
 
-CASES = Path(__file__).resolve().parent.parent / "cases"
+CASES = Path(__file__).resolve().parents[2] / "cases"
 SMOKE = load_case(CASES / "smoke.toml")
 # Another case on the same model: one stack shared with smoke (sdpa/bf16), one of its own.
 OTHER = """name = "smoke-other"

@@ -19,7 +19,7 @@ from kvfid.compare.runs import UnlikeRuns, compare, render_markdown
 from kvfid.runs.case import load_case
 from kvfid.ledger.store import Ledger
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "cases" / "smoke.toml"
 BASELINE = ROOT / "reports" / "baseline-cpu.sqlite"     # the committed smollm2-cpu run
 

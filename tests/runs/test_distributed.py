@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvfid.ledger.store import Ledger
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_two_torchrun_ranks_equal_a_single_process(tmp_path, smoke_run):

@@ -20,7 +20,7 @@ from kvfid.reports.index_page import index_document
 from kvfid.ledger.store import Ledger
 from kvfid.reports.report import write_report
 
-SMOKE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
+SMOKE = load_case(Path(__file__).resolve().parents[2] / "cases" / "smoke.toml")
 
 
 def copy_run(db, source: str, new_id: str, environment: dict, tamper=None) -> str:

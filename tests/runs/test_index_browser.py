@@ -23,7 +23,7 @@ import pytest
 from kvfid.reports.document import to_html
 from kvfid.reports.index_page import index_document
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WIDTH = 1280
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]

@@ -11,7 +11,7 @@ from kvfid.ledger import store as ledger_module
 from kvfid.runs.case import load_case
 from kvfid.ledger.store import Ledger, LedgerError, fingerprints, record_rows
 
-CASE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
+CASE = load_case(Path(__file__).resolve().parents[2] / "cases" / "smoke.toml")
 ENV = {"git": {"revision": "abc", "dirty": True}, "gpus": []}
 
 

@@ -15,7 +15,7 @@ from kvfid.runs.matrix import plan_units, run_case
 from kvfid.runs.shards import Shard, parse_shard
 from kvfid.inputs.models import load_model
 
-CASES = Path(__file__).resolve().parent.parent / "cases"
+CASES = Path(__file__).resolve().parents[2] / "cases"
 SMOKE = load_case(CASES / "smoke.toml")
 
 

@@ -14,7 +14,7 @@ from kvfid.records import record as rec
 from kvfid.reports.report import aggregate, crossing_repro_command, d_rel_blocks, headline, \
     markdown, repro_command, svg_bars, svg_lines, write_report
 
-CASE = load_case(Path(__file__).resolve().parent.parent / "cases" / "smoke.toml")
+CASE = load_case(Path(__file__).resolve().parents[2] / "cases" / "smoke.toml")
 STACK = "sdpa/bf16@t1"  # smoke.toml sets threads = 1
 MARGINS = [1.0, 1.0, 0.5, 2.0, 2.0, 0.25, 3.0, 3.0]   # the live suffix's margin at each step
 

@@ -1,5 +1,5 @@
 """Mechanisms our kernels serve rather than refuse, on tiny random-weight models of the families
-that have them (tests/families.py):
+that have them (tests/support/families.py):
 
 * Llama 4's chunked (block-local) layers (`llama4`, chunks of 8). Its attention call carries no
   position ids: each query's place in its chunk and its row's padding are read from the chunked
@@ -23,14 +23,14 @@ import pytest
 import torch
 
 from helpers import assert_close_to_ref, cache_keyword
-from tests.families import WINDOW, build, model as family_model
+from families import WINDOW, build, model as family_model
 
 from kvfid.kernels import KernelRefusal, hf, hf_native
 from kvfid.kernels.hf_masks import chunk_visibility
 from kvfid.kernels.attention.reference import attention_ref, visible
 
-CHUNK = WINDOW          # tests/families.py's llama4: attention_chunk_size
-TOP_K = WINDOW          # tests/families.py's deepseek-v32: index_topk
+CHUNK = WINDOW          # tests/support/families.py's llama4: attention_chunk_size
+TOP_K = WINDOW          # tests/support/families.py's deepseek-v32: index_topk
 PAD = 3                 # row 0 of the driven batch is left-padded by this many
 SCHEDULE = (11, 3, 3) + (1,) * 8   # a prefill across a chunk edge, two chunks, decode steps
 
@@ -129,7 +129,7 @@ def _chosen(indices: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
                          ids=["fp32", "bf16", "fp16"])
 def test_each_call_sees_the_keys_its_indexer_chose_and_matches_the_reference(dtype):
     """On the native kernel (Triton's visibility kernel takes the same selections in
-    tests/test_kernel_attention_selection.py)."""
+    tests/attention/test_kernel_attention_selection.py)."""
     pads = torch.tensor([PAD, 0])
     calls = _drive("deepseek-v32", "native", dtype)
     assert len(calls) == len(SCHEDULE)

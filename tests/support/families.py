@@ -1,13 +1,13 @@
 """Tiny random-weight models of the decoder families of issue 17, built from transformers' own
 config classes (no hub): the tests' one builder of such models. `model` returns one in memory
-(tests/mode_models.py measures it at the transformers level); `build` saves it with
+(tests/support/mode_models.py measures it at the transformers level); `build` saves it with
 `save_pretrained` into a folder loadable as `hf:<folder>`.
 
 Every model is small (hidden <= 256, 2-4 layers, the byte codec's 260-token vocabulary) and
 seeded. Windows are small (8 positions) so a short run crosses them; where a family mixes local
 and global layers the layer pattern puts both kinds in few layers.
 
-    from tests.families import FAMILIES, build
+    from families import FAMILIES, build
     folder = build("gemma3", tmp_path / "gemma3")      # then load_model(f"hf:{folder}")
 """
 

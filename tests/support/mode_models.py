@@ -1,6 +1,6 @@
 """Tiny random-weight MoE and hybrid-recurrent models, and the two bitwise checks run on them.
 
-The models are tests/families.py's (the tests' one builder): Qwen3-MoE, gpt-oss, DeepSeek-V3
+The models are tests/support/families.py's (the tests' one builder): Qwen3-MoE, gpt-oss, DeepSeek-V3
 (MLA + MoE) and Qwen3-Next (Gated DeltaNet + full attention + MoE), with eager attention, so the
 batch-invariant mode reaches every matmul and softmax. Measured at the transformers level (a
 DynamicCache), not through kvfid's boundary state:

@@ -1,7 +1,7 @@
 """The red-team's checks as data: mutated case files, damaged ledgers, bad `repro` inputs and
 bad output places, and one runner that tells a clean refusal from a traceback or a hang.
 
-`tests/test_redteam.py` asserts the properties on them; `tests/redteam_table.py` counts them
+`tests/commands/test_redteam.py` asserts the properties on them; `tests/support/redteam_table.py` counts them
 (tried / clean / tracebacks / hangs) for the closing note.
 """
 
@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from kvfid.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "cases" / "smoke.toml"
 BASELINE = ROOT / "reports" / "baseline-cpu.sqlite"
 

@@ -1,5 +1,5 @@
 """The red-team's ledgers kvfid cannot write: a read-only file, a read-only folder, a disk that
-fills during a run. Shared by tests/test_redteam.py and tests/redteam_table.py.
+fills during a run. Shared by tests/commands/test_redteam.py and tests/support/redteam_table.py.
 
 Read-only is real: as root (which writes past file modes) the folder is a tmpfs mounted read-only;
 otherwise its modes are cleared. Where root cannot mount, `writable` answers as for another user

@@ -1,6 +1,6 @@
 """Count the red-team's checks: tried / clean / tracebacks / hangs / other, per check.
 
-    cd <repo> && TRITON_INTERPRET=1 python tests/redteam_table.py
+    cd <repo> && TRITON_INTERPRET=1 python tests/support/redteam_table.py
 
 Clean means: the expected exit code, one `error:` line naming what it must name, no traceback,
 no hang, no file changed that must not change, no run left unfinished, no partial output.
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
 import redteam  # noqa: E402
 import redteam_ledger  # noqa: E402

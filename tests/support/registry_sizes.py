@@ -1,5 +1,5 @@
 """The registry walk's tiny sizes: every causal-LM family of transformers' registry built small
-from its own config class (tests/registry_walk.py measures them).
+from its own config class (tests/support/registry_walk.py measures them).
 
 A family is shrunk by overriding the size fields its config has (`TINY`: hidden size, layers,
 heads, vocabulary, experts, state sizes and scan chunks, ...) in the config and in each of its

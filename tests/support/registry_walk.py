@@ -1,10 +1,10 @@
 """Every decoder family transformers registers for causal LM, built tiny where its config class
 allows, one short `repro` each on sdpa and native+bi (and on triton+bi, in the interpreter on a
 CPU, for the first family of each distinct set of layer mechanisms): bit-exact, differs, refused
-(and why), or could not be built (and why). `tests/test_registry_walk.py` runs it in the suite
-against the outcomes kept in `tests/registry_walk.json`; by hand:
+(and why), or could not be built (and why). `tests/inputs/test_registry_walk.py` runs it in the suite
+against the outcomes kept in `tests/support/registry_walk.json`; by hand:
 
-    PYTHONPATH=$PWD TRITON_INTERPRET=1 python -m tests.registry_walk [--only NAME,...] [--json OUT]
+    PYTHONPATH=$PWD/tests/support TRITON_INTERPRET=1 python -m registry_walk [--only NAME,...] [--json OUT]
 
 A family is shrunk by overriding the size fields its config has (hidden size, layers, heads,
 vocabulary, experts, state sizes and scan chunks, ...) with tiny values; a config that rejects
@@ -36,7 +36,7 @@ def registry() -> dict[str, str]:
 
 def tiny(model_type: str):
     """A seeded tiny random-weight fp32 model of `model_type` (raises if not), as a kvfid Model
-    over bytes (tests/registry_sizes.py sizes it)."""
+    over bytes (tests/support/registry_sizes.py sizes it)."""
     import transformers
 
     from kvfid.inputs.models import Model

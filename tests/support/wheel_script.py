@@ -1,4 +1,4 @@
-"""Run by tests/test_wheel.py inside a fresh venv where kvfid's wheel is installed, in a folder
+"""Run by tests/project/test_wheel.py inside a fresh venv where kvfid's wheel is installed, in a folder
 with no checkout around: the CLI's and the API's results, one JSON object on stdout.
 
 It uses what a user has: the `kvfid` command, `import kvfid`, the case files shipped inside the

@@ -4,7 +4,7 @@ state, the preempted ones included, and each preempted request's rebuilt state e
 one. The control: stock vLLM on the same plan, through the same comparison, its preempted
 requests told apart (each preemption's rebuilt state compared); whether stock differs is the
 machine's and is not asserted. The comparison's own negative controls (a flipped logprob bit, a
-changed K element are reported) are tests/test_engine_load.py's, without vLLM."""
+changed K element are reported) are tests/engines/test_engine_load.py's, without vLLM."""
 
 from __future__ import annotations
 
