@@ -102,8 +102,8 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
     return out
 
 
-# The bench's share of `make bench`'s 6 minutes on a CPU, in seconds (a fresh clone's set-up takes
-# about one more): the fidelity step gets what the kernel table and the speed benches left of it.
+# The bench's share, in seconds, of the time `make bench` aims at on a CPU (a fresh clone's set-up
+# comes on top): the fidelity step gets what the kernel table and the speed benches left of it.
 # Where this machine's model steps say the default case's items would take longer over its
 # processes, it runs fewer (whole rounds of one item per process, at least one round), every
 # check of each item unchanged: an item's cost differs several-fold between CPUs (docs/cases.md).
