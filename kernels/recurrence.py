@@ -30,8 +30,8 @@ whose layer type in the config is a recurrent-only one (`linear_attention`, `con
 attention without a convolution, e.g. a lightning attention whose prefill runs in blocks and whose
 step runs the recurrence) and whose forward takes the cache. A model without one is left as it is.
 
-Cost: a stepped layer runs one call per token of the prefill (what that costs: docs/protocol.md),
-and one more, dropped, on an empty cache's first token; everything outside
+Cost: a stepped layer runs one call per token of the prefill (docs/hazards.md, "The faithful
+recurrence's cost"), and one more, dropped, on an empty cache's first token; everything outside
 the stepped layers still runs the call at once.
 """
 

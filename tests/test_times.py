@@ -115,3 +115,22 @@ def test_the_command_prints_writes_and_refuses(tmp_path):
     assert wrote.exit_code == 0 and section(doc.read_text()) == printed.output
     missing = CliRunner().invoke(main, ["times", "--reports", str(tmp_path / "none")])
     assert missing.exit_code == 2
+
+
+def test_readme_two_commands_section_is_short_and_its_excerpt_is_from_the_report_it_names():
+    import re
+
+    from kvfid.reports.report import headline
+
+    readme = (ROOT / "README.md").read_text()
+    body = readme.split("## The two commands\n", 1)[1].split("\n## ", 1)[0].strip("\n")
+    assert len(body.splitlines()) <= 15
+    report = re.search(r"\]\((reports/[^)]+/report\.md)\)", body).group(1)
+    summary = json.loads((ROOT / report).with_name("summary.json").read_text())
+    shown = " ".join(headline(summary).split())
+    excerpt = body.split("```\n")[3].strip("\n").splitlines()
+    assert len(excerpt) >= 3
+    for line in excerpt:
+        assert " ".join(line.split()) in shown, line
+    # the control: a figure the report does not hold is told apart
+    assert " ".join(excerpt[1].replace("8/8", "7/8").split()) not in shown
