@@ -111,7 +111,7 @@ BENCH_BUDGET_S = 300.0
 # What a run's items take over what `item_seconds` gives, as the sizing assumes: units run longer
 # than their model steps (the tiled mode probes new call shapes; processes start and report).
 # Kept as a margin: a machine where the steps predict well runs fewer items only when the budget
-# is tight. The measurement behind it: docs/cli.md, `kvfid bench`.
+# is tight. The measurement behind it: docs/hazards.md, "The bench's model steps".
 RUN_OVER_STEPS = 1.4
 
 
