@@ -20,7 +20,7 @@ from kvfid.reports.benchreport import MACHINE_INFO_KEY
 
 HERE = Path(__file__).resolve().parent
 # Timing threads: one by default (on a shared 2-core machine two torch threads run many times
-# slower: docs/hazards.md, "The bench's model steps");
+# slower: docs/hazards.md, "Threads on a shared CPU");
 # KVFID_BENCH_THREADS=N measures with N.
 BENCH_THREADS = int(os.environ.get("KVFID_BENCH_THREADS", "1"))
 
