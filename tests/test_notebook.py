@@ -117,3 +117,29 @@ def test_makefile_and_ci_comments_quote_no_timing_or_revision():
     found = violations([ROOT / "Makefile", ROOT / ".ci" / "run"], shell_notes)
     assert not found, ("state the decision and the invariant; move the measurement to "
                        "docs/hazards.md or a report:\n" + "\n".join(found))
+
+
+HAZARD_POINTER = re.compile(r"hazards\.md\)?,?\s*\"([^\"]+)\"")
+
+
+def hazard_pointers(text: str) -> set[str]:
+    """The hazard titles a text points to (`docs/hazards.md, "Title"`), across wrapped comment lines."""
+    flat = re.sub(r"\s*\n\s*(?:#+\s*)?", " ", text)
+    return {" ".join(title.split()) for title in HAZARD_POINTER.findall(flat)}
+
+
+def test_every_pointer_to_a_hazard_names_one_that_exists():
+    """A comment that moved its measurement to docs/hazards.md names a bullet that holds it."""
+    hazards = (ROOT / "docs" / "hazards.md").read_text(encoding="utf-8")
+    titles = {" ".join(t.split()).rstrip(".") for t in re.findall(r"^- \*\*(.+?)\*\*", hazards, re.M)}
+    assert hazard_pointers('x (docs/hazards.md, "A full\n    # disk").') == {"A full disk"}
+    assert "A full disk" in titles and "No such hazard" not in titles   # the control
+    files = [*(ROOT / "harness").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"),
+             *(ROOT / "tests").rglob("*.py"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md",
+             ROOT / "Makefile", ROOT / ".ci" / "run"]
+    pointed = {(path.relative_to(ROOT), title) for path in files
+               if path.resolve() != Path(__file__).resolve()
+               for title in hazard_pointers(path.read_text(encoding="utf-8"))}
+    assert len(pointed) >= 10
+    missing = sorted(f"{path}: {title!r}" for path, title in pointed if title not in titles)
+    assert not missing, "no such bullet in docs/hazards.md:\n" + "\n".join(missing)
