@@ -198,11 +198,11 @@ def bench_report(bench_json, reports, threshold) -> None:
 def times(reports, dbs, write_to, fmt) -> None:
     """The timings table: every stored run, kernel table and speed bench under REPORTS (and in
     each --db ledger), each row with the file it comes from."""
-    from kvfid.reports.times import collect_times, render_times, write_section
+    from kvfid.reports.times import times as times_table
 
-    text = render_times(collect_times(reports, dbs), fmt)
-    if write_to:
-        click.echo(f"times: {write_section(write_to, text)}", err=True)
+    text, written = times_table(reports, dbs, fmt, write_to)
+    if written:
+        click.echo(f"times: {written}", err=True)
     else:
         click.echo(text, nl=False)
 

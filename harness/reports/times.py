@@ -36,7 +36,7 @@ class TimeRow:
     when: str               # UTC, minutes; `-` where the source does not say
     seconds: float | None
     figures: str            # what else the source says of its time (per unit, model step ratios)
-    source: str             # the file (relative to the reports folder) or `ledger:run id`
+    source: str             # the file (relative to the reports folder) or `ledger PATH: run ID`
 
 
 def _revision(revision: str | None, dirty: bool = False) -> str:
@@ -179,6 +179,14 @@ def write_section(path: str | Path, table: str) -> Path:
     path = Path(path)
     path.write_text(with_section(path.read_text(), table))
     return path
+
+
+def times(reports: str | Path = "reports", dbs: tuple = (), fmt: str = "md",
+          write_to: str | Path | None = None) -> tuple[str, Path | None]:
+    """`kvfid times`: the table (or its rows as JSON) over `reports` and the ledgers `dbs`, and,
+    with `write_to`, that document's generated section rewritten with it (the path written)."""
+    text = render_times(collect_times(reports, dbs), fmt)
+    return text, write_section(write_to, text) if write_to else None
 
 
 def section(document: str) -> str:
