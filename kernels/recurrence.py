@@ -17,8 +17,8 @@ cache stands for: the prefill paths start from zeros). The layer's own first-cal
 scan over one token, a padded full convolution) rounds differently from the step, and a
 left-padded row of a batch (`cobatched:N`) reaches its first real token with a state the masked
 pads left at zero, through the step: without this its first token, and so layer 0's output there,
-differed from the live one's (measured: tiny Qwen3.5, native/fp32+bi, `out_proj` at the first
-token, 4e-8). The step needs the cache's state tensors, which the layer makes itself on its first
+differed from the live one's (docs/hazards.md, "A left-padded row's first token under the
+faithful recurrence"). The step needs the cache's state tensors, which the layer makes itself on its first
 call (their shapes are the model's); so that call runs once, its output is dropped, the state
 tensors it added to the cache are zeroed, and the token runs again as a step (`_from_zero`). A
 cache that holds its states before the first call (preallocated) is left as it is.
@@ -30,8 +30,8 @@ whose layer type in the config is a recurrent-only one (`linear_attention`, `con
 attention without a convolution, e.g. a lightning attention whose prefill runs in blocks and whose
 step runs the recurrence) and whose forward takes the cache. A model without one is left as it is.
 
-Cost: a stepped layer runs one call per token of the prefill (measured on a 2-layer tiny model:
-see docs/protocol.md), and one more, dropped, on an empty cache's first token; everything outside
+Cost: a stepped layer runs one call per token of the prefill (docs/hazards.md, "The faithful
+recurrence's cost"), and one more, dropped, on an empty cache's first token; everything outside
 the stepped layers still runs the call at once.
 """
 

@@ -4,15 +4,10 @@ smoke run per session (`smoke_run`, `smoke_copy`) for every test that reads a re
 import os
 import shutil
 import sqlite3
-import sys
 from contextlib import closing
 from pathlib import Path
 
 import torch
-
-# The support modules (tests/support/: helpers, families, protocol_fixtures, ...) are imported by
-# their plain names from a test in any folder, as the test files of one folder import each other.
-sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -21,13 +16,13 @@ import pytest  # noqa: E402
 
 # One torch thread for the session (KVFID_TEST_THREADS=N for another count). The tests run tiny
 # models and small kernels, where a second OpenMP thread buys nothing and, on a 2-core machine
-# with anything else running, costs a lot (measured: tests/test_kernel_attention_native.py 51 s
-# with torch's default 2 threads, 7 s with 1). Tests that set a thread count still restore this.
+# with anything else running, costs a lot (docs/hazards.md, "The suite's shared parts"). Tests
+# that set a thread count still restore this.
 torch.set_num_threads(int(os.environ.get("KVFID_TEST_THREADS", "1")))
 # Likewise inductor compiles its C++ in the test's own process, not in a pool of one process per
 # core started beside it (read when torch._inductor.config is first imported, which `import
-# torch` does not do). Measured cold, the serving fixture alone on the AVX2-only EPYC: 92 CPU
-# seconds in-process, 107 with the pool, in the same wall time; in the suite both cores are busy.
+# torch` does not do): on two cores the pool costs more CPU than it saves, in the same wall time
+# (docs/hazards.md, "The suite's shared parts"); in the suite both cores are busy.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
@@ -55,12 +50,11 @@ def pytest_configure(config):
 
 # Session fixtures that cost seconds: every test that takes one joins its group, which
 # `pytest -n N --dist loadgroup` (`make test`) sends to one worker, so it is computed once, not
-# once per worker (measured: quick_kernels took 27 s and 33 s of set-up on the two workers).
+# once per worker.
 SHARED_FIXTURES = ("quick_kernels", "serving_run", "smollm2_conversion")
 # A test that compiles with inductor without taking serving_run joins its group by xdist's own
 # marker (`@pytest.mark.xdist_group("serving_run")`): the fixture compiles first, so on that
-# worker the later compiles find inductor's caches warm (measured cold: the serving fixture and
-# blame under compile 57 s and 64 s apart, 96 s with the rest of their two files in one process).
+# worker the later compiles find inductor's caches warm.
 
 
 @pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the groups
@@ -127,8 +121,8 @@ def serving_run(tmp_path_factory):
 def smollm2_conversion(tmp_path_factory):
     """SmolLM2 converted from its GGUF once per session, into a cache of its own even where the
     real one holds it (the conversion is tests/inputs/test_models.py's claim), then published to the real
-    cache if that lacks it, so the suite's other SmolLM2 test loads it instead of converting again
-    (measured cold: about 10 s each). (that cache folder, the model's state dict, whether gguf's
+    cache if that lacks it, so the suite's other SmolLM2 test loads it instead of converting again.
+    (that cache folder, the model's state dict, whether gguf's
     one-read patch was undone after the load)."""
     import gguf as gguf_py
     from gguf import GGUFReader

@@ -1,5 +1,5 @@
 """Commands over cases, runs and the ledger: `run`, `runs`, `show`, `audit`, `report`, `merge`,
-`compare`, `bench`, `bench-report`."""
+`compare`, `bench`, `bench-report`, `times`."""
 
 from __future__ import annotations
 
@@ -187,4 +187,25 @@ def bench_report(bench_json, reports, threshold) -> None:
     exit_with(comparison["ok"])
 
 
-COMMANDS = [run, runs, show, audit, report_command, merge, compare_command, bench, bench_report]
+@click.command()
+@reports_option
+@click.option("--db", "dbs", multiple=True, help="Also a ledger's runs (repeatable).")
+@click.option("--write", "write_to", type=click.Path(exists=True, dir_okay=False),
+              help="Rewrite the generated section of this document (docs/environment.md) instead "
+              "of printing.")
+@click.option("--format", "fmt", type=click.Choice(["md", "json"]), default="md", show_default=True,
+              help="md: the Markdown table; json: the rows.")
+def times(reports, dbs, write_to, fmt) -> None:
+    """The timings table: every stored run, kernel table and speed bench under REPORTS (and in
+    each --db ledger), each row with the file it comes from."""
+    from kvfid.reports.times import times as times_table
+
+    text, written = times_table(reports, dbs, fmt, write_to)
+    if written:
+        click.echo(f"times: {written}", err=True)
+    else:
+        click.echo(text, nl=False)
+
+
+COMMANDS = [run, runs, show, audit, report_command, merge, compare_command, bench, bench_report,
+            times]

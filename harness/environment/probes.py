@@ -2,8 +2,8 @@
 
 Whether stock torch.mm gives a row alone the bits it gets inside a batch, or SDPA gives a decode
 step the bits of the prefill, depends on the machine (instruction set, BLAS code path, threads):
-measured, stock bf16 mm at [64, 576] x [576, 1536] differed by batch on an Intel Xeon (AMX) and
-not on an AMD EPYC (AVX-512). So these are findings per machine, never test assumptions. Each
+one shape's stock bf16 mm can differ by batch on one CPU and not on another (docs/environment.md,
+"CPU numerics"). So these are findings per machine, never test assumptions. Each
 probe walks its grid in a fixed order and stops at the first witness: the shape, batch size or
 position, and the max abs difference. No witness anywhere is reported as "stock invariant here"
 (kvfid.reports.invariance_table renders them).

@@ -126,9 +126,8 @@ def _medians(data: dict) -> dict[str, dict]:
 
 
 # What identifies a processor in pytest-benchmark's `machine_info["cpu"]` (py-cpuinfo's fields):
-# one CPU model name spans generations (an AVX2-only "AMD EPYC" was family 25, model 1 on one
-# day and family 23, model 1, at 2.0 GHz against 2.45, on another: 65 of 105 kernel benches over
-# 10% slower), which one environment key does not tell apart. The clock is shown, not compared
+# one CPU model name spans generations of different speed (docs/hazards.md, "One CPU name, two
+# processors"), which one environment key does not tell apart. The clock is shown, not compared
 # (its reading moves on one host).
 PROCESSOR_FIELDS = ("brand_raw", "family", "model", "stepping")
 

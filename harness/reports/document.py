@@ -46,7 +46,7 @@ def fraction(r: dict | None, rate: bool = False) -> str:
 
 
 def seconds(x) -> str:
-    """A duration in the unit that reads best: `1.2 s`, `3.4 ms`, `56 us`, `7 ns`."""
+    """A duration in the unit that reads best (s, ms, us or ns), to three significant digits."""
     if x is None:
         return "-"
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):

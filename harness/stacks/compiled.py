@@ -35,7 +35,7 @@ graph does not compile; without the check the kernels compute what they did.
 A stack whose forward dynamo cannot compile whole is refused before compute: its backend says
 why (`AttentionBackend.compile_refusal`; e.g. the native kernel's host reads break the graph in
 every layer and push transformers' shared decorated frame past dynamo's recompile limit, so part
-of it would run eagerly: measured, see kvfid.kernels.hf.COMPILE_BREAKS). `kvfid blame` compiles units
+of it would run eagerly: kvfid.kernels.hf.COMPILE_BREAKS). `kvfid blame` compiles units
 one by one (`trace_units`); when they all agree alone, blame names the layer whose state first
 differs with the forward compiled whole.
 """

@@ -102,8 +102,8 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
     return out
 
 
-# The bench's share of `make bench`'s 6 minutes on a CPU, in seconds (a fresh clone's set-up takes
-# about one more): the fidelity step gets what the kernel table and the speed benches left of it.
+# The bench's share, in seconds, of the time `make bench` aims at on a CPU (a fresh clone's set-up
+# comes on top): the fidelity step gets what the kernel table and the speed benches left of it.
 # Where this machine's model steps say the default case's items would take longer over its
 # processes, it runs fewer (whole rounds of one item per process, at least one round), every
 # check of each item unchanged: an item's cost differs several-fold between CPUs (docs/cases.md).
@@ -111,7 +111,7 @@ BENCH_BUDGET_S = 300.0
 # What a run's items take over what `item_seconds` gives, as the sizing assumes: units run longer
 # than their model steps (the tiled mode probes new call shapes; processes start and report).
 # Kept as a margin: a machine where the steps predict well runs fewer items only when the budget
-# is tight. The measurement behind it: docs/cli.md, `kvfid bench`.
+# is tight. The measurement behind it: docs/hazards.md, "The bench's model steps".
 RUN_OVER_STEPS = 1.4
 
 

@@ -3,8 +3,8 @@ call of the previously registered (stock) kernel, probed before it is trusted.
 
 A row op (a matmul's rows, a mean over the last dim, a (log-)softmax's rows) is computed T rows
 at a time, T the tile of the dtype's route on this machine (kvfid.kernels.invariant.route: timed once per
-machine, e.g. 32 rows on an AMX Xeon, where a 32-row bf16 matmul costs about 1.2x one row, and
-fewer where it costs 30x): every call the stock kernel sees has the shape [T, K] whatever the
+machine: many rows where a many-row bf16 matmul costs little more than one row, as on an AMX
+Xeon, and fewer where it costs many times more): every call the stock kernel sees has the shape [T, K] whatever the
 number of rows M (the last tile is padded with zero rows), so nothing the kernel chooses from M
 (blocking, a split, a threading plan) can change a row's bits. A route may also widen a
 half-precision product: exact fp32 copies of the inputs through the fp32 kernel, rounded back once

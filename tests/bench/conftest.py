@@ -19,7 +19,8 @@ from kvfid.environment import envinfo
 from kvfid.reports.benchreport import MACHINE_INFO_KEY
 
 HERE = Path(__file__).resolve().parent
-# Timing threads: one by default (on a shared 2-core machine two torch threads are 10-30x slower);
+# Timing threads: one by default (on a shared 2-core machine two torch threads run many times
+# slower: docs/hazards.md, "Threads on a shared CPU");
 # KVFID_BENCH_THREADS=N measures with N.
 BENCH_THREADS = int(os.environ.get("KVFID_BENCH_THREADS", "1"))
 
@@ -39,7 +40,7 @@ def pytest_benchmark_update_machine_info(config, machine_info):
 def pytest_collection_modifyitems(config, items):
     """Without `--benchmark-only` every benchmark here is skipped at collection, before any of its
     fixtures is set up (a module fixture such as the model bench's SmolLM2 would be loaded before
-    a function-scoped skip: 11 s of `make test`). `--bench-part long`: only the benchmarks marked
+    a function-scoped skip, at the suite's cost). `--bench-part long`: only the benchmarks marked
     bench_long; `short`: all the others."""
     if not benchmarking(config):
         skip = pytest.mark.skip(reason="benchmarks run with `pytest tests/bench --benchmark-only`")

@@ -87,7 +87,7 @@ def _row_ops(dtype, rows_by_phase, hidden, matmul_out, softmax_width, log_softma
 
 
 SMOLLM2 = (9, 3, 64)
-# CPU: SmolLM2-135M shapes, small enough for the Triton interpreter (the suite takes 1-2 minutes).
+# CPU: SmolLM2-135M shapes, small enough for the Triton interpreter.
 CPU_CASES = [
     case
     for dtype in ("fp32", "bf16")
@@ -166,7 +166,8 @@ def budget(config, seconds: float) -> float:
 
 
 def schedule(fn, budget_s: float) -> tuple[int, int]:
-    """(rounds, iterations): a round lasts at least 1 ms; about `budget_s` in all, 5 rounds at least."""
+    """(rounds, iterations): a round lasts at least a millisecond; about `budget_s` in all, 5 rounds
+    at least."""
     fn()  # warm-up: Triton compiles (GPU) or builds its interpreter state, caches fill
     start = device_clock()
     fn()

@@ -43,32 +43,31 @@ FP32 = "sdpa/fp32"
 MODEL_STACKS = (BASELINE, "native/bf16+bi", TRITON, FP32)
 # Prefills first, at each length: the baseline's timed prefill (or, where it is skipped as over
 # budget, another stack's) leaves the cache the decode steps read. No untimed prefill of that
-# length: sdpa/bf16's at 2048 tokens took about 114 s on the AVX2-only EPYC (stock bf16 rows cost
-# 33x fp32 there) and its decode step would pay for it while native's timed prefill had one.
+# length: on a CPU where stock bf16 rows are slow (an AVX2-only EPYC) the baseline's long prefill
+# would dominate the decode step's time (docs/hazards.md, "The bench's model steps").
 PHASES = ("prefill", "decode")
-# In the interpreter a SmolLM2 step at 64 tokens took 2.8 s (decode) and 11 s (prefill) on the
-# machine of the first measure (1.0 s and 3.4 s on the AVX-512 EPYC at 6322510), and the
-# work grows with the keys each query tile reads: the interpreted stack runs at the headline length
-# only (on a GPU it runs compiled, at every length).
+# In the interpreter a SmolLM2 step takes seconds even at the headline length, and the work grows
+# with the keys each query tile reads: the interpreted stack runs at the headline length only (on a
+# GPU it runs compiled, at every length).
 INTERPRETED_CONTEXTS = (CONTEXT,) if kernels.interpreting() else CONTEXTS
-ONE_ROUND_FROM = 2048  # a prefill this long: one timed call, no warm-up (measured 5-80 s a call)
+ONE_ROUND_FROM = 2048  # a prefill this long: one timed call, no warm-up (seconds to a minute a call)
 # A step of seconds is timed fewer times: 3 rounds after a warm-up call of LONG_STEP_S or more, and
 # one round after a warm-up of ONE_CALL_S or more (or with no warm-up where the same stack's
-# shorter prefill, scaled linearly, says it would take that long): 512-token prefills took 7-10 s
-# a call under AVX2 bf16, where the schedule's 5 rounds and 2 untimed calls were 70 s a stack.
+# shorter prefill, scaled linearly, says it would take that long): the default schedule's 5 rounds
+# and 2 untimed calls of a step of seconds would take most of the bench's budget.
 LONG_STEP_S = 1.0
 LONG_STEP_ROUNDS = 3
 ONE_CALL_S = 5.0
 # A prefill whose time, scaled linearly from the same stack's longest shorter prefill timed in
 # this session (for the long part's first, an untimed headline-length prefill), would pass this is
-# not run (said in the skip): stock bf16 rows cost 33x more on an AVX2 EPYC. The nearest length,
-# not the shortest: from its 64-token prefill sdpa/bf16's at 2048 tokens was estimated under 90 s
-# on the AVX2 EPYC and ran 96 s; from its 512-token one, 94-103 s.
+# not run (said in the skip): stock bf16 rows are slow on an AVX2-only CPU. The nearest length,
+# not the shortest: it predicts the long prefill better (docs/hazards.md, "The bench's model
+# steps").
 LONG_CALL_BUDGET_S = 90.0
 # The longest context is the long part (`--bench-part long`, tests/bench/conftest.py): `kvfid
-# bench` times it in a second process beside the rest on a CPU of two cores or more. Measured on
-# the AVX2-only EPYC (family 25): with 512 and 2048 in the long part, 150 s against 86 s for the
-# rest; the 512-token steps cost 39 s there, of which 10 s only re-timed the headline prefills.
+# bench` times it in a second process beside the rest on a CPU of two cores or more; only the
+# longest context, so that the two parts take about as long (docs/hazards.md, "The bench's model
+# steps").
 LONG_CONTEXT = CONTEXTS[-1]
 PARAMS = [pytest.param(context, phase, label, id=f"{context}-{label}-{phase}",
                        marks=[pytest.mark.bench_long] if context == LONG_CONTEXT else [])
@@ -140,7 +139,7 @@ def _headline_prefill_s(model, stack) -> float:
     """Seconds of one headline-length prefill of the stack, its second call (the first warms
     up): what sizes the long part's first prefill of that stack, in a process that has not timed
     its headline prefill (`--bench-part long`), instead of a warm-up call of the long length
-    (measured on the AVX2-only EPYC: 25 s of warm-up before sdpa/bf16's 512-token prefill)."""
+    (which costs as much as the step it warms up)."""
     ids = _ids(CONTEXT).to(stack.device)
     with stack.activate(model) as module:
         _prefill(module, ids)
@@ -192,9 +191,8 @@ def test_bench_model(benchmark, request, smollm2, built, phase, context, label):
         step = decode if phase == "decode" else (lambda: _prefill(module, ids))
         if interpreted:
             # Seconds per call: one timed call after one warm-up, as the other stacks' steps
-            # have (measured on the AVX-512 EPYC at 6322510, one thread, a 64-token prefill:
-            # 3.66 s the first call, 3.37-3.40 s the next four; the decode steps after them
-            # 0.96-0.98 s from the first: the prefill had warmed the interpreter up).
+            # have (the first call is the slowest; later ones agree closely: docs/hazards.md,
+            # "The bench's model steps").
             step()
             rounds = 1
         elif phase == "prefill" and (context >= ONE_ROUND_FROM or estimate >= ONE_CALL_S):
@@ -204,7 +202,7 @@ def test_bench_model(benchmark, request, smollm2, built, phase, context, label):
         cpu = time.thread_time()
         result = benchmark.pedantic(step, rounds=rounds, iterations=1)  # the last call's
         # This thread's CPU seconds per call beside the wall median: on a shared machine other
-        # jobs stretch wall time (measured: 2-4x at a load of 8-12 on 2 cores), much less CPU time.
+        # jobs stretch wall time several-fold, CPU time much less.
         cpu_s = (time.thread_time() - cpu) / rounds
         logits = (result if phase == "decode" else result[1])[0, -1].float()
         routes = mode_route.routes() if stack.batch_invariant_impl == "tiled" else {}

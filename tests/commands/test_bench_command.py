@@ -13,7 +13,7 @@ def test_quick_bench_writes_kernels_report_and_index(tmp_path, monkeypatch, quic
     """The kernel step's comparison is the session's quick one (tests/test_invariance checks its
     rows); what is tested here is that bench files it, the report and the index. The smoke case
     runs in this process (`--jobs 1`): a process per core is tests/runs/test_local_shards.py's claim,
-    and two would each import torch and transformers again (about 5 s each)."""
+    and two would each import torch and transformers again."""
     from kvfid.environment import invariance
 
     def shared(**options):

@@ -1,5 +1,5 @@
-"""The shipped case files read as configuration: a comment line or two, then the keys (the
-measurements that sized them live in docs/cases.md)."""
+"""The shipped case files read as configuration: a comment line or two, then the keys (what
+each case is and its size: docs/cases.md)."""
 
 from pathlib import Path
 

@@ -28,7 +28,7 @@ BASELINE = ROOT / "reports" / "baseline-cpu.sqlite"     # the committed smollm2-
 def runs(smoke_run, tmp_path_factory):
     """One ledger: the session's smoke run (one thread), and the same case on two threads. The
     two-thread run is a process of its own with OpenMP's passive wait: in-process, its threads
-    would spin against the other test worker's core (measured: 96 s instead of seconds)."""
+    would spin against the other test worker's core."""
     folder = tmp_path_factory.mktemp("refuse")
     two = folder / "smoke-t2.toml"
     text = SMOKE.read_text()

@@ -101,8 +101,7 @@ def test_blame_under_compile_names_a_module_wherever_the_compiled_states_differ(
     """Whether the compiled stack is bit-exact is a finding per machine; where it is not, blame
     names a compiled unit as culprit or, when every unit agrees alone, the decoder layer whose
     state first differs compiled whole. On the serving fixture's one-layer model and stack, so
-    the whole forward's graphs are in inductor's cache already (measured cold on the AVX2-only
-    EPYC after the fixture: 37 s, against 64 s on the two-layer model); that every unit stays
+    the whole forward's graphs are in inductor's cache already; that every unit stays
     compiled past dynamo's recompile limit is the next test's."""
     from kvfid.diagnoses.blame_command import blame_item
 

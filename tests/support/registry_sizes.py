@@ -27,7 +27,7 @@ TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_la
             is_decoder=True,   # a BERT-like ForCausalLM is a decoder only so (else bidirectional)
             n_input_layers=1, n_output_layers=0,   # a looped model: one input layer, one looped
             # state-space and linear-attention layers: small states, short scan chunks (a chunked
-            # scan pads to its chunk: falcon_h1's 256 cost 50 s of a 154 s walk)
+            # scan pads to its chunk, and a 256-token chunk would cost most of the walk)
             mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_expand=1,
             mamba_chunk_size=8, chunk_size=8, ssm_state_size=16, state_size=16, expand=1,
             mamba_num_heads=4, mamba_head_dim=16, mamba_headdim=16, n_mamba_heads=4, n_groups=1,
