@@ -4,10 +4,15 @@ smoke run per session (`smoke_run`, `smoke_copy`) for every test that reads a re
 import os
 import shutil
 import sqlite3
+import sys
 from contextlib import closing
 from pathlib import Path
 
 import torch
+
+# The support modules (tests/support/: helpers, families, protocol_fixtures, ...) are imported by
+# their plain names from a test in any folder, as the test files of one folder import each other.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
