@@ -83,6 +83,7 @@ def test_a_request_against_alone_and_the_controls(tmp_path):
     row = compare_request(planned, _served(tmp_path, "c.pt", tokens, logprobs, changed, **seen), alone,
                           tmp_path, tmp_path / "alone")
     assert row.differs and not row.kv.exact and row.kv.first_bad_layer == 1 and row.kv.first_position == 3
+    assert row.kv.n_diff == 1 and row.kv.max_ulp > 0 and row.kv.d_rel > 0   # the CacheDiff's totals
     assert not row.resumed[0].exact            # the live state before preemption is not the rebuilt one
     # a different token at step 2: compared up to there
     row = compare_request(planned, _served(tmp_path, "l.pt", [5, 6, 9, 9], logprobs, state, **seen),

@@ -118,16 +118,17 @@ def compare_rows(a: list[BoundaryState], b: list[BoundaryState], lengths: list[i
         n = lengths[i] if lengths else min(len(x.prefix), len(y.prefix))
         cmp = compare_states(trimmed(x, n), trimmed(y, n))
         row["positions"] += n
-        row["items_exact"] += cmp["bit_exact"]
-        for key, pick in (("first_bad_layer", min), ("first_position", min)):
-            if cmp[key] is not None:
-                row[key] = cmp[key] if row[key] is None else pick(row[key], cmp[key])
-        row["n_diff"] += cmp["n_diff"]
-        row["max_abs"] = max(row["max_abs"], cmp["max_abs"])
-        row["max_ulp"] = max(row["max_ulp"], cmp["max_ulp"])
-        row["d_rel"] = max(row["d_rel"], cmp["d_rel"])
-        for layer in cmp["layers"]:
-            per_layer.setdefault(layer["layer"], []).append(max(layer["k"]["d_rel"], layer["v"]["d_rel"]))
+        row["items_exact"] += cmp.bit_exact
+        for key, found in (("first_bad_layer", cmp.first_bad_layer),
+                           ("first_position", cmp.first_position)):
+            if found is not None:
+                row[key] = found if row[key] is None else min(row[key], found)
+        row["n_diff"] += cmp.n_diff
+        row["max_abs"] = max(row["max_abs"], cmp.max_abs)
+        row["max_ulp"] = max(row["max_ulp"], cmp.max_ulp)
+        row["d_rel"] = max(row["d_rel"], cmp.d_rel)
+        for layer in cmp.layers:
+            per_layer.setdefault(layer.layer, []).append(max(layer.k.d_rel, layer.v.d_rel))
     row["d_rel_per_layer"] = [max(per_layer[i]) for i in sorted(per_layer)]
     row["d_rel_aggregation"] = ("per item over every layer's K and V concatenated, then the worst "
                                 "item; per layer: the worst of K and V, worst item")
