@@ -124,7 +124,8 @@ def stack_cell(e: dict, stack: str) -> Cell:
         return Cell("-", "none")
     c = cons[label]
     # what summary.json stored (any version of it): plain data, read into rates here
-    cache, suffix = Rate.from_plain(c.get("cache_bit_exact")), Rate.from_plain(c.get("suffix_disagree"))
+    cache = Rate.from_plain(c.get("cache_bit_exact"))
+    suffix = Rate.from_plain(c.get("suffix_disagree"))
     verdict = ("diverges" if suffix and suffix.k else
                "cache-differs" if not cache or cache.k < cache.n else "bit-exact")
     word = VERDICT_WORDS[verdict] + ("" if label == HEADLINE else f" ({label})")

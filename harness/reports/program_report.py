@@ -22,7 +22,8 @@ def _cells(program: dict[str, dict[str, LayoutAggregate]]):
             for layout, s in layouts.items()]
 
 
-def program_rows(program: dict[str, dict[str, LayoutAggregate]]) -> tuple[list[str], list[list[str]]]:
+def program_rows(program: dict[str, dict[str, LayoutAggregate]]
+                 ) -> tuple[list[str], list[list[str]]]:
     """One row per (stack, layout, arm): the headline of a program run."""
     head = ["stack", "layout", "arm vs live", "cache bit-exact", "suffix ≠ live [95% CI]",
             "first bad segment", "first bad layer", "replica floor"]
