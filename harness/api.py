@@ -29,7 +29,6 @@ from kvfid.inputs.models import load_model as _load_preset
 from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 from kvfid.kernels.recurrence import faithful_recurrence
 from kvfid.protocol.decode import cache_keyword
-from kvfid.records.plain import decode
 from kvfid.records.record import CacheDiff
 from kvfid.records.replay_record import LogprobMismatch, PickedGap, ReplayRecord
 from kvfid.stacks.stack import Stack, parse_stack
@@ -92,7 +91,7 @@ def compare_states(a, b, *, config=None) -> CacheDiff:
     """Two states over the same tokens, bit for bit, per layer and part (`a` the reference):
     transformers caches or BoundaryStates. Not bit-exact also when a part cannot be compared."""
     states = [s if isinstance(s, BoundaryState) else read_state(s, config) for s in (a, b)]
-    return decode(CacheDiff, _compare(*states))
+    return _compare(*states)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from kvfid.outputs import write_files
 from kvfid.reports.document import (Code, Figure, Heading, Paragraph, Table, interval_text,
                                       markdown, ratio, seconds, to_html)
+from kvfid.runs.summary import Rate
 
 SHOWN = 40          # rows of a long list shown in the Markdown (the JSON has them all)
 
@@ -100,7 +101,8 @@ def _stack_blocks(label: str, entry: dict) -> list:
     if entry["rates"]:
         out += [Heading("Rates with 95% Wilson intervals", 3), Table(
             ["measure", "construction", "A", "B", "change"],
-            [[r["measure"], r["construction"], interval_text(r["a"]), interval_text(r["b"]),
+            [[r["measure"], r["construction"], interval_text(Rate.from_plain(r["a"])),
+              interval_text(Rate.from_plain(r["b"])),
               _status(r["status"], "worse")] for r in entry["rates"]]),
             Figure(svg_intervals(entry["rates"]),
                    f"Rates of {label}, A above B on each line, with 95% Wilson intervals.")]
@@ -187,14 +189,14 @@ def svg_intervals(rates: list[dict]) -> str:
         parts.append(f'<text x="{left - 8}" y="{y + 9}" text-anchor="end" fill="{color}">'
                      f'{name}</text>')
         for offset, side, stroke in ((0, "a", "#1f77b4"), (10, "b", "#ff7f0e")):
-            rate = r[side]
-            lo, hi = rate["ci"]
+            rate = Rate.from_plain(r[side])
+            lo, hi = rate.ci
             yy = y + offset + 1
             parts.append(f'<line x1="{x(lo):.1f}" x2="{x(hi):.1f}" y1="{yy}" y2="{yy}" '
                          f'stroke="{stroke}" stroke-width="2"><title>{side.upper()}: '
                          f'{html.escape(interval_text(rate))}</title></line>')
-            if rate["rate"] is not None:
-                parts.append(f'<circle cx="{x(rate["rate"]):.1f}" cy="{yy}" r="3" '
+            if rate.rate is not None:
+                parts.append(f'<circle cx="{x(rate.rate):.1f}" cy="{yy}" r="3" '
                              f'fill="{stroke}"/>')
     parts.append(f'<text x="{left}" y="{top - 8}" fill="#1f77b4">A</text>'
                  f'<text x="{left + 14}" y="{top - 8}" fill="#ff7f0e">B</text>')

@@ -12,7 +12,10 @@ from __future__ import annotations
 from kvfid.records.program import ProgramRecord
 from kvfid.records.record import CrossingRecord, ItemRecord
 from kvfid.records.replay_record import ReplayRecord
+from kvfid.records.plain import as_plain
 from kvfid.runs.aggregate import rate
+from kvfid.runs.stats import PairedDifference
+from kvfid.runs.summary import CrossingAggregate, Rate, StackAggregate
 from kvfid.reports.document import interval_text, number
 from kvfid.ledger.rows import cell_label
 
@@ -45,15 +48,16 @@ def compare_stack(label: str, side_a: dict, side_b: dict, must_reproduce: bool):
     summary_a, summary_b = side_a["summary"], side_b["summary"]
     crossing = any(u.is_crossing for u in units_a.values())
     if crossing:
-        entry["rates"] = _crossing_rates(summary_a["crossing"], summary_b["crossing"])
-    elif label not in summary_a["stacks"]:    # a program run: its verdicts and fingerprints
+        entry["rates"] = _crossing_rates(summary_a.crossing, summary_b.crossing)
+    elif label not in summary_a.stacks:    # a program run: its verdicts and fingerprints
         entry["rates"] = []
     else:
-        entry["rates"] = _rate_changes(summary_a["stacks"][label], summary_b["stacks"][label])
+        entry["rates"] = _rate_changes(summary_a.stacks[label], summary_b.stacks[label])
     for r in entry["rates"]:
         if r["status"] == "worse":
             reasons.append(f"{label}: {r['measure']} of {r['construction']} worse beyond the 95% "
-                           f"intervals: {interval_text(r['a'])} in A, {interval_text(r['b'])} in B")
+                           f"intervals: {interval_text(Rate.from_plain(r['a']))} in A, "
+                           f"{interval_text(Rate.from_plain(r['b']))} in B")
     models = side_a["model"], side_b["model"]
     compare_prints = not (all(models) and models[0] != models[1])
     entry["fingerprints"] = [] if not compare_prints else _fingerprint_changes(
@@ -192,67 +196,67 @@ def _verdict_changes(units: list[tuple[str, dict, dict]]) -> list[dict]:
 
 # --------------------------------------------------------------------------- rates
 
-def rate_change(measure: str, construction: str, ra: dict | None, rb: dict | None,
+def rate_change(measure: str, construction: str, ra: Rate | None, rb: Rate | None,
                  worse: str) -> dict | None:
-    """`worse`: `higher` or `lower`; status same / within / worse / better (INTERVAL_RULE)."""
+    """`worse`: `higher` or `lower`; status same / within / worse / better (INTERVAL_RULE).
+    The comparison's row is plain data (its rates as summary.json writes them)."""
     if not ra or not rb:
         return None
-    ra, rb = rate(ra["k"], ra["n"]), rate(rb["k"], rb["n"])   # recomputed: one source of CI
-    if (ra["k"], ra["n"]) == (rb["k"], rb["n"]):
+    ra, rb = rate(ra.k, ra.n), rate(rb.k, rb.n)   # recomputed: one source of CI
+    if (ra.k, ra.n) == (rb.k, rb.n):
         status = "same"
-    elif ra["ci"][1] < rb["ci"][0]:
+    elif ra.ci[1] < rb.ci[0]:
         status = "worse" if worse == "higher" else "better"
-    elif rb["ci"][1] < ra["ci"][0]:
+    elif rb.ci[1] < ra.ci[0]:
         status = "better" if worse == "higher" else "worse"
     else:
         status = "within"
     return {"measure": measure, "construction": construction, "worse_when": worse,
-            "a": ra, "b": rb, "status": status}
+            "a": as_plain(ra), "b": as_plain(rb), "status": status}
 
 
-def _flips(paired: dict | None) -> dict | None:
+def _flips(paired: PairedDifference | None) -> Rate | None:
     """Correctness flips against live (either direction) as a count of the paired items."""
-    if not paired or not paired.get("n"):
+    if not paired or not paired.n:
         return None
-    return {"k": paired["a_right_b_wrong"] + paired["a_wrong_b_right"], "n": paired["n"]}
+    return rate(paired.a_right_b_wrong + paired.a_wrong_b_right, paired.n)
 
 
-def _rate_changes(sa: dict, sb: dict) -> list[dict]:
+def _rate_changes(sa: StackAggregate, sb: StackAggregate) -> list[dict]:
     rows = []
-    for label, ca in sa["constructions"].items():
-        cb = sb["constructions"].get(label)
+    for label, ca in sa.constructions.items():
+        cb = sb.constructions.get(label)
         if cb is None:
             continue
-        name = f"{label} vs {ca['vs']}" + (" (bridge)" if ca["kind"] == "bridge" else "")
-        rows += [rate_change("suffix differs", name, ca["suffix_disagree"],
-                              cb["suffix_disagree"], "higher"),
-                 rate_change("cache bit-exact", name, ca["cache_bit_exact"],
-                              cb["cache_bit_exact"], "lower"),
-                 rate_change("correctness flips", name, _flips(ca["correctness"]),
-                              _flips(cb["correctness"]), "higher")]
-    for arm, ra in sa["replicas"].items():
+        name = f"{label} vs {ca.vs}" + (" (bridge)" if ca.kind == "bridge" else "")
+        rows += [rate_change("suffix differs", name, ca.suffix_disagree, cb.suffix_disagree,
+                             "higher"),
+                 rate_change("cache bit-exact", name, ca.cache_bit_exact, cb.cache_bit_exact,
+                             "lower"),
+                 rate_change("correctness flips", name, _flips(ca.correctness),
+                             _flips(cb.correctness), "higher")]
+    for arm, ra in sa.replicas.items():
         rows.append(rate_change("replica floor (suffix differs)", f"{arm} twice", ra,
-                                 sb["replicas"].get(arm), "higher"))
-    for arm, ra in sa["batched_rows_identical"].items():
+                                sb.replicas.get(arm), "higher"))
+    for arm, ra in sa.batched_rows_identical.items():
         rows.append(rate_change("batched rows identical", arm, ra,
-                                 sb["batched_rows_identical"].get(arm), "lower"))
+                                sb.batched_rows_identical.get(arm), "lower"))
     return [r for r in rows if r]
 
 
-def _crossing_rates(xa: dict | None, xb: dict | None) -> list[dict]:
+def _crossing_rates(xa: CrossingAggregate | None, xb: CrossingAggregate | None) -> list[dict]:
     if not xa or not xb:
         return []
     rows = []
-    for stack, cells in xa["cells"].items():
+    for stack, cells in xa.cells.items():
         for construction, ra in cells.items():
             rows.append(rate_change("suffix equals reference live", f"{stack} {construction}",
-                                     ra, xb["cells"].get(stack, {}).get(construction), "lower"))
-        within_b = xb["within"].get(stack)
+                                    ra, xb.cells.get(stack, {}).get(construction), "lower"))
+        within_b = xb.within.get(stack)
         if within_b:
-            within = xa["within"][stack]
-            rows.append(rate_change("suffix differs", f"{within['pair']} at {stack}",
-                                     within["suffix_disagree"], within_b["suffix_disagree"],
-                                     "higher"))
+            within = xa.within[stack]
+            rows.append(rate_change("suffix differs", f"{within.pair} at {stack}",
+                                    within.suffix_disagree, within_b.suffix_disagree, "higher"))
     return [r for r in rows if r]
 
 

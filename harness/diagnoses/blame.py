@@ -30,6 +30,7 @@ import torch
 
 from kvfid.tracing import align
 from kvfid.tracing.slices import Spans, boundary as _boundary, compare as _compare, diff as _diff
+from kvfid.records.record import CacheDiff
 from kvfid.states.cache import bits_equal
 from kvfid.protocol.decode import Runner, as_batch, new_cache
 from kvfid.tracing.optrace import trace
@@ -136,15 +137,15 @@ def first_differing_position(module, prefix: list[int], prompt_length: int, agai
     when only a state without positions, recurrent or conv, differs). `side_b()`: the context
     side b is built in (an arm at another TP size)."""
     diff, logits_equal = _states_compared(module, prefix, prompt_length, against, side_b)
-    if diff["bit_exact"]:
+    if diff.bit_exact:
         return None if logits_equal else len(prefix) - 1
-    if diff["first_position"] is None:   # only a recurrent or conv state differs: it has no
+    if diff.first_position is None:   # only a recurrent or conv state differs: it has no
         return len(prefix) - 1           # positions, so P's last is the first one we can name
-    return diff["first_position"]
+    return diff.first_position
 
 
 def _states_compared(module, prefix: list[int], prompt_length: int, against: str,
-                     side_b=contextlib.nullcontext) -> tuple[dict, bool]:
+                     side_b=contextlib.nullcontext) -> tuple[CacheDiff, bool]:
     """The two sides' boundary states over all of P compared (cache.compare_states), and
     whether their last logits are bit-equal."""
     from kvfid.states import cache as kv
@@ -165,13 +166,13 @@ def whole_forward_difference(module, prefix: list[int], prompt_length: int,
     """Under a compiled stack: the decoder layer (module path) whose state first differs between
     the two sides with the forward compiled whole, and its part; None when none differs."""
     diff, _ = _states_compared(module, prefix, prompt_length, against)
-    layer, count = diff["first_bad_layer"], module.config.get_text_config().num_hidden_layers
+    layer, count = diff.first_bad_layer, module.config.get_text_config().num_hidden_layers
     if layer is None:
         return None
     stack = next((name for name, sub in module.named_modules()
                   if isinstance(sub, torch.nn.ModuleList) and len(sub) == count), "layers")
-    return {"layer": layer, "part": diff["first_bad_kv"], "module": f"{stack}.{layer}",
-            "first_position": diff["first_position"]}
+    return {"layer": layer, "part": diff.first_bad_kv, "module": f"{stack}.{layer}",
+            "first_position": diff.first_position}
 
 
 def blame(module: torch.nn.Module, prefix: list[int], prompt_length: int,

@@ -26,6 +26,7 @@ import os
 import time
 
 from kvfid.errors import BadInput, Unavailable
+from kvfid.records.plain import as_plain
 from kvfid.engines import engine as vllm_engine
 from kvfid.engines import kv as engine_kv
 from kvfid.engines.engine import EngineConfig
@@ -152,7 +153,8 @@ def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invar
         with vllm_engine.engine(folder, dtype, config(tp=tp), longest) as llm:
             sharded = measure_alone(llm, prompts, tokens, kv, sequences)
         rows += tp_rows((alone, kv_alone, pre_alone, kv_pre), sharded, prompts, tp)
-    made = [{"construction": name, **r, **({"kv": engine_kv.compare_rows(*states)} if kv else {})}
+    made = [{"construction": name, **r,
+             **({"kv": as_plain(engine_kv.compare_rows(*states))} if kv else {})}
             for name, r, states in rows]
     return {"model": model_name, "folder": folder, "dtype": dtype, "engine": f"vllm {vllm_engine.version()}",
             "prompts": len(prompts), "tokens": tokens, "chunk": chunk, "item_set": item_set,

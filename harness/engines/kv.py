@@ -19,6 +19,7 @@ import re
 
 import torch
 
+from kvfid.records.engine import EngineKV
 from kvfid.states.cache import BoundaryState, compare_states
 
 
@@ -109,26 +110,24 @@ def trimmed(state: BoundaryState, length: int) -> BoundaryState:
                          values=[v[:, :, :length] for v in state.values])
 
 
-def compare_rows(a: list[BoundaryState], b: list[BoundaryState], lengths: list[int] | None = None) -> dict:
+def compare_rows(a: list[BoundaryState], b: list[BoundaryState],
+                 lengths: list[int] | None = None) -> EngineKV:
     """One KV row: pairs of engine states compared over their common positions (or `lengths`)."""
+    lengths = lengths or [min(len(x.prefix), len(y.prefix)) for x, y in zip(a, b)]
+    diffs = [compare_states(trimmed(x, n), trimmed(y, n)) for x, y, n in zip(a, b, lengths)]
     per_layer: dict[int, list[float]] = {}
-    row = {"items": len(a), "items_exact": 0, "first_bad_layer": None, "first_position": None,
-           "n_diff": 0, "max_abs": 0.0, "max_ulp": 0, "d_rel": 0.0, "positions": 0}
-    for i, (x, y) in enumerate(zip(a, b)):
-        n = lengths[i] if lengths else min(len(x.prefix), len(y.prefix))
-        cmp = compare_states(trimmed(x, n), trimmed(y, n))
-        row["positions"] += n
-        row["items_exact"] += cmp["bit_exact"]
-        for key, pick in (("first_bad_layer", min), ("first_position", min)):
-            if cmp[key] is not None:
-                row[key] = cmp[key] if row[key] is None else pick(row[key], cmp[key])
-        row["n_diff"] += cmp["n_diff"]
-        row["max_abs"] = max(row["max_abs"], cmp["max_abs"])
-        row["max_ulp"] = max(row["max_ulp"], cmp["max_ulp"])
-        row["d_rel"] = max(row["d_rel"], cmp["d_rel"])
-        for layer in cmp["layers"]:
-            per_layer.setdefault(layer["layer"], []).append(max(layer["k"]["d_rel"], layer["v"]["d_rel"]))
-    row["d_rel_per_layer"] = [max(per_layer[i]) for i in sorted(per_layer)]
-    row["d_rel_aggregation"] = ("per item over every layer's K and V concatenated, then the worst "
-                                "item; per layer: the worst of K and V, worst item")
-    return row
+    for diff in diffs:
+        for layer in diff.layers:
+            per_layer.setdefault(layer.layer, []).append(max(layer.k.d_rel, layer.v.d_rel))
+    return EngineKV(
+        items=len(a), items_exact=sum(d.bit_exact for d in diffs),
+        first_bad_layer=min((d.first_bad_layer for d in diffs if d.first_bad_layer is not None),
+                            default=None),
+        first_position=min((d.first_position for d in diffs if d.first_position is not None),
+                           default=None),
+        n_diff=sum(d.n_diff for d in diffs), max_abs=max((d.max_abs for d in diffs), default=0.0),
+        max_ulp=max((d.max_ulp for d in diffs), default=0),
+        d_rel=max((d.d_rel for d in diffs), default=0.0), positions=sum(lengths[:len(diffs)]),
+        d_rel_per_layer=tuple(max(per_layer[i]) for i in sorted(per_layer)),
+        d_rel_aggregation="per item over every layer's K and V concatenated, then the worst "
+                          "item; per layer: the worst of K and V, worst item")

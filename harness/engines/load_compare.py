@@ -57,9 +57,7 @@ def state_diff(a, b, positions: int) -> StateDiff:
     from kvfid.engines.kv import trimmed
     from kvfid.states.cache import compare_states
 
-    cmp = compare_states(trimmed(a, positions), trimmed(b, positions))
-    return StateDiff(positions, bool(cmp["bit_exact"]), cmp["first_bad_layer"], cmp["first_position"],
-                     int(cmp["n_diff"]), int(cmp["max_ulp"]), float(cmp["d_rel"]))
+    return StateDiff.of(compare_states(trimmed(a, positions), trimmed(b, positions)), positions)
 
 
 def compare_request(planned, load: Served, alone: Served, load_folder: Path,

@@ -19,7 +19,6 @@ from kvfid.states import cache as kv
 from kvfid.protocol import cobatch, engine_arms
 from kvfid.states import scale, surgery
 from kvfid.records import record as rec
-from kvfid.records.plain import decode
 from kvfid.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
                                    TransplantSpec, parse_construction, parse_transplant)
 from kvfid.states.cache import top2
@@ -151,11 +150,11 @@ def compare_arms(a: Arm, b: Arm, kind: str) -> rec.Comparison:
                                  b.suffix.margins)
     same = a.state.prefix == b.state.prefix
     if not same:
-        return rec.Comparison(a.label, b.label, kind, decode(rec.SuffixDiff, suffix), same)
-    cache = decode(rec.CacheDiff, kv.compare_states(a.state, b.state))
-    logits = decode(rec.LogitsDiff, kv.compare_logits(a.state.logits, b.state.logits))
-    return rec.Comparison(a.label, b.label, kind, decode(rec.SuffixDiff, suffix), same, cache,
-                          logits, scale.difference(cache, logits, scale.state_dtype(a.state)))
+        return rec.Comparison(a.label, b.label, kind, suffix, same)
+    cache = kv.compare_states(a.state, b.state)
+    logits = kv.compare_logits(a.state.logits, b.state.logits)
+    return rec.Comparison(a.label, b.label, kind, suffix, same, cache, logits,
+                          scale.difference(cache, logits, scale.state_dtype(a.state)))
 
 
 def run_transplant(module, spec: TransplantSpec, arms: dict[str, Arm], prompt_length: int,

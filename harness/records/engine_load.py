@@ -17,12 +17,14 @@ import typing
 from dataclasses import dataclass
 
 from kvfid.records.plain import decode
-from kvfid.records.record import KINDS, to_json
+from kvfid.records.record import KINDS, CacheDiff, to_json
 
 
 @dataclass(frozen=True)
 class StateDiff:
-    """Two engine states of one request compared bitwise over their common positions."""
+    """Two engine states of one request compared bitwise over their common positions: the
+    CacheDiff's verdict and totals with the positions compared, without the per-layer detail
+    (a load run holds one per request and preemption)."""
 
     positions: int
     exact: bool
@@ -31,6 +33,12 @@ class StateDiff:
     n_diff: int = 0
     max_ulp: int = 0
     d_rel: float = 0.0
+
+    @classmethod
+    def of(cls, diff: CacheDiff, positions: int) -> StateDiff:
+        """The totals of `diff` (kvfid.states.cache.compare_states) over `positions`."""
+        return cls(positions, diff.bit_exact, diff.first_bad_layer, diff.first_position,
+                   diff.n_diff, diff.max_ulp, diff.d_rel)
 
 
 @dataclass(frozen=True)

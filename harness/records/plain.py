@@ -2,7 +2,8 @@
 
 A field may be a scalar, a dataclass, `X | None`, `tuple[X, ...]`, `dict[str, X]` or a free-form
 `dict`; JSON lists come back as tuples, ints as floats where the hint says float. Unknown fields
-are refused (ValueError), so data of another shape is never read as if it fitted.
+are refused (ValueError), so data of another shape is never read as if it fitted; a field an
+earlier version wrote and this one dropped is named in the class's `RETIRED` and skipped.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def decode(kind, value):
     if origin is dict:
         return {k: decode(args[1], v) for k, v in value.items()}
     if dataclasses.is_dataclass(kind):
-        hints = _hints(kind)
-        unknown = set(value) - set(hints)
+        hints, retired = _hints(kind), getattr(kind, "RETIRED", frozenset())
+        unknown = set(value) - set(hints) - retired
         if unknown:
             raise ValueError(f"{kind.__name__} has no field(s) {', '.join(sorted(unknown))}")
-        return kind(**{name: decode(hints[name], v) for name, v in value.items()})
+        return kind(**{name: decode(hints[name], v) for name, v in value.items()
+                       if name not in retired})
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value

@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Union
 
+from kvfid.runs.summary import Rate
+
 
 # --------------------------------------------------------------------------- formatters
 
@@ -29,20 +31,18 @@ def percent(x) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def interval_text(r: dict | None) -> str:
+def interval_text(r: Rate | None) -> str:
     """A rate with its 95% interval: `k/n (rate) [lo, hi]` (`-` when there is none)."""
     if not r:
         return "-"
-    return (f"{r['k']}/{r['n']} ({percent(r['rate'])}) "
-            f"[{percent(r['ci'][0])}, {percent(r['ci'][1])}]")
+    return f"{r.k}/{r.n} ({percent(r.rate)}) [{percent(r.ci[0])}, {percent(r.ci[1])}]"
 
 
-def fraction(r: dict | None, rate: bool = False) -> str:
+def fraction(r: Rate | None, rate: bool = False) -> str:
     """`k/n` of a count, with its rate in parentheses when `rate`."""
     if not r:
         return "-"
-    text = f"{r['k']}/{r['n']}"
-    return text + (f" ({percent(r['rate'])})" if rate and r.get("rate") is not None else "")
+    return f"{r.k}/{r.n}" + (f" ({percent(r.rate)})" if rate and r.rate is not None else "")
 
 
 def seconds(x) -> str:

@@ -145,7 +145,8 @@ def newest(entries: list[dict]) -> list[dict]:
             with Ledger(entry["ledger"], readonly=True) as ledger:
                 run = ledger.run(entry["run"])
                 try:
-                    entry["stacks"] = grid_stacks(aggregate(ledger.units(run.id), run.design))
+                    entry["stacks"] = grid_stacks(aggregate(ledger.units(run.id),
+                                                            run.design).to_plain())
                 except (KeyError, TypeError, ValueError) as err:   # an older record format
                     entry["stacks"] = {}
                     entry["status"] = f"{entry['status']} (not aggregated: {err!r})"

@@ -18,6 +18,7 @@ import re
 
 from kvfid.environment import envinfo
 from kvfid.reports.document import Cell, Heading, Link, Paragraph, Table, fraction, interval_text
+from kvfid.runs.summary import Rate
 
 HEADLINE = "prefill"    # the construction a cell shows (else the stack's first one)
 ACROSS = 6              # at most this many stacks across before the grid turns
@@ -122,9 +123,11 @@ def stack_cell(e: dict, stack: str) -> Cell:
     if label is None:
         return Cell("-", "none")
     c = cons[label]
-    cache, suffix = c.get("cache_bit_exact"), c.get("suffix_disagree")
-    verdict = ("diverges" if suffix and suffix["k"] else
-               "cache-differs" if not cache or cache["k"] < cache["n"] else "bit-exact")
+    # what summary.json stored (any version of it): plain data, read into rates here
+    cache = Rate.from_plain(c.get("cache_bit_exact"))
+    suffix = Rate.from_plain(c.get("suffix_disagree"))
+    verdict = ("diverges" if suffix and suffix.k else
+               "cache-differs" if not cache or cache.k < cache.n else "bit-exact")
     word = VERDICT_WORDS[verdict] + ("" if label == HEADLINE else f" ({label})")
     numbers = f": cache {fraction(cache)} bit-exact, suffix ≠ live {interval_text(suffix)}"
     return Cell([report_link(e, word) if e["report"] else word, numbers], verdict)

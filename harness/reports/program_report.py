@@ -7,39 +7,39 @@ from __future__ import annotations
 
 import shlex
 
-from kvfid.records.plain import decode
-from kvfid.records.program import Segment, picture
+from kvfid.records.program import picture
 from kvfid.reports.document import interval_text
+from kvfid.runs.summary import LayoutAggregate
 
 
 def _counted(counts: dict) -> str:
     return ", ".join(f"{name}: {n}" for name, n in counts.items()) or "-"
 
 
-def _cells(program: dict):
+def _cells(program: dict[str, dict[str, LayoutAggregate]]):
     """(stack, layout, its aggregate) in the summary's order."""
     return [(stack, layout, s) for stack, layouts in program.items()
             for layout, s in layouts.items()]
 
 
-def program_rows(program: dict) -> tuple[list[str], list[list[str]]]:
+def program_rows(program: dict[str, dict[str, LayoutAggregate]]
+                 ) -> tuple[list[str], list[list[str]]]:
     """One row per (stack, layout, arm): the headline of a program run."""
     head = ["stack", "layout", "arm vs live", "cache bit-exact", "suffix ≠ live [95% CI]",
             "first bad segment", "first bad layer", "replica floor"]
     rows = []
     for stack, layout, s in _cells(program):
-        for arm, a in s["arms"].items():
-            floor = s["replicas"].get(arm)
-            rows.append([stack, layout, arm,
-                         f"{a['cache_bit_exact']['k']}/{a['cache_bit_exact']['n']}",
-                         interval_text(a["suffix_disagree"]), _counted(a["first_bad_segment"]),
-                         _counted(a["first_bad_layer"]),
-                         "-" if not floor else f"cache {floor['cache_bit_exact']['k']}/"
-                                               f"{floor['cache_bit_exact']['n']} bit-exact"])
+        for arm, a in s.arms.items():
+            floor = s.replicas.get(arm)
+            rows.append([stack, layout, arm, f"{a.cache_bit_exact.k}/{a.cache_bit_exact.n}",
+                         interval_text(a.suffix_disagree), _counted(a.first_bad_segment),
+                         _counted(a.first_bad_layer),
+                         "-" if not floor else f"cache {floor.cache_bit_exact.k}/"
+                                               f"{floor.cache_bit_exact.n} bit-exact"])
     return head, rows
 
 
-def program_blocks(program: dict, case) -> list[tuple]:
+def program_blocks(program: dict[str, dict[str, LayoutAggregate]], case) -> list[tuple]:
     """The Stage program section as document blocks."""
     blocks = [("h2", "Stage program"),
               ("p", f"{case.program.label}: every arm compared with live at the merge boundary "
@@ -47,24 +47,23 @@ def program_blocks(program: dict, case) -> list[tuple]:
                     "# the stages its queries see.")]
     pictures = {}
     for _, layout, s in _cells(program):
-        pictures.setdefault(layout, [s["program"], *picture([decode(Segment, x)
-                                                             for x in s["segments"]])])
+        pictures.setdefault(layout, [s.program, *picture(s.segments)])
     blocks += [("pre", "\n".join(lines)) for lines in pictures.values()]
     blocks.append(("table", *program_rows(program)))
-    replicas = [[stack, layout, arm, f"{r['cache_bit_exact']['k']}/{r['cache_bit_exact']['n']}",
-                 f"{r['suffix_identical']}/{r['cache_bit_exact']['n']}"]
-                for stack, layout, s in _cells(program) for arm, r in s["replicas"].items()]
+    replicas = [[stack, layout, arm, f"{r.cache_bit_exact.k}/{r.cache_bit_exact.n}",
+                 f"{r.suffix_identical}/{r.cache_bit_exact.n}"]
+                for stack, layout, s in _cells(program) for arm, r in s.replicas.items()]
     if replicas:
         blocks += [("h3", "Replicas"), ("table", ["stack", "layout", "arm", "cache bit-exact",
                                                   "suffix identical"], replicas)]
     moved = [[stack, layout, label, _counted(outcomes)] for stack, layout, s in _cells(program)
-             for label, outcomes in s["transplants"].items()]
+             for label, outcomes in s.transplants.items()]
     if moved:
         blocks += [("h3", "Transplants at the merge boundary"),
                    ("table", ["stack", "layout", "transplant", "outcomes (items)"], moved)]
-    differ = [[stack, layout, arm, _counted(a["segments_differ"])]
-              for stack, layout, s in _cells(program) for arm, a in s["arms"].items()
-              if a["segments_differ"]]
+    differ = [[stack, layout, arm, _counted(a.segments_differ)]
+              for stack, layout, s in _cells(program) for arm, a in s.arms.items()
+              if a.segments_differ]
     if differ:
         blocks += [("h3", "Segments whose keys or values differ from live"),
                    ("table", ["stack", "layout", "arm", "segment (items)"], differ)]

@@ -21,44 +21,46 @@ from kvfid.reports.program_report import program_blocks, program_command, progra
 from kvfid.reports.replay_report import replay_blocks, replay_command, replay_rows
 from kvfid.reports.document import (interval_text, markdown, number, percent,  # noqa: F401
                                       text_table, to_html)
+from kvfid.runs.summary import (ConstructionAggregate, CrossingAggregate, RunSummary, Spread,
+                                StackAggregate)
 
 
-def headline_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+def headline_rows(summary: RunSummary) -> tuple[list[str], list[list[str]]]:
     """The headline table: one row per (stack, construction) compared with live."""
     head = ["stack", "construction", "ok/short", "suffix ≠ live [95% CI]", "replica floor",
             "cache bit-exact", "accuracy live → arm", "McNemar p"]
     rows = []
-    for stack, s in summary["stacks"].items():
-        for label, c in s["constructions"].items():
-            paired = c["correctness"]
-            accuracy = "-" if not paired else (f"{percent(paired['accuracy_a'])} → "
-                                               f"{percent(paired['accuracy_b'])}")
-            floor = c["replica_floor"]
-            rows.append([stack, label + (" (bridge)" if c["kind"] == "bridge" else ""),
-                         f"{s['ok']}/{len(s['short'])}", interval_text(c["suffix_disagree"]),
-                         "-" if not floor else f"{floor['k']}/{floor['n']}",
-                         f"{c['cache_bit_exact']['k']}/{c['cache_bit_exact']['n']}", accuracy,
-                         "-" if not paired else number(paired["mcnemar_p"])])
+    for stack, s in summary.stacks.items():
+        for label, c in s.constructions.items():
+            paired = c.correctness
+            accuracy = "-" if not paired else (f"{percent(paired.accuracy_a)} → "
+                                               f"{percent(paired.accuracy_b)}")
+            floor = c.replica_floor
+            rows.append([stack, label + (" (bridge)" if c.kind == "bridge" else ""),
+                         f"{s.ok}/{len(s.short)}", interval_text(c.suffix_disagree),
+                         "-" if not floor else f"{floor.k}/{floor.n}",
+                         f"{c.cache_bit_exact.k}/{c.cache_bit_exact.n}", accuracy,
+                         "-" if not paired else number(paired.mcnemar_p)])
     return head, rows
 
 
-def headline(summary: dict) -> str:
+def headline(summary: RunSummary) -> str:
     """The headline table, the crossing's 2x2 under it when the run has one, and the replay's
     rows when it replayed trajectories."""
-    text = text_table(*headline_rows(summary)) if summary["stacks"] else ""
-    if summary.get("replay"):
+    text = text_table(*headline_rows(summary)) if summary.stacks else ""
+    if summary.replay:
         text += ("\n\n" if text else "") + ("replayed trajectories against step-by-step "
-                                             "generation\n" + text_table(*replay_rows(summary["replay"])))
-    if summary.get("program"):
+                                             "generation\n" + text_table(*replay_rows(summary.replay)))
+    if summary.program:
         text += ("\n\n" if text else "") + ("stage program, arms against live at the merge "
-                                             "boundary\n" + text_table(*program_rows(summary["program"])))
-    x = summary["crossing"]
-    if x and x["cells"]:
-        constructions = list(next(iter(x["cells"].values())))
+                                             "boundary\n" + text_table(*program_rows(summary.program)))
+    x = summary.crossing
+    if x and x.cells:
+        constructions = list(next(iter(x.cells.values())))
         rows = [[stack] + [interval_text(cells.get(c)) for c in constructions]
-                for stack, cells in x["cells"].items()]
-        text += (f"\n\nprecision crossing, P frozen from {x['reference']} live "
-                 f"({x['ok']} items; cells: suffix equals the reference live suffix)\n"
+                for stack, cells in x.cells.items()]
+        text += (f"\n\nprecision crossing, P frozen from {x.reference} live "
+                 f"({x.ok} items; cells: suffix equals the reference live suffix)\n"
                  + text_table(["precision"] + constructions, rows))
     return text
 
@@ -113,7 +115,7 @@ def _table(head, rows) -> tuple:
     return ("table", [str(h) for h in head], [[str(c) for c in r] for r in rows])
 
 
-def document(run, case, summary: dict, units, raw_environment: bool = True) -> list[tuple]:
+def document(run, case, summary: RunSummary, units, raw_environment: bool = True) -> list[tuple]:
     """The report as blocks: (h1|h2|h3|p|pre, text), (table, head, rows), (figure, svg, caption),
     (details, title, block): a block the HTML folds away.
     `raw_environment` adds the environment record as JSON after its description."""
@@ -133,19 +135,19 @@ def document(run, case, summary: dict, units, raw_environment: bool = True) -> l
                ["started / finished", f"{run.started} / {run.finished or '-'}"],
                ["environment", run.environment_key],
                ["git revision", run.git_revision or "none"]])]
-    if summary.get("program"):
-        doc += program_blocks(summary["program"], case)
+    if summary.program:
+        doc += program_blocks(summary.program, case)
     elif not case.replay:
         doc += [("h2", "Headline"), _table(*headline_rows(summary)),
                 ("p", "Rates count items whose boundary state exists (short items, where EOS "
                       "came within the B live tokens, are counted apart). Intervals are 95% "
                       "Wilson; the replica floor is the same construction run twice.")]
-    for label, s in summary["stacks"].items():
+    for label, s in summary.stacks.items():
         doc += _stack_blocks(label, s, case, units, prompts)
-    if summary["crossing"]:
-        doc += _crossing_blocks(summary["crossing"], case)
-    if summary.get("replay"):
-        doc += replay_blocks(summary["replay"], case, summary.get("replay_engine"))
+    if summary.crossing:
+        doc += _crossing_blocks(summary.crossing, case)
+    if summary.replay:
+        doc += replay_blocks(summary.replay, case, summary.replay_engine)
     doc += [("h2", "Environment"), ("pre", describe_environment(run.environment))]
     if raw_environment:
         doc.append(("details", "the environment record (JSON)",
@@ -160,20 +162,20 @@ def _kinds_text(kinds: dict | None) -> str:
     return " / ".join(str(kinds.get(k, 0)) for k in ("rounding", "functional", "unsettled"))
 
 
-def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple]:
-    cons = s["constructions"]
-    short = f"; short: {', '.join(s['short'])}" if s["short"] else ""
-    out = [("h2", f"Stack {label}"), ("p", f"{s['items']} item(s), {s['ok']} with a boundary "
-                                            f"state{short}. B={s['B']}, S={s['S']}.")]
+def _stack_blocks(label: str, s: StackAggregate, case, units, prompts: dict) -> list[tuple]:
+    cons = s.constructions
+    short = f"; short: {', '.join(s.short)}" if s.short else ""
+    out = [("h2", f"Stack {label}"), ("p", f"{s.items} item(s), {s.ok} with a boundary "
+                                            f"state{short}. B={s.B}, S={s.S}.")]
     out += [("h3", "Suffix and cache against live"), _table(
         ["construction", "suffix ≠ live [95% CI]", "replica floor (arm)", "replica floor (live)",
          "cache bit-exact", "logits bit-exact", "boundary argmax differs", "median d_rel",
          "differs by rounding / functionally / unsettled"],
-        [[c, interval_text(x["suffix_disagree"]), interval_text(x["replica_floor"]),
-          interval_text(x["live_replica_floor"]), interval_text(x["cache_bit_exact"]),
-          f"{x['logits_bit_exact']}/{x['cache_comparable']}", x["boundary_argmax_differs"],
-          number(x["d_rel_median"]), _kinds_text(x.get("differences"))] for c, x in cons.items()])]
-    functional = [c for c, x in cons.items() if (x.get("differences") or {}).get("functional")]
+        [[c, interval_text(x.suffix_disagree), interval_text(x.replica_floor),
+          interval_text(x.live_replica_floor), interval_text(x.cache_bit_exact),
+          f"{x.logits_bit_exact}/{x.cache_comparable}", x.boundary_argmax_differs,
+          number(x.d_rel_median), _kinds_text(x.differences)] for c, x in cons.items()])]
+    functional = [c for c, x in cons.items() if (x.differences or {}).get("functional")]
     if functional:
         out.append(("p", f"{', '.join(functional)}: a functional difference from live: the two "
                          "paths compute different functions (the model's code or kvfid's), far "
@@ -182,43 +184,43 @@ def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple
     out += [("h3", "First bad layer"), _table(
         ["construction", "distribution (first layer whose K or V differs)"],
         [[c, ", ".join(f"{k}: {n}" if k == "exact" else f"L{k}: {n}"
-                       for k, n in x["first_bad_layer"].items()) or "-"]
+                       for k, n in x.first_bad_layer.items()) or "-"]
          for c, x in cons.items()])]
     out += d_rel_blocks(label, cons)
     out += [("h3", "First divergence and margins"), _table(
         ["construction", "diverging", "first divergence median [q1, q3]",
          "live margin at divergence median [q1, q3]", "live margin at other steps median [q1, q3]"],
-        [[c, x["first_divergence"]["n"], _quartiles(x["first_divergence"]),
-          _quartiles(x["margin_at_divergence"]), _quartiles(x["margin_elsewhere"])]
+        [[c, x.first_divergence.n, _quartiles(x.first_divergence),
+          _quartiles(x.margin_at_divergence), _quartiles(x.margin_elsewhere)]
          for c, x in cons.items()])]
-    if any(x["first_divergence"]["histogram"] for x in cons.values()):
-        out.append(("figure", svg_bars({c: x["first_divergence"]["histogram"]
+    if any(x.first_divergence.histogram for x in cons.values()):
+        out.append(("figure", svg_bars({c: x.first_divergence.histogram
                                         for c, x in cons.items()}, "first divergence index"),
                     f"First-divergence index of suffixes that differ from live, {label}."))
     out += [("h3", "Correctness"), _table(
-        ["arm", "correct [95% CI]"], [[a, interval_text(r)] for a, r in s["correctness"].items()])]
-    paired = [(c, x["correctness"]) for c, x in cons.items() if x["correctness"]]
+        ["arm", "correct [95% CI]"], [[a, interval_text(r)] for a, r in s.correctness.items()])]
+    paired = [(c, x.correctness) for c, x in cons.items() if x.correctness]
     if paired:
         out.append(_table(
             ["live vs", "n", "live", "arm", "difference [95% CI]", "live right, arm wrong",
              "live wrong, arm right", "McNemar p"],
-            [[c, p["n"], percent(p["accuracy_a"]), percent(p["accuracy_b"]),
-              f"{percent(p['difference'])} [{percent(p['ci_low'])}, {percent(p['ci_high'])}]",
-              p["a_right_b_wrong"], p["a_wrong_b_right"], number(p["mcnemar_p"])]
+            [[c, p.n, percent(p.accuracy_a), percent(p.accuracy_b),
+              f"{percent(p.difference)} [{percent(p.ci_low)}, {percent(p.ci_high)}]",
+              p.a_right_b_wrong, p.a_wrong_b_right, number(p.mcnemar_p)]
              for c, p in paired]))
-    if s["batched_rows_identical"]:
+    if s.batched_rows_identical:
         out.append(_table(["batched arm", "every row's state equals row 0's"],
-                          [[a, interval_text(r)] for a, r in s["batched_rows_identical"].items()]))
-    if s["transplants"]:
+                          [[a, interval_text(r)] for a, r in s.batched_rows_identical.items()]))
+    if s.transplants:
         out += [("h3", "Transplants"),
                 ("p", "Rows: divergent (recipient and donor suffixes differ), control (exact rows "
                       "among the item sample fixed before the run: "
                       f"{_controls(case)}), unsampled (other exact rows, measured but outside "
                       "the design)."),
                 _table(["recipient <- donor : selection", "rows", "n"] + list(OUTCOMES),
-                       [[t, role, r["n"]] + [interval_text(r["outcomes"][o]) if r["n"] else "-"
-                                             for o in OUTCOMES]
-                        for t, roles in s["transplants"].items() for role, r in roles.items()])]
+                       [[t, role, r.n] + [interval_text(r.outcomes[o]) if r.n else "-"
+                                          for o in OUTCOMES]
+                        for t, roles in s.transplants.items() for role, r in roles.items()])]
     rows = []
     for u in units:
         if u.stack != label or u.is_crossing or not u.record.ok:
@@ -240,11 +242,11 @@ def _stack_blocks(label: str, s: dict, case, units, prompts: dict) -> list[tuple
     return out
 
 
-def d_rel_blocks(label: str, cons: dict) -> list[tuple]:
+def d_rel_blocks(label: str, cons: dict[str, ConstructionAggregate]) -> list[tuple]:
     """The median d_rel per layer of each construction, one series per part (k, v, recurrent,
     conv, ...): a figure and its numbers, or one line when every layer is bit-exact."""
     series = [(f"{c} {part.upper()}", ys) for c, x in cons.items()
-              for part, ys in x["d_rel_per_layer"].items()]
+              for part, ys in x.d_rel_per_layer.items()]
     layers = max((len(ys) for _, ys in series), default=0)
     if not layers:
         return []
@@ -268,25 +270,25 @@ def _controls(case) -> str:
     return ", ".join(map(str, case.transplants.control_indices(case.items.n))) or "none"
 
 
-def _quartiles(x: dict) -> str:
-    if not x["n"]:
+def _quartiles(x: Spread) -> str:
+    if not x.n:
         return "-"
-    return f"{number(x['median'])} [{number(x['q1'])}, {number(x['q3'])}] (n={x['n']})"
+    return f"{number(x.median)} [{number(x.q1)}, {number(x.q3)}] (n={x.n})"
 
 
-def _crossing_blocks(x: dict, case) -> list[tuple]:
+def _crossing_blocks(x: CrossingAggregate, case) -> list[tuple]:
     constructions = list(case.crossing.constructions)
     rows = []
-    for stack, cells in x["cells"].items():
-        within = x["within"][stack]
+    for stack, cells in x.cells.items():
+        within = x.within[stack]
         rows.append([stack] + [interval_text(cells.get(c)) for c in constructions]
-                    + [interval_text(within["suffix_disagree"]),
-                       f"{within['cache_bit_exact']}/{within['suffix_disagree']['n']}"])
+                    + [interval_text(within.suffix_disagree),
+                       f"{within.cache_bit_exact}/{within.suffix_disagree.n}"])
     pair = "~".join(constructions)
     return [("h2", "Precision crossing (fixed prefix)"),
-            ("p", f"P frozen from the live run of {x['reference']}; every cell builds its state "
-                  f"over that same P. {x['ok']} of {x['items']} items have a boundary"
-                  f"{' (short: ' + ', '.join(x['short']) + ')' if x['short'] else ''}. Cells: "
+            ("p", f"P frozen from the live run of {x.reference}; every cell builds its state "
+                  f"over that same P. {x.ok} of {x.items} items have a boundary"
+                  f"{' (short: ' + ', '.join(x.short) + ')' if x.short else ''}. Cells: "
                   "suffix equal to the reference live suffix."),
             _table(["precision"] + constructions + [f"{pair} suffix differs", f"{pair} cache "
                                                     "bit-exact"], rows),
@@ -294,7 +296,7 @@ def _crossing_blocks(x: dict, case) -> list[tuple]:
 
 
 def write_report(ledger, run_id: str, root: str | Path = "reports", *, units=None,
-                 summary: dict | None = None) -> dict[str, Path]:
+                 summary: RunSummary | None = None) -> dict[str, Path]:
     """Write report.md, report.html and summary.json to <root>/<environment key>/<run id>/;
     `units` and `summary`, when the caller has them, are the run's stored units and aggregates."""
     from kvfid.runs.case import stored_case
@@ -317,4 +319,4 @@ def write_report(ledger, run_id: str, root: str | Path = "reports", *, units=Non
     return write_files({"markdown": (folder / "report.md", markdown(doc)),
                         "html": (folder / "report.html", to_html(doc)),
                         "summary": (folder / "summary.json",
-                                    json.dumps({**meta, **summary}, indent=1))})
+                                    json.dumps({**meta, **summary.to_plain()}, indent=1))})

@@ -5,12 +5,14 @@ docs/protocol.md lists (disagreement vs live with Wilson intervals and the repli
 cache bit-exactness, first bad layer, median d_rel per layer, first-divergence quartiles and
 histogram, correctness and flips with a paired interval and exact McNemar p, transplant outcomes per
 selection and row role, margins at divergence, the crossing 2x2; for replayed trajectories, per
-stack and construction the logprob mismatch and its |delta| by decade). The result is strict JSON;
-`show`, `report` (kvfid.reports.report) and `compare` (kvfid.compare.runs) all read it.
+stack and construction the logprob mismatch and its |delta| by decade) as a `RunSummary`
+(kvfid.runs.summary); `show`, `report` (kvfid.reports.report) and `compare` (kvfid.compare.runs)
+all read it, summary.json holds its `to_plain()`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter, defaultdict
 
@@ -22,6 +24,9 @@ from kvfid.records.program import ProgramRecord
 from kvfid.records.replay_record import ReplayRecord
 from kvfid.runs import stats
 from kvfid.runs.program_aggregate import program_stack
+from kvfid.runs.summary import (ConstructionAggregate, CrossingAggregate, Divergence, Rate,
+                                ReplicaFloor, RunSummary, Spread, StackAggregate,
+                                TransplantOutcomes, WithinStack, finite)
 
 OUTCOMES = ("donor", "recipient", "third", "boundary")
 ROLES = ("divergent", "control", "unsampled")
@@ -29,18 +34,17 @@ ROLES = ("divergent", "control", "unsampled")
 
 # --------------------------------------------------------------------------- aggregates
 
-def rate(k: int, n: int) -> dict:
+def rate(k: int, n: int) -> Rate:
     """k of n with its 95% Wilson interval."""
-    lo, hi = stats.wilson_interval(k, n)
-    return {"k": k, "n": n, "rate": k / n if n else None, "ci": [lo, hi]}
+    return Rate(k, n, k / n if n else None, stats.wilson_interval(k, n))
 
 
-def _spread(xs: list[float]) -> dict:
-    q1, q2, q3 = stats.quantiles(xs, (0.25, 0.5, 0.75))
-    return {"n": len(xs), "median": q2, "q1": q1, "q3": q3}
+def _spread(xs: list[float]) -> Spread:
+    q1, q2, q3 = (finite(q) for q in stats.quantiles(xs, (0.25, 0.5, 0.75)))
+    return Spread(len(xs), q2, q1, q3)
 
 
-def aggregate(units, design: dict | None = None) -> dict:
+def aggregate(units, design: dict | None = None) -> RunSummary:
     """Per-stack aggregates (and the crossing) of stored units (`.item_index`, `.stack`,
     `.record`: kvfid.records.record); `design` is the run's design (its transplant control
     sample)."""
@@ -53,23 +57,23 @@ def aggregate(units, design: dict | None = None) -> dict:
             (replayed if isinstance(unit.record, ReplayRecord) else programs)[unit.stack].append(unit)
             continue
         (crossing if isinstance(unit.record, CrossingRecord) else by_stack[unit.stack]).append(unit)
-    out = {"stacks": {}, "crossing": _crossing(sorted(crossing, key=lambda u: u.item_index))
-           if crossing else None, "control_indices": sorted(controls),
-           "replay": {stack: _replay(group) for stack, group in replayed.items()} or None,
-           "replay_engine": {stack: gaps for stack, group in replayed.items()
-                             if (gaps := _replay_engine(group))} or None,
-           "program": {stack: program_stack([u.record for u in sorted(group, key=lambda u: u.item_index)],
-                                            rate) for stack, group in programs.items()} or None}
+    stacks = {}
     in_fp32 = _fp32_kinds(by_stack)
     for stack, group in by_stack.items():
         group.sort(key=lambda u: u.item_index)
-        out["stacks"][stack] = _stack([u.record for u in group], [u.item_index for u in group],
-                                      controls)
-        constructions = out["stacks"][stack]["constructions"]
-        for label, counted in _difference_kinds(stack, group, in_fp32).items():
-            if label in constructions:
-                constructions[label]["differences"] = counted
-    return _clean(out)
+        found = _stack([u.record for u in group], [u.item_index for u in group], controls)
+        kinds = _difference_kinds(stack, group, in_fp32)
+        stacks[stack] = dataclasses.replace(found, constructions={
+            label: dataclasses.replace(c, differences=kinds[label]) if label in kinds else c
+            for label, c in found.constructions.items()})
+    return RunSummary(
+        stacks, _crossing(sorted(crossing, key=lambda u: u.item_index)) if crossing else None,
+        tuple(sorted(controls)),
+        {stack: _replay(group) for stack, group in replayed.items()} or None,
+        {stack: gaps for stack, group in replayed.items() if (gaps := _replay_engine(group))}
+        or None,
+        {stack: program_stack([u.record for u in sorted(group, key=lambda u: u.item_index)], rate)
+         for stack, group in programs.items()} or None)
 
 
 def _twin(stack: str) -> str:
@@ -111,39 +115,38 @@ def _difference_kinds(stack: str, group: list, in_fp32: dict) -> dict[str, dict[
     return {label: {k: counted.get(k, 0) for k in scale.KINDS} for label, counted in out.items()}
 
 
-def _stack(records: list[ItemRecord], indices: list[int], controls: set[int]) -> dict:
+def _stack(records: list[ItemRecord], indices: list[int], controls: set[int]) -> StackAggregate:
     ok = [(i, r) for i, r in zip(indices, records) if r.ok]
     first = records[0]
-    out = {"items": len(records), "ok": len(ok), "B": first.B, "S": first.S,
-           "short": [r.item.id for r in records if r.status == "short"],
-           "constructions": {}, "replicas": {}, "correctness": {}, "transplants": {},
-           "batched_rows_identical": {}}
     by_arm: dict[str, list] = defaultdict(list)
     for _, r in ok:
         for replica in r.replicas:
             by_arm[replica.construction].append(replica.comparison)
-    for arm, cs in by_arm.items():
-        out["replicas"][arm] = {**rate(sum(not c.suffix.identical for c in cs), len(cs)),
-                                "cache_bit_exact": sum(c.bit_exact for c in cs)}
+    replicas = {arm: ReplicaFloor(*dataclasses.astuple(rate(sum(not c.suffix.identical for c in cs),
+                                                           len(cs))),
+                                  cache_bit_exact=sum(c.bit_exact for c in cs))
+                for arm, cs in by_arm.items()}
     comparisons: dict[tuple[str, str], list] = defaultdict(list)
     for _, r in ok:
         for c in r.comparisons:
             comparisons[(c.kind, c.b)].append((r, c))
-    for (kind, label), rows in comparisons.items():
-        out["constructions"][label] = _construction(rows, kind, out["replicas"], out["S"])
+    constructions = {label: _construction(rows, kind, replicas, first.S)
+                     for (kind, label), rows in comparisons.items()}
+    correctness, batched = {}, {}
     for label in (ok[0][1].arms if ok else {}):
         marks = [r.arms[label].correct for _, r in ok]
         scored = [m for m in marks if m is not None]
-        out["correctness"][label] = rate(sum(scored), len(scored))
+        correctness[label] = rate(sum(scored), len(scored))
         rows_identical = [r.arms[label].rows_identical for _, r in ok]
         if any(x is not None for x in rows_identical):
-            out["batched_rows_identical"][label] = rate(sum(bool(x) for x in rows_identical),
-                                                         len(rows_identical))
-    out["transplants"] = _transplants(ok, controls)
-    return out
+            batched[label] = rate(sum(bool(x) for x in rows_identical), len(rows_identical))
+    return StackAggregate(len(records), len(ok), first.B, first.S,
+                          tuple(r.item.id for r in records if r.status == "short"),
+                          constructions, replicas, correctness, _transplants(ok, controls),
+                          batched)
 
 
-def _construction(rows: list, kind: str, replicas: dict, S: int) -> dict:
+def _construction(rows: list, kind: str, replicas: dict, S: int) -> ConstructionAggregate:
     cs = [c for _, c in rows]
     caches = [c.cache for c in cs if c.cache]
     logits = [c.logits for c in cs if c.logits]
@@ -159,31 +162,29 @@ def _construction(rows: list, kind: str, replicas: dict, S: int) -> dict:
     edges = list(range(0, S, width)) + [max(S, max(divergence, default=0) + 1)]
     pairs = [(r.arms[c.a].correct, r.arms[c.b].correct) for r, c in rows]
     pairs = [p for p in pairs if None not in p]
-    return {
-        "kind": kind, "vs": cs[0].a,
-        "suffix_disagree": rate(len(divergence), len(cs)),
-        "replica_floor": replicas.get(cs[0].b), "live_replica_floor": replicas.get(cs[0].a),
-        "cache_comparable": len(caches),
-        "cache_bit_exact": rate(sum(c.bit_exact for c in caches), len(caches)),
-        "logits_bit_exact": sum(bool(x.equal) for x in logits),
-        "boundary_argmax_differs": sum(x.argmax_agree is False for x in logits),
-        "first_bad_layer": dict(sorted(Counter(
+    return ConstructionAggregate(
+        kind=kind, vs=cs[0].a,
+        suffix_disagree=rate(len(divergence), len(cs)),
+        replica_floor=replicas.get(cs[0].b), live_replica_floor=replicas.get(cs[0].a),
+        cache_comparable=len(caches),
+        cache_bit_exact=rate(sum(c.bit_exact for c in caches), len(caches)),
+        logits_bit_exact=sum(bool(x.equal) for x in logits),
+        boundary_argmax_differs=sum(x.argmax_agree is False for x in logits),
+        first_bad_layer=dict(sorted(Counter(
             "exact" if c.first_bad_layer is None else str(c.first_bad_layer)
             for c in caches).items(), key=lambda kv: (kv[0] != "exact", _int(kv[0])))),
-        "d_rel_median": stats.median([c.d_rel for c in caches]),
-        "d_rel_per_layer": _d_rel_per_layer(caches, layers),
-        "d_rel_aggregation": "median over items of each layer's ||a-b||_F/||a||_F, each part "
-                             "(k, v, recurrent, conv, ...) apart; None where a layer lacks it",
-        "first_divergence": {**_spread(divergence),
-                             "histogram": stats.histogram(divergence, edges) if divergence else []},
-        "margin_at_divergence": _spread(at_divergence),
-        "margin_elsewhere": _spread(elsewhere),
-        "correctness": stats.paired_difference([a for a, _ in pairs], [b for _, b in pairs])
-        if pairs else None,
-    }
+        d_rel_median=finite(stats.median([c.d_rel for c in caches])),
+        d_rel_per_layer=_d_rel_per_layer(caches, layers),
+        first_divergence=Divergence(
+            *dataclasses.astuple(_spread(divergence)),
+            histogram=tuple(stats.histogram(divergence, edges)) if divergence else ()),
+        margin_at_divergence=_spread(at_divergence),
+        margin_elsewhere=_spread(elsewhere),
+        correctness=stats.paired_difference([a for a, _ in pairs], [b for _, b in pairs])
+        if pairs else None)
 
 
-def _d_rel_per_layer(caches: list, layers: int) -> dict[str, list[float | None]]:
+def _d_rel_per_layer(caches: list, layers: int) -> dict[str, tuple[float | None, ...]]:
     """Per part, per layer: the median d_rel over the items whose layer holds that part."""
     diffs = [[layer.part_diffs() for layer in c.layers] for c in caches]
     names = dict.fromkeys(["k", "v"] + [name for c in diffs for layer in c for name in layer])
@@ -191,7 +192,7 @@ def _d_rel_per_layer(caches: list, layers: int) -> dict[str, list[float | None]]
     for name in names:
         series = [[c[i][name].d_rel for c in diffs if i < len(c) and name in c[i]] for i in range(layers)]
         if any(series):
-            out[name] = [stats.median(xs) if xs else None for xs in series]
+            out[name] = tuple(finite(stats.median(xs)) if xs else None for xs in series)
     return out
 
 
@@ -220,7 +221,7 @@ def _int(text: str) -> int:
     return int(text) if text.isdigit() else -1
 
 
-def _transplants(ok: list, controls: set[int]) -> dict:
+def _transplants(ok: list, controls: set[int]) -> dict[str, dict[str, TransplantOutcomes]]:
     out: dict[str, dict] = {}
     for index, r in ok:
         for t in r.transplants:
@@ -228,36 +229,25 @@ def _transplants(ok: list, controls: set[int]) -> dict:
                     "control" if index in controls else "unsampled")
             entry = out.setdefault(t.label, {name: Counter() for name in ROLES})
             entry[role][t.outcome] += 1
-    summary = lambda counts: {"n": sum(counts.values()), "outcomes": {
-        o: rate(counts[o], sum(counts.values())) for o in OUTCOMES}}
+    summary = lambda counts: TransplantOutcomes(sum(counts.values()), {
+        o: rate(counts[o], sum(counts.values())) for o in OUTCOMES})
     return {label: {role: summary(counts) for role, counts in roles.items()}
             for label, roles in out.items()}
 
 
-def _crossing(units: list) -> dict:
+def _crossing(units: list) -> CrossingAggregate:
     records: list[CrossingRecord] = [u.record for u in units]
     ok = [r for r in records if r.status == "ok"]
-    out = {"reference": records[0].reference_label, "items": len(records), "ok": len(ok),
-           "short": [r.item.id for r in records if r.status == "short"], "cells": {},
-           "within": {}}
+    cells: dict[str, dict] = {}
     for cell in (ok[0].cells if ok else ()):
         same = [r.cell(cell.stack, cell.construction).same_as_reference_live for r in ok]
-        out["cells"].setdefault(cell.stack, {})[cell.construction] = rate(sum(same), len(same))
-    for stack in out["cells"]:
+        cells.setdefault(cell.stack, {})[cell.construction] = rate(sum(same), len(same))
+    within = {}
+    for stack in cells:
         cs = [w.comparison for r in ok for w in r.within if w.stack == stack]
-        out["within"][stack] = {
-            "pair": f"{cs[0].a}~{cs[0].b}" if cs else None,
-            "suffix_disagree": rate(sum(not c.suffix.identical for c in cs), len(cs)),
-            "cache_bit_exact": sum(c.bit_exact for c in cs)}
-    return out
-
-
-def _clean(value):
-    """NaN -> None and tuples -> lists, so the summary is strict JSON."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
+        within[stack] = WithinStack(f"{cs[0].a}~{cs[0].b}" if cs else None,
+                                    rate(sum(not c.suffix.identical for c in cs), len(cs)),
+                                    sum(c.bit_exact for c in cs))
+    return CrossingAggregate(records[0].reference_label, len(records), len(ok),
+                             tuple(r.item.id for r in records if r.status == "short"), cells,
+                             within)

@@ -4,14 +4,16 @@ This module owns the numbers the reports quote beside every count: Wilson score 
 rate (disagreement, bit-exact, transplant outcome), the paired comparison of two arms' correctness
 on the same items (accuracy difference with Newcombe's interval, flips each way, exact McNemar),
 and order statistics for first-divergence indices (quantiles, median, integer histogram).
-Pure Python; every function takes plain counts or sequences and returns plain floats, tuples,
-lists or dicts (NaN where there is no data), so results serialize to JSON as they are.
+Pure Python; every function takes plain counts or sequences and returns plain floats, tuples
+and lists, or for the paired comparison a frozen `PairedDifference` (NaN where there is no data).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
+from dataclasses import dataclass
 from collections.abc import Sequence
 
 Z_95 = 1.959963984540054  # two-sided 95% standard normal quantile
@@ -51,7 +53,26 @@ def mcnemar_exact(b: int, c: int) -> float:
     return min(1.0, 2 * tail / 2**n)
 
 
-def paired_difference(a: Sequence[bool], b: Sequence[bool], z: float = Z_95) -> dict:
+@dataclass(frozen=True)
+class PairedDifference:
+    """Two arms' correctness on the same items: accuracies (NaN without items), b - a with its
+    interval, the four cells of the 2x2 and McNemar's exact p."""
+
+    n: int
+    accuracy_a: float | None
+    accuracy_b: float | None
+    difference: float | None
+    ci_low: float
+    ci_high: float
+    ci_method: str
+    both_right: int
+    both_wrong: int
+    a_right_b_wrong: int
+    a_wrong_b_right: int
+    mcnemar_p: float
+
+
+def paired_difference(a: Sequence[bool], b: Sequence[bool], z: float = Z_95) -> PairedDifference:
     """Compare two arms' correctness on the same items: accuracies, b - a, interval, flips, McNemar.
 
     The interval is Newcombe's method 10 (square-and-add of Wilson intervals with the
@@ -67,20 +88,9 @@ def paired_difference(a: Sequence[bool], b: Sequence[bool], z: float = Z_95) -> 
     a_only = sum(1 for x, y in zip(a, b) if x and not y)  # a right -> b wrong
     b_only = sum(1 for x, y in zip(a, b) if not x and y)  # a wrong -> b right
     both_wrong = n - both_right - a_only - b_only
-    result = {
-        "n": n,
-        "accuracy_a": math.nan,
-        "accuracy_b": math.nan,
-        "difference": math.nan,
-        "ci_low": -1.0,
-        "ci_high": 1.0,
-        "ci_method": "newcombe-10",
-        "both_right": both_right,
-        "both_wrong": both_wrong,
-        "a_right_b_wrong": a_only,
-        "a_wrong_b_right": b_only,
-        "mcnemar_p": mcnemar_exact(a_only, b_only),
-    }
+    result = PairedDifference(n, math.nan, math.nan, math.nan, -1.0, 1.0, "newcombe-10",
+                              both_right, both_wrong, a_only, b_only,
+                              mcnemar_exact(a_only, b_only))
     if n == 0:
         return result
     right_a, right_b = both_right + a_only, both_right + b_only
@@ -91,9 +101,8 @@ def paired_difference(a: Sequence[bool], b: Sequence[bool], z: float = Z_95) -> 
     d = pb - pa
     low = d - _square_and_add(pb - lb, ua - pa, phi)
     high = d + _square_and_add(ub - pb, pa - la, phi)
-    result.update(accuracy_a=pa, accuracy_b=pb, difference=d,
-                  ci_low=max(-1.0, low), ci_high=min(1.0, high))
-    return result
+    return dataclasses.replace(result, accuracy_a=pa, accuracy_b=pb, difference=d,
+                               ci_low=max(-1.0, low), ci_high=min(1.0, high))
 
 
 def _square_and_add(x: float, y: float, phi: float) -> float:

@@ -31,7 +31,7 @@ def run_crossing(model, program, record: dict, stacks, S: int, eos_ids) -> dict:
                 state, runner = rebuild(module, layout, label, record["prompt_length"])
                 built[label] = (state, decode_suffix(runner, layout, state, S, eos_ids))
         (a, _), (b, _) = built.values()
-        within.append({"stack": stack.label, "bit_exact": kv.compare_states(a, b)["bit_exact"]})
+        within.append({"stack": stack.label, "bit_exact": kv.compare_states(a, b).bit_exact})
         cells += [{"stack": stack.label, "arm": label, "cache_sha": kv.sha_cache(state),
                    "suffix": list(suffix.tokens),
                    "suffix_equals_reference": list(suffix.tokens) == list(reference)}

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfid.records.plain import as_plain
 from kvfid.states import cache as kv
 from kvfid.stages import batched as stages_batched, transplant as stages_transplant
 from kvfid.stages.checks import check_program_fits
@@ -295,17 +296,18 @@ def run_program(model, stack, prompt_text: str, program: Program, S: int, arms: 
         if label == "live":
             continue
         cache_cmp = kv.compare_states(live.state, arm.state)
-        comparisons.append({
-            "arm": label, "bit_exact": cache_cmp["bit_exact"],
-            "first_bad_layer": cache_cmp["first_bad_layer"], "first_bad_kv": cache_cmp["first_bad_kv"],
-            "first_position": cache_cmp["first_position"],
-            "first_bad_segment": layout.first_segment(cache_cmp["first_position"]), "cache": cache_cmp,
+        comparisons.append({   # the records as plain data, in the result run_from_result types
+            "arm": label, "bit_exact": cache_cmp.bit_exact,
+            "first_bad_layer": cache_cmp.first_bad_layer, "first_bad_kv": cache_cmp.first_bad_kv,
+            "first_position": cache_cmp.first_position,
+            "first_bad_segment": layout.first_segment(cache_cmp.first_position),
+            "cache": as_plain(cache_cmp),
             "segments_exact": segments_exact(live.state, arm.state, layout),
-            "max_abs": cache_cmp["max_abs"], "d_rel": cache_cmp["d_rel"],
-            "logits": kv.compare_logits(live.state.logits, arm.state.logits),
-            "suffix": kv.compare_suffixes(live.suffix.tokens, arm.suffix.tokens,
-                                          live.suffix.margins, arm.suffix.margins)})
-    replica_rows = [{"arm": label, "bit_exact": kv.compare_states(built[label].state, state)["bit_exact"],
+            "max_abs": cache_cmp.max_abs, "d_rel": cache_cmp.d_rel,
+            "logits": as_plain(kv.compare_logits(live.state.logits, arm.state.logits)),
+            "suffix": as_plain(kv.compare_suffixes(live.suffix.tokens, arm.suffix.tokens,
+                                                   live.suffix.margins, arm.suffix.margins))})
+    replica_rows = [{"arm": label, "bit_exact": kv.compare_states(built[label].state, state).bit_exact,
                      "suffix_identical": list(suffix.tokens) == list(built[label].suffix.tokens)}
                     for label, (state, suffix) in again.items()]
     return {

@@ -10,7 +10,8 @@ measured in the storage dtype and counts through zero (a tiny value that changes
 ULPs away), so beside it stands `max_abs_rel`, max |a - b| over max |a|, which does not explode
 there. `d_rel` is ||a - b||_F / ||a||_F in fp64. No verdict over a partial state: a part one side
 holds and the other does not (or holds over other positions) is listed as `uncompared` and the
-comparison is not bit-exact.
+comparison is not bit-exact. Each comparison returns its record (kvfid.records.record: TensorDiff,
+CacheDiff, LogitsDiff, SuffixDiff), the type the ledger stores.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from kvfid.errors import Unavailable
+from kvfid.records.record import CacheDiff, LayerDiff, LogitsDiff, SuffixDiff, TensorDiff
 from kvfid.states.layers import (POSITIONAL, LayerState, cache_tensors, empty_cache, read_cache,
                                      restore_cache)
 
@@ -187,7 +189,7 @@ def ulp_ordered(t: torch.Tensor) -> torch.Tensor:
     return torch.where(i < 0, -magnitude, magnitude)
 
 
-def tensor_diff(a: torch.Tensor, b: torch.Tensor, start: int | None = 0) -> dict:
+def tensor_diff(a: torch.Tensor, b: torch.Tensor, start: int | None = 0) -> TensorDiff:
     """Bitwise comparison of two same-shape tensors: `equal` and `n_diff` over raw bits; max
     |diff|, max ULP (through zero), `max_abs_rel` = max |diff| / max |a|, `d_rel`, and the first
     absolute position with a differing bit for a part whose dim -2 is positions (K/V [1, H, T, D],
@@ -197,21 +199,23 @@ def tensor_diff(a: torch.Tensor, b: torch.Tensor, start: int | None = 0) -> dict
         raise ValueError(f"cannot compare {a.dtype}{tuple(a.shape)} with {b.dtype}{tuple(b.shape)}")
     differs = bits(a) != bits(b)
     n_diff = int(differs.sum())
-    out = {"equal": n_diff == 0, "n_diff": n_diff, "max_abs": 0.0, "max_ulp": 0, "max_abs_rel": 0.0,
-           "d_rel": 0.0, "first_position": None}
-    if n_diff:
-        a64, b64 = a.double(), b.double()
-        norm = float(torch.linalg.vector_norm(a64))
-        out["max_abs"] = float((a64 - b64).abs().max())
-        if a.is_floating_point():   # an integer part (selected key indices) has no ULPs
-            out["max_ulp"] = int((ulp_ordered(a) - ulp_ordered(b)).abs().max())
-        scale = float(a64.abs().max())
-        out["max_abs_rel"] = out["max_abs"] / scale if scale else (0.0 if out["max_abs"] == 0 else float("inf"))
-        out["d_rel"] = float(torch.linalg.vector_norm(a64 - b64)) / norm if norm else float("inf")
-        if start is not None:
-            positions = differs.movedim(-2, 0).flatten(1).any(dim=1)   # [T]
-            out["first_position"] = start + int(positions.nonzero()[0, 0])
-    return out
+    if not n_diff:
+        return SAME
+    a64, b64 = a.double(), b.double()
+    norm = float(torch.linalg.vector_norm(a64))
+    max_abs = float((a64 - b64).abs().max())
+    # an integer part (selected key indices) has no ULPs
+    max_ulp = int((ulp_ordered(a) - ulp_ordered(b)).abs().max()) if a.is_floating_point() else 0
+    scale = float(a64.abs().max())
+    first = None
+    if start is not None:
+        positions = differs.movedim(-2, 0).flatten(1).any(dim=1)   # [T]
+        first = start + int(positions.nonzero()[0, 0])
+    return TensorDiff(
+        equal=False, n_diff=n_diff, max_abs=max_abs, max_ulp=max_ulp,
+        max_abs_rel=max_abs / scale if scale else (0.0 if max_abs == 0 else float("inf")),
+        d_rel=float(torch.linalg.vector_norm(a64 - b64)) / norm if norm else float("inf"),
+        first_position=first)
 
 
 def _uncomparable(index: int, name: str, a: LayerState, b: LayerState) -> str | None:
@@ -229,8 +233,7 @@ def _uncomparable(index: int, name: str, a: LayerState, b: LayerState) -> str | 
 
 
 # tensor_diff's result for two tensors with the same bits.
-SAME = {"equal": True, "n_diff": 0, "max_abs": 0.0, "max_ulp": 0, "max_abs_rel": 0.0, "d_rel": 0.0,
-        "first_position": None}
+SAME = TensorDiff()
 
 
 def _parts_equal(a: BoundaryState, b: BoundaryState) -> dict:
@@ -251,20 +254,20 @@ def _parts_equal(a: BoundaryState, b: BoundaryState) -> dict:
     return dict(zip(keys, found))
 
 
-def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
+def compare_states(a: BoundaryState, b: BoundaryState) -> CacheDiff:
     """Per layer and part (k, v, recurrent, conv, held parts), plus over the concatenated
     inventory; `a` is the reference for d_rel. An integer part (a selection of key indices)
     counts in `n_diff` and the verdict, not in |diff|, ULP or d_rel. A part that cannot be
     compared is listed in `uncompared` and makes the comparison not bit-exact."""
     if a.prefix != b.prefix:
         raise ValueError("states cover different prefixes; compare only states over the same P")
-    layers, uncompared, pairs, bad, counted = [], [], [], [], []
+    layers, uncompared, pairs, bad = [], [], [], []
+    measured, counted = [], []   # float parts (|diff|, ULP, d_rel); integer parts (n_diff only)
     if len(a.layers) != len(b.layers):
         uncompared.append(f"{len(a.layers)} layers against {len(b.layers)}")
     equal = _parts_equal(a, b)
     for index, (la, lb) in enumerate(zip(a.layers, b.layers)):
-        entry = {"layer": index, "kind": la.kind, "span": la.span, "parts": {},
-                 "uncompared": ()}
+        found: dict[str, TensorDiff] = {}
         missing = []
         for name in dict.fromkeys([*la.parts, *lb.parts]):
             reason = _uncomparable(index, name, la, lb)
@@ -272,47 +275,45 @@ def compare_states(a: BoundaryState, b: BoundaryState) -> dict:
                 missing.append(reason)
                 continue
             positional = name in POSITIONAL
-            diff = (dict(SAME) if equal.get((index, name)) else
+            diff = (SAME if equal.get((index, name)) else
                     tensor_diff(la.parts[name], lb.parts[name], la.start if positional else None))
-            if name in ("k", "v"):      # the record's own fields; every other part by name
-                entry[name] = diff
-            else:
-                entry["parts"] = {**entry["parts"], name: diff}
+            found[name] = diff
             if la.parts[name].is_floating_point():   # an index part is counted, not measured
                 pairs.append((la.parts[name], lb.parts[name]))
+                measured.append(diff)
             else:
                 counted.append(diff)
-            if not diff["equal"]:
+            if not diff.equal:
                 bad.append((index, name, diff))
         if la.kind != lb.kind:
             missing.append(f"layer {index}: a {la.kind} state against a {lb.kind} one")
-        entry["uncompared"] = tuple(missing)
         uncompared += missing
-        layers.append(entry)
-    diffs = [d for e in layers for d in [e.get("k"), e.get("v"), *e["parts"].values()]
-             if d and not any(d is c for c in counted)]   # float parts: |diff|, ULP, d_rel
+        # k and v are the record's own fields (a layer without them keeps the defaults); every
+        # other part goes by name
+        layers.append(LayerDiff(index, found.get("k", TensorDiff()), found.get("v", TensorDiff()),
+                                la.kind, la.span,
+                                {n: d for n, d in found.items() if n not in ("k", "v")},
+                                tuple(missing)))
     d_rel = 0.0
     if bad and pairs:   # over the concatenated inventory; worth the fp64 copy when something differs
         flat_a = torch.cat([x.flatten().double() for x, _ in pairs])
         flat_b = torch.cat([y.flatten().double() for _, y in pairs])
         norm = float(torch.linalg.vector_norm(flat_a))
         d_rel = float(torch.linalg.vector_norm(flat_a - flat_b)) / norm if norm else float("inf")
-    return {
-        "bit_exact": not bad and not uncompared,
-        "first_bad_layer": bad[0][0] if bad else None,
-        "first_bad_kv": bad[0][1] if bad else None,
-        "bad_layers": sorted({layer for layer, _, _ in bad}),
-        "n_diff": sum(d["n_diff"] for d in diffs + counted),
-        "max_abs": max((d["max_abs"] for d in diffs), default=0.0),
-        "max_ulp": max((d["max_ulp"] for d in diffs), default=0),
-        "max_abs_rel": max((d["max_abs_rel"] for d in diffs), default=0.0),
-        "d_rel": d_rel,
-        "d_rel_aggregation": "Frobenius norm over every compared part of every layer, concatenated",
-        "first_position": min((d["first_position"] for _, _, d in bad
-                               if d["first_position"] is not None), default=None),
-        "uncompared": tuple(uncompared),
-        "layers": layers,
-    }
+    return CacheDiff(
+        bit_exact=not bad and not uncompared,
+        first_bad_layer=bad[0][0] if bad else None,
+        first_bad_kv=bad[0][1] if bad else None,
+        bad_layers=tuple(sorted({layer for layer, _, _ in bad})),
+        n_diff=sum(d.n_diff for d in measured + counted),
+        max_abs=max((d.max_abs for d in measured), default=0.0),
+        max_ulp=max((d.max_ulp for d in measured), default=0),
+        max_abs_rel=max((d.max_abs_rel for d in measured), default=0.0),
+        d_rel=d_rel,
+        first_position=min((d.first_position for _, _, d in bad
+                            if d.first_position is not None), default=None),
+        layers=tuple(layers),
+        uncompared=tuple(uncompared))
 
 
 def top2(logits: torch.Tensor) -> tuple[int, float]:
@@ -323,7 +324,7 @@ def top2(logits: torch.Tensor) -> tuple[int, float]:
     return int(token), margin
 
 
-def compare_logits(a: torch.Tensor, b: torch.Tensor) -> dict:
+def compare_logits(a: torch.Tensor, b: torch.Tensor) -> LogitsDiff:
     """Boundary logits [V]: bitwise equality, max abs difference, d_rel, argmax agreement,
     margins."""
     ta, ma = top2(a)
@@ -331,23 +332,22 @@ def compare_logits(a: torch.Tensor, b: torch.Tensor) -> dict:
     a64, b64 = a.double(), b.double()
     norm = float(torch.linalg.vector_norm(a64))
     drift = float(torch.linalg.vector_norm(a64 - b64))
-    return {"equal": bits_equal(a, b),
-            "max_abs": float((a64 - b64).abs().max()),
-            "d_rel": drift / norm if norm else (0.0 if drift == 0 else float("inf")),
-            "argmax_a": ta, "argmax_b": tb, "argmax_agree": ta == tb,
-            "margin_a": ma, "margin_b": mb}
+    return LogitsDiff(equal=bits_equal(a, b), max_abs=float((a64 - b64).abs().max()),
+                      d_rel=drift / norm if norm else (0.0 if drift == 0 else float("inf")),
+                      argmax_a=ta, argmax_b=tb, argmax_agree=ta == tb, margin_a=ma, margin_b=mb)
 
 
-def compare_suffixes(a, b, margins_a, margins_b) -> dict:
+def compare_suffixes(a, b, margins_a, margins_b) -> SuffixDiff:
     """Two greedy suffixes: identical?, first divergence, common prefix, margins there."""
     common = 0
     while common < min(len(a), len(b)) and a[common] == b[common]:
         common += 1
     identical = list(a) == list(b)
     first = None if identical else common
-    return {"identical": identical, "first_divergence": first, "common_prefix": common,
-            "len_a": len(a), "len_b": len(b),
-            "margin_a_at_divergence": (margins_a[first] if first is not None
-                                       and first < len(margins_a) else None),
-            "margin_b_at_divergence": (margins_b[first] if first is not None
-                                       and first < len(margins_b) else None)}
+    return SuffixDiff(
+        identical=identical, first_divergence=first, common_prefix=common, len_a=len(a),
+        len_b=len(b),
+        margin_a_at_divergence=(margins_a[first] if first is not None and first < len(margins_a)
+                                else None),
+        margin_b_at_divergence=(margins_b[first] if first is not None and first < len(margins_b)
+                                else None))

@@ -55,7 +55,7 @@ def show_run(db: str | Path | None, run_id: str, fmt: str = "text") -> str:
         units = ledger.units(stored.id)
     summary = report.aggregate(units, stored.design)
     if fmt == "json":
-        return json.dumps(summary, indent=1)
+        return json.dumps(summary.to_plain(), indent=1)
     doc = report.document(stored, stored_case(stored), summary, units, raw_environment=False)
     return report.markdown(doc)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvfid.errors import BadInput
 from kvfid.runs import matrix, shards
+from kvfid.runs.summary import RunSummary
 from kvfid.ledger.store import Ledger
 
 
@@ -21,7 +22,7 @@ class Published:
     """What `publish` did: the run, its aggregates, and the files written ({} without a report)."""
 
     result: matrix.RunResult
-    summary: dict
+    summary: RunSummary
     files: dict[str, Path] = field(default_factory=dict)
 
     def headline(self) -> str:

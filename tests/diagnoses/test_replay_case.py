@@ -103,7 +103,7 @@ def test_twin_differs_the_faithful_stack_is_exactly_zero(replay_run, case_file):
     from kvfid.runs.aggregate import aggregate
 
     summary = aggregate(units, run.design)
-    replay = summary["replay"]
+    replay = summary.replay
     for c in ("prefill", "chunked:2"):
         assert replay["twin/bf16@t1"][c]["differ"] > 0, c                 # the negative control
         exact = replay["native/bf16+bi@t1"][c]
@@ -121,7 +121,7 @@ def test_twin_differs_the_faithful_stack_is_exactly_zero(replay_run, case_file):
     assert "kvfid replay" in text and "twin/bf16@t1" in headline(summary)
     # The trajectories carry their fp32 sampler's logprobs: on the faithful stack the re-scoring
     # gap is exactly zero and the engine gap (fp32 sampler vs bf16) is all that remains.
-    engine = summary["replay_engine"]["native/bf16+bi@t1"]
+    engine = summary.replay_engine["native/bf16+bi@t1"]
     for c in ("prefill", "chunked:2"):
         assert engine[f"step-by-step~{c}"]["differ"] == 0
         assert engine[f"engine~{c}"]["differ"] == engine["engine~step-by-step"]["differ"] > 0

@@ -83,6 +83,7 @@ def test_a_request_against_alone_and_the_controls(tmp_path):
     row = compare_request(planned, _served(tmp_path, "c.pt", tokens, logprobs, changed, **seen), alone,
                           tmp_path, tmp_path / "alone")
     assert row.differs and not row.kv.exact and row.kv.first_bad_layer == 1 and row.kv.first_position == 3
+    assert row.kv.n_diff == 1 and row.kv.max_ulp > 0 and row.kv.d_rel > 0   # the CacheDiff's totals
     assert not row.resumed[0].exact            # the live state before preemption is not the rebuilt one
     # a different token at step 2: compared up to there
     row = compare_request(planned, _served(tmp_path, "l.pt", [5, 6, 9, 9], logprobs, state, **seen),
@@ -232,3 +233,28 @@ def test_without_vllm_this_process_environment_is_left_as_it_was(tmp_path, monke
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_an_engine_kv_row_is_the_worst_of_its_items_typed_and_stored_as_before():
+    """engine-check --kv's row over pairs of states (kvfid.engines.kv.compare_rows): an
+    EngineKV built from each pair's CacheDiff; one K element of item 1's layer 1 changed is found
+    there, the other item stays exact, and its plain form has the keys engine-check stored."""
+    from kvfid.engines.kv import compare_rows
+    from kvfid.records.engine import EngineKV
+    from kvfid.records.plain import as_plain
+    from kvfid.states.cache import BoundaryState
+
+    states = [_state(range(6), seed=s) for s in (0, 1)]
+    as_state = lambda s: BoundaryState(s["tokens"], keys=s["keys"], values=s["values"])
+    changed = _state(range(6), seed=1)
+    changed["keys"][1][0, 0, 4, 2] += 1.0
+    row = compare_rows([as_state(s) for s in states], [as_state(states[0]), as_state(changed)])
+    assert isinstance(row, EngineKV) and not row.exact
+    assert (row.items, row.items_exact, row.first_bad_layer, row.first_position) == (2, 1, 1, 4)
+    assert row.n_diff == 1 and row.positions == 12 and row.d_rel > 0
+    assert row.d_rel_per_layer[0] == 0.0 and row.d_rel_per_layer[1] > 0
+    assert list(as_plain(row)) == ["items", "items_exact", "first_bad_layer", "first_position",
+                                   "n_diff", "max_abs", "max_ulp", "d_rel", "positions",
+                                   "d_rel_per_layer", "d_rel_aggregation"]
+    same = compare_rows([as_state(s) for s in states], [as_state(s) for s in states], [3, 5])
+    assert same.exact and same.positions == 8 and same.first_bad_layer is None

@@ -152,11 +152,12 @@ def test_fingerprints_and_comparisons_cover_the_conv_part(folders):
     bent = perturb(state, 0, "conv")
     assert kv.sha_cache(bent) != kv.sha_cache(state)
     diff = kv.compare_states(state, bent)
-    assert not diff["bit_exact"] and (diff["first_bad_layer"], diff["first_bad_kv"]) == (0, "conv")
-    assert diff["n_diff"] == 1 and diff["first_position"] is None   # a conv state has no positions
-    record = decode(rec.CacheDiff, rec.as_plain(decode(rec.CacheDiff, diff)))
+    assert not diff.bit_exact and (diff.first_bad_layer, diff.first_bad_kv) == (0, "conv")
+    assert diff.n_diff == 1 and diff.first_position is None   # a conv state has no positions
+    record = decode(rec.CacheDiff, rec.as_plain(diff))   # through the JSON the ledger stores
+    assert record == diff
     assert record.layers[0].parts["conv"].n_diff == 1 and record.layers[0].kind == "recurrent"
-    assert kv.compare_states(state, perturb(state, 0, "recurrent"))["first_bad_kv"] == "recurrent"
+    assert kv.compare_states(state, perturb(state, 0, "recurrent")).first_bad_kv == "recurrent"
 
 
 def test_a_state_over_other_positions_is_not_compared_as_equal(folders):
@@ -167,8 +168,8 @@ def test_a_state_over_other_positions_is_not_compared_as_equal(folders):
     other = kv.BoundaryState(state.prefix, logits=state.logits,
                              layers=(shifted,) + state.layers[1:])
     diff = kv.compare_states(state, other)
-    assert not diff["bit_exact"] and diff["n_diff"] == 0
-    assert any("layer 0 part k: positions" in u for u in diff["uncompared"])
+    assert not diff.bit_exact and diff.n_diff == 0
+    assert any("layer 0 part k: positions" in u for u in diff.uncompared)
 
 
 def test_a_cache_layer_kvfid_does_not_know_is_refused_before_compute(monkeypatch):
@@ -247,4 +248,4 @@ def test_a_hybrid_layer_keeps_both_its_states_through_to_cache(tmp_path):
     with torch.inference_mode():
         again = decode_suffix(Runner(module), live.state, 6, frozenset())
     assert again.tokens == live.suffix.tokens
-    assert kv.compare_states(live.state, perturb(live.state, 1, "conv"))["first_bad_kv"] == "conv"
+    assert kv.compare_states(live.state, perturb(live.state, 1, "conv")).first_bad_kv == "conv"

@@ -139,8 +139,8 @@ def test_a_held_part_is_read_restored_and_transplanted(folders, family, layers, 
         assert parts & held, (family, index, held)
     donor = _noisy(live.state, layers, parts)
     diff = kv.compare_states(live.state, donor)
-    assert not diff["bit_exact"] and not diff["uncompared"]
-    assert {n for e in diff["layers"] for n, d in e["parts"].items() if not d["equal"]} <= parts
+    assert not diff.bit_exact and not diff.uncompared
+    assert {n for e in diff.layers for n, d in e.parts.items() if not d.equal} <= parts
     lo, hi = min(layers), max(layers) + 1
     moved = surgery.transplant(live.state, donor, surgery.parse_selection(f"layers={lo}-{hi}"), 2)
     _follows_donor(module, live, donor, moved)
@@ -167,7 +167,7 @@ def test_the_indexer_selection_is_a_part_compared_by_query(folders):
                              layers=(state.layers[0].replace(kvfid_selection=bent),
                                      *state.layers[1:]))
     diff = kv.compare_states(state, other)
-    assert diff["first_position"] == len(state.prefix) - 2 and diff["n_diff"] == 1
+    assert diff.first_position == len(state.prefix) - 2 and diff.n_diff == 1
 
 
 def test_the_modes_topk_breaks_ties_by_index_whatever_the_width():

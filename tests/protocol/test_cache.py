@@ -31,11 +31,11 @@ def test_bits_mean_bits_a_signed_zero_differs_and_agrees_with_the_fingerprint(dt
     a[0, 0, 1, 0] = -0.0
     assert torch.equal(a, b)   # why raw bits: torch.equal calls -0.0 and +0.0 equal
     diff = kv.tensor_diff(a, b)
-    assert not diff["equal"] and diff["n_diff"] == 1 and diff["first_position"] == 1
-    assert diff["max_abs"] == 0.0 and diff["max_ulp"] == 0 and diff["max_abs_rel"] == 0.0
+    assert not diff.equal and diff.n_diff == 1 and diff.first_position == 1
+    assert diff.max_abs == 0.0 and diff.max_ulp == 0 and diff.max_abs_rel == 0.0
     assert kv.sha_tensor(a) != kv.sha_tensor(b)
     same = kv.tensor_diff(a, a.clone())
-    assert same["equal"] and kv.sha_tensor(a) == kv.sha_tensor(a.clone())
+    assert same.equal and kv.sha_tensor(a) == kv.sha_tensor(a.clone())
 
 
 def test_nan_payloads_count_as_bits():
@@ -43,16 +43,16 @@ def test_nan_payloads_count_as_bits():
     b = a.clone()
     b.view(torch.int32)[0] ^= 1   # another NaN payload
     assert torch.isnan(b[0]) and not kv.bits_equal(a, b) and kv.bits_equal(a, a.clone())
-    assert kv.tensor_diff(a[None, None, :, None], b[None, None, :, None])["n_diff"] == 1
-    assert not kv.compare_logits(a, b)["equal"]
+    assert kv.tensor_diff(a[None, None, :, None], b[None, None, :, None]).n_diff == 1
+    assert not kv.compare_logits(a, b).equal
 
 
 def test_max_abs_rel_stays_small_where_ulps_explode_through_zero():
     a = torch.tensor([[[[1e-30], [4.0]]]])
     b = torch.tensor([[[[-1e-30], [4.0]]]])
     diff = kv.tensor_diff(a, b)
-    assert diff["max_ulp"] > 2 ** 24   # a sign change of a tiny value: far apart in ULPs
-    assert diff["max_abs_rel"] < 1e-29
+    assert diff.max_ulp > 2 ** 24   # a sign change of a tiny value: far apart in ULPs
+    assert diff.max_abs_rel < 1e-29
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -62,40 +62,40 @@ def test_flipped_bit_is_found_at_its_layer_position_and_kv(dtype):
     values[1] = flip_low_bit(values[1], (0, 1, 4, 2))
     b = kv.BoundaryState(a.prefix, a.keys, tuple(values), a.logits)
     diff = kv.compare_states(a, b)
-    assert not diff["bit_exact"]
-    assert (diff["first_bad_layer"], diff["first_bad_kv"]) == (1, "v")
-    assert diff["first_position"] == 4
-    assert diff["n_diff"] == 1 and diff["max_ulp"] == 1
-    assert diff["layers"][1]["k"]["equal"] and not diff["layers"][1]["v"]["equal"]
-    assert diff["bad_layers"] == [1]
-    assert diff["d_rel"] > 0
+    assert not diff.bit_exact
+    assert (diff.first_bad_layer, diff.first_bad_kv) == (1, "v")
+    assert diff.first_position == 4
+    assert diff.n_diff == 1 and diff.max_ulp == 1
+    assert diff.layers[1].k.equal and not diff.layers[1].v.equal
+    assert diff.bad_layers == (1,)
+    assert diff.d_rel > 0
 
 
 def test_identical_states_compare_bit_exact():
     a, b = make_state(), make_state()
     diff = kv.compare_states(a, b)
-    assert diff["bit_exact"] and diff["n_diff"] == 0 and diff["max_ulp"] == 0
-    assert diff["first_bad_layer"] is None and diff["first_position"] is None
+    assert diff.bit_exact and diff.n_diff == 0 and diff.max_ulp == 0
+    assert diff.first_bad_layer is None and diff.first_position is None
 
 
 def test_ulp_distance_counts_across_zero():
     a = torch.tensor([0.0, -0.0, 1.0], dtype=torch.float32).view(1, 1, 3, 1)
     b = torch.tensor([-0.0, 0.0, 1.0], dtype=torch.float32).view(1, 1, 3, 1)
     diff = kv.tensor_diff(a, b)
-    assert not diff["equal"] and diff["n_diff"] == 2   # other bits...
-    assert diff["max_ulp"] == 0                        # ...but +0 and -0 are 0 ULPs apart
+    assert not diff.equal and diff.n_diff == 2   # other bits...
+    assert diff.max_ulp == 0                        # ...but +0 and -0 are 0 ULPs apart
     tiny = torch.tensor([1e-45, -1e-45], dtype=torch.float32)   # smallest subnormals
     c = tiny.view(1, 1, 2, 1)
     d = torch.zeros(2).view(1, 1, 2, 1)
-    assert kv.tensor_diff(c, d)["max_ulp"] == 1
-    assert kv.tensor_diff(c, c.flip(2))["max_ulp"] == 2
+    assert kv.tensor_diff(c, d).max_ulp == 1
+    assert kv.tensor_diff(c, c.flip(2)).max_ulp == 2
 
 
 def test_transplant_into_itself_is_a_no_op():
     a = make_state()
     for text in ["all", "keys", "values", "layers=1-2", "positions=generated", "positions=1-3"]:
         b = surgery.transplant(a, a, surgery.parse_selection(text), prompt_length=2)
-        assert kv.compare_states(a, b)["bit_exact"]
+        assert kv.compare_states(a, b).bit_exact
         assert torch.equal(a.logits, b.logits)
 
 
@@ -138,10 +138,10 @@ def test_fingerprints_see_every_bit():
 
 def test_suffix_comparison_reports_divergence_and_margins():
     out = kv.compare_suffixes([1, 2, 3, 4], [1, 2, 9], [5.0, 4.0, 0.5, 1.0], [5.0, 4.0, 0.4])
-    assert not out["identical"] and out["first_divergence"] == 2 and out["common_prefix"] == 2
-    assert out["margin_a_at_divergence"] == 0.5 and out["margin_b_at_divergence"] == 0.4
+    assert not out.identical and out.first_divergence == 2 and out.common_prefix == 2
+    assert out.margin_a_at_divergence == 0.5 and out.margin_b_at_divergence == 0.4
     prefix = kv.compare_suffixes([1, 2], [1, 2, 3], [1, 1], [1, 1, 1])
-    assert prefix["first_divergence"] == 2 and prefix["margin_a_at_divergence"] is None
+    assert prefix.first_divergence == 2 and prefix.margin_a_at_divergence is None
 
 
 def test_rows_identical_sees_one_differing_bit_in_any_row():
@@ -187,5 +187,5 @@ def test_one_copy_fingerprint_and_compare_equal_the_part_by_part_definitions():
     found = kv.compare_states(a, b)
     for index, (la, lb) in enumerate(zip(a.layers, b.layers)):
         for name in ("k", "v"):
-            assert found["layers"][index][name] == kv.tensor_diff(la.parts[name], lb.parts[name], la.start)
-    assert found["first_bad_layer"] == 1 and found["first_bad_kv"] == "v" and found["n_diff"] == 1
+            assert getattr(found.layers[index], name) == kv.tensor_diff(la.parts[name], lb.parts[name], la.start)
+    assert found.first_bad_layer == 1 and found.first_bad_kv == "v" and found.n_diff == 1

@@ -269,8 +269,19 @@ def test_a_record_survives_its_json_round_trip_and_other_schemas_are_refused():
     plan = ItemPlan(6, 5, arms=("live", "prefill", "incremental", "batched:2", "cobatched:3"),
                     replicas=("prefill",), transplants=(parse_transplant("live<-prefill:keys"),))
     item = run_item(tiny(), Stack("sdpa", "bf16"), PROMPT, plan)
+    # the comparisons come typed from the states' own functions, not converted from dicts
+    assert all(isinstance(c.cache, record.CacheDiff) and isinstance(c.logits, record.LogitsDiff)
+               and isinstance(c.suffix, record.SuffixDiff) for c in item.comparisons)
     text = item.to_json()
     assert record_read.from_json(text) == item
+    # A schema-3 record written while CacheDiff still held its constant `d_rel_aggregation`
+    # sentence reads back as the same record; records written now no longer carry it.
+    assert "d_rel_aggregation" not in text
+    earlier = json.loads(text)
+    for c in earlier["comparisons"]:
+        c["cache"]["d_rel_aggregation"] = ("Frobenius norm over every compared part of every "
+                                           "layer, concatenated")
+    assert record_read.from_json(json.dumps(earlier)) == item
     assert record_read.from_json(item.to_json(indent=1)) == item
     data = json.loads(text)
     assert (data["schema"], data["kind"]) == (record.SCHEMA_VERSION, "item")
@@ -300,6 +311,7 @@ def test_an_untagged_schema_2_record_reads_as_a_typed_record():
                                "replica_fingerprints": replica["fingerprints"]})
     for comparison in old["comparisons"]:   # schema 1-2 had no difference kinds
         comparison.pop("difference", None)
+        comparison["cache"]["d_rel_aggregation"] = "Frobenius norm over every layer, concatenated"
     unkinded = lambda c: dataclasses.replace(c, difference=None)
     assert record_read.from_json(json.dumps(old)) == dataclasses.replace(
         item, warmup_s=0.0, comparisons=tuple(map(unkinded, item.comparisons)),

@@ -16,6 +16,7 @@ from kvfid.runs.case import load_case, stored_case
 from kvfid.compare.runs import compare, render_html, render_markdown, write_comparison, rate_change
 from kvfid.ledger.store import Ledger, LedgerError
 from kvfid.runs.matrix import run_case
+from kvfid.runs.aggregate import rate
 from kvfid.inputs.models import load_model
 
 CASES = Path(__file__).resolve().parents[2] / "cases"
@@ -206,15 +207,15 @@ def test_unknown_specs_and_missing_ledgers_are_errors(ledgers, tmp_path):
 
 
 def test_the_interval_rule():
-    worse = rate_change("suffix differs", "prefill vs live", {"k": 0, "n": 50},
-                         {"k": 20, "n": 50}, "higher")
+    worse = rate_change("suffix differs", "prefill vs live", rate(0, 50),
+                         rate(20, 50), "higher")
     assert worse["status"] == "worse" and worse["a"]["ci"][1] < worse["b"]["ci"][0]
-    assert rate_change("x", "y", {"k": 20, "n": 50}, {"k": 0, "n": 50}, "higher")["status"] \
+    assert rate_change("x", "y", rate(20, 50), rate(0, 50), "higher")["status"] \
         == "better"
-    assert rate_change("x", "y", {"k": 50, "n": 50}, {"k": 30, "n": 50}, "lower")["status"] \
+    assert rate_change("x", "y", rate(50, 50), rate(30, 50), "lower")["status"] \
         == "worse"
     # 0/2 and 2/2 differ, but their intervals ([0, 66%] and [34%, 100%]) overlap.
-    assert rate_change("x", "y", {"k": 0, "n": 2}, {"k": 2, "n": 2}, "higher")["status"] \
+    assert rate_change("x", "y", rate(0, 2), rate(2, 2), "higher")["status"] \
         == "within"
 
 

@@ -80,8 +80,8 @@ def test_the_aggregate_settles_a_bf16_stack_by_its_fp32_twin(fp32_kind, settled)
     units = [_with_kind(base, "sdpa/bf16@t1", scale.UNSETTLED),
              _with_kind(base, "sdpa/fp32@t1", fp32_kind),
              _with_kind(dataclasses.replace(base, item_index=1), "sdpa/bf16@t1", scale.UNSETTLED)]
-    stacks = aggregate(units)["stacks"]
-    counts = stacks["sdpa/bf16@t1"]["constructions"]["prefill"]["differences"]
+    stacks = aggregate(units).stacks
+    counts = stacks["sdpa/bf16@t1"].constructions["prefill"].differences
     # item 0 settled by its fp32 twin; item 1 has no twin and stays unsettled
     assert counts == {**{k: 0 for k in scale.KINDS}, settled: 1, scale.UNSETTLED: 1}
 

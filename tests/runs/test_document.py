@@ -6,6 +6,7 @@ import re
 import pytest
 
 from kvfid.reports.compile_report import render_table as compile_table
+from kvfid.runs.summary import Rate
 from kvfid.reports.document import (Bullets, Code, Details, Figure, Heading, Link, Paragraph,
                                       Table, fraction, interval_text, markdown, number, percent,
                                       plain_text, ratio, seconds, to_html)
@@ -64,7 +65,7 @@ def test_one_set_of_formatters():
     assert (number(None), number(0.0), number(0.015625), number(3, ".2f")) == \
         ("n/a", "0", "0.0156", "3.00")
     assert (percent(None), percent(0.125)) == ("n/a", "12.5%")
-    rate = {"k": 1, "n": 8, "rate": 0.125, "ci": [0.022, 0.471]}
+    rate = Rate(1, 8, 0.125, (0.022, 0.471))
     assert interval_text(rate) == "1/8 (12.5%) [2.2%, 47.1%]" and interval_text(None) == "-"
     assert (fraction(rate), fraction(rate, rate=True), fraction(None)) == \
         ("1/8", "1/8 (12.5%)", "-")

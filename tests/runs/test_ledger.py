@@ -1,5 +1,6 @@
 """The ledger: one transaction per unit, no duplicates, run lookup, merge, rows of a record."""
 
+import dataclasses
 import json
 import sqlite3
 from pathlib import Path
@@ -169,3 +170,32 @@ def test_a_schema_another_writer_creates_between_two_reads_is_not_refused(tmp_pa
     other.join()
     with Ledger(path) as ledger:
         assert ledger.version == opening.SCHEMA_VERSION
+
+
+def test_a_unit_stored_with_a_retired_field_reads_back_and_only_that_field_is_skipped(db):
+    """A unit stored while CacheDiff still held its constant `d_rel_aggregation` (what ledgers
+    wrote before the comparisons were typed) loads from the ledger with every attribute; the
+    retired name is skipped only where its class names it, any other unknown field is refused."""
+    from kvfid.records.plain import decode
+
+    cache = rec.CacheDiff(bit_exact=False, first_bad_layer=1, first_bad_kv="v", bad_layers=(1,),
+                          n_diff=2, max_ulp=3, d_rel=0.5, first_position=4,
+                          layers=(rec.LayerDiff(0), rec.LayerDiff(1, v=rec.TensorDiff(
+                              equal=False, n_diff=2, max_ulp=3, d_rel=0.5, first_position=4))))
+    comparison = rec.Comparison("live", "prefill", "arm", rec.SuffixDiff(identical=True),
+                                cache=cache, logits=rec.LogitsDiff())
+    item = dataclasses.replace(item_record(), comparisons=(comparison,))
+    data = json.loads(item.to_json())
+    data["comparisons"][0]["cache"]["d_rel_aggregation"] = "Frobenius norm over every layer"
+    db.create_run("r1", CASE, ENV, "k")
+    db.write_unit("r1", 0, "i0", "sdpa/bf16", item, "k")
+    db.db.execute("UPDATE units SET record = ?", (json.dumps(data),))
+    assert "d_rel_aggregation" in db.db.execute("SELECT record FROM units").fetchone()[0]
+    (unit,) = db.units("r1")
+    read = unit.record.comparisons[0].cache
+    assert read == cache and (read.first_bad_layer, read.first_bad_kv, read.max_ulp) == (1, "v", 3)
+    assert read.layers[1].v.first_position == 4
+    with pytest.raises(ValueError, match="no field"):
+        decode(rec.LogitsDiff, {"equal": True, "d_rel_aggregation": "x"})
+    with pytest.raises(ValueError, match="no field"):
+        decode(rec.CacheDiff, {"bit_exact": True, "d_rel_aggregate": "x"})

@@ -221,6 +221,6 @@ def test_a_stored_run_is_published_once_more_from_its_result(smoke_copy, tmp_pat
     db, run_id = smoke_copy
     result = matrix.RunResult(run_id, "finished", 0, 9, 9)
     done = publish_result(db, result, report=True, out=tmp_path / "reports")
-    assert set(done.summary["stacks"]) == {"sdpa/bf16@t1", "eager/bf16@t1"}
-    assert done.summary["crossing"]["items"] == 3
+    assert set(done.summary.stacks) == {"sdpa/bf16@t1", "eager/bf16@t1"}
+    assert done.summary.crossing.items == 3
     assert done.files["html"].parent.name == run_id

@@ -119,11 +119,11 @@ def test_kvfid_run_stores_program_records_and_the_report_shows_the_program(tmp_p
     control = twin.run("packed").against_live("prefill")
     assert not control.bit_exact and control.first_bad_segment is not None
     summary = aggregate(units, run.design)
-    arms = summary["program"]["twin/fp32+bi@t1"]["packed"]["arms"]
-    assert arms["prefill"]["cache_bit_exact"]["k"] == 0
-    assert arms["prefill"]["first_bad_segment"] == {control.first_bad_segment: 1}
-    assert summary["program"]["native/fp32+bi@t1"]["batched"]["arms"]["chunked:5"][
-        "first_bad_segment"] == {"exact": 1}
+    arms = summary.program["twin/fp32+bi@t1"]["packed"].arms
+    assert arms["prefill"].cache_bit_exact.k == 0
+    assert arms["prefill"].first_bad_segment == {control.first_bad_segment: 1}
+    assert summary.program["native/fp32+bi@t1"]["batched"].arms["chunked:5"].first_bad_segment \
+        == {"exact": 1}
     text = markdown(document(run, case, summary, units))
     assert "## Stage program" in text and "\n".join(picture(packed.segments)) in text
     assert "| twin/fp32+bi@t1 | packed | prefill | 0/1 |" in text
@@ -131,7 +131,7 @@ def test_kvfid_run_stores_program_records_and_the_report_shows_the_program(tmp_p
     assert "live<-prefill:segment=branch2" in text and "--program batched:2x3+2:parallel" in text
     from kvfid.reports.index import grid_stacks    # the index grid: a column per stack x layout
 
-    columns = grid_stacks(summary)
+    columns = grid_stacks(summary.to_plain())   # the index reads summary.json's plain form
     assert list(columns) == [f"{s} {layout}" for s in ("native/fp32+bi@t1", "twin/fp32+bi@t1")
                              for layout in ("packed", "batched")]
     assert columns["twin/fp32+bi@t1 packed"]["constructions"]["prefill"]["cache_bit_exact"]["k"] == 0

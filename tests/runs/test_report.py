@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvfid.runs import stats
+from kvfid.runs.summary import Rate
 from kvfid.runs.case import load_case
 from kvfid.ledger.store import Ledger, StoredUnit
 from kvfid.records import record as rec
@@ -89,16 +90,15 @@ def summary():
 
 
 def test_disagreement_replica_floor_and_cache(summary):
-    s = summary["stacks"][STACK]
-    assert (s["items"], s["ok"], s["short"]) == (5, 4, ["i4"])
-    prefill = s["constructions"]["prefill"]
-    assert prefill["suffix_disagree"] == {"k": 2, "n": 4, "rate": 0.5,
-                                          "ci": list(stats.wilson_interval(2, 4))}
-    assert (prefill["replica_floor"]["k"], prefill["replica_floor"]["n"]) == (1, 4)
-    assert (prefill["cache_bit_exact"]["k"], prefill["cache_bit_exact"]["n"]) == (1, 4)
-    assert prefill["first_bad_layer"] == {"exact": 1, "0": 1, "1": 2}
-    assert prefill["d_rel_per_layer"] == {"k": [0.0, pytest.approx(0.015)],
-                                          "v": [0.0, pytest.approx(0.03)]}
+    s = summary.stacks[STACK]
+    assert (s.items, s.ok, s.short) == (5, 4, ("i4",))
+    prefill = s.constructions["prefill"]
+    assert prefill.suffix_disagree == Rate(2, 4, 0.5, stats.wilson_interval(2, 4))
+    assert (prefill.replica_floor.k, prefill.replica_floor.n) == (1, 4)
+    assert (prefill.cache_bit_exact.k, prefill.cache_bit_exact.n) == (1, 4)
+    assert prefill.first_bad_layer == {"exact": 1, "0": 1, "1": 2}
+    assert prefill.d_rel_per_layer == {"k": (0.0, pytest.approx(0.015)),
+                                       "v": (0.0, pytest.approx(0.03))}
 
 
 
@@ -114,49 +114,49 @@ def test_d_rel_per_layer_covers_every_part_of_every_layer_kind():
         cache = dataclasses.replace(c.cache, layers=(recurrent, full))
         units.append(dataclasses.replace(unit, record=dataclasses.replace(
             unit.record, comparisons=(dataclasses.replace(c, cache=cache),))))
-    prefill = aggregate(units, DESIGN)["stacks"][STACK]["constructions"]["prefill"]
-    assert prefill["d_rel_per_layer"] == {"k": [None, 0.03], "v": [None, 0.05],
-                                          "recurrent": [0.2, None], "conv": [0.1, None]}
+    prefill = aggregate(units, DESIGN).stacks[STACK].constructions["prefill"]
+    assert prefill.d_rel_per_layer == {"k": (None, 0.03), "v": (None, 0.05),
+                                       "recurrent": (0.2, None), "conv": (0.1, None)}
     numbers = markdown(d_rel_blocks(STACK, {"prefill": prefill})[-1][2:])   # the figure's table
     assert "| layer | prefill K | prefill V | prefill RECURRENT | prefill CONV |" in numbers
     assert "| 0 | - | - | 0.2 | 0.1 |" in numbers and "| 1 | 0.03 | 0.05 | - | - |" in numbers
 
 
 def test_first_divergence_and_margins(summary):
-    prefill = summary["stacks"][STACK]["constructions"]["prefill"]
-    fd = prefill["first_divergence"]
-    assert (fd["n"], fd["median"], fd["q1"], fd["q3"]) == (2, 3.5, 2.75, 4.25)
-    assert [count for _, _, count in fd["histogram"]] == [0, 0, 1, 0, 0, 1, 0, 0]
-    assert prefill["margin_at_divergence"]["median"] == pytest.approx(0.375)
-    assert prefill["margin_elsewhere"]["n"] == 2 + 5 + 8 + 8
+    prefill = summary.stacks[STACK].constructions["prefill"]
+    fd = prefill.first_divergence
+    assert (fd.n, fd.median, fd.q1, fd.q3) == (2, 3.5, 2.75, 4.25)
+    assert [count for _, _, count in fd.histogram] == [0, 0, 1, 0, 0, 1, 0, 0]
+    assert prefill.margin_at_divergence.median == pytest.approx(0.375)
+    assert prefill.margin_elsewhere.n == 2 + 5 + 8 + 8
 
 
 def test_correctness_flips_and_mcnemar(summary):
-    s = summary["stacks"][STACK]
-    assert (s["correctness"]["live"]["k"], s["correctness"]["live"]["n"]) == (2, 4)
-    paired = s["constructions"]["prefill"]["correctness"]
-    assert (paired["a_right_b_wrong"], paired["a_wrong_b_right"]) == (1, 1)
-    assert paired["difference"] == 0.0 and paired["mcnemar_p"] == 1.0
+    s = summary.stacks[STACK]
+    assert (s.correctness["live"].k, s.correctness["live"].n) == (2, 4)
+    paired = s.constructions["prefill"].correctness
+    assert (paired.a_right_b_wrong, paired.a_wrong_b_right) == (1, 1)
+    assert paired.difference == 0.0 and paired.mcnemar_p == 1.0
 
 
 def test_transplant_rows_by_role(summary):
-    t = summary["stacks"][STACK]["transplants"]["live<-prefill:all"]
-    assert t["divergent"]["n"] == 2
-    assert t["divergent"]["outcomes"]["donor"]["k"] == 1
-    assert t["divergent"]["outcomes"]["third"]["k"] == 1
-    assert (t["control"]["n"], t["control"]["outcomes"]["recipient"]["k"]) == (1, 1)
-    assert (t["unsampled"]["n"], t["unsampled"]["outcomes"]["recipient"]["k"]) == (1, 1)
-    assert t["control"]["outcomes"]["recipient"]["ci"] == list(stats.wilson_interval(1, 1))
+    t = summary.stacks[STACK].transplants["live<-prefill:all"]
+    assert t["divergent"].n == 2
+    assert t["divergent"].outcomes["donor"].k == 1
+    assert t["divergent"].outcomes["third"].k == 1
+    assert (t["control"].n, t["control"].outcomes["recipient"].k) == (1, 1)
+    assert (t["unsampled"].n, t["unsampled"].outcomes["recipient"].k) == (1, 1)
+    assert t["control"].outcomes["recipient"].ci == stats.wilson_interval(1, 1)
 
 
 def test_the_crossing_two_by_two(summary):
-    x = summary["crossing"]
-    assert x["reference"] == "sdpa/bf16" and x["ok"] == 2
-    cell = lambda d, c: (x["cells"][f"sdpa/{d}"][c]["k"], x["cells"][f"sdpa/{d}"][c]["n"])
+    x = summary.crossing
+    assert x.reference == "sdpa/bf16" and x.ok == 2
+    cell = lambda d, c: (x.cells[f"sdpa/{d}"][c].k, x.cells[f"sdpa/{d}"][c].n)
     assert [cell("bf16", "incremental"), cell("bf16", "prefill"), cell("fp32", "incremental"),
             cell("fp32", "prefill")] == [(2, 2), (2, 2), (1, 2), (0, 2)]
-    assert x["within"]["sdpa/fp32"]["suffix_disagree"]["k"] == 1
-    assert x["within"]["sdpa/bf16"]["cache_bit_exact"] == 2
+    assert x.within["sdpa/fp32"].suffix_disagree.k == 1
+    assert x.within["sdpa/bf16"].cache_bit_exact == 2
 
 
 def test_headline_has_one_row_per_construction_then_the_crossing(summary):
@@ -185,6 +185,27 @@ def test_report_files_are_written_and_self_contained(tmp_path):
     assert summary["run"] == "r1" and summary["environment"]["versions"]["torch"] == "x"
     assert "--item <INDEX>" in summary["repro"]["crossing"]
     assert summary["stacks"][STACK]["constructions"]["prefill"]["suffix_disagree"]["k"] == 2
+    # summary.json holds the aggregates' plain form under the keys it always had, and a stored
+    # rate reads back as the rate the report rendered
+    with Ledger(tmp_path / "l.sqlite") as ledger:
+        typed = aggregate(ledger.units("r1"), ledger.run("r1").design)
+    assert {k: summary[k] for k in typed.to_plain()} == typed.to_plain()
+    assert list(summary)[-6:] == ["stacks", "crossing", "control_indices", "replay",
+                                  "replay_engine", "program"]
+    prefill = summary["stacks"][STACK]["constructions"]["prefill"]
+    assert list(prefill) == [
+        "kind", "vs", "suffix_disagree", "replica_floor", "live_replica_floor",
+        "cache_comparable", "cache_bit_exact", "logits_bit_exact", "boundary_argmax_differs",
+        "first_bad_layer", "d_rel_median", "d_rel_per_layer", "d_rel_aggregation",
+        "first_divergence", "margin_at_divergence", "margin_elsewhere", "correctness",
+        "differences"]
+    assert list(summary["stacks"][STACK]) == ["items", "ok", "B", "S", "short", "constructions",
+                                              "replicas", "correctness", "transplants",
+                                              "batched_rows_identical"]
+    assert list(prefill["replica_floor"]) == ["k", "n", "rate", "ci", "cache_bit_exact"]
+    assert list(prefill["first_divergence"]) == ["n", "median", "q1", "q3", "histogram"]
+    stored = Rate.from_plain(prefill["suffix_disagree"])
+    assert stored == typed.stacks[STACK].constructions["prefill"].suffix_disagree
 
 
 def test_repro_command_names_the_stack_plan_and_item():

@@ -95,47 +95,47 @@ def test_paired_difference_matches_newcombe_method_10_textbook_example():
     # exact McNemar p = 0.052.
     a, b = _paired(both_right=59, a_only=16, b_only=6, both_wrong=80)
     r = paired_difference(a, b)
-    assert r["n"] == 161
-    assert r["difference"] == pytest.approx(-10 / 161)
-    assert round(r["ci_low"], 4) == -0.1186
-    assert round(r["ci_high"], 4) == -0.0046
-    assert round(r["mcnemar_p"], 3) == 0.052
-    assert (r["a_right_b_wrong"], r["a_wrong_b_right"]) == (16, 6)
-    assert (r["both_right"], r["both_wrong"]) == (59, 80)
-    assert r["accuracy_a"] == 75 / 161 and r["accuracy_b"] == 65 / 161
-    assert r["ci_method"] == "newcombe-10"
+    assert r.n == 161
+    assert r.difference == pytest.approx(-10 / 161)
+    assert round(r.ci_low, 4) == -0.1186
+    assert round(r.ci_high, 4) == -0.0046
+    assert round(r.mcnemar_p, 3) == 0.052
+    assert (r.a_right_b_wrong, r.a_wrong_b_right) == (16, 6)
+    assert (r.both_right, r.both_wrong) == (59, 80)
+    assert r.accuracy_a == 75 / 161 and r.accuracy_b == 65 / 161
+    assert r.ci_method == "newcombe-10"
 
 
 def test_paired_difference_reverses_sign_when_arms_swap():
     a, b = _paired(both_right=40, a_only=3, b_only=11, both_wrong=6)
     forward, backward = paired_difference(a, b), paired_difference(b, a)
-    assert forward["difference"] == pytest.approx(-backward["difference"])
-    assert forward["ci_low"] == pytest.approx(-backward["ci_high"])
-    assert forward["ci_high"] == pytest.approx(-backward["ci_low"])
-    assert forward["mcnemar_p"] == backward["mcnemar_p"]
-    assert forward["a_wrong_b_right"] == backward["a_right_b_wrong"] == 11
+    assert forward.difference == pytest.approx(-backward.difference)
+    assert forward.ci_low == pytest.approx(-backward.ci_high)
+    assert forward.ci_high == pytest.approx(-backward.ci_low)
+    assert forward.mcnemar_p == backward.mcnemar_p
+    assert forward.a_wrong_b_right == backward.a_right_b_wrong == 11
 
 
 def test_identical_arms_have_zero_difference_and_p_one():
     a = [True, False, True, True, False]
     r = paired_difference(a, list(a))
-    assert r["difference"] == 0.0
-    assert r["ci_low"] < 0.0 < r["ci_high"]
-    assert r["mcnemar_p"] == 1.0
-    assert r["a_right_b_wrong"] == r["a_wrong_b_right"] == 0
+    assert r.difference == 0.0
+    assert r.ci_low < 0.0 < r.ci_high
+    assert r.mcnemar_p == 1.0
+    assert r.a_right_b_wrong == r.a_wrong_b_right == 0
 
 
 def test_paired_difference_all_flips_stays_inside_bounds():
     r = paired_difference([False] * 10, [True] * 10)
-    assert r["difference"] == 1.0
-    assert 0.0 < r["ci_low"] < 1.0 and r["ci_high"] == 1.0
-    assert r["mcnemar_p"] == 2 / 2**10
+    assert r.difference == 1.0
+    assert 0.0 < r.ci_low < 1.0 and r.ci_high == 1.0
+    assert r.mcnemar_p == 2 / 2**10
 
 
 def test_paired_difference_empty_and_errors():
     r = paired_difference([], [])
-    assert r["n"] == 0 and math.isnan(r["difference"])
-    assert (r["ci_low"], r["ci_high"], r["mcnemar_p"]) == (-1.0, 1.0, 1.0)
+    assert r.n == 0 and math.isnan(r.difference)
+    assert (r.ci_low, r.ci_high, r.mcnemar_p) == (-1.0, 1.0, 1.0)
     with pytest.raises(ValueError, match="equal lengths"):
         paired_difference([True], [True, False])
     with pytest.raises(ValueError, match="None"):

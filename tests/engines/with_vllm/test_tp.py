@@ -62,8 +62,9 @@ def _tp_rows(folder, faithful: bool, rollouts=None):
         sampled = vllm_engine.generate(llm, prompts, TOKENS, 1.0, 0, stop_ids=[257]) if rollouts \
             else None
     from kvfid.engines.kv import compare_rows
+    from kvfid.records.plain import as_plain
 
-    rows = {name: {**row, "kv": compare_rows(*states)}
+    rows = {name: {**row, "kv": as_plain(compare_rows(*states))}
             for name, row, states in check.tp_rows(one, two, prompts, 2)}
     return rows, sampled
 
