@@ -47,6 +47,7 @@ from kvfid.diagnoses.rescore import (ALLOWED, CONSTRUCTIONS, check_constructions
 from kvfid.diagnoses.replay_gaps import (DECADES, STEP, _quantile, aggregate_gaps,  # noqa: F401
                                       delta_decades, engine_logprobs, gap, render_gaps)
 from kvfid.records.replay_record import LogprobMismatch, ReplayRecord
+from kvfid.stacks.stack import Stack
 from kvfid.inputs.trajectories import (Trajectory, as_row, check_fits,  # noqa: F401
                                        load_trajectories, trajectories_from_rows)
 
@@ -182,7 +183,7 @@ def render(result: dict) -> str:
     return "\n".join(lines + render_gaps(result))
 
 
-def replay_command(trajectories: str, model_name: str, stack, constructions: str,
+def replay_command(trajectories: str, model_name: str, stack: Stack, constructions: str,
                    progress=None) -> dict:
     """`kvfid replay`: the options and the file checked before compute (exit 2 / 3), then `replay`
     (on ranks spawned here at a TP size above 1)."""
@@ -198,7 +199,7 @@ def replay_command(trajectories: str, model_name: str, stack, constructions: str
         raise BadInput(str(err)) from None
 
 
-def checked_replay(trajectories, model_name, stack, constructions: str):
+def checked_replay(trajectories, model_name, stack: Stack, constructions: str):
     """(model, stack, trajectories, constructions) of a replay, each checked before compute
     (BadInput, exit 2; Unavailable, exit 3). `trajectories`: a JSONL path or rows in memory;
     `model_name`: a preset, `hf:<folder>` or a Model already loaded (the Python API's; at TP
@@ -241,7 +242,6 @@ def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, te
     JSONL atomically."""
     from kvfid.inputs import items
     from kvfid.diagnoses.subject import check_model_name
-    from kvfid.stacks.stack import Stack
     from kvfid.inputs.models import load_model
     from kvfid.outputs import write_files
 
