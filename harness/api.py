@@ -67,14 +67,11 @@ def repro(model, prompt: str, *, stack: Stack | str = "sdpa/bf16",
     """One prompt on one stack, as `kvfid repro` measures it: every arm against live (cache,
     boundary logits, suffix), replicas, transplants (`live<-prefill:keys`), the precision
     crossing over `cross` dtypes. Returns the typed record, its verdict and environment."""
-    chosen = stack_of(stack)
     return _repro(model_name=model if isinstance(model, str) else load_model(model),
-                  prompt=prompt, item_set=None, item_index=None, backend=chosen.backend,
-                  dtype=chosen.dtype, batch_invariant=chosen.batch_invariant,
-                  device=chosen.device, threads=chosen.threads, boundary=boundary, suffix=suffix,
-                  arms=",".join(arms), replicas=",".join(replicas), transplants=tuple(transplants),
-                  cross=",".join(cross), ignore_eos=ignore_eos, compiled=chosen.compiled,
-                  faithful_recurrence=chosen.faithful_recurrence, tp=chosen.tp)
+                  stack=stack_of(stack), prompt=prompt, item_set=None, item_index=None,
+                  boundary=boundary, suffix=suffix, constructions=",".join(arms),
+                  replicas=",".join(replicas), transplants=tuple(transplants),
+                  cross=",".join(cross), ignore_eos=ignore_eos)
 
 
 def read_state(cache, config=None, prefix: Iterable[int] = (), logits=None) -> BoundaryState:
@@ -147,8 +144,7 @@ def replay(trajectories, model, *, stack: Stack | str = "sdpa/bf16",
                        f"{chosen.tp}` spawns the ranks")
     source = str(trajectories) if isinstance(trajectories, Path) else trajectories
     model, chosen, rows, names = checked_replay(
-        source, model if isinstance(model, str) else load_model(model), chosen.backend,
-        chosen.dtype, chosen.batch_invariant, chosen.device, chosen.threads,
-        ",".join(constructions), chosen.compiled, chosen.faithful_recurrence)
+        source, model if isinstance(model, str) else load_model(model), chosen,
+        ",".join(constructions))
     records = tuple(replay_unit(model, chosen, t, names) for t in rows)
     return ReplayResult(chosen.label, model.name, records)

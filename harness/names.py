@@ -32,8 +32,8 @@ CONSTRUCTION_HELP = ("live, prefill, incremental, incremental-1, chunked:N, batc
 
 # The verdicts of `kvfid repro` (kvfid.diagnoses.repro.verdict).
 BIT_EXACT, DIVERGES = "bit-exact", "diverges"
-VERDICT_HELP = (f"{BIT_EXACT}: every arm compared with live (the --arms; not replicas, transplants "
-                f"or the crossing) has live's boundary prefix, a bit-identical KV cache and the "
+VERDICT_HELP = (f"{BIT_EXACT}: every arm compared with live (the --constructions; not replicas, "
+                f"transplants or the crossing) has live's boundary prefix, a bit-identical KV cache and the "
                 f"identical suffix; {DIVERGES}: at least one arm does not.")
 
 # The shipped case files: package data in an installed kvfid (kvfid/cases), cases/ in a checkout.

@@ -7,7 +7,8 @@ import json
 
 import click
 
-from kvfid.commands.options import db_option, exit_with, fmt_option, item_options, stack_options
+from kvfid.commands.options import (constructions_option, db_option, exit_with, fmt_option,
+                                    item_options, stack_options, take_stack)
 from kvfid.names import BIT_EXACT, CONSTRUCTION_HELP, DIVERGES, VERDICT_HELP
 
 
@@ -18,9 +19,11 @@ from kvfid.names import BIT_EXACT, CONSTRUCTION_HELP, DIVERGES, VERDICT_HELP
               help="Live-generated tokens in the boundary prefix.")
 @click.option("-S", "suffix", type=int, default=48, show_default=True,
               help="Greedy suffix tokens decoded from each boundary state.")
-@click.option("--arms", default="live,prefill,incremental", show_default=True,
-              help=f"Comma-separated constructions: {CONSTRUCTION_HELP}.")
-@click.option("--replicas", default="", help="Comma-separated arms to run twice (replica floor).")
+@constructions_option("live,prefill,incremental",
+                      f"Comma-separated constructions, each built as an arm and compared with "
+                      f"live: {CONSTRUCTION_HELP}.")
+@click.option("--replicas", default="", help="Comma-separated constructions to run twice "
+                                          "(replica floor).")
 @click.option("--transplant", "transplants", multiple=True,
               help="RECIPIENT<-DONOR[:SELECTION], e.g. live<-prefill:keys (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Generate all B and S tokens even past an "
@@ -31,7 +34,7 @@ from kvfid.names import BIT_EXACT, CONSTRUCTION_HELP, DIVERGES, VERDICT_HELP
               "e.g. packed:3x8+8:parallel (N branches of L tokens from the prompt, then a merge "
               "of M; layout packed or batched; positions continuing or parallel); the arms are "
               "compared at its merge "
-              "boundary (-B is not used; arms: live, prefill, incremental, chunked:N).")
+              "boundary (-B is not used; constructions: live, prefill, incremental, chunked:N).")
 @click.option("--expect", type=click.Choice([BIT_EXACT, DIVERGES]),
               help=f"Exit 1 unless the verdict is this one (or when nothing was compared with "
                    f"live). {VERDICT_HELP}")
@@ -45,7 +48,8 @@ def repro(fmt, expect, **options) -> None:
         from kvfid.diagnoses.repro import repro as run_repro
 
         options.pop("program")
-    outcome = run_repro(**options)
+    stack = take_stack(options)   # the stack options, one value
+    outcome = run_repro(stack=stack, **options)
     click.echo(json.dumps(outcome.to_json(), indent=1) if fmt == "json" else outcome.text())
     exit_with(outcome.passed(expect))
 
@@ -65,7 +69,8 @@ def blame(fmt, **options) -> None:
     prefill (or a chunk): a culprit has bit-equal inputs on both sides and a differing output."""
     from kvfid.diagnoses.blame_command import blame_command
 
-    outcome = blame_command(**options)
+    stack = take_stack(options)
+    outcome = blame_command(stack=stack, **options)
     click.echo(json.dumps(outcome.to_json(), indent=1) if fmt == "json" else outcome.text())
 
 
@@ -74,9 +79,8 @@ def blame(fmt, **options) -> None:
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
               help="A preset (see `kvfid models`) or hf:<folder>; the one the trajectories are for.")
 @stack_options
-@click.option("--constructions", default="prefill", show_default=True,
-              help="Comma-separated re-scorings: prefill, chunked:N, batched:N, cached:K, spec:k[+PATTERN], "
-                   "spec:tree:WxD.")
+@constructions_option("prefill", "Comma-separated constructions, each a re-scoring: prefill, "
+                                 "chunked:N, batched:N, cached:K, spec:k[+PATTERN], spec:tree:WxD.")
 @click.option("--expect-exact", is_flag=True, help="Exit 1 unless every logprob is bit-identical.")
 @fmt_option
 def replay(fmt, expect_exact, **options) -> None:
@@ -84,8 +88,9 @@ def replay(fmt, expect_exact, **options) -> None:
     does and report, per token, how its logprob differs from step-by-step generation."""
     from kvfid.diagnoses import replay as replay_lib
 
+    stack = take_stack(options)
     result = replay_lib.replay_command(progress=lambda i: click.echo(f"replay {i}", err=True),
-                                       **options)
+                                       stack=stack, **options)
     click.echo(json.dumps(result, indent=1) if fmt == "json" else replay_lib.render(result))
     exit_with(not expect_exact or not any(a["differ"] for a in result["aggregate"].values()))
 

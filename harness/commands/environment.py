@@ -27,7 +27,7 @@ def models(model: str | None, length: int | None, fmt: str) -> None:
         return
     from kvfid.stacks.backends import builtin_backends
     from kvfid.stacks.serving import describe_serving
-    from kvfid.diagnoses.repro import check_model_name
+    from kvfid.diagnoses.subject import check_model_name
 
     check_model_name(model)
     click.echo(describe_serving(model, builtin_backends(), fmt, length))

@@ -36,8 +36,28 @@ item_options = options(
     click.option("--item-set", help="Take the prompt from an item set: arith | arith-easy | jsonl:<path>."),
     click.option("--item", "item_index", type=int, help="Index of the item in --item-set."))
 
-# --backend, --dtype, --batch-invariant, --device, --threads: the options of one stack.
+STACK_HELP = ("The whole stack as one value, as reports label it, e.g. native/bf16+bi@t1 "
+              "(BACKEND/DTYPE[+bi][+scan|+fr][+compile][@tN][@tpN]), instead of the separate "
+              "options below; one of them given too must say what the label says (exit 2). "
+              "--device combines with it.")
+
+
+class HiddenAlias(click.Option):
+    """An option whose first name is the one shown in the help; the others are old names that
+    still work (users' scripts keep running), left out of the help."""
+
+    def get_help_record(self, ctx: click.Context):
+        names = self.opts
+        self.opts = names[:1]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = names
+
+
+# --stack, or --backend, --dtype, --batch-invariant, --device, --threads, ...: one stack.
 stack_options = options(
+    click.option("--stack", "stack_label", metavar="LABEL", help=STACK_HELP),
     click.option("--backend", default="sdpa", show_default=True,
                  help=f"Attention backend: {', '.join(BACKENDS)}, module:function, or an "
                       "implementation transformers registered."),
@@ -59,6 +79,30 @@ stack_options = options(
                  help="Tensor-parallel size: the model sharded over N ranks this command starts on "
                       "this machine (gloo on a CPU); part of the stack (`@tpN`). An arm may name "
                       "another size (prefill@tp1)."))
+
+
+def constructions_option(default: str, help: str):
+    """`--constructions` (the glossary's word for what it selects), `--arms` its old name."""
+    return click.option("--constructions", "--arms", "constructions", cls=HiddenAlias,
+                        default=default, show_default=True, help=help)
+
+
+def take_stack(options: dict):
+    """Take a command's stack options out of `options` and return the one Stack they name
+    (kvfid.diagnoses.subject.command_stack: --stack's label, or the separate options given on
+    the command line; both: they must agree, exit 2)."""
+    from click.core import ParameterSource
+
+    from kvfid.diagnoses.subject import STACK_PARTS, command_stack
+
+    context = click.get_current_context()
+    label, device = options.pop("stack_label"), options.pop("device")
+    given = {}
+    for name in STACK_PARTS:
+        value = options.pop(name)
+        if context.get_parameter_source(name) is not ParameterSource.DEFAULT:
+            given[name] = value
+    return command_stack(label, device, **given)
 
 
 def exit_with(ok: bool) -> None:

@@ -139,7 +139,7 @@ def compare_command(fmt, **options) -> None:
     (the latest finished run there, of the other side's case when it has one). Exit 1 when B
     regressed against A."""
     from kvfid.compare.runs import render_markdown
-    from kvfid.tasks.compare_command import compare_command as run_compare
+    from kvfid.compare.runs import compare_command as run_compare
 
     result, files = run_compare(**options)
     for name, path in files.items():

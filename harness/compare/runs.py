@@ -28,7 +28,7 @@ from kvfid.compare.stack import compare_stack, rate_change  # noqa: F401 (re-exp
 from kvfid.compare.inputs import (compare_bench_inputs, compare_kernel_inputs,
                                             stored_inputs)
 from kvfid.errors import BadInput
-from kvfid.ledger.store import Ledger, LedgerError
+from kvfid.ledger.store import Ledger, LedgerError, default_db_path
 
 INTERVAL_RULE = ("A rate changed beyond its interval when the two runs' 95% Wilson intervals do "
                  "not overlap (then each run's rate also lies outside the other's interval); a "
@@ -200,6 +200,16 @@ def compare(ledger_or_paths, a: str, b: str, *, kernels_a=None, kernels_b=None, 
     result["regressions"] += reasons
     result["regressed"] = bool(result["regressions"])
     return result
+
+
+def compare_command(a: str, b: str, db=None, db_a=None, db_b=None, out=None,
+                    allow_different: bool = False, **inputs) -> tuple[dict, dict]:
+    """`kvfid compare`: A with B, each in its ledger (`db_a`, `db_b`, else `db`, else $KVFID_DB,
+    else reports/ledger.sqlite; `inputs`: kernels_a/b, bench_a/b, threshold, reports); returns
+    the result and {name: path} of the files written to `out`."""
+    ledgers = tuple(Path(side or db) if side or db else default_db_path() for side in (db_a, db_b))
+    result = compare(ledgers, a, b, allow_different=allow_different, **inputs)
+    return result, (write_comparison(result, out) if out else {})
 
 
 def _load(ledger: Ledger, head: dict) -> dict:

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 
 from kvfid.diagnoses.blame import (BlameResult, blame, first_differing_position, render,
                                    whole_forward_difference)
+from kvfid.diagnoses.subject import check_subject, plan_world
 from kvfid.errors import BadInput
 from kvfid.protocol.protocol import parse_construction, run_live
+from kvfid.stacks.stack import Stack
 
 def blame_item(model, stack, prompt: list[int], boundary: int, against: str = "prefill",
                position: int | None = None) -> tuple[BlameResult, int | None]:
@@ -88,35 +90,21 @@ class BlameOutcome:
         return render(self.result, self.stack) + "\n" + where
 
 
-def blame_command(model_name: str, prompt: str | None, item_set: str | None, item_index: int | None,
-                  backend: str, dtype: str, batch_invariant: bool, device: str, threads: int | None,
-                  boundary: int, against: str, position: int | None,
-                  compiled: bool = False, faithful_recurrence: bool | None = None,
-                  tp: int = 1) -> BlameOutcome:
+def blame_command(model_name: str, stack: Stack, prompt: str | None, item_set: str | None,
+                  item_index: int | None, boundary: int, against: str,
+                  position: int | None) -> BlameOutcome:
     """`kvfid blame`: every option checked before compute (exit 2 / 3), then `blame_item`."""
-    from kvfid.diagnoses import repro
-    from kvfid.stacks.stack import check_supports
-    from kvfid.inputs.models import load_model
-
-    repro.check_model_name(model_name)
-    stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
-                                faithful_recurrence, tp)
     try:
         parse_construction(against)
     except ValueError as err:
         raise BadInput(f"--against: {err}") from None
-    world = repro.plan_world(stack, [against], "--against")
-    item = repro.pick_item(prompt, item_set, item_index)
-    model = load_model(model_name)
-    prompt_ids = model.codec.prompt_ids(item.prompt)
+    subject = check_subject(model_name, stack, prompt, item_set, item_index,
+                            world=plan_world(stack, [against], "--against"))
+    model, prompt_ids, world = subject.model, list(subject.prompt_ids), subject.world
     if len(prompt_ids) + boundary > model.context_length:
         raise BadInput(f"-B = {boundary}: the prompt ({len(prompt_ids)} tokens) and B exceed the "
                        f"context of {model.context_length}")
-    check_supports(stack, model, len(prompt_ids) + boundary)
-    if world > stack.tp:
-        from dataclasses import replace
-
-        check_supports(replace(stack, tp=world), model, len(prompt_ids) + boundary)
+    subject.check_serves(len(prompt_ids) + boundary)
     if position is not None and not 0 <= position < len(prompt_ids) + boundary:
         raise BadInput(f"--position = {position} is not allowed; P has positions 0 to "
                        f"{len(prompt_ids) + boundary - 1}")

@@ -68,45 +68,39 @@ class ProgramOutcome:
         return "\n".join(lines) + f"\n\nverdict: {shown}"
 
 
-def repro_program(program: str, model_name: str, prompt, item_set, item_index, backend: str,
-                  dtype: str, batch_invariant: bool, device: str, threads, boundary: int,
-                  suffix: int, arms: str, replicas: str, transplants, cross, ignore_eos: bool = False,
-                  compiled: bool = False, faithful_recurrence: bool = False,
-                  tp: int = 1) -> ProgramOutcome:
+def repro_program(program: str, model_name: str, stack, prompt, item_set, item_index,
+                  boundary: int, suffix: int, constructions: str, replicas: str, transplants, cross,
+                  ignore_eos: bool = False) -> ProgramOutcome:
     """Check the program and the options, then measure it (kvfid.stages.program)."""
     from kvfid.environment import envinfo
     from kvfid.stages import program as stages, checks as stages_checks
-    from kvfid.stacks.stack import check_supports
-    from kvfid.inputs.models import load_model
     from kvfid.stacks.serving import describe_layers
-    from kvfid.diagnoses.repro import check_model_name, checked_stack, pick_item
+    from kvfid.diagnoses.subject import check_subject
 
     spec = stages.parse_program(program)
     if suffix < 1:
         raise BadInput(f"-S = {suffix}: a stage program needs a suffix of at least 1 token")
-    check_model_name(model_name)
-    if tp != 1:
-        raise BadInput(f"--tp {tp}: a stage program runs at TP size 1 only")
-    stack = checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
-                          faithful_recurrence)
+    if stack.tp != 1:
+        raise BadInput(f"--tp {stack.tp}: a stage program runs at TP size 1 only")
     try:
         crossed = [stack.with_dtype(d) for d in cross.split(",")] if cross else []
     except ValueError as err:
         raise BadInput(f"--cross {cross}: {err}") from None
+    arms = constructions
     chosen = tuple(a for a in arms.split(",") if a)
     again = tuple(r for r in replicas.split(",") if r)
     if "live" not in chosen:
-        raise BadInput(f"--arms {arms}: a stage program's arms are compared with live; include it")
+        raise BadInput(f"--constructions {arms}: a stage program's arms are compared with live; "
+                       f"include it")
     for label in again:
         if label not in chosen:
-            raise BadInput(f"--replicas {label}: not among --arms ({arms})")
+            raise BadInput(f"--replicas {label}: not among --constructions ({arms})")
     try:
         stages_checks.check_arms(chosen)
     except ValueError as err:
         raise BadInput(str(err)) from None
-    item = pick_item(prompt, item_set, item_index)
-    model = load_model(model_name)
-    prompt_length = len(model.codec.prompt_ids(item.prompt))
+    subject = check_subject(model_name, stack, prompt, item_set, item_index)
+    item, model, prompt_length = subject.item, subject.model, len(subject.prompt_ids)
     openers = [len(o) for o in stages.delimiters(model.codec, spec)]
     stages_checks.check_program_fits(prompt_length, spec, openers, suffix, model.context_length)
     if spec.layout == "batched":
@@ -117,8 +111,8 @@ def repro_program(program: str, model_name: str, prompt, item_set, item_index, b
 
     ranges = stages_transplant.segment_ranges(prompt_length, spec, openers)
     moves = tuple(stages_transplant.parse(t, ranges, chosen) for t in transplants)
-    for each in [stack, *crossed]:
-        check_supports(each, model, stages_checks.program_length(prompt_length, spec, openers) + suffix)
+    subject.check_serves(stages_checks.program_length(prompt_length, spec, openers) + suffix,
+                         tuple(crossed))
     stages_checks.check_layers(describe_layers(model))
     record = stages.run_program(model, stack, item.prompt, spec, suffix, chosen, ignore_eos, again,
                                 moves)

@@ -47,6 +47,7 @@ from kvfid.diagnoses.rescore import (ALLOWED, CONSTRUCTIONS, check_constructions
 from kvfid.diagnoses.replay_gaps import (DECADES, STEP, _quantile, aggregate_gaps,  # noqa: F401
                                       delta_decades, engine_logprobs, gap, render_gaps)
 from kvfid.records.replay_record import LogprobMismatch, ReplayRecord
+from kvfid.stacks.stack import Stack
 from kvfid.inputs.trajectories import (Trajectory, as_row, check_fits,  # noqa: F401
                                        load_trajectories, trajectories_from_rows)
 
@@ -182,15 +183,11 @@ def render(result: dict) -> str:
     return "\n".join(lines + render_gaps(result))
 
 
-def replay_command(trajectories: str, model_name: str, backend: str, dtype: str, batch_invariant: bool,
-                   device: str, threads: int | None, constructions: str, progress=None,
-                   compiled: bool = False, faithful_recurrence: bool | None = None,
-                   tp: int = 1) -> dict:
+def replay_command(trajectories: str, model_name: str, stack: Stack, constructions: str,
+                   progress=None) -> dict:
     """`kvfid replay`: the options and the file checked before compute (exit 2 / 3), then `replay`
     (on ranks spawned here at a TP size above 1)."""
-    model, stack, loaded, chosen = checked_replay(
-        trajectories, model_name, backend, dtype, batch_invariant, device, threads,
-        constructions, compiled, faithful_recurrence, tp)
+    model, stack, loaded, chosen = checked_replay(trajectories, model_name, stack, constructions)
     try:
         if stack.tp > 1:
             from kvfid.stacks.ranks import on_ranks
@@ -202,31 +199,19 @@ def replay_command(trajectories: str, model_name: str, backend: str, dtype: str,
         raise BadInput(str(err)) from None
 
 
-def checked_replay(trajectories, model_name, backend: str, dtype: str, batch_invariant: bool,
-                   device: str, threads: int | None, constructions: str, compiled: bool = False,
-                   faithful_recurrence: bool | None = None, tp: int = 1):
+def checked_replay(trajectories, model_name, stack: Stack, constructions: str):
     """(model, stack, trajectories, constructions) of a replay, each checked before compute
     (BadInput, exit 2; Unavailable, exit 3). `trajectories`: a JSONL path or rows in memory;
     `model_name`: a preset, `hf:<folder>` or a Model already loaded (the Python API's; at TP
     size 1 only: each rank loads the model by its name)."""
     from kvfid import checks
-    from kvfid.diagnoses import repro
-    from kvfid.stacks.stack import check_supports
+    from kvfid.diagnoses.subject import check_subject
     from kvfid.protocol.engine_arms import check_rollback
-    from kvfid.inputs.models import load_model
 
-    loaded = None if isinstance(model_name, str) else model_name
-    if loaded is None:
-        repro.check_model_name(model_name)
-    stack = repro.checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
-                                faithful_recurrence, tp)
     chosen = checks.split_arms(constructions)
     if any("@" in c for c in chosen):
         raise BadInput(f"--constructions {constructions}: a replay re-scores at the stack's TP "
                        f"size (--tp), not per construction")
-    if loaded is not None and stack.tp > 1:
-        raise BadInput("a model loaded in memory is replayed at TP size 1; give a preset or "
-                       "hf:<folder> for TP sizes above 1 (each rank loads it by that name)")
     for c in chosen:
         try:
             kind = parse_construction(c).kind
@@ -234,13 +219,13 @@ def checked_replay(trajectories, model_name, backend: str, dtype: str, batch_inv
             raise BadInput(f"--constructions: {err}") from None
         if kind not in CONSTRUCTIONS:
             raise BadInput(f"--constructions = {c!r} is not allowed; allowed: {ALLOWED}")
-    model = loaded or load_model(model_name)
+    subject = check_subject(model_name, stack, with_item=False, world=stack.tp)
+    model = subject.model
     check_rollback(model, chosen)   # a cut a recurrent state cannot take (exit 3)
     try:
         rows = (load_trajectories(trajectories, model.codec) if isinstance(trajectories, (str, Path))
                 else trajectories_from_rows(trajectories, model.codec))
-        longest = max((len(t.prompt_ids) + len(t.tokens) for t in rows), default=0)
-        check_supports(stack, model, longest)
+        subject.check_serves(max((len(t.prompt_ids) + len(t.tokens) for t in rows), default=0))
         check_fits(rows, model.config.vocab_size, model.context_length)
         check_constructions(chosen, rows)
     except ValueError as err:
@@ -256,12 +241,11 @@ def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, te
     `dtype`; `faithful`: its faithful engine) or from an OpenAI-compatible server, and write the
     JSONL atomically."""
     from kvfid.inputs import items
-    from kvfid.diagnoses import repro
-    from kvfid.stacks.stack import Stack
+    from kvfid.diagnoses.subject import check_model_name
     from kvfid.inputs.models import load_model
     from kvfid.outputs import write_files
 
-    repro.check_model_name(model_name)
+    check_model_name(model_name)
     if faithful and (engine != "vllm" or server is not None):
         raise BadInput("--faithful is for --engine vllm (kvfid's plugin runs inside vLLM)")
     if tp != 1 and (engine != "vllm" or server is not None):

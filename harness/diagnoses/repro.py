@@ -1,6 +1,7 @@
 """`kvfid repro`: one item on one stack, every input checked before any compute.
 
-`prepare` turns the command's options into a model, a stack, an item and a plan, refusing bad
+`prepare` turns the command's stack and options into a model, an item and a plan (the set-up
+every diagnosis shares is kvfid.diagnoses.subject's), refusing bad
 input with `BadInput` (exit 2: the option, the value, what is allowed) and what this machine
 cannot do with `Unavailable` (exit 3): unknown models, devices, thread counts, prompts that are
 empty or not UTF-8, item sets that cannot be read, item indices out of range, transplant
@@ -11,14 +12,14 @@ whole command: prepare, measure, the verdict and the environment record.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvfid import checks
+from kvfid.diagnoses.subject import check_subject, plan_world
 from kvfid.protocol.engine_arms import check_rollback
 from kvfid.stacks.stack import Stack, check_supports
 from kvfid.errors import BadInput
-from kvfid.names import BIT_EXACT, DIVERGES, MODEL_NAMES, PRESET_NAMES
-from kvfid.inputs.models import load_model
+from kvfid.names import BIT_EXACT, DIVERGES
 from kvfid.protocol.protocol import ItemPlan, parse_transplant
 
 
@@ -35,101 +36,33 @@ class Repro:
     world: int = 1           # ranks the item runs on: the largest TP size of the stack and arms
 
 
-def prepare(model_name: str, prompt: str | None, item_set: str | None, item_index: int | None,
-            backend: str, dtype: str, batch_invariant: bool, device: str, threads: int | None,
-            boundary: int, suffix: int, arms: str, replicas: str, transplants, cross,
-            ignore_eos: bool = False, compiled: bool = False,
-            faithful_recurrence: bool | None = None, tp: int = 1) -> Repro:
+def prepare(model_name, stack: Stack, prompt: str | None, item_set: str | None,
+            item_index: int | None, boundary: int, suffix: int, constructions: str,
+            replicas: str, transplants, cross, ignore_eos: bool = False) -> Repro:
     """Check every option, then load the model and check what needs it (layers, context).
     `model_name`: a preset, `hf:<folder>`, or a Model already loaded (the Python API's; at TP
     size 1 only: each rank loads the model by its name)."""
-    loaded = None if isinstance(model_name, str) else model_name
-    if loaded is None:
-        check_model_name(model_name)
-    stack = checked_stack(backend, dtype, batch_invariant, device, threads, compiled,
-                          faithful_recurrence, tp)
     try:
-        plan = ItemPlan(boundary, suffix, checks.split_arms(arms),
+        plan = ItemPlan(boundary, suffix, checks.split_arms(constructions),
                         checks.split_arms(replicas),
                         tuple(parse_transplant(t) for t in transplants), ignore_eos=ignore_eos)
         cross_stacks = [stack.with_dtype(d) for d in cross.split(",")] if cross else []
     except ValueError as err:
         raise BadInput(str(err)) from None
     for arm in plan.arms:
-        checks.require(checks.construction_reason(arm), "--arms", arm)
-    world = plan_world(stack, plan.arms, "--arms")
-    if loaded is not None and world > 1:
-        raise BadInput("a model loaded in memory is measured at TP size 1; give a preset or "
-                       "hf:<folder> for TP sizes above 1 (each rank loads it by that name)")
-    item = pick_item(prompt, item_set, item_index)
-    model = loaded or load_model(model_name)
-    prompt_length = len(model.codec.prompt_ids(item.prompt))
+        checks.require(checks.construction_reason(arm), "--constructions", arm)
+    subject = check_subject(model_name, stack, prompt, item_set, item_index,
+                            world=plan_world(stack, plan.arms, "--constructions"))
+    model, prompt_length = subject.model, len(subject.prompt_ids)
     plan.check_fits(prompt_length, model.context_length)
-    for each in [stack, *cross_stacks]:
-        check_supports(each, model, prompt_length + boundary + suffix)
-        if world > each.tp:   # an arm at the larger size
-            check_supports(replace(each, tp=world), model, prompt_length + boundary + suffix)
+    subject.check_serves(prompt_length + boundary + suffix, tuple(cross_stacks))
     check_rollback(model, plan.arms)
     layers = int(model.config.num_hidden_layers)
     for spec in plan.transplants:
         checks.require(checks.selection_reason(spec.selection, layers, prompt_length + boundary),
                        "--transplant", spec.label)
-    return Repro(model, stack, item, plan, cross_stacks, model.name if loaded else model_name,
-                 world)
-
-
-def check_model_name(model_name: str) -> None:
-    """Refuse a model that is neither a preset nor hf:<folder> (exit 2), before any loading."""
-    if model_name not in PRESET_NAMES and not (model_name.startswith("hf:") and len(model_name) > 3):
-        raise BadInput(f"--model: unknown model {model_name!r}; valid: {', '.join(MODEL_NAMES)}")
-
-
-def checked_stack(backend: str, dtype: str, batch_invariant: bool, device: str,
-                  threads: int | None, compiled: bool = False,
-                  faithful_recurrence: bool | None = None, tp: int = 1) -> Stack:
-    """The stack of a command's options, each checked (exit 2 naming what is allowed)."""
-    checks.device_and_threads(device, threads)
-    checks.require(checks.tp_reason(tp), "--tp", tp)
-    try:
-        return Stack(backend, dtype, batch_invariant, device, threads, compiled,
-                     faithful_recurrence=faithful_recurrence, tp=tp)
-    except ValueError as err:
-        raise BadInput(str(err)) from None
-
-
-def plan_world(stack: Stack, arms, option: str) -> int:
-    """How many ranks an item needs: the largest TP size of the stack and its arms (`@tpN`);
-    one item runs TP size 1 and one other size only (exit 2 otherwise)."""
-    from kvfid.protocol.constructions import parse_construction
-
-    sizes = {stack.tp} | {int(c.at[2:]) for c in map(parse_construction, arms) if c.at}
-    world = max(sizes)
-    if not sizes <= {1, world}:
-        raise BadInput(f"{option}: TP sizes {sorted(sizes)} in one item; it runs at TP size 1 "
-                       f"and one other size N (the stack's, or its arms' @tpN)")
-    return world
-
-
-def pick_item(prompt: str | None, item_set: str | None, item_index: int | None):
-    """The item of `--prompt`, or of `--item-set` and `--item`."""
-    from kvfid.inputs import items
-
-    if (prompt is None) == (item_set is None):
-        raise BadInput("give exactly one of --prompt or --item-set/--item")
-    if prompt is not None:
-        checks.require(checks.prompt_reason(prompt), "--prompt", prompt)
-        return items.Item(id="prompt", prompt=prompt, answer=None)
-    if item_index is None or not 0 <= item_index < checks.MAX_ITEMS:
-        raise BadInput(f"--item = {item_index!r} is not allowed; --item-set needs --item N with "
-                       f"0 <= N < {checks.MAX_ITEMS}")
-    try:
-        chosen = items.load_item_set(item_set, item_index + 1 if not item_set.startswith("jsonl:") else None)
-    except ValueError as err:
-        raise BadInput(f"--item-set {item_set}: {err}") from None
-    if item_index >= len(chosen):
-        raise BadInput(f"--item = {item_index} is not allowed; {item_set} has {len(chosen)} "
-                       f"items (0 to {len(chosen) - 1})")
-    return chosen[item_index]
+    return Repro(model, stack, subject.item, plan, cross_stacks, subject.model_name,
+                 subject.world)
 
 
 def measure(repro: Repro):

@@ -1,4 +1,5 @@
-"""Construction and transplant names: what `--arms`, case files and transplant specs may say.
+"""Construction and transplant names: what `--constructions`, case files and transplant specs
+may say.
 
 `parse_construction` and `parse_transplant` turn the vocabulary's spellings (`prefill`,
 `chunked:16`, `batched:2`, `cobatched:4`, `cobatched:4+decode`, `live<-prefill:keys`; any of them

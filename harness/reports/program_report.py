@@ -78,10 +78,9 @@ def program_command(case, stack, program=None) -> str:
     program = program or case.program.programs[0]
     item = (["--item-set", case.items.set, "--item", "<INDEX>"] if case.items.seed == 0 else
             ["--prompt", "<PROMPT>"])    # `repro --item-set` draws with seed 0 only
-    args = ["kvfid", "repro", "--model", case.model, *item, "--program", program.label, "--backend", stack.backend, "--dtype",
-            stack.dtype, *(["--batch-invariant"] if stack.batch_invariant else []), "--device",
-            stack.device, *(["--threads", str(stack.threads)] if stack.threads else []),
-            "-S", str(case.S), "--arms", ",".join(case.constructions)]
+    args = ["kvfid", "repro", "--model", case.model, *item, "--program", program.label,
+            "--stack", stack.label, "--device", stack.device,
+            "-S", str(case.S), "--constructions", ",".join(case.constructions)]
     args += ["--ignore-eos"] if case.ignore_eos else []
     args += ["--replicas", ",".join(case.replicas.arms)] if case.replicas.arms else []
     for move in case.program.transplants:

@@ -86,9 +86,6 @@ def replay_blocks(replay: dict, case, engine: dict | None = None) -> list[tuple]
 def replay_command(case, stack) -> str:
     """The `kvfid replay` command that re-scores the case's trajectories on `stack`."""
     args = ["kvfid", "replay", case.replay.trajectories, "--model", case.model,
-            "--backend", stack.backend, "--dtype", stack.dtype]
-    args += ["--batch-invariant"] if stack.batch_invariant else []
-    args += ["--device", stack.device]
-    args += ["--threads", str(stack.threads)] if stack.threads else []
-    args += ["--constructions", ",".join(case.replay.constructions)]
+            "--stack", stack.label, "--device", stack.device,
+            "--constructions", ",".join(case.replay.constructions)]
     return shlex.join(args)

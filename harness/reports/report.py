@@ -82,11 +82,8 @@ def _repro(case, stack, item_index: int, prompt: str, crossing: bool) -> str:
         args += ["--item-set", case.items.set, "--item", str(item_index)]
     else:   # `repro --item-set` draws with seed 0 only; give the prompt itself
         args += ["--prompt", prompt]
-    args += ["--backend", stack.backend, "--dtype", stack.dtype]
-    args += ["--batch-invariant"] if stack.batch_invariant else []
-    args += ["--device", stack.device]
-    args += ["--threads", str(stack.threads)] if stack.threads else []
-    args += ["-B", str(case.B), "-S", str(case.S), "--arms", ",".join(case.constructions)]
+    args += ["--stack", stack.label, "--device", stack.device]
+    args += ["-B", str(case.B), "-S", str(case.S), "--constructions", ",".join(case.constructions)]
     args += ["--ignore-eos"] if case.ignore_eos else []
     args += ["--replicas", ",".join(plan.replicas)] if plan.replicas else []
     for spec in plan.transplants:

@@ -74,7 +74,7 @@ def read_program(v, data: dict, constructions: tuple[str, ...], replicas: tuple[
                                 "include it")
         check_arms(constructions)
     except ProtocolError as err:
-        said = str(err).replace("--program ", "[program] ").replace("--arms ", "constructions: ")
+        said = str(err).replace("--program ", "[program] ").replace("--constructions ", "constructions: ")
         raise CaseError(f"{v.source}: {said}") from None
     for arm in replicas:
         if arm not in constructions:

@@ -29,7 +29,7 @@ def check_arms(arms: tuple[str, ...]) -> None:
     for label in arms:
         kind = parse_construction(label).kind
         if label != "live" and kind not in ("prefill", "incremental", "chunked"):
-            raise ProtocolError(f"--arms {label}: a stage program is rebuilt by live, "
+            raise ProtocolError(f"--constructions {label}: a stage program is rebuilt by live, "
                                 f"{', '.join(ARMS)}")
 
 

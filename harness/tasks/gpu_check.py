@@ -97,9 +97,10 @@ def tp_steps(cli: list[str], dry_run: bool) -> list[Step]:
     common = cli + ["repro", "--model", "tiny-llama", "--prompt", "What is 12 plus 30?",
                     "--device", device, "--tp", "2", "-B", "8", "-S", "8"]
     return [Step("tp", common + ["--backend", backend, "--batch-invariant", "--dtype", "bf16",
-                                 "--arms", "live,prefill,prefill@tp1,incremental@tp1,chunked:4,"
-                                           "batched:2", "--expect", "bit-exact"], 120),
-            Step("tp-stock", common + ["--backend", "sdpa", "--arms", "live,prefill@tp1"], 60)]
+                                 "--constructions", "live,prefill,prefill@tp1,incremental@tp1,"
+                                 "chunked:4,batched:2", "--expect", "bit-exact"], 120),
+            Step("tp-stock", common + ["--backend", "sdpa", "--constructions", "live,prefill@tp1"],
+                 60)]
 
 
 REPORT_RESERVE_S = 20   # what a budget keeps back for the report, the last step

@@ -33,9 +33,11 @@ def _repro(folder, backend, dtype="bf16", batch_invariant=False, b=B, s=S,
            arms="live,prefill", transplants=(), faithful_recurrence=None):
     from kvfid.diagnoses import repro
 
-    prepared = repro.prepare(f"hf:{folder}", PROMPT, None, None, backend, dtype,
-                             batch_invariant, "cpu", None, b, s, arms, "", list(transplants),
-                             "", ignore_eos=True, faithful_recurrence=faithful_recurrence)
+    from kvfid.stacks.stack import Stack
+
+    stack = Stack(backend, dtype, batch_invariant, faithful_recurrence=faithful_recurrence)
+    prepared = repro.prepare(f"hf:{folder}", stack, PROMPT, None, None, b, s, arms, "",
+                             list(transplants), "", ignore_eos=True)
     return repro.measure(prepared)
 
 

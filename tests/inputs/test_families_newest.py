@@ -60,9 +60,8 @@ def _repro(folder, stack: str, arms="live,prefill"):
     from kvfid.diagnoses import repro
 
     parsed = parse_stack(stack)
-    prepared = repro.prepare(f"hf:{folder}", PROMPT, None, None, parsed.backend, parsed.dtype,
-                             parsed.batch_invariant, "cpu", None, B, S, arms, "", [], "",
-                             ignore_eos=True, faithful_recurrence=parsed.faithful_recurrence)
+    prepared = repro.prepare(f"hf:{folder}", parsed, PROMPT, None, None, B, S, arms, "", [], "",
+                             ignore_eos=True)
     assert prepared.stack.label == stack
     return repro.measure(prepared)
 

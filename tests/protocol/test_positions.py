@@ -28,9 +28,8 @@ def _repro(folder, stack: str):
     from kvfid.stacks.stack import parse_stack
 
     parsed = parse_stack(stack)
-    prepared = repro.prepare(f"hf:{folder}", "Hi there", None, None, parsed.backend, parsed.dtype,
-                             parsed.batch_invariant, "cpu", None, B, S, "live,prefill", "", [],
-                             "", ignore_eos=True)
+    prepared = repro.prepare(f"hf:{folder}", parsed, "Hi there", None, None, B, S, "live,prefill",
+                             "", [], "", ignore_eos=True)
     return repro.measure(prepared)
 
 

@@ -211,7 +211,7 @@ def test_report_files_are_written_and_self_contained(tmp_path):
 def test_repro_command_names_the_stack_plan_and_item():
     command = repro_command(CASE, "eager/bf16@t1", 1, "What?")
     assert command.startswith("kvfid repro --model tiny-llama --item-set arith --item 1 "
-                              "--backend eager --dtype bf16 --device cpu --threads 1 -B 6 -S 6 ")
+                              "--stack eager/bf16@t1 --device cpu -B 6 -S 6 ")
     assert "--replicas prefill" in command and "--transplant 'live<-prefill:all'" in command
     assert "--cross bf16,fp32" in crossing_repro_command(CASE, 2, "What?")
     assert "--cross" not in repro_command(CASE, "sdpa/bf16@t1", 2, "What?")

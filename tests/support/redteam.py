@@ -293,6 +293,8 @@ def repro_inputs(folder: Path) -> list[tuple[str, list, tuple]]:
         ("B 0", [*p, "-B", "0"], usage), ("S -1", [*p, "-S", "-1"], usage),
         ("B 1e9", [*p, "-B", "1000000000"], usage),
         ("backend x", [*p, "--backend", "x"], usage), ("dtype x", [*p, "--dtype", "x"], usage),
+        ("stack x", [*p, "--stack", "x"], usage),
+        ("stack and dtype disagree", [*p, "--stack", "sdpa/fp32", "--dtype", "bf16"], usage),
         ("control: prompt", p, (0,)),
         ("control: arith item", [*base, "--item-set", "arith", "--item", "7"], (0,)),
     ]

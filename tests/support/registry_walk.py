@@ -64,19 +64,21 @@ def one(model, stack: str, boundary: int = 4, suffix: int = 1) -> str:
     D)` with KIND `by rounding`, `functionally` or `unsettled` (kvfid.states.scale; a stack below
     fp32 is settled by the walk from its fp32 twin), `refused (exit N): ...`, `INTERNAL ...`."""
     from kvfid.errors import KvfidError
-    from kvfid.stacks.stack import check_supports, parse_stack
+    from kvfid.stacks.stack import Stack, parse_stack
     from kvfid.protocol.protocol import ItemPlan
     from kvfid.diagnoses import repro
+    from kvfid.diagnoses.subject import check_subject
 
     parsed = parse_stack(stack)
-    try:   # kvfid repro's checks before compute (repro.prepare, but for the loading)
-        checked = repro.checked_stack(parsed.backend, parsed.dtype, parsed.batch_invariant, "cpu", None)
+    try:   # kvfid repro's checks before compute (repro.prepare, the model already loaded)
+        checked = Stack(parsed.backend, parsed.dtype, parsed.batch_invariant)
         plan = ItemPlan(boundary, suffix, ("live", "prefill"), (), (), ignore_eos=True)
-        item = repro.pick_item("Hi", None, None)
-        prompt_length = len(model.codec.prompt_ids(item.prompt))
+        subject = check_subject(model, checked, "Hi")
+        prompt_length = len(subject.prompt_ids)
         plan.check_fits(prompt_length, model.context_length)
-        check_supports(checked, model, prompt_length + boundary + suffix)
-        comparison = repro.measure(repro.Repro(model, checked, item, plan, [])).against_live("prefill")
+        subject.check_serves(prompt_length + boundary + suffix)
+        comparison = repro.measure(repro.Repro(model, checked, subject.item, plan,
+                                               [])).against_live("prefill")
     except KvfidError as err:
         return f"refused (exit {err.exit_code}): {str(err)[:200]}"
     except Exception as err:   # noqa: BLE001 -- the walk lists every outcome, internal ones too
