@@ -10,6 +10,7 @@ null), and a stored rate reads back with `Rate.from_plain`. The replay and progr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import typing
 from dataclasses import dataclass, field
@@ -191,6 +192,19 @@ class RunSummary:
             stack["constructions"] = {label: _construction_plain(c)
                                       for label, c in stack["constructions"].items()}
         return out
+
+    @classmethod
+    def from_plain(cls, data: dict) -> RunSummary:
+        """A summary.json read back (its run fields, such as `run` and `status`, left aside; the
+        constant `d_rel_aggregation` dropped): `to_plain`'s inverse."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        data = {key: value for key, value in data.items() if key in names}
+        data["stacks"] = {
+            label: {**stack, "constructions": {
+                name: {k: v for k, v in c.items() if k != "d_rel_aggregation"}
+                for name, c in stack.get("constructions", {}).items()}}
+            for label, stack in data.get("stacks", {}).items()}
+        return decode(cls, data)
 
 
 def _construction_plain(c: dict) -> dict:

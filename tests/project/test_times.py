@@ -137,12 +137,13 @@ def test_readme_two_commands_section_is_short_and_its_excerpt_is_from_the_report
     import re
 
     from kvfid.reports.report import headline
+    from kvfid.runs.summary import RunSummary
 
     readme = (ROOT / "README.md").read_text()
     body = readme.split("## The two commands\n", 1)[1].split("\n## ", 1)[0].strip("\n")
     assert len(body.splitlines()) <= 15
     report = re.search(r"\]\((reports/[^)]+/report\.md)\)", body).group(1)
-    summary = json.loads((ROOT / report).with_name("summary.json").read_text())
+    summary = RunSummary.from_plain(json.loads((ROOT / report).with_name("summary.json").read_text()))
     shown = " ".join(headline(summary).split())
     excerpt = body.split("```\n")[3].strip("\n").splitlines()
     assert len(excerpt) >= 3

@@ -222,3 +222,28 @@ def test_figures_draw_zeros_and_empty_series():
     assert svg_lines([("prefill K", [0.0, 0.0])], "layer", "d_rel").startswith("<svg")
     assert "<rect" in svg_bars({"prefill": [(0, 1, 3), (1, 2, 0)]}, "index")
     assert markdown([("table", ["a|b"], [["x"]])]) == "| a\\|b |\n|---|\n| x |\n"
+
+
+def test_a_stored_summary_reads_back_as_the_run_summary_it_was_written_from(tmp_path):
+    """summary.json's reader is `to_plain`'s inverse on every committed run report; its control:
+    a stored construction changed by one count reads back as a different summary."""
+    import json
+    from pathlib import Path
+
+    from kvfid.runs.summary import RunSummary
+
+    root = next(p for p in Path(__file__).resolve().parents if (p / "setup.py").is_file())
+    paths = sorted((root / "reports").glob("**/summary.json"))
+    assert paths
+    for path in paths:
+        data = json.loads(path.read_text())
+        summary = RunSummary.from_plain(data)
+        plain = summary.to_plain()
+        assert {k: v for k, v in plain.items() if k in data} == {k: data[k] for k in plain
+                                                                 if k in data}, path
+        assert all(plain[k] is None for k in plain if k not in data), path
+    stack = next(iter(data["stacks"].values()))
+    construction = next(iter(stack["constructions"].values()))
+    key = next(k for k, v in construction.items() if isinstance(v, int) and not isinstance(v, bool))
+    construction[key] += 1
+    assert RunSummary.from_plain(data) != summary
