@@ -92,6 +92,20 @@ def test_repro_program_through_the_command_line():
     assert record["environment_key"]
 
 
+def test_repro_program_text_names_the_twin_s_first_bad_segment():
+    """`repro` with a layout, printed: the control stack's rebuilt arm differs from live, the
+    first bad layer and segment named, the verdict diverges."""
+    args = ["repro", "--model", "tiny-llama", "--prompt", "2+3=", "--backend", "twin", "--dtype",
+            "fp32", "--batch-invariant", "--program", PROGRAM, "-S", "2", "--arms", "live,prefill",
+            "--expect", "diverges"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.strip().startswith("prefill"))
+    assert "differs" in row and any(name in row for name in ("prompt", "branch", "merge")), row
+    assert "segments whose keys or values differ" in result.output
+    assert result.output.rstrip().endswith("verdict: diverges")
+
+
 @pytest.mark.parametrize("program, message", [
     ("packed:0x8+4", "an empty stage"),
     ("packed:3x0+4", "an empty stage"),

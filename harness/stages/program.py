@@ -115,8 +115,10 @@ def check(model, program: Program, prompt_length: int, S: int, arms: tuple[str, 
     check_program_fits(prompt_length, program, lengths, S, model.context_length)
     if program.layout == "batched":
         stages_batched.check_batched(program, openers)
-    ranges = stages_transplant.segment_ranges(prompt_length, program, lengths)
-    moves = tuple(stages_transplant.parse(t, ranges, arms) for t in transplants)
+    moves = ()
+    if transplants:
+        ranges = stages_transplant.segment_ranges(prompt_length, program, lengths)
+        moves = tuple(stages_transplant.parse(t, ranges, arms) for t in transplants)
     check_layers(describe_layers(model))
     return moves, program_length(prompt_length, program, lengths) + S
 
