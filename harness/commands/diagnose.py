@@ -42,12 +42,8 @@ from kvfid.names import BIT_EXACT, CONSTRUCTION_HELP, DIVERGES, VERDICT_HELP
 def repro(fmt, expect, **options) -> None:
     """Reproduce one item on one stack: every arm against live, cache and suffix verdicts, and
     the environment it ran in (in --format json)."""
-    if options["program"]:  # a stage program's merge boundary
-        from kvfid.diagnoses.program_repro import repro_program as run_repro
-    else:
-        from kvfid.diagnoses.repro import repro as run_repro
+    from kvfid.diagnoses.repro import repro as run_repro
 
-        options.pop("program")
     stack = take_stack(options)   # the stack options, one value
     outcome = run_repro(stack=stack, **options)
     click.echo(json.dumps(outcome.to_json(), indent=1) if fmt == "json" else outcome.text())

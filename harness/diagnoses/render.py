@@ -1,4 +1,5 @@
-"""Text rendering of one item's record for a person at a terminal (`kvfid repro`)."""
+"""Text rendering of one item's record for a person at a terminal (`kvfid repro`), one stream's
+or a stage program's (`program_text`)."""
 
 from __future__ import annotations
 
@@ -119,3 +120,42 @@ def item_text(record: ItemRecord, codec) -> str:
                   f"{timing.forward_s:.2f} s in forward, overhead {timing.overhead:.3f} "
                   f"(after an untimed warm-up of {record.warmup_s:.2f} s)"]
     return "\n".join(lines)
+
+
+def program_text(run, stack_label: str, crossing, verdict: str | None) -> str:
+    """A stage program's run (kvfid.records.program.ProgramRun) on the stack labelled
+    `stack_label`: its stages, each arm against live, replicas, transplants, its crossing
+    (kvfid.stages.crossing.ProgramCrossing, or None), the verdict."""
+    lines = [f"program {run.program} on {stack_label}: merge boundary of "
+             f"{run.boundary_length} tokens, S={run.S}"]
+    for s in run.segments:
+        lines.append(f"  {s.segment:<10} tokens {s.start}-{s.start + s.length - 1}"
+                     f"  positions {s.positions[0]}-{s.positions[1]}")
+    lines.append("arm vs live      cache      first bad (layer, segment)   logits   suffix")
+    for c in run.comparisons:
+        bad = ("-" if c.bit_exact else
+               f"{c.cache.first_bad_layer} {c.cache.first_bad_kv}, {c.first_bad_segment}")
+        suffix = ("identical" if c.suffix.identical else
+                  f"diverges at {c.suffix.first_divergence}")
+        lines.append(f"  {c.arm:<14} {'bit-exact' if c.bit_exact else 'differs':<10} "
+                     f"{bad:<28} {'equal' if c.logits.equal else 'differ':<8} {suffix}")
+    for rep in run.replicas:
+        lines.append(f"  replica of {rep.arm}: cache {'bit-exact' if rep.bit_exact else 'differs'}, "
+                     f"suffix {'identical' if rep.suffix_identical else 'differs'}")
+    for t in run.transplants:
+        lines.append(f"  transplant {t.transplant}: {t.outcome}"
+                     + (" (the two suffixes are the same)" if t.same_suffixes else ""))
+    if crossing is not None:
+        lines.append(f"crossing (the program frozen from {crossing.reference}'s live run):")
+        for cell in crossing.cells:
+            lines.append(f"  {cell.stack:<16} {cell.arm:<12} suffix "
+                         f"{'= reference' if cell.suffix_equals_reference else '!= reference'}")
+        for row in crossing.within:
+            lines.append(f"  {row.stack}: incremental vs prefill cache "
+                         f"{'bit-exact' if row.bit_exact else 'differs'}")
+    for c in run.comparisons:
+        differ = [name for name, same in c.segments_exact.items() if not same]
+        if differ:
+            lines.append(f"  {c.arm}: segments whose keys or values differ: {', '.join(differ)}")
+    shown = verdict or "none (nothing was compared with live)"
+    return "\n".join(lines) + f"\n\nverdict: {shown}"

@@ -7,7 +7,8 @@ cannot do with `Unavailable` (exit 3): unknown models, devices, thread counts, p
 empty or not UTF-8, item sets that cannot be read, item indices out of range, transplant
 selections outside the model's layers or the boundary prefix, prompts that do not fit, models
 the stack's attention backend cannot serve. `measure` runs what `prepare` checked; `repro` is the
-whole command: prepare, measure, the verdict and the environment record.
+whole command: prepare, measure, the verdict and the environment record; with a stage
+program, `repro_program` checks and measures its layout the same way.
 """
 
 from __future__ import annotations
@@ -191,11 +192,83 @@ class ReproOutcome:
         return f"{render.item_text(self.record, self.codec)}\n\nverdict: {shown}"
 
 
-def repro(**options) -> ReproOutcome:
-    """`kvfid repro`: every option checked (exit 2 / 3), the item measured, the verdict and the
-    environment it was measured in."""
+@dataclass
+class ProgramOutcome:
+    """What `kvfid repro --program` prints, and whether the verdict is the expected one."""
+
+    run: object               # kvfid.records.program.ProgramRun
+    stack: dict               # Stack.describe()
+    layout: object            # kvfid.stages.program.Layout: the live run's integers
+    crossing: object          # kvfid.stages.crossing.ProgramCrossing, or None
+    environment: dict
+    environment_key: str
+
+    @property
+    def verdict(self) -> str | None:
+        exact = [c.bit_exact and c.logits.equal and c.suffix.identical for c in self.run.comparisons]
+        return None if not exact else BIT_EXACT if all(exact) else DIVERGES
+
+    def passed(self, expect: str | None) -> bool:
+        return expect is None or self.verdict == expect
+
+    def to_json(self) -> dict:
+        from kvfid.records.plain import as_plain
+
+        layout = {k: getattr(self.layout, k) for k in ("tokens", "segments", "positions")}
+        crossed = {} if self.crossing is None else {"crossing": as_plain(self.crossing)}
+        return {**as_plain(self.run), "stack": self.stack, "layout": layout, **crossed,
+                "verdict": self.verdict, "environment": self.environment,
+                "environment_key": self.environment_key}
+
+    def text(self) -> str:
+        from kvfid.diagnoses.render import program_text
+
+        return program_text(self.run, self.stack["label"], self.crossing, self.verdict)
+
+
+def repro_program(program: str, model_name: str, stack: Stack, prompt, item_set, item_index,
+                  boundary: int, suffix: int, constructions: str, replicas: str, transplants,
+                  cross, ignore_eos: bool = False) -> ProgramOutcome:
+    """`kvfid repro` over a stage program's layout (kvfid.stages.program): every option and
+    the program checked before any compute (exit 2 in one line; the set-up is
+    kvfid.diagnoses.subject's), the arms measured at its merge boundary, its verdict against
+    live. `boundary` is the program's merge boundary, not an option's."""
+    from kvfid.environment import envinfo
+    from kvfid.stages import checks as stages_checks, program as stages
+    from kvfid.stages.crossing import run_crossing
+
+    spec = stages.parse_program(program)
+    if suffix < 1:
+        raise BadInput(f"-S = {suffix}: a stage program needs a suffix of at least 1 token")
+    if stack.tp != 1:
+        raise BadInput(f"--tp {stack.tp}: a stage program runs at TP size 1 only")
+    try:
+        crossed = [stack.with_dtype(d) for d in cross.split(",")] if cross else []
+    except ValueError as err:
+        raise BadInput(f"--cross {cross}: {err}") from None
+    chosen, again = (tuple(a for a in text.split(",") if a) for text in (constructions, replicas))
+    stages_checks.check_plan(chosen, again)
+    subject = check_subject(model_name, stack, prompt, item_set, item_index)
+    model, prompt_length = subject.model, len(subject.prompt_ids)
+    moves, length = stages.check(model, spec, prompt_length, suffix, chosen, tuple(transplants))
+    subject.check_serves(length, tuple(crossed))
+    measured = stages.measure(model, stack, subject.item.prompt, spec, suffix, chosen, ignore_eos,
+                              again, moves)
+    eos = frozenset() if ignore_eos else model.codec.eos_ids
+    crossing = run_crossing(model, measured, stack.label, crossed, suffix, eos) if crossed else None
+    environment = envinfo.collect()
+    return ProgramOutcome(measured.run, stack.describe(), measured.layout, crossing, environment,
+                          envinfo.environment_key(environment))
+
+
+def repro(program: str | None = None, **options) -> ReproOutcome | ProgramOutcome:
+    """`kvfid repro`: every option checked (exit 2 / 3), the item measured (one stream, or over
+    a stage program's layout: `repro_program`), the verdict and the environment it was measured
+    in."""
     from kvfid.environment import envinfo
 
+    if program:
+        return repro_program(program, **options)
     checked = prepare(**options)
     record = measure(checked)
     environment = envinfo.collect()

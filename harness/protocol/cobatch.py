@@ -9,8 +9,8 @@ times |P|, all lengths distinct and different from |P|; a neighbour's tokens are
 repeated to its length.
 
 `prefill` feeds a co-batch the way transformers pads it (left padding, an attention mask, position
-ids counted from each row's first real token) and `decode` continues all rows greedily in the same
-batch. Nothing here knows which attention backend runs.
+ids counted from each row's first real token); `in_batch` is the greedy loop's feed that
+continues all rows in the same batch. Nothing here knows which attention backend runs.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from typing import Sequence
 
 import torch
 
-from kvfid.states.cache import top2
-from kvfid.protocol.decode import Greedy, Runner
+from kvfid.protocol.decode import Feed, Runner
 
 PAD_ID = 0  # the token id at pad positions (masked; any id would do)
 
@@ -106,23 +105,22 @@ def prefill(runner: Runner, cache, batch: CoBatch) -> tuple[torch.Tensor, torch.
     return runner.forward(ids, cache, attention_mask=mask, position_ids=positions), mask
 
 
-def decode(runner: Runner, cache, batch: CoBatch, logits: torch.Tensor, mask: torch.Tensor,
-           steps: int, eos_ids) -> Greedy:
-    """Greedy suffix of the item's row with every row decoding in the same batch (each row feeds
-    its own argmax), stopping after `steps` tokens or the item's EOS."""
-    out = Greedy()
-    positions = torch.tensor([[len(r) - 1] for r in batch.rows], dtype=torch.long)  # [N, 1]
-    for step in range(steps):
-        token, margin = top2(logits[batch.row])
-        out.tokens.append(token)
-        out.margins.append(margin)
-        if token in eos_ids:
-            out.eos = True
-            break
-        if step < steps - 1:
-            fed = logits.float().argmax(-1, keepdim=True).cpu()  # [N, 1]
-            fed[batch.row, 0] = token
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # [N, W + step + 1]
-            positions = positions + 1
-            logits = runner.forward(fed, cache, attention_mask=mask, position_ids=positions)
-    return out
+def in_batch(runner: Runner, cache, batch: CoBatch, logits: torch.Tensor,
+             mask: torch.Tensor) -> Feed:
+    """The greedy loop's feed (kvfid.protocol.decode.greedy) for the item's row decoding with
+    every row in the same batch: each step feeds the item's token and every other row's own
+    argmax, one position further; it gives the item's row of the logits. `logits` [N, V] and
+    `mask` [N, W] are the co-batch's after its prefill."""
+    rows = {"logits": logits, "mask": mask,
+            "positions": torch.tensor([[len(r) - 1] for r in batch.rows], dtype=torch.long)}
+
+    def feed(token: int) -> torch.Tensor:
+        fed = rows["logits"].float().argmax(-1, keepdim=True).cpu()  # [N, 1]
+        fed[batch.row, 0] = token
+        rows["mask"] = torch.cat([rows["mask"], torch.ones_like(rows["mask"][:, :1])], dim=1)
+        rows["positions"] = rows["positions"] + 1
+        rows["logits"] = runner.forward(fed, cache, attention_mask=rows["mask"],
+                                        position_ids=rows["positions"])
+        return rows["logits"][batch.row]
+
+    return feed

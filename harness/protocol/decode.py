@@ -1,4 +1,5 @@
-"""Greedy decoding primitives: counted forward calls, prefill/step/teacher-forced loops, margins.
+"""Greedy decoding primitives: counted forward calls, teacher-forced chunks, and the one greedy
+loop (`greedy`), whose feed function says what each step feeds (plain, co-batched, a layout).
 
 `Runner` is the one place that calls the model, and it calls it as transformers' `generate`
 does: the model kwargs `generate` keeps (`_prepare_position_ids_for_generation`,
@@ -28,6 +29,7 @@ import inspect
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -204,11 +206,14 @@ def as_batch(ids, rows: int = 1) -> torch.Tensor:
     return torch.tensor([list(ids)] * rows, dtype=torch.long)
 
 
-def feed_chunks(runner: Runner, cache, ids, sizes, rows: int = 1) -> torch.Tensor:
-    """Teacher-force `ids` in consecutive chunks of the given sizes; last logits [rows, V]."""
+def feed_chunks(runner: Runner, cache, ids, sizes, rows: int = 1, chunk=None) -> torch.Tensor:
+    """Teacher-force `ids` in consecutive chunks of the given sizes; last logits [rows, V].
+    `chunk(start, end)` feeds ids start..end-1 its own way (a stage program's layout: its mask
+    and positions); by default each chunk is plain token ids, `rows` identical rows."""
+    chunk = chunk or (lambda start, end: runner.forward(as_batch(ids[start:end], rows), cache))
     logits, start = None, 0
     for size in sizes:
-        logits = runner.forward(as_batch(ids[start:start + size], rows), cache)
+        logits = chunk(start, start + size)
         start += size
     assert start == len(ids), "chunk sizes must cover the ids exactly"
     return logits
@@ -223,21 +228,36 @@ class Greedy:
     eos: bool = False
 
 
-def greedy(runner: Runner, cache, logits: torch.Tensor, steps: int, eos_ids,
-           feed_last: bool) -> tuple[Greedy, torch.Tensor]:
-    """Decode up to `steps` greedy tokens from `logits` [V], stopping after an EOS token.
+# What a greedy step feeds: the chosen token in, the logits [V] it gives out. Plain decoding feeds
+# the token alone (`next_token`); a co-batch feeds every row's token (kvfid.protocol.cobatch); a
+# stage program feeds the token at its layout's position under its visibility (kvfid.stages).
+Feed = Callable[[int], torch.Tensor]
+# How a boundary state's suffix is fed: (runner, the cache resumed from the state) -> its Feed.
+Feeding = Callable[[Runner, object], Feed]
 
-    Every token but the last is fed back; the last is fed too when `feed_last` (the live run must
-    cover it in the cache). Returns the tokens and the logits after the last fed token.
+
+def next_token(runner: Runner, cache) -> Feed:
+    """Plain decoding's feed: the token alone, after what `cache` holds."""
+    return lambda token: runner.forward(as_batch([token]), cache)[0]
+
+
+def greedy(logits: torch.Tensor, steps: int, eos_ids, feed: Feed, feed_last: bool = False,
+           choose=top2) -> tuple[Greedy, torch.Tensor]:
+    """The greedy loop: up to `steps` tokens from `logits` [V], each chosen by `choose` (the
+    token and its margin) and stopping after an EOS token.
+
+    Every token but the last is fed back through `feed`; the last is fed too when `feed_last`
+    (a live run must cover it in the cache). Returns the tokens and the logits after the last
+    fed token.
     """
     out = Greedy()
     for step in range(steps):
-        token, margin = top2(logits)
+        token, margin = choose(logits)
         out.tokens.append(token)
         out.margins.append(margin)
         if token in eos_ids:
             out.eos = True
             break
         if step < steps - 1 or feed_last:
-            logits = runner.forward(as_batch([token]), cache)[0]
+            logits = feed(token)
     return out, logits

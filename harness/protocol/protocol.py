@@ -22,8 +22,8 @@ from kvfid.records import record as rec
 from kvfid.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
                                    TransplantSpec, parse_construction, parse_transplant)
 from kvfid.states.cache import top2
-from kvfid.protocol.decode import (Greedy, Runner, as_batch, feed_chunks, greedy, new_cache,
-                                   resume)
+from kvfid.protocol.decode import (Feeding, Greedy, Runner, as_batch, feed_chunks, greedy,
+                                   new_cache, next_token, resume)
 
 # --------------------------------------------------------------------------- arms
 
@@ -60,10 +60,12 @@ class Arm:
                                 kv.sha_ids(self.suffix.tokens), kv.sha_ids(self.state.prefix))
 
 
-def decode_suffix(runner: Runner, state: kv.BoundaryState, steps: int, eos_ids) -> Greedy:
-    """`steps` greedy tokens from a boundary state, by the batch-1 suffix decoder."""
+def decode_suffix(runner: Runner, state: kv.BoundaryState, steps: int, eos_ids,
+                  feeding: Feeding = next_token) -> Greedy:
+    """`steps` greedy tokens from a boundary state, by the batch-1 suffix decoder; `feeding`
+    gives the feed of the cache resumed from it (a stage program's: at its layout's positions)."""
     cache = resume(state, runner.module)
-    suffix, _ = greedy(runner, cache, state.logits, steps, eos_ids, feed_last=False)
+    suffix, _ = greedy(state.logits, steps, eos_ids, feeding(runner, cache))
     return suffix
 
 
@@ -74,20 +76,23 @@ def run_live(module, prompt: list[int], B: int, S: int, eos_ids) -> Arm:
     the B tokens the arm has no state (the item is `short`).
     """
     start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
-    logits = runner.forward(as_batch(prompt), cache)[0]
-    generated, logits = greedy(runner, cache, logits, B, eos_ids, feed_last=True)
+    logits, feed = runner.forward(as_batch(prompt), cache)[0], next_token(runner, cache)
+    generated, logits = greedy(logits, B, eos_ids, feed, feed_last=True)
     if generated.eos:
         return Arm("live", None, Greedy(), time.perf_counter() - start, runner.calls,
                    runner.seconds, generated=generated)
     state = kv.snapshot(cache, prompt + generated.tokens, logits[None], config=module.config)
-    suffix, _ = greedy(runner, cache, logits, S, eos_ids, feed_last=False)
+    suffix, _ = greedy(logits, S, eos_ids, feed)
     return Arm("live", state, suffix, time.perf_counter() - start, runner.calls, runner.seconds,
                generated=generated)
 
 
 def run_construction(module, construction: Construction, prompt_length: int,
-                     prefix: list[int], S: int, eos_ids) -> Arm:
-    """Build the boundary state over `prefix` the given way and decode its suffix."""
+                     prefix: list[int], S: int, eos_ids, layout=None) -> Arm:
+    """Build the boundary state over `prefix` the given way and decode its suffix. `layout`: a
+    stage program's (kvfid.stages.program.Layout, over `prefix`), whose `chunk` feeds each chunk
+    under its visibility at its positions and whose `suffix_feed` decodes in its last stage;
+    None: one plain stream."""
     start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
     rows = construction.n if construction.kind == "batched" else 1
     acceptance = None
@@ -96,11 +101,13 @@ def run_construction(module, construction: Construction, prompt_length: int,
                                           module.config.get_text_config().vocab_size)
     else:
         sizes = construction.chunk_sizes(prompt_length, len(prefix))
-        logits = feed_chunks(runner, cache, prefix, sizes, rows)      # [rows, V]
+        chunk = layout.chunk(runner, cache) if layout is not None else None
+        logits = feed_chunks(runner, cache, prefix, sizes, rows, chunk)      # [rows, V]
     state = kv.snapshot(cache, prefix, logits, config=module.config)
     rows_identical = kv.rows_identical(cache, logits) if rows > 1 else None
     del cache
-    suffix = decode_suffix(runner, state, S, eos_ids)
+    suffix = decode_suffix(runner, state, S, eos_ids,
+                           next_token if layout is None else layout.suffix_feed)
     return Arm(construction.label, state, suffix, time.perf_counter() - start, runner.calls,
                runner.seconds, rows_identical=rows_identical, acceptance=acceptance)
 
@@ -126,7 +133,8 @@ def run_cobatched(module, construction: Construction, prefix: list[int], S: int,
     state = kv.snapshot(cache, prefix, logits, batch.row, batch.pads[batch.row],
                         config=module.config)
     if construction.decode_in_batch:
-        suffix = cobatch.decode(runner, cache, batch, logits, mask, S, eos_ids)
+        suffix, _ = greedy(logits[batch.row], S, eos_ids,
+                           cobatch.in_batch(runner, cache, batch, logits, mask))
     else:
         del cache
         suffix = decode_suffix(runner, state, S, eos_ids)
@@ -158,8 +166,9 @@ def compare_arms(a: Arm, b: Arm, kind: str) -> rec.Comparison:
 
 
 def run_transplant(module, spec: TransplantSpec, arms: dict[str, Arm], prompt_length: int,
-                   S: int, eos_ids) -> rec.TransplantRecord:
-    """Decode the suffix of recipient-with-donor's-cache and classify it."""
+                   S: int, eos_ids, feeding: Feeding = next_token) -> rec.TransplantRecord:
+    """Decode the suffix of recipient-with-donor's-cache and classify it (`feeding`: as
+    `decode_suffix`'s)."""
     recipient, donor = arms[spec.recipient], arms[spec.donor]
     done = functools.partial(rec.TransplantRecord, spec.label, spec.recipient, spec.donor,
                              spec.selection.label,
@@ -168,7 +177,7 @@ def run_transplant(module, spec: TransplantSpec, arms: dict[str, Arm], prompt_le
         return done("boundary")
     state = surgery.transplant(recipient.state, donor.state, spec.selection, prompt_length)
     runner = Runner(module)
-    suffix = decode_suffix(runner, state, S, eos_ids)
+    suffix = decode_suffix(runner, state, S, eos_ids, feeding)
     if suffix.tokens == recipient.suffix.tokens:
         outcome = "recipient"
     elif suffix.tokens == donor.suffix.tokens:

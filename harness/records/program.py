@@ -4,8 +4,7 @@ like any unit.
 Its own module because record.py is full; `ProgramRecord` registers itself in record.KINDS, and
 kvfid.records.read imports this module, so a stored program unit reads back wherever records
 are read.
-`run_from_result` types what `stages.run_program` returns; `picture` draws the stages and what
-each sees.
+`stages.run_program` returns a `ProgramRun`; `picture` draws the stages and what each sees.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field
 
-from kvfid.records.plain import decode
 from kvfid.records.record import (KINDS, CacheDiff, ItemRef, LogitsDiff, SuffixDiff, UnitRecord,
                                      to_json)
 
@@ -125,23 +123,6 @@ class ProgramRecord(UnitRecord):
 
 
 KINDS[ProgramRecord.KIND] = ProgramRecord
-
-
-def run_from_result(result: dict, spelled: tuple[str, ...] = ()) -> ProgramRun:
-    """The typed run of what `stages.run_program` returned; `spelled`: its transplants as the
-    case wrote them."""
-    keep = ("arm", "cache", "logits", "suffix", "first_bad_segment", "segments_exact")
-    data = {"program": result["program"], "S": result["S"],
-            "prompt_length": result["prompt_length"], "boundary_length": result["boundary_length"],
-            "segments": result["segments"],
-            "prefix_sha": result["prefix_sha"], "live_margins": result["live_margins"],
-            "arms": result["arms"], "replicas": result["replicas"],
-            "comparisons": [{k: c[k] for k in keep} for c in result["comparisons"]],
-            "transplants": [{**{k: t.get(k) for k in ("transplant", "outcome", "same_suffixes",
-                                                       "suffix", "suffix_sha")},
-                             "spelled": spelled[i] if spelled else None}
-                            for i, t in enumerate(result["transplants"])]}
-    return decode(ProgramRun, data)
 
 
 def picture(segments) -> list[str]:

@@ -14,7 +14,7 @@ from kvfid.stages import transplant as stages_transplant
 from kvfid.stacks.stack import check_supports
 from kvfid.protocol.constructions import ProtocolError
 from kvfid.inputs.items import load_item_set
-from kvfid.records.program import ProgramRecord, run_from_result
+from kvfid.records.program import ProgramRecord
 from kvfid.records.record import ItemRef
 from kvfid.stacks.serving import describe_layers
 from kvfid.stages.batched import check_batched
@@ -67,8 +67,8 @@ def measure(model, stack, item, case, index: int) -> ProgramRecord:
         ranges = stages_transplant.segment_ranges(prompt, program, openers)
         moves = tuple(stages_transplant.parse(t, ranges, case.constructions)
                       for t in case.program.transplants)
-        result = stages.run_program(model, stack, item.prompt, program, case.S, case.constructions,
-                                    case.ignore_eos, replicas, moves)
-        runs.append(run_from_result(result, case.program.transplants))
+        runs.append(stages.run_program(model, stack, item.prompt, program, case.S,
+                                       case.constructions, case.ignore_eos, replicas, moves,
+                                       case.program.transplants))
     return ProgramRecord(ItemRef(item.id, item.prompt, item.answer), model.name,
                          stack.describe(), ignore_eos=case.ignore_eos, runs=tuple(runs))

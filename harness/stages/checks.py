@@ -33,6 +33,18 @@ def check_arms(arms: tuple[str, ...]) -> None:
                                 f"{', '.join(ARMS)}")
 
 
+def check_plan(arms: tuple[str, ...], replicas: tuple[str, ...]) -> None:
+    """Refuse before compute arms without live (every arm is compared with it), a replica that
+    is not among the arms, an arm a stage program cannot be rebuilt by."""
+    if "live" not in arms:
+        raise ProtocolError(f"--constructions {','.join(arms)}: a stage program's arms are compared with "
+                            f"live; include it")
+    for label in replicas:
+        if label not in arms:
+            raise ProtocolError(f"--replicas {label}: not among --constructions ({','.join(arms)})")
+    check_arms(arms)
+
+
 def check_layers(layers) -> None:
     """Refuse a model whose layers a stage program's mask cannot describe: the 4-D mask reaches
     every layer as it is, so a sliding-window or chunked layer would lose its window on one

@@ -6,34 +6,57 @@ difference between cells is the precision's or the construction's, never another
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvfid.states import cache as kv
-from kvfid.stages.program import Layout, decode_suffix, rebuild
+from kvfid.stages.program import Measured, cache_exact, rebuild
 
 CONSTRUCTIONS = ("incremental", "prefill")
 
 
-def frozen_layout(program, record: dict) -> Layout:
-    """The live layout a `run_program` record stored."""
-    frozen = record["layout"]
-    return Layout(Layout.start(program).sees, program.positions, list(frozen["tokens"]),
-                  list(frozen["segments"]), list(frozen["positions"]))
+@dataclass(frozen=True)
+class CrossedArm:
+    """One construction on one crossed stack over the frozen program."""
+
+    stack: str
+    arm: str
+    cache_sha: str
+    suffix: tuple[int, ...]
+    suffix_equals_reference: bool
 
 
-def run_crossing(model, program, record: dict, stacks, S: int, eos_ids) -> dict:
-    """Per crossed stack: both constructions' suffixes against the reference live suffix, and
-    whether the two constructions' caches have the same bits."""
-    layout, reference = frozen_layout(program, record), record["arms"]["live"]["suffix"]
+@dataclass(frozen=True)
+class CrossedStack:
+    """Whether a crossed stack's two constructions gave the merge boundary one state."""
+
+    stack: str
+    bit_exact: bool
+
+
+@dataclass(frozen=True)
+class ProgramCrossing:
+    """The crossing of one measured program: the reference stack's label, the cells, and each
+    crossed stack's two constructions against each other."""
+
+    reference: str
+    cells: tuple[CrossedArm, ...]
+    within: tuple[CrossedStack, ...]
+
+
+def run_crossing(model, measured: Measured, reference: str, stacks, S: int,
+                 eos_ids) -> ProgramCrossing:
+    """Per crossed stack: both constructions' suffixes against the reference live suffix (the
+    program `measured` on the stack labelled `reference`), and whether the two constructions'
+    caches have the same bits."""
+    layout, run = measured.layout, measured.run
+    expected = run.arms["live"].suffix
     cells, within = [], []
     for stack in stacks:
-        built = {}
         with stack.activate(model) as module:
-            for label in CONSTRUCTIONS:
-                state, runner = rebuild(module, layout, label, record["prompt_length"])
-                built[label] = (state, decode_suffix(runner, layout, state, S, eos_ids))
-        (a, _), (b, _) = built.values()
-        within.append({"stack": stack.label, "bit_exact": kv.compare_states(a, b).bit_exact})
-        cells += [{"stack": stack.label, "arm": label, "cache_sha": kv.sha_cache(state),
-                   "suffix": list(suffix.tokens),
-                   "suffix_equals_reference": list(suffix.tokens) == list(reference)}
-                  for label, (state, suffix) in built.items()]
-    return {"reference": record["stack"]["label"], "cells": cells, "within": within}
+            built = {label: rebuild(module, layout, label, run.prompt_length, S, eos_ids)
+                     for label in CONSTRUCTIONS}
+        within.append(CrossedStack(stack.label, cache_exact(*built.values())))
+        cells += [CrossedArm(stack.label, label, kv.sha_cache(arm.state), tuple(arm.suffix.tokens),
+                             tuple(arm.suffix.tokens) == tuple(expected))
+                  for label, arm in built.items()]
+    return ProgramCrossing(reference, tuple(cells), tuple(within))

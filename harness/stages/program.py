@@ -11,28 +11,38 @@ rows of the mask (a 4-D float mask: 0 where a query sees a key, the dtype's mini
 which every attention backend reads alike) and its position ids; which backend serves them is
 the stack's business.
 
-Arms: `live` (the prompt prefilled, each stage's delimiter fed, its tokens generated one at a
-time and fed back), and rebuilt over the same integer tokens, mask and positions: `prefill` (one
-call), `incremental` (the prompt in one call, then one token at a time), `chunked:N`. Inside a
+A program is a layout (`Layout`: segments, positions, visibility) that the protocol's arms, its
+greedy loop and `compare_arms` run over (kvfid.protocol.protocol): the layout feeds each chunk
+and each greedy step at its positions under its visibility. Arms: `live` (the prompt prefilled,
+each stage's delimiter fed, its tokens generated one at a time and fed back), and rebuilt over
+the same integer tokens, mask and positions: `prefill` (one call), `incremental` (the prompt in
+one call, then one token at a time), `chunked:N`. `measure` returns the typed run
+(kvfid.records.program.ProgramRun) and the live layout. Inside a
 branch or the merge, end-of-turn tokens are masked out of the logits (the structural logits
 mask), so a stage runs its full length and its cap is where the next delimiter is forced.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from dataclasses import dataclass
 
 import torch
 
-from kvfid.records.plain import as_plain
 from kvfid.states import cache as kv
+from kvfid.stacks.serving import describe_layers
 from kvfid.stages import batched as stages_batched, transplant as stages_transplant
-from kvfid.stages.checks import check_program_fits
-from kvfid.protocol.constructions import ProtocolError, parse_construction
+from kvfid.stages.checks import check_layers, check_program_fits, program_length
+from kvfid.protocol.constructions import ProtocolError, TransplantSpec, parse_construction
+from kvfid.protocol.decode import Greedy, Runner, greedy, new_cache
+from kvfid.protocol.protocol import (Arm, compare_arms, decode_suffix, run_construction,
+                                     run_transplant)
+from kvfid.records.program import (ProgramArm, ProgramComparison, ProgramReplica, ProgramRun,
+                                   ProgramTransplant)
+from kvfid.stages.layout import Layout
 from kvfid.states.cache import top2
-from kvfid.protocol.decode import Greedy, Runner, new_cache, resume
 
 LAYOUTS = ("packed", "batched")
 POSITIONS = ("continuing", "parallel")
@@ -94,60 +104,23 @@ def delimiters(codec, program: Program) -> list[list[int]]:
     return [list(t.encode("utf-8")) for t in texts]  # a byte codec: ids 0-255 are bytes
 
 
-@dataclass
-class Layout:
-    """The packed sequence as it grows: tokens, each position's segment and position id."""
-
-    sees: torch.Tensor  # [S, S] bool: segment 0 the prompt, 1..N branches, N+1 the merge
-    positions_mode: str
-    tokens: list[int]
-    segments: list[int]
-    positions: list[int]
-
-    @classmethod
-    def start(cls, program: Program) -> "Layout":
-        return cls(program.visibility(), program.positions, [], [], [])
-
-    def next_position(self, segment: int) -> int:
-        """The position id of the next token of `segment`."""
-        mine = [p for p, s in zip(self.positions, self.segments) if s == segment]
-        if mine:
-            return mine[-1] + 1
-        if self.positions_mode == "continuing" or segment == 0:
-            return len(self.tokens)
-        prompt = self.segments.count(0)
-        if segment == len(self.sees) - 1:  # the merge continues the longest stage
-            return max(self.positions) + 1
-        return prompt  # a branch restarts after the prompt
-
-    def extend(self, ids: list[int], segment: int) -> None:
-        for token in ids:
-            self.positions.append(self.next_position(segment))
-            self.segments.append(segment)
-            self.tokens.append(int(token))
-
-    def mask(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        """[1, 1, end - start, end] float: the rows of positions start..end-1 over keys 0..end-1."""
-        from kvfid.kernels.attention.reference import segment_mask
-
-        seg = torch.tensor(self.segments[:end])[None]
-        visible = segment_mask(seg, self.sees, q_len=end - start)  # [1, q, end]
-        return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[:, None]
-
-    def first_segment(self, position: int | None) -> str | None:
-        """The name of the segment holding `position` (prompt, branch i, merge)."""
-        if position is None:
-            return None
-        seg = self.segments[position]
-        return "prompt" if seg == 0 else "merge" if seg == len(self.sees) - 1 else f"branch {seg}"
-
-
-def _feed(runner: Runner, cache, layout: Layout, start: int, end: int) -> torch.Tensor:
-    """Feed layout tokens start..end-1 after `cache` (which holds 0..start-1); last logits [V]."""
-    dtype = next(runner.module.parameters()).dtype
-    ids = torch.tensor([layout.tokens[start:end]])
-    return runner.forward(ids, cache, attention_mask=layout.mask(start, end, dtype),
-                          position_ids=torch.tensor([layout.positions[start:end]]))[0]
+def check(model, program: Program, prompt_length: int, S: int, arms: tuple[str, ...],
+          transplants: tuple[str, ...] = ()) -> tuple[tuple[TransplantSpec, ...], int]:
+    """Everything a program is checked for against `model` before compute (ProtocolError, exit
+    2, in one line): its stages and suffix fit the context, the batched layout's rows, the
+    transplants (`segment=NAME` resolved), layers that attend through the mask only. Returns the
+    transplants parsed and the tokens the program needs (the merge boundary and S)."""
+    openers = delimiters(model.codec, program)
+    lengths = [len(o) for o in openers]
+    check_program_fits(prompt_length, program, lengths, S, model.context_length)
+    if program.layout == "batched":
+        stages_batched.check_batched(program, openers)
+    moves = ()
+    if transplants:
+        ranges = stages_transplant.segment_ranges(prompt_length, program, lengths)
+        moves = tuple(stages_transplant.parse(t, ranges, arms) for t in transplants)
+    check_layers(describe_layers(model))
+    return moves, program_length(prompt_length, program, lengths) + S
 
 
 def _choose(logits: torch.Tensor, eos_ids) -> tuple[int, float]:
@@ -157,10 +130,13 @@ def _choose(logits: torch.Tensor, eos_ids) -> tuple[int, float]:
     return top2(masked)
 
 
-def run_live(module, program: Program, prompt: list[int], openers: list[list[int]], eos_ids):
+def run_live(module, program: Program, prompt: list[int], openers: list[list[int]], S: int,
+             eos_ids, suffix_eos) -> tuple[Layout, Arm]:
     """The live program: prompt, then each stage's delimiter fed and its tokens generated one at
-    a time (packed: in one sequence; batched: the branches as rows, composed). Returns (layout,
-    state, generated margins, runner, cache)."""
+    a time by the greedy loop, end-of-turn masked (packed: in one sequence; batched: the branches
+    as rows, composed); then its suffix from the merge boundary state, stopping at `suffix_eos`.
+    Returns the layout it grew and the live arm (`generated`: the stages' tokens and margins)."""
+    started = time.perf_counter()
     layout = Layout.start(program)
     layout.extend(prompt, 0)
     stages = [(i + 1, program.branch_tokens) for i in range(program.branches)]
@@ -171,59 +147,29 @@ def run_live(module, program: Program, prompt: list[int], openers: list[list[int
         stages, openers = stages[-1:], openers[-1:]
     else:
         runner, cache, margins = Runner(module), new_cache(module), []
-        _feed(runner, cache, layout, 0, len(prompt))
+        layout.forward(runner, cache, 0, len(prompt))
+    choose = functools.partial(_choose, eos_ids=eos_ids)
     for (segment, length), opener in zip(stages, openers):
         start = len(layout.tokens)
         layout.extend(opener, segment)
-        logits = _feed(runner, cache, layout, start, len(layout.tokens))
-        for _ in range(length):
-            token, margin = _choose(logits, eos_ids)
-            margins.append(margin)
-            layout.extend([token], segment)
-            logits = _feed(runner, cache, layout, len(layout.tokens) - 1, len(layout.tokens))
+        logits = layout.forward(runner, cache, start, len(layout.tokens))[0]
+        generated, logits = greedy(logits, length, frozenset(),
+                                   layout.stage_feed(runner, cache, segment), feed_last=True,
+                                   choose=choose)
+        margins += generated.margins
     state = kv.snapshot(cache, layout.tokens, logits[None], config=module.config)
-    return layout, state, margins, runner, cache
+    del cache
+    suffix = decode_suffix(runner, state, S, suffix_eos, layout.suffix_feed)
+    return layout, Arm("live", state, suffix, time.perf_counter() - started, runner.calls,
+                       runner.seconds, generated=Greedy(margins=margins))  # the run keeps margins
 
 
-def rebuild(module, layout: Layout, label: str, prompt_length: int):
+def rebuild(module, layout: Layout, label: str, prompt_length: int, S: int, eos_ids) -> Arm:
     """The merge boundary state over the live layout's tokens, mask and positions, built by
-    `label` (prefill, incremental, chunked:N); returns (state, runner)."""
-    runner, cache, total = Runner(module), new_cache(module), len(layout.tokens)
-    construction = parse_construction(label)
-    bounds = [0, *_cuts(construction, prompt_length, total)]
-    for start, end in zip(bounds, bounds[1:]):
-        logits = _feed(runner, cache, layout, start, end)
-    return kv.snapshot(cache, layout.tokens, logits[None], config=module.config), runner
-
-
-def _cuts(construction, prompt_length: int, total: int) -> list[int]:
-    if construction.kind == "prefill":
-        return [total]
-    if construction.kind == "incremental":
-        return [prompt_length, *range(prompt_length + 1, total + 1)]
-    return [*range(construction.n, total, construction.n), total]
-
-
-def decode_suffix(runner: Runner, layout: Layout, state, steps: int, eos_ids) -> Greedy:
-    """`steps` greedy suffix tokens of the merge from a boundary state (stopping after EOS)."""
-    cache, grown, logits = resume(state, runner.module), _copy(layout), state.logits
-    out, merge = Greedy(), len(layout.sees) - 1
-    for step in range(steps):
-        token, margin = top2(logits)
-        out.tokens.append(token)
-        out.margins.append(margin)
-        if token in eos_ids:
-            out.eos = True
-            break
-        if step < steps - 1:
-            grown.extend([token], merge)
-            logits = _feed(runner, cache, grown, len(grown.tokens) - 1, len(grown.tokens))
-    return out
-
-
-def _copy(layout: Layout) -> Layout:
-    return Layout(layout.sees, layout.positions_mode, list(layout.tokens), list(layout.segments),
-                  list(layout.positions))
+    `label` (prefill, incremental, chunked:N) as the protocol builds an arm, its suffix decoded
+    in the merge."""
+    return run_construction(module, parse_construction(label), prompt_length, layout.tokens, S,
+                            eos_ids, layout=layout)
 
 
 def segments_exact(a, b, layout: Layout) -> dict:
@@ -243,86 +189,81 @@ def segments_exact(a, b, layout: Layout) -> dict:
     return out
 
 
-@dataclass
-class ProgramArm:
-    label: str
-    state: object
-    suffix: Greedy
-    wall_s: float
-    forward_calls: int
+def against_live(live: Arm, arm: Arm, layout: Layout) -> ProgramComparison:
+    """A rebuilt arm against live at the merge boundary (kvfid.protocol.protocol.compare_arms),
+    with the stage of the first differing position and each stage's verdict."""
+    compared = compare_arms(live, arm, "arm")
+    return ProgramComparison(arm.label, compared.cache, compared.logits, compared.suffix,
+                             layout.first_segment(compared.cache.first_position),
+                             segments_exact(live.state, arm.state, layout))
 
 
-def run_program(model, stack, prompt_text: str, program: Program, S: int, arms: tuple[str, ...],
-                ignore_eos: bool = False, replicas: tuple[str, ...] = (),
-                transplants: tuple = ()) -> dict:
+def transplant(module, spec: TransplantSpec, built: dict[str, Arm], layout: Layout,
+               prompt_length: int, S: int, eos_ids, spelled: str | None) -> ProgramTransplant:
+    """One transplant at the merge boundary (kvfid.protocol.protocol.run_transplant), its
+    suffix decoded in the merge; `spelled`: as the case wrote it."""
+    moved = run_transplant(module, spec, built, prompt_length, S, eos_ids, layout.suffix_feed)
+    return ProgramTransplant(f"{spec.recipient}<-{spec.donor}:{spec.selection.label}",
+                             moved.outcome, moved.recipient_equals_donor, spelled, moved.suffix,
+                             moved.suffix_sha)
+
+
+def cache_exact(a: Arm, b: Arm) -> bool:
+    """Whether two arms' boundary caches have the same bits (over the same prefix)."""
+    cache = compare_arms(a, b, "replica").cache
+    return cache is not None and cache.bit_exact
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A measured program: its typed run and the live layout it was measured over (the
+    crossing rebuilds that layout's integers on other stacks)."""
+
+    run: ProgramRun
+    layout: Layout
+
+
+def measure(model, stack, prompt_text: str, program: Program, S: int, arms: tuple[str, ...],
+            ignore_eos: bool = False, replicas: tuple[str, ...] = (), transplants: tuple = (),
+            spelled: tuple[str, ...] = ()) -> Measured:
     """Measure one stage program on one stack: live and each rebuilt arm at the merge boundary,
     compared with live (cache per layer, the first bad segment, boundary logits, suffix); each
     arm of `replicas` built again from scratch and compared with its first build; each of
-    `transplants` (stages_transplant) decoded and classified."""
+    `transplants` decoded and classified (`spelled`: as the case wrote them)."""
     codec = model.codec
     eos = frozenset() if ignore_eos else codec.eos_ids
     prompt, openers = codec.prompt_ids(prompt_text), delimiters(codec, program)
     check_program_fits(len(prompt), program, [len(o) for o in openers], S, model.context_length)
     if program.layout == "batched":
         stages_batched.check_batched(program, openers)
-    built = {}
     with stack.activate(model) as module:
-        start = time.perf_counter()
-        layout, state, margins, runner, cache = run_live(module, program, prompt, openers, codec.eos_ids)
-        del cache
-        suffix = decode_suffix(runner, layout, state, S, eos)
-        built["live"] = ProgramArm("live", state, suffix, time.perf_counter() - start, runner.calls)
+        layout, live = run_live(module, program, prompt, openers, S, codec.eos_ids, eos)
+        built = {"live": live}
         for label in arms:
-            if label == "live":
-                continue
-            start = time.perf_counter()
-            rebuilt, runner = rebuild(module, layout, label, len(prompt))
-            suffix = decode_suffix(runner, layout, rebuilt, S, eos)
-            built[label] = ProgramArm(label, rebuilt, suffix, time.perf_counter() - start,
-                                      runner.calls)
-        again = {}
-        for label in replicas:
-            if label == "live":
-                _, state, _, runner, cache = run_live(module, program, prompt, openers, codec.eos_ids)
-                del cache
-            else:
-                state, runner = rebuild(module, layout, label, len(prompt))
-            again[label] = (state, decode_suffix(runner, layout, state, S, eos))
-        moved = [stages_transplant.run(module, spec, built, layout, len(prompt), S, eos,
-                                       decode_suffix) for spec in transplants]
-    live = built["live"]
-    comparisons = []
-    for label, arm in built.items():
-        if label == "live":
-            continue
-        cache_cmp = kv.compare_states(live.state, arm.state)
-        comparisons.append({   # the records as plain data, in the result run_from_result types
-            "arm": label, "bit_exact": cache_cmp.bit_exact,
-            "first_bad_layer": cache_cmp.first_bad_layer, "first_bad_kv": cache_cmp.first_bad_kv,
-            "first_position": cache_cmp.first_position,
-            "first_bad_segment": layout.first_segment(cache_cmp.first_position),
-            "cache": as_plain(cache_cmp),
-            "segments_exact": segments_exact(live.state, arm.state, layout),
-            "max_abs": cache_cmp.max_abs, "d_rel": cache_cmp.d_rel,
-            "logits": as_plain(kv.compare_logits(live.state.logits, arm.state.logits)),
-            "suffix": as_plain(kv.compare_suffixes(live.suffix.tokens, arm.suffix.tokens,
-                                                   live.suffix.margins, arm.suffix.margins))})
-    replica_rows = [{"arm": label, "bit_exact": kv.compare_states(built[label].state, state).bit_exact,
-                     "suffix_identical": list(suffix.tokens) == list(built[label].suffix.tokens)}
-                    for label, (state, suffix) in again.items()]
-    return {
-        "program": program.label, "replicas": replica_rows, "transplants": moved, "stack": stack.describe(), "prompt_length": len(prompt),
-        "boundary_length": len(layout.tokens), "S": S,
-        "segments": [{"segment": layout.first_segment(layout.segments.index(s)),
-                      "start": layout.segments.index(s), "length": layout.segments.count(s),
-                      "positions": [min(p for p, x in zip(layout.positions, layout.segments) if x == s),
-                                    max(p for p, x in zip(layout.positions, layout.segments) if x == s)],
-                      "sees": [layout.first_segment(layout.segments.index(t))
-                               for t in range(len(layout.sees)) if layout.sees[s, t]]}
-                     for s in range(len(layout.sees))],
-        "prefix_sha": kv.sha_ids(layout.tokens), "live_margins": margins,
-        "layout": {"tokens": layout.tokens, "segments": layout.segments, "positions": layout.positions},
-        "arms": {label: {"cache_sha": kv.sha_cache(arm.state), "suffix": list(arm.suffix.tokens),
-                         "wall_s": arm.wall_s, "forward_calls": arm.forward_calls}
-                 for label, arm in built.items()},
-        "comparisons": comparisons}
+            if label != "live":
+                built[label] = rebuild(module, layout, label, len(prompt), S, eos)
+        again = {label: run_live(module, program, prompt, openers, S, codec.eos_ids, eos)[1]
+                 if label == "live" else rebuild(module, layout, label, len(prompt), S, eos)
+                 for label in replicas}
+        moved = tuple(transplant(module, spec, built, layout, len(prompt), S, eos,
+                                 spelled[i] if spelled else None)
+                      for i, spec in enumerate(transplants))
+    run = ProgramRun(
+        program.label, S, len(prompt), len(layout.tokens), layout.segment_records(),
+        kv.sha_ids(layout.tokens), tuple(live.generated.margins),
+        {label: ProgramArm(kv.sha_cache(arm.state), tuple(arm.suffix.tokens), arm.wall_s,
+                           arm.forward_calls) for label, arm in built.items()},
+        tuple(against_live(live, arm, layout) for label, arm in built.items() if label != "live"),
+        tuple(ProgramReplica(label, cache_exact(built[label], arm),
+                             arm.suffix.tokens == built[label].suffix.tokens)
+              for label, arm in again.items()),
+        moved)
+    return Measured(run, layout)
+
+
+def run_program(model, stack, prompt_text: str, program: Program, S: int, arms: tuple[str, ...],
+                ignore_eos: bool = False, replicas: tuple[str, ...] = (), transplants: tuple = (),
+                spelled: tuple[str, ...] = ()) -> ProgramRun:
+    """One stage program on one stack, its typed run (`measure`, without the layout)."""
+    return measure(model, stack, prompt_text, program, S, arms, ignore_eos, replicas,
+                   transplants, spelled).run

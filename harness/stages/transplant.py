@@ -3,17 +3,14 @@ tokens, mask, positions and boundary logits kept, its state replaced by donor D'
 layer range, keys or values only, a position range, or one stage's positions: `segment=NAME`,
 NAME one of prompt, branch1 .. branchN, merge), then the suffix decoded in the merge. Outcomes
 as the one-stream protocol's: `donor`, `recipient`, `third`, or `boundary` when the two boundary
-argmaxes already differ."""
+argmaxes already differ. Here: the selections spelled and checked before compute; the
+protocol's transplant runs them (kvfid.stages.program.transplant)."""
 
 from __future__ import annotations
 
 import re
 
-from kvfid.states import cache as kv
-from kvfid.states import surgery
 from kvfid.protocol.constructions import ProtocolError, TransplantSpec, parse_transplant
-from kvfid.states.cache import top2
-from kvfid.protocol.decode import Runner
 
 
 def segment_ranges(prompt_length: int, program, opener_lengths: list[int]) -> dict:
@@ -42,19 +39,3 @@ def parse(text: str, ranges: dict, arms: tuple[str, ...]) -> TransplantSpec:
         if side not in arms:
             raise ProtocolError(f"--transplant {text}: {side} is not among the arms ({', '.join(arms)})")
     return spec
-
-
-def run(module, spec: TransplantSpec, built: dict, layout, prompt_length: int, S: int, eos_ids,
-        decode_suffix) -> dict:
-    """One transplant at the merge boundary, classified."""
-    recipient, donor = built[spec.recipient], built[spec.donor]
-    row = {"transplant": f"{spec.recipient}<-{spec.donor}:{spec.selection.label}",
-           "same_suffixes": recipient.suffix.tokens == donor.suffix.tokens}
-    if top2(recipient.state.logits)[0] != top2(donor.state.logits)[0]:
-        return {**row, "outcome": "boundary", "suffix": None}
-    state = surgery.transplant(recipient.state, donor.state, spec.selection, prompt_length)
-    suffix = decode_suffix(Runner(module), layout, state, S, eos_ids)
-    outcome = ("recipient" if suffix.tokens == recipient.suffix.tokens else
-               "donor" if suffix.tokens == donor.suffix.tokens else "third")
-    return {**row, "outcome": outcome, "suffix": list(suffix.tokens),
-            "suffix_sha": kv.sha_ids(suffix.tokens)}

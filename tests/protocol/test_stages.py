@@ -41,18 +41,18 @@ def test_faithful_stack_is_bit_exact_at_the_merge_boundary_and_the_twin_is_caugh
     spec = stages.parse_program(PROGRAM)
     arms = ("live", "prefill", "chunked:5")
     faithful = stages.run_program(tiny(), Stack("native", "fp32", True), "2+3=", spec, 3, arms)
-    assert [c["arm"] for c in faithful["comparisons"]] == ["prefill", "chunked:5"]
-    for c in faithful["comparisons"]:
-        assert c["bit_exact"] and c["logits"]["equal"] and c["suffix"]["identical"], c
-    assert [s["segment"] for s in faithful["segments"]] == ["prompt", "branch 1", "branch 2", "merge"]
-    assert faithful["comparisons"][0]["segments_exact"] == dict.fromkeys(
+    assert [c.arm for c in faithful.comparisons] == ["prefill", "chunked:5"]
+    for c in faithful.comparisons:
+        assert c.bit_exact and c.logits.equal and c.suffix.identical, c
+    assert [s.segment for s in faithful.segments] == ["prompt", "branch 1", "branch 2", "merge"]
+    assert faithful.comparisons[0].segments_exact == dict.fromkeys(
         ["prompt", "branch 1", "branch 2", "merge"], True)
     # the control: the deliberately variant attention twin (split count from the call's shape)
     # under the same mode; stock sdpa/bf16 is a per-machine finding (docs/protocol.md), not a test
     twin = stages.run_program(tiny(), Stack("twin", "fp32", True), "2+3=", spec, 3, ("live", "prefill"))
-    control = twin["comparisons"][0]
-    assert not control["bit_exact"] and control["first_bad_segment"] is not None
-    assert not control["segments_exact"][control["first_bad_segment"]]
+    control = twin.comparisons[0]
+    assert not control.bit_exact and control.first_bad_segment is not None
+    assert not control.segments_exact[control.first_bad_segment]
 
 
 def test_batched_layout_composes_the_packed_state_on_the_faithful_stack():
@@ -62,9 +62,9 @@ def test_batched_layout_composes_the_packed_state_on_the_faithful_stack():
     packed = stages.run_program(tiny(), stack, "2+3=", stages.parse_program(PROGRAM), 3, arms)
     batched = stages.run_program(tiny(), stack, "2+3=", stages.parse_program(
         PROGRAM.replace("packed", "batched")), 3, arms)
-    assert batched["prefix_sha"] == packed["prefix_sha"]
-    assert batched["arms"]["live"]["cache_sha"] == packed["arms"]["live"]["cache_sha"]
-    assert batched["comparisons"][0]["bit_exact"] and batched["comparisons"][0]["suffix"]["identical"]
+    assert batched.prefix_sha == packed.prefix_sha
+    assert batched.arms["live"].cache_sha == packed.arms["live"].cache_sha
+    assert batched.comparisons[0].bit_exact and batched.comparisons[0].suffix.identical
 
 
 @pytest.mark.parametrize("layout", ["packed", "batched"])
@@ -73,9 +73,9 @@ def test_the_triton_kernel_is_bit_exact_at_the_merge_boundary_in_both_layouts(la
     visibility-mask path and the live branches' causal calls give the merge boundary one state."""
     spec = stages.parse_program(PROGRAM.replace("packed", layout))
     done = stages.run_program(tiny(), Stack("triton", "fp32", True), "2+3=", spec, 2, ("live", "prefill"))
-    comparison = done["comparisons"][0]
-    assert comparison["bit_exact"] and comparison["logits"]["equal"], comparison
-    assert all(comparison["segments_exact"].values())
+    comparison = done.comparisons[0]
+    assert comparison.bit_exact and comparison.logits.equal, comparison
+    assert all(comparison.segments_exact.values())
 
 
 def test_repro_program_through_the_command_line():
@@ -90,6 +90,20 @@ def test_repro_program_through_the_command_line():
     assert record["replicas"] == [{"arm": a, "bit_exact": True, "suffix_identical": True}
                                   for a in ("live", "prefill")]
     assert record["environment_key"]
+
+
+def test_repro_program_text_names_the_twin_s_first_bad_segment():
+    """`repro` with a layout, printed: the control stack's rebuilt arm differs from live, the
+    first bad layer and segment named, the verdict diverges."""
+    args = ["repro", "--model", "tiny-llama", "--prompt", "2+3=", "--backend", "twin", "--dtype",
+            "fp32", "--batch-invariant", "--program", PROGRAM, "-S", "2", "--arms", "live,prefill",
+            "--expect", "diverges"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.strip().startswith("prefill"))
+    assert "differs" in row and any(name in row for name in ("prompt", "branch", "merge")), row
+    assert "segments whose keys or values differ" in result.output
+    assert result.output.rstrip().endswith("verdict: diverges")
 
 
 @pytest.mark.parametrize("program, message", [
@@ -145,24 +159,25 @@ def test_segment_transplants_move_one_stage_of_the_donor():
     assert move.selection.positions == (22, 37) and move.selection.keys and not move.selection.values
     record = stages.run_program(tiny(), Stack("twin", "fp32", True), "2+3=", spec, 3,
                                 ("live", "prefill"), transplants=(move,))
-    (row,) = record["transplants"]
-    assert row["transplant"] == "live<-prefill:keys+positions=22-37"
-    assert row["outcome"] in ("donor", "recipient", "third", "boundary")
-    if row["outcome"] != "boundary":
-        assert len(row["suffix"]) == 3
+    (row,) = record.transplants
+    assert row.transplant == "live<-prefill:keys+positions=22-37"
+    assert row.outcome in ("donor", "recipient", "third", "boundary")
+    if row.outcome != "boundary":
+        assert len(row.suffix) == 3
 
 
 def test_the_crossing_freezes_the_program_from_the_reference_live_run():
     from kvfid.stages.crossing import run_crossing
 
     spec, stack = stages.parse_program(PROGRAM), Stack("native", "bf16", True)
-    record = stages.run_program(tiny(), stack, "2+3=", spec, 3, ("live", "prefill"))
-    crossing = run_crossing(tiny(), spec, record, [stack.with_dtype("fp32"), stack], 3, frozenset())
-    assert [(c["stack"], c["arm"]) for c in crossing["cells"]] == [
+    measured = stages.measure(tiny(), stack, "2+3=", spec, 3, ("live", "prefill"))
+    crossing = run_crossing(tiny(), measured, stack.label, [stack.with_dtype("fp32"), stack], 3,
+                            frozenset())
+    assert [(c.stack, c.arm) for c in crossing.cells] == [
         ("native/fp32+bi", "incremental"), ("native/fp32+bi", "prefill"),
         ("native/bf16+bi", "incremental"), ("native/bf16+bi", "prefill")]
     # the reference stack's own cells rebuild its live state: its suffix, its cache bits
-    own = [c for c in crossing["cells"] if c["stack"] == "native/bf16+bi"]
-    assert all(c["suffix_equals_reference"] for c in own)
-    assert own[1]["cache_sha"] == record["arms"]["live"]["cache_sha"]
-    assert all(row["bit_exact"] for row in crossing["within"])
+    own = [c for c in crossing.cells if c.stack == "native/bf16+bi"]
+    assert all(c.suffix_equals_reference for c in own)
+    assert own[1].cache_sha == measured.run.arms["live"].cache_sha
+    assert all(row.bit_exact for row in crossing.within)
