@@ -95,7 +95,7 @@ NEWEST_PINS := torch==2.15.0 transformers==5.25.0
 NEWEST_TESTS := tests/invariant/test_kernel_mode*.py tests/attention/test_kernel_hf*.py \
 	tests/attention/test_kernel_attention_native.py tests/protocol/test_protocol.py \
 	tests/protocol/test_cache*.py tests/invariant/test_recurrence.py tests/inputs/test_families*.py \
-	tests/protocol/test_cobatch.py tests/protocol/test_engine_arms.py tests/diagnoses/test_replay.py \
+	tests/protocol/test_cobatch.py tests/protocol/test_prefix_reuse.py tests/diagnoses/test_replay.py \
 	tests/commands/test_api.py tests/project/test_kernel_package.py tests/commands/test_cli_light.py \
 	tests/inputs/test_model_loading.py
 .PHONY: install-newest test-newest

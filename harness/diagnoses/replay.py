@@ -206,7 +206,7 @@ def checked_replay(trajectories, model_name, stack: Stack, constructions: str):
     size 1 only: each rank loads the model by its name)."""
     from kvfid import checks
     from kvfid.diagnoses.subject import check_subject
-    from kvfid.protocol.engine_arms import check_rollback
+    from kvfid.protocol.prefix_reuse import check_rollback
 
     chosen = checks.split_arms(constructions)
     if any("@" in c for c in chosen):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kvfid import checks
 from kvfid.diagnoses.subject import check_subject, plan_world
-from kvfid.protocol.engine_arms import check_rollback
+from kvfid.protocol.prefix_reuse import check_rollback
 from kvfid.stacks.stack import Stack, check_supports
 from kvfid.errors import BadInput
 from kvfid.names import BIT_EXACT, DIVERGES

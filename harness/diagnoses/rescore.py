@@ -14,7 +14,7 @@ keeps the logits at every continuation position the way a trainer or an engine b
 * `spec:k[+pattern]`: the continuation verified as a speculative decoder verifies it, k drafts
   plus one per forward, the accepted positions' rows kept; the acceptance pattern is returned.
 
-The engine constructions run through kvfid.protocol.engine_arms.feed_rows, the code of the
+The engine constructions run through kvfid.protocol.prefix_reuse.feed_rows, the code of the
 protocol's `cached:K` and `spec:k` arms, over the trajectory without its last token (which no
 logits are asked after), exactly the ids the reference feeds.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfid.protocol import engine_arms
+from kvfid.protocol import prefix_reuse
 from kvfid.protocol.constructions import parse_construction
 from kvfid.protocol.decode import Runner, as_batch, new_cache
 from kvfid.inputs.trajectories import Trajectory
@@ -49,10 +49,10 @@ def rescored_logits(runner: Runner, t: Trajectory, construction: str
     check_constructions([construction])
     ids = list(t.prompt_ids + t.tokens)
     first = len(t.prompt_ids) - 1  # position whose logits predict the first continuation token
-    if c.kind in engine_arms.KINDS:
+    if c.kind in prefix_reuse.REUSE_KINDS:
         vocab_size = runner.module.config.get_text_config().vocab_size
         k = cached_length(c, t) if c.kind == "cached" else None
-        return engine_arms.feed_rows(runner, new_cache(runner.module), c, len(t.prompt_ids),
+        return prefix_reuse.feed_rows(runner, new_cache(runner.module), c, len(t.prompt_ids),
                                      ids[:-1], vocab_size, first, cached_length=k)
     if c.kind == "chunked":
         cache, parts, start = new_cache(runner.module), [], 0

@@ -23,7 +23,7 @@ from kvfid.ledger.opening import LedgerRefused, Transaction, record_sha
 
 PREFIX = "engine-"
 LOAD_PREFIX = "load-"
-KINDS = (EngineCheckRecord, EngineLoadRecord)
+ENGINE_RECORDS = (EngineCheckRecord, EngineLoadRecord)
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def write_check(ledger: Ledger, record: EngineCheckRecord | EngineLoadRecord, en
     revision = git.get("revision")
     if revision and git.get("dirty"):
         revision += "+dirty"
-    if not isinstance(record, KINDS):
+    if not isinstance(record, ENGINE_RECORDS):
         raise LedgerError(f"{ledger.path}: a {type(record).__name__} is not an engine check")
     check_id = check_id or (LOAD_PREFIX if isinstance(record, EngineLoadRecord) else PREFIX) + new_run_id()
     text = to_json(record)
@@ -95,7 +95,7 @@ def _stored(row, ledger: Ledger) -> StoredCheck:
     if record_sha(text) != sha:
         raise LedgerRefused(f"{where}: its record does not have the SHA-256 it was written with")
     record = _record(text, where)
-    if not isinstance(record, KINDS):
+    if not isinstance(record, ENGINE_RECORDS):
         raise LedgerRefused(f"{where}: holds a {record.KIND} record, not an engine check or load run")
     return StoredCheck(check_id, key, engine, _loads(environment, where), revision, written,
                        record)

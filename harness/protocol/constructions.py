@@ -14,13 +14,13 @@ import re
 from dataclasses import dataclass, replace
 
 from kvfid.states import surgery
-from kvfid.protocol.engine_tree import parse_tree
+from kvfid.protocol.draft_tree import parse_tree
 from kvfid.errors import BadInput
 from kvfid.names import CONSTRUCTION_HELP
 _NUMBERED = (r"(?:chunked|batched):\d+|cobatched:\d+(?:\+decode)?"
              r"|cached:(?:\d+|0?\.\d+|prompt)|spec:\d+(?:\+(?:all|none|ngram|rate0?\.\d+))?"
              r"|spec:tree:(?:\d+x\d+|\d+(?:,\d+)*)(?:\+rate0?\.\d+)?")
-# The acceptance patterns of `spec:k` (engine_arms.py says what each means).
+# The acceptance patterns of `spec:k` (prefix_reuse.py says what each means).
 SPEC_PATTERNS = ("all", "none", "ngram")
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvfid.states import cache as kv
-from kvfid.protocol import cobatch, engine_arms
+from kvfid.protocol import cobatch, prefix_reuse
 from kvfid.states import scale, surgery
 from kvfid.records import record as rec
 from kvfid.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
@@ -96,8 +96,8 @@ def run_construction(module, construction: Construction, prompt_length: int,
     start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
     rows = construction.n if construction.kind == "batched" else 1
     acceptance = None
-    if construction.kind in engine_arms.KINDS:
-        logits, acceptance = engine_arms.feed(runner, cache, construction, prompt_length, prefix,
+    if construction.kind in prefix_reuse.REUSE_KINDS:
+        logits, acceptance = prefix_reuse.feed(runner, cache, construction, prompt_length, prefix,
                                           module.config.get_text_config().vocab_size)
     else:
         sizes = construction.chunk_sizes(prompt_length, len(prefix))

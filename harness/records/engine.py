@@ -6,7 +6,7 @@ prompts x tokens, the chunk, faithful or stock, VLLM_BATCH_INVARIANT and the not
 fp32 logprob bits differ, max |delta logprob|, items exact, and with `--kv` its `EngineKV` (the
 engine states read from vLLM's paged cache: first bad layer and position, elements, max |diff|,
 max ULP, d_rel, d_rel per layer). Its own module because record.py is full; it registers its
-kind in record.KINDS, and kvfid.records.read imports it, so a stored engine check reads back
+kind in record.RECORD_KINDS, and kvfid.records.read imports it, so a stored engine check reads back
 wherever records are read (`to_json` / `read.from_json`, like every record).
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-from kvfid.records.plain import as_plain, decode
-from kvfid.records.record import KINDS, to_json
+from kvfid.records.plain import as_plain, from_plain
+from kvfid.records.record import RECORD_KINDS, to_json
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class EngineCheckRecord:
 
 def from_result(result: dict) -> EngineCheckRecord:
     """The record of engine_check.engine_check's result (its fields, as that dict spells them)."""
-    return decode(EngineCheckRecord, result)
+    return from_plain(EngineCheckRecord, result)
 
 
-KINDS[EngineCheckRecord.KIND] = EngineCheckRecord
+RECORD_KINDS[EngineCheckRecord.KIND] = EngineCheckRecord

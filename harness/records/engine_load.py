@@ -8,7 +8,7 @@ logprob bits, the engine state, and each preemption's rebuilt state against the 
 the throughput, and optionally the sweep (`SweepPoint`s). Requests the run could not complete are
 kept with the reason (`missing`), and a record with any is `incomplete`: it states no verdict.
 `groups` splits the requests (preempted or not, by co-resident count) for every table.
-Registered in record.KINDS; stored in the engine checks' table beside `EngineCheckRecord`.
+Registered in record.RECORD_KINDS; stored in the engine checks' table beside `EngineCheckRecord`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-from kvfid.records.plain import decode
-from kvfid.records.record import KINDS, CacheDiff, to_json
+from kvfid.records.plain import from_plain
+from kvfid.records.record import RECORD_KINDS, CacheDiff, to_json
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ def _group(name: str, rows: list[LoadRequest]) -> LoadGroup:
 
 
 def from_plain(data: dict) -> EngineLoadRecord:
-    return decode(EngineLoadRecord, data)
+    return from_plain(EngineLoadRecord, data)
 
 
-KINDS[EngineLoadRecord.KIND] = EngineLoadRecord
+RECORD_KINDS[EngineLoadRecord.KIND] = EngineLoadRecord

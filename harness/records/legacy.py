@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvfid.records.plain import decode
+from kvfid.records.plain import from_plain
 from kvfid.records.record import (Comparison, CrossingCell, CrossingRecord, Fingerprints,
                                      ItemRecord, ItemRef, RecordRefused, Replica,
                                      StackComparison)
@@ -29,7 +29,7 @@ def _comparison_v2(c: dict) -> Comparison:
              if k in ("a", "b", "kind", "suffix", "prefix_identical", "cache", "logits")}
     if plain.get("kind") == "replica":
         plain["b"] = plain["b"].rstrip("'")
-    return decode(Comparison, plain)
+    return from_plain(Comparison, plain)
 
 
 def _item_v2(data: dict) -> ItemRecord:
@@ -37,13 +37,13 @@ def _item_v2(data: dict) -> ItemRecord:
     comparisons, replicas = [], []
     for c in data.pop("comparisons", []):
         if c["kind"] == "replica":
-            replicas.append(Replica(c["a"], decode(Fingerprints, c.get("replica_fingerprints",
+            replicas.append(Replica(c["a"], from_plain(Fingerprints, c.get("replica_fingerprints",
                                                                       {})), _comparison_v2(c)))
         else:
             comparisons.append(_comparison_v2(c))
     item = data.pop("item")
     data["item"] = item if isinstance(item, dict) else {"id": item}
-    record = decode(ItemRecord, {k: v for k, v in data.items() if k != "crossing"})
+    record = from_plain(ItemRecord, {k: v for k, v in data.items() if k != "crossing"})
     crossing = data.get("crossing")
     return dataclasses.replace(record, comparisons=tuple(comparisons), replicas=tuple(replicas),
                                crossing=_crossing_v2(crossing) if crossing else None)
@@ -55,14 +55,14 @@ def _crossing_v2(data: dict) -> CrossingRecord:
         stack, construction = key.split("|")
         prints = {k: cell[k] for k in ("cache_sha", "logits_sha", "suffix_sha", "prefix_sha")
                   if k in cell}
-        cells.append(CrossingCell(stack, construction, decode(Fingerprints, prints),
+        cells.append(CrossingCell(stack, construction, from_plain(Fingerprints, prints),
                                   tuple(cell.get("suffix", ())),
                                   cell["same_as_reference_live"], cell.get("forward_calls", 0),
                                   float(cell.get("wall_s", 0.0))))
     within = tuple(StackComparison(c["stack"], _comparison_v2(c))
                    for c in data.get("comparisons", []))
     item = data["item"]
-    return CrossingRecord(decode(ItemRef, item if isinstance(item, dict) else {"id": item}),
+    return CrossingRecord(from_plain(ItemRef, item if isinstance(item, dict) else {"id": item}),
                           data["reference"], data["B"], data["S"], data["status"],
                           data.get("prefix_sha"), tuple(data.get("reference_suffix", ())),
                           tuple(cells), within)

@@ -24,7 +24,7 @@ def as_plain(value):
     return value
 
 
-def decode(kind, value):
+def from_plain(kind, value):
     """`value` (plain JSON data) as the type `kind`, following its type hints."""
     if value is None:
         return None
@@ -33,17 +33,17 @@ def decode(kind, value):
         options = [a for a in args if a is not type(None)]
         if len(options) != 1:
             raise TypeError(f"record fields take one type or None, not {kind}")
-        return decode(options[0], value)
+        return from_plain(options[0], value)
     if origin is tuple:
-        return tuple(decode(args[0], v) for v in value)
+        return tuple(from_plain(args[0], v) for v in value)
     if origin is dict:
-        return {k: decode(args[1], v) for k, v in value.items()}
+        return {k: from_plain(args[1], v) for k, v in value.items()}
     if dataclasses.is_dataclass(kind):
         hints, retired = _hints(kind), getattr(kind, "RETIRED", frozenset())
         unknown = set(value) - set(hints) - retired
         if unknown:
             raise ValueError(f"{kind.__name__} has no field(s) {', '.join(sorted(unknown))}")
-        return kind(**{name: decode(hints[name], v) for name, v in value.items()
+        return kind(**{name: from_plain(hints[name], v) for name, v in value.items()
                        if name not in retired})
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

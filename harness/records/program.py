@@ -1,7 +1,7 @@
 """The record of one stage program (kvfid.stages.program) on one stack: the ledger stores it
 like any unit.
 
-Its own module because record.py is full; `ProgramRecord` registers itself in record.KINDS, and
+Its own module because record.py is full; `ProgramRecord` registers itself in record.RECORD_KINDS, and
 kvfid.records.read imports this module, so a stored program unit reads back wherever records
 are read.
 `stages.run_program` returns a `ProgramRun`; `picture` draws the stages and what each sees.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field
 
-from kvfid.records.record import (KINDS, CacheDiff, ItemRef, LogitsDiff, SuffixDiff, UnitRecord,
+from kvfid.records.record import (RECORD_KINDS, CacheDiff, ItemRef, LogitsDiff, SuffixDiff, UnitRecord,
                                      to_json)
 
 
@@ -122,7 +122,7 @@ class ProgramRecord(UnitRecord):
         return to_json(self, indent)
 
 
-KINDS[ProgramRecord.KIND] = ProgramRecord
+RECORD_KINDS[ProgramRecord.KIND] = ProgramRecord
 
 
 def picture(segments) -> list[str]:

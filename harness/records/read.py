@@ -1,4 +1,4 @@
-"""Reading a stored record back: schema 3 of any kind in record.KINDS, schema 1-2 (the untagged
+"""Reading a stored record back: schema 3 of any kind in record.RECORD_KINDS, schema 1-2 (the untagged
 dicts of earlier ledgers) through kvfid.records.legacy, anything else refused with one
 line. It sits above every record module, so all kinds (replay_record's, program's and engine's
 too) are registered here.
@@ -10,8 +10,8 @@ import json
 
 from kvfid.records.engine import EngineCheckRecord  # noqa: F401 (registers its kind)
 from kvfid.records.engine_load import EngineLoadRecord  # noqa: F401 (registers the load kind)
-from kvfid.records.plain import decode
-from kvfid.records.record import KINDS, SCHEMA_VERSION, RecordRefused
+from kvfid.records.plain import from_plain
+from kvfid.records.record import RECORD_KINDS, SCHEMA_VERSION, RecordRefused
 from kvfid.records.program import ProgramRecord  # noqa: F401 (registers the program kind)
 from kvfid.records.legacy import from_untagged
 from kvfid.records.replay_record import ReplayRecord  # noqa: F401 (registers the replay kind)
@@ -35,11 +35,11 @@ def from_dict(data: dict):
     if data["schema"] != SCHEMA_VERSION:
         raise RecordRefused(f"record schema {data['schema']!r} is not this kvfid's "
                             f"({SCHEMA_VERSION}); read it with the kvfid that wrote it")
-    kind = KINDS.get(data.get("kind"))
+    kind = RECORD_KINDS.get(data.get("kind"))
     if kind is None:
         raise RecordRefused(f"unknown record kind {data.get('kind')!r}; known: "
-                            f"{', '.join(KINDS)}")
+                            f"{', '.join(RECORD_KINDS)}")
     try:
-        return decode(kind, {k: v for k, v in data.items() if k not in ("schema", "kind")})
+        return from_plain(kind, {k: v for k, v in data.items() if k not in ("schema", "kind")})
     except (TypeError, ValueError) as err:
         raise RecordRefused(f"not a kvfid {kind.KIND} record ({err})") from None

@@ -6,7 +6,7 @@ crossing: a cell per (stack, construction) and a comparison within each stack). 
 is spelled here only; readers use attributes. `to_json` here and `from_json`
 (kvfid.records.read) are the one serialization: `{"schema": SCHEMA_VERSION, "kind": ...,
 fields...}`, decoded field by field from the type hints (kvfid.records.plain), so a new record
-kind is a frozen dataclass with a `KIND` added to `KINDS`.
+kind is a frozen dataclass with a `KIND` added to `RECORD_KINDS`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 
 from kvfid.errors import Unavailable
-from kvfid.records.plain import as_plain, decode
+from kvfid.records.plain import as_plain, from_plain
 
 SCHEMA_VERSION = 3
 
@@ -336,7 +336,7 @@ class ItemRecord(UnitRecord):
         return to_json(self, indent)
 
 
-KINDS: dict[str, type] = {ItemRecord.KIND: ItemRecord, CrossingRecord.KIND: CrossingRecord}
+RECORD_KINDS: dict[str, type] = {ItemRecord.KIND: ItemRecord, CrossingRecord.KIND: CrossingRecord}
 
 
 # --------------------------------------------------------------------------- JSON

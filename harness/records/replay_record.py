@@ -1,6 +1,6 @@
 """The record of one replayed trajectory on one stack: the ledger stores it like any unit.
 
-Its own module because record.py is full; `ReplayRecord` registers itself in record.KINDS, and
+Its own module because record.py is full; `ReplayRecord` registers itself in record.RECORD_KINDS, and
 kvfid.records.read imports this module, so a stored replay unit reads back wherever records
 are read.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field
 
-from kvfid.records.record import KINDS, ItemRef, UnitRecord, to_json
+from kvfid.records.record import RECORD_KINDS, ItemRef, UnitRecord, to_json
 
 
 @dataclass(frozen=True)
@@ -93,4 +93,4 @@ class ReplayRecord(UnitRecord):
         return to_json(self, indent)
 
 
-KINDS[ReplayRecord.KIND] = ReplayRecord
+RECORD_KINDS[ReplayRecord.KIND] = ReplayRecord

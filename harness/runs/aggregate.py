@@ -112,7 +112,7 @@ def _difference_kinds(stack: str, group: list, in_fp32: dict) -> dict[str, dict[
             if kind == scale.UNSETTLED and key in in_fp32:
                 kind = scale.settle(kind, in_fp32[key])
             counted[kind] += 1
-    return {label: {k: counted.get(k, 0) for k in scale.KINDS} for label, counted in out.items()}
+    return {label: {k: counted.get(k, 0) for k in scale.DIFFERENCE_KINDS} for label, counted in out.items()}
 
 
 def _stack(records: list[ItemRecord], indices: list[int], controls: set[int]) -> StackAggregate:

@@ -15,7 +15,7 @@ import math
 import typing
 from dataclasses import dataclass, field
 
-from kvfid.records.plain import as_plain, decode
+from kvfid.records.plain import as_plain, from_plain
 from kvfid.records.program import Segment
 from kvfid.runs.stats import PairedDifference
 
@@ -43,7 +43,7 @@ class Rate:
         """A rate as summary.json and comparison.json store it (its extra counts left aside)."""
         if not data:
             return None
-        return decode(cls, {name: data.get(name) for name in ("k", "n", "rate", "ci")})
+        return from_plain(cls, {name: data.get(name) for name in ("k", "n", "rate", "ci")})
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ class RunSummary:
                 name: {k: v for k, v in c.items() if k != "d_rel_aggregation"}
                 for name, c in stack.get("constructions", {}).items()}}
             for label, stack in data.get("stacks", {}).items()}
-        return decode(cls, data)
+        return from_plain(cls, data)
 
 
 def _construction_plain(c: dict) -> dict:

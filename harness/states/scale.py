@@ -19,7 +19,7 @@ import torch
 ROUNDING = "rounding"
 FUNCTIONAL = "functional"
 UNSETTLED = "unsettled"
-KINDS = (ROUNDING, FUNCTIONAL, UNSETTLED)
+DIFFERENCE_KINDS = (ROUNDING, FUNCTIONAL, UNSETTLED)
 
 # A rounding difference in fp32 stays within this many epsilons of d_rel (2^-13 = 1.2e-4); the
 # measurements behind the bound, rounding and functional, are in docs/hazards.md.

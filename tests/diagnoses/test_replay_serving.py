@@ -1,5 +1,5 @@
 """Replay re-scoring the engine's way: `cached:K` (a prefix-cache hit) and `spec:k` (speculative
-verification) through kvfid.protocol.engine_arms, bit-identical to the step-by-step reference
+verification) through kvfid.protocol.prefix_reuse, bit-identical to the step-by-step reference
 on the faithful stacks, caught on the variant twin, refused in one line where K passes the
 prompt, and run from a case file into the ledger."""
 

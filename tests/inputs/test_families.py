@@ -10,7 +10,7 @@ from kvfid.errors import KvfidError
 from kvfid.states import cache as kv
 from kvfid.states import surgery
 from kvfid.records import record as rec
-from kvfid.records.plain import decode
+from kvfid.records.plain import from_plain
 from kvfid.states.surgery import parse_selection, perturb
 from families import FAMILIES, build
 
@@ -156,7 +156,7 @@ def test_fingerprints_and_comparisons_cover_the_conv_part(folders):
     diff = kv.compare_states(state, bent)
     assert not diff.bit_exact and (diff.first_bad_layer, diff.first_bad_kv) == (0, "conv")
     assert diff.n_diff == 1 and diff.first_position is None   # a conv state has no positions
-    record = decode(rec.CacheDiff, rec.as_plain(diff))   # through the JSON the ledger stores
+    record = from_plain(rec.CacheDiff, rec.as_plain(diff))   # through the JSON the ledger stores
     assert record == diff
     assert record.layers[0].parts["conv"].n_diff == 1 and record.layers[0].kind == "recurrent"
     assert kv.compare_states(state, perturb(state, 0, "recurrent")).first_bad_kv == "recurrent"
@@ -201,7 +201,7 @@ def test_a_cache_layer_kvfid_does_not_know_is_refused_before_compute(monkeypatch
 
 def test_old_layer_records_still_read():
     old = {"layer": 0, "k": {"equal": True}, "v": {"equal": False, "n_diff": 2}}
-    layer = decode(rec.LayerDiff, old)
+    layer = from_plain(rec.LayerDiff, old)
     assert layer.kind == "full" and layer.parts == {} and layer.v.n_diff == 2
 
 

@@ -56,7 +56,7 @@ def test_a_serving_run_against_itself_has_a_row_per_construction_and_no_differen
 
 @pytest.mark.slow
 def test_a_flipped_serving_verdict_is_named_on_each_stack(serving_run, tmp_path):
-    """The eager stack's spec:2+none is bit-exact on any machine (test_engine_arms): broken in B,
+    """The eager stack's spec:2+none is bit-exact on any machine (test_prefix_reuse): broken in B,
     it is a regression naming stack, construction and item. Whether the compiled stack is
     bit-exact is a finding per machine: its cached:prompt verdict, turned over, is the one row
     that changes there, in the direction it was turned."""

@@ -83,7 +83,7 @@ def test_the_aggregate_settles_a_bf16_stack_by_its_fp32_twin(fp32_kind, settled)
     stacks = aggregate(units).stacks
     counts = stacks["sdpa/bf16@t1"].constructions["prefill"].differences
     # item 0 settled by its fp32 twin; item 1 has no twin and stays unsettled
-    assert counts == {**{k: 0 for k in scale.KINDS}, settled: 1, scale.UNSETTLED: 1}
+    assert counts == {**{k: 0 for k in scale.DIFFERENCE_KINDS}, settled: 1, scale.UNSETTLED: 1}
 
 
 def test_the_report_names_a_functional_difference_and_not_as_numerics(tmp_path):

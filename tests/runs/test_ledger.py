@@ -176,7 +176,7 @@ def test_a_unit_stored_with_a_retired_field_reads_back_and_only_that_field_is_sk
     """A unit stored while CacheDiff still held its constant `d_rel_aggregation` (what ledgers
     wrote before the comparisons were typed) loads from the ledger with every attribute; the
     retired name is skipped only where its class names it, any other unknown field is refused."""
-    from kvfid.records.plain import decode
+    from kvfid.records.plain import from_plain
 
     cache = rec.CacheDiff(bit_exact=False, first_bad_layer=1, first_bad_kv="v", bad_layers=(1,),
                           n_diff=2, max_ulp=3, d_rel=0.5, first_position=4,
@@ -196,6 +196,6 @@ def test_a_unit_stored_with_a_retired_field_reads_back_and_only_that_field_is_sk
     assert read == cache and (read.first_bad_layer, read.first_bad_kv, read.max_ulp) == (1, "v", 3)
     assert read.layers[1].v.first_position == 4
     with pytest.raises(ValueError, match="no field"):
-        decode(rec.LogitsDiff, {"equal": True, "d_rel_aggregation": "x"})
+        from_plain(rec.LogitsDiff, {"equal": True, "d_rel_aggregation": "x"})
     with pytest.raises(ValueError, match="no field"):
-        decode(rec.CacheDiff, {"bit_exact": True, "d_rel_aggregate": "x"})
+        from_plain(rec.CacheDiff, {"bit_exact": True, "d_rel_aggregate": "x"})

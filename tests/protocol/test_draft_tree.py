@@ -1,4 +1,4 @@
-"""Tree verification (`spec:tree`, harness/protocol/engine_tree.py): the spellings and their
+"""Tree verification (`spec:tree`, harness/protocol/draft_tree.py): the spellings and their
 refusals, the ancestor mask, the accepted path gathered out of a tree's slots, P rebuilt with
 the boundary logits of a full forward, the faithful stack bit-exact live~spec:tree beside the
 twin as the control, and replay re-scoring by a tree."""
@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from kvfid.checks import split_arms
 from kvfid.cli import main
-from kvfid.protocol import engine_tree
+from kvfid.protocol import draft_tree
 from kvfid.stacks.stack import Stack
 from kvfid.protocol.constructions import ProtocolError, parse_construction, parse_transplant
 from kvfid.protocol.protocol import ItemPlan, run_construction, run_item
@@ -30,7 +30,7 @@ def test_a_tree_is_spelled_by_width_and_depth_or_by_parents():
     assert parse_transplant("live<-spec:tree:2x2:keys").donor == "spec:tree:2x2"
     assert split_arms("live,spec:tree:0,0,1,1,prefill,spec:tree:0,1+rate0.5") == (
         "live", "spec:tree:0,0,1,1", "prefill", "spec:tree:0,1+rate0.5")
-    assert engine_tree.depths((0, 0, 1, 1)) == [0, 1, 1, 2, 2]
+    assert draft_tree.depths((0, 0, 1, 1)) == [0, 1, 1, 2, 2]
 
 
 @pytest.mark.parametrize("text, message", [
@@ -49,7 +49,7 @@ def test_bad_trees_exit_2_in_one_line_before_compute(text, message):
 
 
 def test_the_ancestor_mask_shows_each_node_its_ancestors_only():
-    sees = engine_tree.ancestor_mask((0, 0, 1, 1), 2, torch.float32)[0, 0] == 0
+    sees = draft_tree.ancestor_mask((0, 0, 1, 1), 2, torch.float32)[0, 0] == 0
     assert sees.tolist() == [[True, True, True, False, False, False, False],
                              [True, True, True, True, False, False, False],
                              [True, True, True, False, True, False, False],
@@ -63,10 +63,10 @@ def test_the_accepted_path_is_gathered_after_the_root_in_order():
     cache = DynamicCache()
     keys = torch.arange(7.0).view(1, 1, 7, 1)      # slot s holds s
     cache.update(keys, keys + 100, 0)
-    engine_tree._keep_path(cache, 2, [1, 4])        # root at slot 2, path nodes 1 and 4
+    draft_tree._keep_path(cache, 2, [1, 4])        # root at slot 2, path nodes 1 and 4
     assert cache.layers[0].keys.flatten().tolist() == [0, 1, 2, 3, 6]
     assert cache.layers[0].values.flatten().tolist() == [100, 101, 102, 103, 106]
-    drafts, path = engine_tree._drafts((0, 0, 1, 1), [10, 11], None, random.Random(0), 50)
+    drafts, path = draft_tree._drafts((0, 0, 1, 1), [10, 11], None, random.Random(0), 50)
     assert [drafts[j - 1] for j in path] == [10, 11][:len(path)] and path
 
 
@@ -118,7 +118,7 @@ def test_replay_rescores_by_a_tree_bit_identically_on_the_faithful_stack():
 
 
 def test_a_tree_on_a_model_with_window_layers_is_refused_before_compute():
-    from kvfid.protocol.engine_arms import RollbackError, _check_tree
+    from kvfid.protocol.prefix_reuse import RollbackError, _check_tree
     from kvfid.stacks.serving import LayerInfo
 
     layers = [LayerInfo(0, "full_attention", "DynamicLayer", "full", ()),

@@ -1,5 +1,5 @@
 """`spec:tree`: P rebuilt as a tree-shaped speculative verifier builds it (EAGLE-2/3, Medusa
-trees in vLLM and SGLang), beside `spec:k`'s chain (kvfid.protocol.engine_arms).
+trees in vLLM and SGLang), beside `spec:k`'s chain (kvfid.protocol.prefix_reuse).
 
 The tree is given by its nodes' parents: node j (1..n) hangs under node parents[j-1], node 0 being
 the pending token (the root). `spec:tree:WxD` is the full tree of width W and depth D (every node
@@ -15,7 +15,7 @@ with probability R, so a step may stop early), every other node a wrong token. N
 what P has left are pruned, so the last step ends at |P|. The mask is the one visibility-mask
 path every stack serves (a 4-D float mask, 0 where a query sees a key); a model whose layers do
 not attend through the mask alone (sliding-window, chunked, recurrent, latent) is refused
-(engine_arms.check_rollback).
+(prefix_reuse.check_rollback).
 """
 
 from __future__ import annotations

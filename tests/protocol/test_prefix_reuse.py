@@ -6,7 +6,7 @@ import torch
 from click.testing import CliRunner
 
 from kvfid.cli import main
-from kvfid.protocol import engine_arms
+from kvfid.protocol import prefix_reuse
 from kvfid.stacks.stack import Stack
 from kvfid.protocol.protocol import (ItemPlan, ProtocolError, parse_construction,
                                        parse_transplant, run_construction, run_item)
@@ -52,9 +52,9 @@ def test_spec_k_zero_exits_2_in_one_line_before_compute():
 
 
 def test_prompt_lookup_drafts_what_followed_the_last_bigram():
-    assert engine_arms._lookup([5, 6, 7, 8, 9, 5, 6], 3) == [7, 8, 9]
-    assert engine_arms._lookup([5, 6, 7, 5, 6], 3) == [7, 5, 6]
-    assert engine_arms._lookup([1, 2, 3, 4], 3) == []      # no earlier occurrence: no drafts
+    assert prefix_reuse._lookup([5, 6, 7, 8, 9, 5, 6], 3) == [7, 8, 9]
+    assert prefix_reuse._lookup([5, 6, 7, 5, 6], 3) == [7, 5, 6]
+    assert prefix_reuse._lookup([1, 2, 3, 4], 3) == []      # no earlier occurrence: no drafts
 
 
 def test_serving_arms_cover_p_and_count_their_forward_calls_in_fp32():
@@ -109,7 +109,7 @@ def lookup_drafted(record, k: int) -> bool:
     `spec:k+ngram` arm (the steps replayed from its prefix and acceptance)."""
     prefix, i = list(record.prefix), record.prompt_length
     for accepted in record.arms[f"spec:{k}+ngram"].acceptance:
-        if engine_arms._lookup(prefix[:i + 1], len(prefix[i + 1:i + 1 + k])):
+        if prefix_reuse._lookup(prefix[:i + 1], len(prefix[i + 1:i + 1 + k])):
             return True
         i += 1 + accepted
     return False

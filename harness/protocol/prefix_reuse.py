@@ -1,4 +1,5 @@
-"""The constructions serving engines use: a prefix-cache hit and speculative verification.
+"""The constructions that reuse a cache as serving engines do: a prefix-cache hit and speculative
+verification (rejected drafts cut back out).
 
 Both feed a boundary prefix P into a fresh cache the way an engine does, and leave the cache
 covering exactly P with the boundary logits returned, so the protocol snapshots and compares them
@@ -18,7 +19,7 @@ like any other construction:
   the k tokens that followed the latest earlier occurrence of the last two tokens). The accepted
   count of every step is kept: the record's acceptance pattern.
 * `spec:tree:WxD` / `spec:tree:P1,P2,..`: the same with a draft tree verified under its ancestor
-  mask and its accepted path kept (kvfid.protocol.engine_tree).
+  mask and its accepted path kept (kvfid.protocol.draft_tree).
 
 A cache whose cut leaves a trace (a recurrent state that cannot be rolled back) is refused with one
 line. Nothing here knows which backend runs.
@@ -32,10 +33,10 @@ import random
 import torch
 
 from kvfid.errors import Unavailable
-from kvfid.protocol import engine_tree
+from kvfid.protocol import draft_tree
 from kvfid.protocol.decode import Runner, as_batch, covered, covering
 
-KINDS = ("cached", "spec", "spec-tree")
+REUSE_KINDS = ("cached", "spec", "spec-tree")
 _NGRAM = 2           # the n of prompt-lookup drafting
 _EXTRA_OTHER = 3     # how much longer than P the earlier request of `cached:K` is
 
@@ -50,7 +51,7 @@ def check_rollback(model, arms) -> None:
     from kvfid.protocol.constructions import parse_construction
     from kvfid.stacks.serving import describe_layers
 
-    serving_arms = [a for a in arms if parse_construction(a).kind in KINDS]
+    serving_arms = [a for a in arms if parse_construction(a).kind in REUSE_KINDS]
     if not serving_arms:
         return
     _check_tree(describe_layers(model), [a for a in serving_arms
@@ -100,7 +101,7 @@ def feed_rows(runner: Runner, cache, construction, prompt_length: int, prefix: l
         acceptance = None
     else:
         assert prompt_length - 1 <= first, f"{construction.label}: no logits inside the prompt"
-        verify = engine_tree.verify if construction.kind == "spec-tree" else _spec
+        verify = draft_tree.verify if construction.kind == "spec-tree" else _spec
         rows, acceptance = verify(runner, cache, construction, prompt_length, prefix, vocab_size)
         rows = rows[first - (prompt_length - 1):]
     _rollback(cache, 0)   # layers that kept past states for the rollback drop what they no longer need
