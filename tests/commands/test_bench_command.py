@@ -10,7 +10,7 @@ from kvfid.tasks.bench import bench_command as real_command
 
 
 def test_quick_bench_writes_kernels_report_and_index(tmp_path, monkeypatch, quick_kernels):
-    """The kernel step's comparison is the session's quick one (tests/test_invariance checks its
+    """The kernel step's comparison is the session's quick one (tests/environment/test_invariance.py checks its
     rows); what is tested here is that bench files it, the report and the index. The smoke case
     runs in this process (`--jobs 1`): a process per core is tests/runs/test_local_shards.py's claim,
     and two would each import torch and transformers again."""
