@@ -235,7 +235,6 @@ def repro_program(program: str, model_name: str, stack: Stack, prompt, item_set,
     live. `boundary` is the program's merge boundary, not an option's."""
     from kvfid.environment import envinfo
     from kvfid.stages import checks as stages_checks, program as stages
-    from kvfid.stages.crossing import run_crossing
 
     spec = stages.parse_program(program)
     if suffix < 1:
@@ -254,8 +253,12 @@ def repro_program(program: str, model_name: str, stack: Stack, prompt, item_set,
     subject.check_serves(length, tuple(crossed))
     measured = stages.measure(model, stack, subject.item.prompt, spec, suffix, chosen, ignore_eos,
                               again, moves)
-    eos = frozenset() if ignore_eos else model.codec.eos_ids
-    crossing = run_crossing(model, measured, stack.label, crossed, suffix, eos) if crossed else None
+    crossing = None
+    if crossed:
+        from kvfid.stages.crossing import run_crossing
+
+        eos = frozenset() if ignore_eos else model.codec.eos_ids
+        crossing = run_crossing(model, measured, stack.label, crossed, suffix, eos)
     environment = envinfo.collect()
     return ProgramOutcome(measured.run, stack.describe(), measured.layout, crossing, environment,
                           envinfo.environment_key(environment))

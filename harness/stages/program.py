@@ -130,7 +130,7 @@ def _choose(logits: torch.Tensor, eos_ids) -> tuple[int, float]:
     return top2(masked)
 
 
-def run_live(module, program: Program, prompt: list[int], openers: list[list[int]], S: int,
+def live_program(module, program: Program, prompt: list[int], openers: list[list[int]], S: int,
              eos_ids, suffix_eos) -> tuple[Layout, Arm]:
     """The live program: prompt, then each stage's delimiter fed and its tokens generated one at
     a time by the greedy loop, end-of-turn masked (packed: in one sequence; batched: the branches
@@ -237,12 +237,12 @@ def measure(model, stack, prompt_text: str, program: Program, S: int, arms: tupl
     if program.layout == "batched":
         stages_batched.check_batched(program, openers)
     with stack.activate(model) as module:
-        layout, live = run_live(module, program, prompt, openers, S, codec.eos_ids, eos)
+        layout, live = live_program(module, program, prompt, openers, S, codec.eos_ids, eos)
         built = {"live": live}
         for label in arms:
             if label != "live":
                 built[label] = rebuild(module, layout, label, len(prompt), S, eos)
-        again = {label: run_live(module, program, prompt, openers, S, codec.eos_ids, eos)[1]
+        again = {label: live_program(module, program, prompt, openers, S, codec.eos_ids, eos)[1]
                  if label == "live" else rebuild(module, layout, label, len(prompt), S, eos)
                  for label in replicas}
         moved = tuple(transplant(module, spec, built, layout, len(prompt), S, eos,
