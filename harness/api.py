@@ -61,15 +61,21 @@ def load_model(model, tokenizer=None) -> Model:
 
 
 def repro(model, prompt: str, *, stack: Stack | str = "sdpa/bf16",
-          arms: Sequence[str] = ("live", "prefill", "incremental"), boundary: int = 32,
-          suffix: int = 48, replicas: Sequence[str] = (), transplants: Sequence[str] = (),
-          cross: Sequence[str] = (), ignore_eos: bool = False) -> ReproOutcome:
-    """One prompt on one stack, as `kvfid repro` measures it: every arm against live (cache,
-    boundary logits, suffix), replicas, transplants (`live<-prefill:keys`), the precision
-    crossing over `cross` dtypes. Returns the typed record, its verdict and environment."""
+          constructions: Sequence[str] = ("live", "prefill", "incremental"),
+          boundary: int = 32, suffix: int = 48, replicas: Sequence[str] = (),
+          transplants: Sequence[str] = (), cross: Sequence[str] = (), ignore_eos: bool = False,
+          arms: Sequence[str] | None = None) -> ReproOutcome:
+    """One prompt on one stack, as `kvfid repro` measures it: every construction built as an arm
+    and compared with live (cache, boundary logits, suffix), replicas, transplants
+    (`live<-prefill:keys`), the precision crossing over `cross` dtypes. Returns the typed record,
+    its verdict and environment. `arms` is `constructions`' earlier name (given both, refused)."""
+    if arms is not None:
+        if constructions != ("live", "prefill", "incremental"):
+            raise TypeError("repro() takes constructions= or its earlier name arms=, not both")
+        constructions = arms
     return _repro(model_name=model if isinstance(model, str) else load_model(model),
                   stack=stack_of(stack), prompt=prompt, item_set=None, item_index=None,
-                  boundary=boundary, suffix=suffix, constructions=",".join(arms),
+                  boundary=boundary, suffix=suffix, constructions=",".join(constructions),
                   replicas=",".join(replicas), transplants=tuple(transplants),
                   cross=",".join(cross), ignore_eos=ignore_eos)
 

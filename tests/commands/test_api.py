@@ -66,10 +66,10 @@ def _cli_json(*args: str) -> dict:
 def test_repro_gives_the_cli_verdict_and_fingerprints():
     options = dict(boundary=6, suffix=4, ignore_eos=True)
     outcome = kvfid.repro("tiny-qwen2", "What is 3+4?", stack="sdpa/bf16@t1",
-                          arms=["live", "prefill", "chunked:3"], **options)
+                          constructions=["live", "prefill", "chunked:3"], **options)
     shown = _cli_json("repro", "--model", "tiny-qwen2", "--prompt", "What is 3+4?", "--backend",
                       "sdpa", "--dtype", "bf16", "--threads", "1", "-B", "6", "-S", "4",
-                      "--ignore-eos", "--arms", "live,prefill,chunked:3")
+                      "--ignore-eos", "--constructions", "live,prefill,chunked:3")
     assert outcome.verdict == shown["verdict"]
     api = {label: (a.cache_sha, a.suffix_sha) for label, a in outcome.record.arms.items()}
     cli = {label: (a["cache_sha"], a["suffix_sha"]) for label, a in shown["arms"].items()}
@@ -139,3 +139,10 @@ def test_a_state_read_inside_a_stack_context_can_be_changed():
     assert not kvfid.compare_states(cache, state, config=module.config).bit_exact
     with pytest.raises(RuntimeError, match="[Ii]nference"):
         cache.layers[1].values[0, 0, 0, 0] += 1.0
+
+
+def test_repro_takes_constructions_or_its_earlier_name_arms_not_both():
+    """`arms=` still works (the command line's `--arms` likewise); both at once is refused before
+    any model loads."""
+    with pytest.raises(TypeError, match="not both"):
+        kvfid.repro("tiny-llama", "hi", constructions=("live", "prefill"), arms=("live",))
