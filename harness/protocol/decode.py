@@ -241,6 +241,14 @@ def next_token(runner: Runner, cache) -> Feed:
     return lambda token: runner.forward(as_batch([token]), cache)[0]
 
 
+def top2_without(logits: torch.Tensor, eos_ids) -> tuple[int, float]:
+    """The greedy token and margin with end-of-turn ids masked out (the structural logits mask a
+    stage program's live stages decode under)."""
+    masked = logits.float().clone()
+    masked[[i for i in eos_ids if i < masked.numel()]] = float("-inf")
+    return top2(masked)
+
+
 def greedy(logits: torch.Tensor, steps: int, eos_ids, feed: Feed, feed_last: bool = False,
            choose=top2) -> tuple[Greedy, torch.Tensor]:
     """The greedy loop: up to `steps` tokens from `logits` [V], each chosen by `choose` (the

@@ -36,13 +36,12 @@ from kvfid.stacks.serving import describe_layers
 from kvfid.stages import batched as stages_batched, transplant as stages_transplant
 from kvfid.stages.checks import check_layers, check_program_fits, program_length
 from kvfid.protocol.constructions import ProtocolError, TransplantSpec, parse_construction
-from kvfid.protocol.decode import Greedy, Runner, greedy, new_cache
+from kvfid.protocol.decode import Greedy, Runner, greedy, new_cache, top2_without
 from kvfid.protocol.protocol import (Arm, compare_arms, decode_suffix, run_construction,
                                      run_transplant)
 from kvfid.records.program import (ProgramArm, ProgramComparison, ProgramReplica, ProgramRun,
                                    ProgramTransplant)
 from kvfid.stages.layout import Layout
-from kvfid.states.cache import top2
 
 LAYOUTS = ("packed", "batched")
 POSITIONS = ("continuing", "parallel")
@@ -123,13 +122,6 @@ def check(model, program: Program, prompt_length: int, S: int, arms: tuple[str, 
     return moves, program_length(prompt_length, program, lengths) + S
 
 
-def _choose(logits: torch.Tensor, eos_ids) -> tuple[int, float]:
-    """The greedy token and margin with end-of-turn ids masked out (the structural logits mask)."""
-    masked = logits.float().clone()
-    masked[[i for i in eos_ids if i < masked.numel()]] = float("-inf")
-    return top2(masked)
-
-
 def live_program(module, program: Program, prompt: list[int], openers: list[list[int]], S: int,
              eos_ids, suffix_eos) -> tuple[Layout, Arm]:
     """The live program: prompt, then each stage's delimiter fed and its tokens generated one at
@@ -143,12 +135,12 @@ def live_program(module, program: Program, prompt: list[int], openers: list[list
     stages.append((program.branches + 1, program.merge_tokens))
     if program.layout == "batched":  # the branches as rows, composed (stages_batched)
         cache, margins, runner = stages_batched.run_branches(module, layout, program, prompt,
-                                                             openers, _choose, eos_ids)
+                                                             openers, top2_without, eos_ids)
         stages, openers = stages[-1:], openers[-1:]
     else:
         runner, cache, margins = Runner(module), new_cache(module), []
         layout.forward(runner, cache, 0, len(prompt))
-    choose = functools.partial(_choose, eos_ids=eos_ids)
+    choose = functools.partial(top2_without, eos_ids=eos_ids)
     for (segment, length), opener in zip(stages, openers):
         start = len(layout.tokens)
         layout.extend(opener, segment)
