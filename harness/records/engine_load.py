@@ -16,7 +16,6 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-from kvfid.records.plain import from_plain
 from kvfid.records.record import RECORD_KINDS, CacheDiff, to_json
 
 
@@ -181,10 +180,6 @@ def _group(name: str, rows: list[LoadRequest]) -> LoadGroup:
                      sum(r.tokens_equal is False for r in rows), sum(r.logprobs_differ > 0 for r in rows),
                      sum(r.kv is not None and not r.kv.exact for r in rows),
                      sum(r.kv is not None for r in rows), min(firsts, default=None), min(layers, default=None))
-
-
-def from_plain(data: dict) -> EngineLoadRecord:
-    return from_plain(EngineLoadRecord, data)
 
 
 RECORD_KINDS[EngineLoadRecord.KIND] = EngineLoadRecord

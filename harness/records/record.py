@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 
 from kvfid.errors import Unavailable
-from kvfid.records.plain import as_plain, from_plain
+from kvfid.records.plain import as_plain
 
 SCHEMA_VERSION = 3
 
