@@ -201,9 +201,9 @@ def transplant(module, spec: TransplantSpec, built: dict[str, Arm], layout: Layo
 
 
 def cache_exact(a: Arm, b: Arm) -> bool:
-    """Whether two arms' boundary caches have the same bits (over the same prefix)."""
-    cache = compare_arms(a, b, "replica").cache
-    return cache is not None and cache.bit_exact
+    """Whether two arms' boundary caches have the same bits (a live replica that grew other
+    tokens has another prefix: not the same)."""
+    return a.state.prefix == b.state.prefix and kv.compare_states(a.state, b.state).bit_exact
 
 
 @dataclass(frozen=True)
@@ -221,13 +221,11 @@ def measure(model, stack, prompt_text: str, program: Program, S: int, arms: tupl
     """Measure one stage program on one stack: live and each rebuilt arm at the merge boundary,
     compared with live (cache per layer, the first bad segment, boundary logits, suffix); each
     arm of `replicas` built again from scratch and compared with its first build; each of
-    `transplants` decoded and classified (`spelled`: as the case wrote them)."""
+    `transplants` decoded and classified (`spelled`: as the case wrote them). The program is
+    checked against the model before (`check`; a case's `program_matrix.bind`)."""
     codec = model.codec
     eos = frozenset() if ignore_eos else codec.eos_ids
     prompt, openers = codec.prompt_ids(prompt_text), delimiters(codec, program)
-    check_program_fits(len(prompt), program, [len(o) for o in openers], S, model.context_length)
-    if program.layout == "batched":
-        stages_batched.check_batched(program, openers)
     with stack.activate(model) as module:
         layout, live = live_program(module, program, prompt, openers, S, codec.eos_ids, eos)
         built = {"live": live}
