@@ -23,7 +23,8 @@ import torch
 
 from kvfid.environment.cpu import collect_cpu, numerics_env
 from kvfid.kernels import LAUNCH_OPTIONS
-from kvfid.kernels.invariant import route as mode_route
+from kvfid.kernels.invariant import route as mode_route, whole
+from kvfid.kernels.invariant.route import Route
 
 _GPU_FIELDS = (
     "name", "uuid", "compute_capability", "driver_version", "cuda_driver_version",
@@ -57,6 +58,9 @@ def collect(nvml=None) -> dict:
         # The tiled batch-invariant mode's routes kept for this machine (kvfid.kernels.invariant.route): a
         # route changes a +bi stack's bits, and is timed once per machine, so it is recorded.
         "tiled_routes": {name: r["route"] for name, r in mode_route.kept().items()},
+        # Where a whole-call route serves one stock call per product (kvfid.kernels.invariant.whole):
+        # each product shape's floor and ceiling kept for this machine (they decide its bits).
+        "whole_calls": whole.kept(),
         "platform": platform.platform(),
         "git": _git_revision(),
     }
@@ -277,14 +281,32 @@ def describe(record: dict) -> str:
         "numerics env " + (", ".join(f"{k}={v}" for k, v in (record.get("numerics_env") or {}).items()
                                      if v is not None) or "none set"),
         f"Triton launch options {_show(record.get('triton_launch_options'))}",
-        "tiled mode routes " + (", ".join(f"{k} {'widened, ' if r['widen'] else ''}tiles of {r['tile']}"
+        "tiled mode routes " + (", ".join(f"{k} {Route(**r).text()}"
                                           for k, r in sorted((record.get("tiled_routes") or {}).items()))
                                 or "none kept for this machine yet"),
+        *whole_lines(record.get("whole_calls") or {}),
         "git " + ("none (not a git checkout)" if git is None else
                   f"{git['revision']}{' (dirty)' if git['dirty'] else ''}"),
         f"key {environment_key(record)}",
     ]
     return "\n".join(lines)
+
+
+SHOWN = 12   # whole-call spans that do not take one call, listed by name (the rest counted)
+
+
+def whole_lines(spans: dict[str, dict]) -> list[str]:
+    """The whole-call spans kept for this machine (kvfid.kernels.invariant.whole) in words: how
+    many product shapes take one call, from which floor, and each that does not or stops early."""
+    if not spans:
+        return ["whole calls: none kept for this machine yet"]
+    one = [s for s in spans.values() if s.get("floor") is not None]
+    floors = sorted({s["floor"] for s in one})
+    lines = [f"whole calls: {len(one)} of {len(spans)} product shapes take one call"
+             + (f" (floors {', '.join(map(str, floors))})" if floors else "")]
+    short = [f"  {call}: {s.get('why')}" for call, s in sorted(spans.items())
+             if s.get("floor") is None or s.get("ceiling", 0) < s.get("probed", 0)]
+    return lines + short[:SHOWN] + ([f"  ... and {len(short) - SHOWN} more"] if len(short) > SHOWN else [])
 
 
 def _flags(flags: dict | None) -> str:

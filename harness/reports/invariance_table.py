@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvfid.kernels.invariant.route import Route
 from kvfid.outputs import write_files
 from kvfid.reports.document import (Bullets, Heading, Paragraph, Table, markdown, number,
                                       to_html)
@@ -67,9 +68,8 @@ def route_lines(routes: dict[str, dict]) -> list[str]:
     """The tiled mode's route per dtype (kvfid.kernels.invariant.route) and the timings it was chosen by."""
     lines = []
     for name, r in sorted(routes.items()):
-        route, stock = r["route"], r.get("stock_ms")
-        text = f"{name}: {'widened to fp32' if route['widen'] else 'stock'}, tiles of {route['tile']}"
-        spec = ("widen:" if route["widen"] else "") + str(route["tile"])
+        route, stock = Route(**r["route"]), r.get("stock_ms")
+        text, spec = f"{name}: {route.text()}", route.spec()
         if stock and isinstance(r.get("costs_ms", {}).get(spec), list):
             decode, prefill = r["costs_ms"][spec]
             text += (f" ({r['product']}, 1 row / {r['prefill_rows']} rows: stock {stock['decode']:.3g} / "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from kvfid.reports.document import Figure, Heading, Paragraph, Table, seconds
 from kvfid.reports.figures import svg_curves
+from kvfid.kernels.invariant.route import Route
 
 
 def model_steps(rows: list[dict]) -> list[dict]:
@@ -39,8 +40,7 @@ def _note(step: dict) -> str:
     for a decode step, the stack whose prefill built the cache it read where that was neither the
     baseline nor the step's own stack (the baseline's prefill skipped as over the bench's budget)."""
     notes = ["Triton interpreter"] if step["interpreter"] else [
-        f"tiled {name}: {'widened to fp32, ' if r.get('widen') else ''}tiles of {r.get('tile')}"
-        for name, r in sorted(step["tiled_routes"].items())]
+        f"tiled {name}: {Route(**r).text()}" for name, r in sorted(step["tiled_routes"].items())]
     if step.get("cache_from") not in (None, step["baseline"], step["stack"]):
         notes.append(f"cache from {step['cache_from']}'s prefill")
     return "; ".join(notes)

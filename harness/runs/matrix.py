@@ -21,6 +21,7 @@ import torch
 
 from kvfid.environment import envinfo
 from kvfid.environment.tiled import choose_routes
+from kvfid.kernels.invariant import whole
 from kvfid.runs.case import Case, CaseError
 from kvfid.checks import check_cuda, selection_reason
 from kvfid.errors import DiskFull, Unavailable
@@ -276,6 +277,9 @@ def measure(prepared: Prepared, ledger: Ledger, shard: Shard = Shard(),
         bar.close()
         with contextlib.suppress(DiskFull):     # a lease left behind dies with this process
             ledger.release(run.id)
+    # The whole-call spans this machine keeps now, those the units found included (the record
+    # taken at the start names those kept before: kvfid.kernels.invariant.whole).
+    ledger.note_environment(run.id, "whole_calls", whole.kept())
     status = ledger.finish(run.id)
     return RunResult(run.id, status, measured, len(units) - len(todo), len(units))
 

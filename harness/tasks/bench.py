@@ -206,9 +206,9 @@ def route_text(routes: dict[str, dict]) -> str:
     """The tiled mode's routes (kvfid.kernels.invariant.route.routes(), e.g. of the kernel table) in words."""
     if not routes:
         return "routes: none chosen (no tiled call on this CPU)"
-    return "routes: " + ", ".join(
-        f"{name} {'widened to fp32, ' if r['route']['widen'] else 'stock, '}tiles of {r['route']['tile']}"
-        for name, r in sorted(routes.items()))
+    from kvfid.kernels.invariant.route import Route
+
+    return "routes: " + ", ".join(f"{name} {Route(**r['route']).text()}" for name, r in sorted(routes.items()))
 
 
 def bench_command(json_path: Path, quick: bool = False, part: str | None = None) -> list[str]:

@@ -36,9 +36,7 @@ The probes of kvfid.kernels.invariant.tiled still check every (op, shape) of the
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import platform
 import threading
 import time
 import weakref
@@ -46,6 +44,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from kvfid.kernels.invariant import machine, whole
+from kvfid.kernels.invariant.whole import in_tiles
 
 TILES = (1, 4, 16, 64)      # a factor 4 apart: where cost grows with rows, scores lie far apart
 DEFAULT_TILE = 32           # the route off the CPU (and of a CPU store kept before TILES changed)
@@ -56,33 +57,53 @@ ROUNDS = 11                 # interleaved timing rounds (a candidate's score: it
 MORE = 3                    # at most this many times ROUNDS while a score is near the margin
 # The selection rule's version, part of machine_key: a route kept under an earlier rule (other
 # candidates, another margin) is timed again, not reused beside fresh choices under one key.
-RULE = 2
+RULE = 3
 BAND = 1.15                 # "near the margin": within this factor of best * NEAR
 PIN_ENV = "KVFID_TILED_ROUTE"
-ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
-           "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE", "MKL_CBWR")
 NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 @dataclass(frozen=True)
 class Route:
-    """Rows per stock call, and whether half-precision products run widened to fp32."""
+    """How a product of rows runs: `whole`, one stock call over all rows where a shape's probe
+    finds a floor (kvfid.kernels.invariant.whole; `tile` rows a call for a shape where none is
+    found), else in tiles of `tile` rows; `widen`: half-precision products widened to fp32."""
 
     tile: int = DEFAULT_TILE
     widen: bool = False
+    whole: bool = False
 
     def text(self) -> str:
-        return f"{'widened to fp32' if self.widen else 'stock'}, tiles of {self.tile}"
+        how = (f"one call per product where probed, else tiles of {self.tile}" if self.whole
+               else f"tiles of {self.tile}")
+        return f"{'widened to fp32' if self.widen else 'stock'}, {how}"
 
     def spec(self) -> str:
-        return f"{'widen:' if self.widen else ''}{self.tile}"
+        return f"{'widen:' if self.widen else ''}{'whole:' if self.whole else ''}{self.tile}"
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "Route":
+        """`[widen:][whole:]TILE` -> Route; ValueError for anything else."""
+        *words, tile = spec.strip().split(":")
+        if words not in ([], ["widen"], ["whole"], ["widen", "whole"]) or not tile.isdigit() \
+                or int(tile) < 1:
+            raise ValueError(f"{spec!r} is not [widen:][whole:]TILE")
+        return cls(int(tile), widen="widen" in words, whole="whole" in words)
 
 
-def candidates(dtype: torch.dtype) -> list[Route]:
-    """In order of preference at a tie: stock before widened, larger tiles first (fewer calls)."""
+def candidates(dtype: torch.dtype, floors: dict[bool, int | None] | None = None) -> list[Route]:
+    """In order of preference at a tie: stock before widened; within each, one call per product
+    (where `floors`, the timed product's floor stock and widened, has one) before tiles, larger
+    tiles first (fewer calls)."""
+    floors = floors or {}
     tiles = sorted(TILES, reverse=True)
-    routes = [Route(t) for t in tiles]
-    return routes + ([Route(t, widen=True) for t in tiles] if dtype in (torch.bfloat16, torch.float16) else [])
+    half = dtype in (torch.bfloat16, torch.float16)
+    routes = []
+    for widen in (False, True) if half else (False,):
+        if floors.get(widen) is not None:
+            routes.append(Route(floors[widen], widen=widen, whole=True))
+        routes += [Route(t, widen=widen) for t in tiles]
+    return routes
 
 
 def score(decode_ms: float, prefill_ms: float, stock_decode_ms: float, stock_prefill_ms: float) -> float:
@@ -105,22 +126,6 @@ def near_margin(scores: dict[Route, float], order: list[Route]) -> bool:
     return any(1 / BAND < scores[r] / edge < BAND for r in order[:chosen + 1] if r in scores)
 
 
-def in_tiles(fn, rows: torch.Tensor, tile: int) -> torch.Tensor:
-    """fn over rows [M, K] -> [M, N], `tile` rows a call, zero rows padding the last tile: the
-    tiled mode's one loop (kvfid.kernels.invariant.tiled), so what is timed here is what runs."""
-    m, width = rows.shape
-    outs = []
-    for start in range(0, m, tile):
-        part = rows[start:start + tile]
-        if part.shape[0] == tile:
-            block = part.clone(memory_format=torch.contiguous_format)
-        else:
-            block = rows.new_zeros(tile, width)
-            block[:part.shape[0]] = part
-        outs.append(fn(block)[:part.shape[0]])
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
 # ---- timing ------------------------------------------------------------------------------------
 
 def _ms(fn) -> float:
@@ -134,19 +139,28 @@ def _median(values: list[float]) -> float:
 
 
 def measure(dtype: torch.dtype) -> dict:
-    """Time every candidate route of `dtype` on a decode row and a PREFILL_ROWS prefill, each
-    through the tiled loop (under kvfid.kernels.invariant.mode's stock block, so torch.mm is the stock kernel),
-    in ROUNDS interleaved rounds; the chosen route, the scores and the median timings."""
+    """Time every candidate route of `dtype` on a decode row and a PREFILL_ROWS prefill, each as
+    it runs (under kvfid.kernels.invariant.mode's stock block, so torch.mm is the stock kernel):
+    one call (a decode row padded to the floor the timed product's probe finds, stock and
+    widened) or the tiled loop, in ROUNDS interleaved rounds; the chosen route, the scores, the
+    floors and the median timings."""
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(OUT, WIDTH, generator=gen) * WIDTH ** -0.5).to(dtype).t()  # [K, N] as F.linear
     wide = w.float()
     rows = torch.randn(PREFILL_ROWS, WIDTH, generator=gen).to(dtype)
-    order = candidates(dtype)
+    products = {False: lambda t: torch.mm(t, w), True: lambda t: torch.mm(t.float(), wide).to(dtype)}
+    half = dtype in (torch.bfloat16, torch.float16)
+    floors = {widen: whole.floor_of(products[widen], WIDTH, dtype, rows.device)
+              for widen in ((False, True) if half else (False,))}
+    order = candidates(dtype, floors)
 
     def calls(route: Route | None):
         if route is None:
             return lambda: torch.mm(rows[:1], w), lambda: torch.mm(rows, w)
-        fn = (lambda t: torch.mm(t.float(), wide).to(dtype)) if route.widen else (lambda t: torch.mm(t, w))
+        fn = products[route.widen]
+        if route.whole:
+            served = whole.Span(route.tile, PREFILL_ROWS, PREFILL_ROWS)
+            return lambda: whole.call(fn, rows[:1], served), lambda: whole.call(fn, rows, served)
         return lambda: in_tiles(fn, rows[:1], route.tile), lambda: in_tiles(fn, rows, route.tile)
 
     timed = {r: calls(r) for r in [None, *order]}
@@ -168,6 +182,7 @@ def measure(dtype: torch.dtype) -> dict:
                                                   "prefill": round(median[None][1], 4)},
             "costs_ms": {r.spec(): [round(d, 4), round(p, 4)] for r, (d, p) in median.items() if r},
             "scores": {r.spec(): round(s, 3) for r, s in scores.items()},
+            "floors": {("widened" if widen else "stock"): floor for widen, floor in floors.items()},
             "rule": f"the earliest route within {NEAR}x of the best score (fastest of {n + 1} rounds)",
             "product": f"[T, {WIDTH}] x [{WIDTH}, {OUT}]", "prefill_rows": PREFILL_ROWS,
             "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -176,53 +191,31 @@ def measure(dtype: torch.dtype) -> dict:
 # ---- where routes are kept ---------------------------------------------------------------------
 
 def machine_key(threads: int | None = None) -> str:
-    """What a route depends on: CPU model, torch's dispatch capability, the ISA variables, torch
-    version and thread count (the environment key's CPU part, plus what it does not name), and
-    the rule that chose it (RULE)."""
-    threads = torch.get_num_threads() if threads is None else threads
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            model = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), model)
-    isa = ",".join(f"{name}={os.environ[name]}" for name in ISA_ENV if os.environ.get(name))
-    return "|".join([model, torch.backends.cpu.get_cpu_capability(), f"torch {torch.__version__}",
-                     f"threads {threads}", isa or "isa default", f"rule {RULE}"])
+    """What a route depends on (kvfid.kernels.invariant.machine: CPU model, dispatch capability,
+    ISA variables, torch version, threads) and the rule that chose it (RULE)."""
+    return machine.machine_key(f"rule {RULE}", threads)
 
 
 def store_path() -> Path:
-    return Path(os.environ.get("KVFID_CACHE") or Path.home() / ".cache" / "kvfid") / "tiled-routes.json"
-
-
-def _read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    """One process at a time times and writes (the others then read its result)."""
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+    return machine.cache_dir() / "tiled-routes.json"
 
 
 def pinned() -> dict[torch.dtype, Route]:
-    """Routes pinned by KVFID_TILED_ROUTE (`bf16=widen:1,fp32=16`); a bad value is refused."""
+    """Routes pinned by KVFID_TILED_ROUTE (`bf16=widen:1,fp32=whole:16`); a bad value is
+    refused."""
     text = os.environ.get(PIN_ENV, "").strip()
     out = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, spec = part.partition("=")
         dtype = next((d for d, n in NAMES.items() if n == name.strip()), None)
-        widen, _, tile = spec.strip().rpartition(":")
-        if dtype is None or widen not in ("", "widen") or not tile.isdigit() or int(tile) < 1 \
-                or (widen and dtype == torch.float32):
-            raise ValueError(f"{PIN_ENV}: {part!r} is not DTYPE=[widen:]TILE (bf16, fp16; fp32 not widened)")
-        out[dtype] = Route(int(tile), widen=bool(widen))
+        try:
+            route = Route.from_spec(spec)
+        except ValueError:
+            route = None
+        if dtype is None or route is None or (route.widen and dtype == torch.float32):
+            raise ValueError(f"{PIN_ENV}: {part!r} is not DTYPE=[widen:][whole:]TILE "
+                             "(bf16, fp16; fp32 not widened)")
+        out[dtype] = route
     return out
 
 
@@ -244,16 +237,14 @@ def _choose_now(dtype: torch.dtype, threads: int) -> tuple[Route, dict]:
         return pins[dtype], {"route": asdict(pins[dtype]), "source": f"pinned by {PIN_ENV}"}
     path, key, name = store_path(), machine_key(), NAMES[dtype]
     try:
-        with _locked(path):
-            kept = _read(path)
+        with machine.locked(path):
+            kept = machine.read_json(path)
             mine = kept.setdefault(key, {})
             source = f"kept in {path}"
             if name not in mine:
                 with _stock_block():
                     mine[name] = measure(dtype)
-                tmp = path.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
-                tmp.replace(path)
+                machine.write_json(path, kept)
                 source = f"timed now, kept in {path}"
     except OSError as err:      # no writable store: this process's own timing (said in the source)
         with _stock_block():
@@ -283,7 +274,7 @@ def kept() -> dict[str, dict]:
     """The routes kept for this machine at any thread count ("bf16@t1" -> record), read without
     timing: what a tiled call here takes unless KVFID_TILED_ROUTE pins another (for the
     environment record)."""
-    store = _read(store_path())
+    store = machine.read_json(store_path())
     return {f"{name}@t{n}": record for n in range(1, (os.cpu_count() or 1) + 1)
             for name, record in store.get(machine_key(n), {}).items()}
 

@@ -15,6 +15,11 @@ rows), so it is never assumed: before the first call of each (op, shape, dtype, 
 thread count, route) a probe computes a random tile, then each of its rows alone at place 0 of a
 zero tile, and compares the bits. Where they differ, that op at that shape runs row by row (the
 `rowwise` way) instead, and `fallbacks()` says so, one line each.
+
+Where the route takes one call per product (`Route.whole`), a key whose probe finds a floor F
+(kvfid.kernels.invariant.whole) is one stock call over all its rows instead, padded to F below
+F: a probe has shown that the call gives every row the bits of its F-row tile. A key with no
+floor runs in the route's tiles as above.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from kvfid.kernels.invariant import route as mode_route
+from kvfid.kernels.invariant import whole
 from kvfid.kernels.invariant.route import Route
 
 _lock = threading.Lock()
@@ -33,28 +39,6 @@ _verdicts: dict[Hashable, str | None] = {}  # (probe key, threads, route) -> Non
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (-0.0 differs from 0.0, a NaN equals the same NaN)."""
-    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
-                                              b.contiguous().view(torch.uint8))
-
-
-def _probe(fn: Callable[[torch.Tensor], torch.Tensor], tile: int, width: int, dtype: torch.dtype,
-           device: torch.device, scale: float) -> str | None:
-    """None when every row of a random [tile, width] tile has the bits it gets alone at place 0
-    of a zero tile; else which places differ."""
-    gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(tile, width, generator=gen) * scale).to(device, dtype)
-    full = fn(_fresh(x))
-    bad = []
-    for place in range(tile):
-        alone = torch.zeros_like(x)
-        alone[0] = x[place]
-        if not _same_bits(fn(alone)[0], full[place]):
-            bad.append(place)
-    return f"places {bad} of {tile} differ from place 0" if bad else None
 
 
 def trusted(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], width: int,
@@ -67,7 +51,7 @@ def trusted(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], width: in
     with _lock:
         if key in _verdicts:
             return _verdicts[key] is None
-    verdict = _probe(fn, route.tile, width, dtype, device, scale)
+    verdict = whole.place_probe(fn, route.tile, width, dtype, device, scale)
     with _lock:
         _verdicts[key] = verdict
     return verdict is None
@@ -79,10 +63,23 @@ def by_tiles(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], rows: to
     tile); row by row where the probe for `key` failed."""
     m, width = rows.shape
     route = route or mode_route.route(rows.dtype, rows.device)
-    tile_rows = route.tile
+    served = _whole_span(key, fn, rows, scale, route)
+    if served is not None:
+        return whole.call(fn, rows, served)
     if not trusted(key, fn, width, rows.dtype, rows.device, scale, route):
         return torch.cat([fn(_fresh(rows[i:i + 1])) for i in range(m)])
-    return mode_route.in_tiles(fn, rows, tile_rows)
+    return whole.in_tiles(fn, rows, route.tile)
+
+
+def _whole_span(key: Hashable, fn: Callable, rows: torch.Tensor, scale: float,
+                route: Route) -> whole.Span | None:
+    """The whole-call span serving `key` where the route takes one call per product and the
+    key's probe found a floor (kvfid.kernels.invariant.whole); else None (the tiles serve)."""
+    if not route.whole or rows.device.type != "cpu":
+        return None
+    served = whole.span(key, fn, rows.shape[0], rows.shape[1], rows.dtype, rows.device, scale,
+                        route.widen)
+    return served if served.floor is not None else None
 
 
 def product(key: Hashable, call: Callable, a: torch.Tensor, b: torch.Tensor,
@@ -95,12 +92,16 @@ def product(key: Hashable, call: Callable, a: torch.Tensor, b: torch.Tensor,
         return by_tiles(key, lambda t: call(t, b, *extra), a, route=route)
     wide_b, wide_extra = mode_route.widened(b), tuple(mode_route.widened(e) for e in extra)
     fn = lambda t: call(t.float(), wide_b, *wide_extra).to(a.dtype)     # noqa: E731
+    wide = lambda t: call(t, wide_b, *wide_extra)                       # noqa: E731
+    # Probed on the fp32 products (before rounding back): equal there, equal rounded.
+    served = _whole_span(key, lambda t: wide(t.float()), a, 1.0, route)
+    if served is not None:      # one call (or its floor's tiles), widened and rounded back once
+        return whole.call(wide, a.float(), served).to(a.dtype)
     if not trusted(key, fn, a.shape[1], a.dtype, a.device, route=route):
         return by_tiles(key, fn, a, route=route)                        # row by row
     # The same tiles' products, each widened and rounded back once for all rows (both exact and
     # element-wise: the bits of calling `fn` tile by tile, at a fraction of the copies).
-    wide = lambda t: call(t, wide_b, *wide_extra)                       # noqa: E731
-    return mode_route.in_tiles(wide, a.float(), route.tile).to(a.dtype)
+    return whole.in_tiles(wide, a.float(), route.tile).to(a.dtype)
 
 
 def describe(key: Hashable, route: Route | None = None) -> str:

@@ -69,19 +69,32 @@ def test_the_candidates_lie_a_factor_four_apart_largest_first():
     assert [r.spec() for r in mode_route.candidates(torch.float32)] == ["64", "16", "4", "1"]
 
 
+def test_the_whole_call_candidates_come_first_where_the_timed_product_has_a_floor():
+    assert [r.spec() for r in mode_route.candidates(BF16, {False: 1, True: 4})] == \
+        ["whole:1", "64", "16", "4", "1", "widen:whole:4", "widen:64", "widen:16", "widen:4", "widen:1"]
+    assert [r.spec() for r in mode_route.candidates(BF16, {False: None, True: 16})] == \
+        ["64", "16", "4", "1", "widen:whole:16", "widen:64", "widen:16", "widen:4", "widen:1"]
+
+
+def _floors(record: dict) -> dict[bool, int | None]:
+    return {kind == "widened": floor for kind, floor in record.get("floors", {}).items()}
+
+
 def test_a_measured_route_says_how_it_was_chosen():
     record = mode_route.measure(BF16)
-    assert set(record["scores"]) == {r.spec() for r in mode_route.candidates(BF16)}
+    order = mode_route.candidates(BF16, _floors(record))
+    assert set(record["scores"]) == {r.spec() for r in order}
     assert Route(**record["route"]) == mode_route.choose(
-        {Route(**{"tile": int(k.rpartition(":")[2]), "widen": k.startswith("widen")}): v
-         for k, v in record["scores"].items()}, mode_route.candidates(BF16))
+        {Route.from_spec(k): v for k, v in record["scores"].items()}, order)
     assert "rounds" in record["rule"] and set(record["costs_ms"]) == set(record["scores"])
 
 
 def test_pinned_routes_parse_and_bad_ones_are_refused(monkeypatch):
-    monkeypatch.setenv(mode_route.PIN_ENV, "bf16=widen:1, fp32=16")
-    assert mode_route.pinned() == {BF16: Route(1, widen=True), torch.float32: Route(16)}
-    for bad in ("bf16=0", "fp32=widen:4", "int8=4", "bf16=wide:2", "bf16"):
+    monkeypatch.setenv(mode_route.PIN_ENV, "bf16=widen:1, fp32=16, fp16=widen:whole:4")
+    assert mode_route.pinned() == {BF16: Route(1, widen=True), torch.float32: Route(16),
+                                   torch.float16: Route(4, widen=True, whole=True)}
+    for bad in ("bf16=0", "fp32=widen:4", "int8=4", "bf16=wide:2", "bf16", "bf16=whole:widen:4",
+                "fp32=whole"):
         monkeypatch.setenv(mode_route.PIN_ENV, bad)
         with pytest.raises(ValueError, match=mode_route.PIN_ENV):
             mode_route.pinned()
@@ -90,7 +103,7 @@ def test_pinned_routes_parse_and_bad_ones_are_refused(monkeypatch):
 def test_a_route_is_timed_once_per_machine_then_read_back(fresh_routes, monkeypatch):
     first = mode_route.route(BF16, torch.device("cpu"))
     kept = json.loads((fresh_routes / "tiled-routes.json").read_text())
-    assert kept[mode_route.machine_key()]["bf16"]["route"] == {"tile": first.tile, "widen": first.widen}
+    assert Route(**kept[mode_route.machine_key()]["bf16"]["route"]) == first
     assert "timed now" in mode_route.routes()[f"bf16@t{torch.get_num_threads()}"]["source"]
     # A second process of this machine reads it, whatever timing would say now.
     monkeypatch.setattr(mode_route, "_routes", {})
@@ -186,7 +199,8 @@ def test_the_kernel_table_names_each_dtypes_route(quick_kernels):
     assert set(routes) == {"bf16@t1", "fp32@t1"}
     for name, record in routes.items():
         dtype = torch.bfloat16 if name.startswith("bf16") else torch.float32
-        assert Route(**record["route"]) in mode_route.candidates(dtype) or "pinned" in record["source"]
+        assert Route(**record["route"]) in mode_route.candidates(dtype, _floors(record)) \
+            or "pinned" in record["source"]
     text = markdown(invariance_document(quick_kernels))
     assert "Tiled mode routes" in text and "- bf16@t1: " in text and "tiles of" in text
 
@@ -195,5 +209,7 @@ def test_without_a_writable_store_the_route_is_timed_and_says_it_is_not_kept(fre
     blocked = fresh_routes / "blocked"
     blocked.write_text("a file where the store's folder would be")
     monkeypatch.setenv("KVFID_CACHE", str(blocked / "below"))
-    assert mode_route.route(BF16, torch.device("cpu")) in mode_route.candidates(BF16)
-    assert "NOT kept" in mode_route.routes()[f"bf16@t{torch.get_num_threads()}"]["source"]
+    chosen = mode_route.route(BF16, torch.device("cpu"))
+    record = mode_route.routes()[f"bf16@t{torch.get_num_threads()}"]
+    assert chosen in mode_route.candidates(BF16, _floors(record))
+    assert "NOT kept" in record["source"]

@@ -23,11 +23,12 @@ def test_every_call_has_the_tile_shape_whatever_m():
         shapes.append(tuple(t.shape))
         return t * 2
 
-    tile = mode_route.route(torch.float32, torch.device("cpu")).tile   # this machine's
+    tiles = Route(4)                   # a tiled route (a whole-call route: test_kernel_mode_whole.py)
     for m in (1, 31, 32, 33, 70):
-        out = mode_tiled.by_tiles(("recording", 8, None, torch.float32), recording, randn(m, 8, on="cpu"))
+        out = mode_tiled.by_tiles(("recording", 8, None, torch.float32), recording, randn(m, 8, on="cpu"),
+                                  route=tiles)
         assert out.shape == (m, 8)
-    assert set(shapes) == {(tile, 8)}
+    assert set(shapes) == {(4, 8)}
 
 
 def test_control_a_place_dependent_kernel_fails_its_probe_and_runs_row_by_row():

@@ -1,0 +1,283 @@
+"""The whole-call route of the tiled batch-invariant mode: one stock call over all the rows of a
+product, where a probe on this machine shows that the call gives every row the bits it gets in
+fixed tiles.
+
+kvfid.kernels.invariant.tiled hands the stock kernel fixed [T, K] tiles so that nothing the
+kernel chooses from the number of rows M (a GEMV path for a few rows, a blocking, a thread split)
+can change a row's bits. Many CPU kernels need no such care over a range of M: one call over M
+rows gives each row the bits that row gets in a tile, for every M above some floor (whether one
+does is the machine's property: its kernel, ISA, thread count and torch version; never assumed).
+Where it holds, the tiles only cost: a prefill is many calls instead of one.
+
+So, per probe key (op, width, the other operand's shape and layout, dtype, extras), thread count
+and widening, `span` finds the **floor** F, the smallest of `FLOORS` such that
+
+* an F-row call gives a row the same bits at every place of it (the tiled probe: each row of a
+  random tile against itself alone at place 0 of a zero tile), and
+* one call over M rows gives every row the bits it gets alone at place 0 of an F-row call, for
+  every M from F to F + `DENSE` (each count checked), and for a sample of the counts above up
+  to the **ceiling** C (`sample`: both sides of every power of two and a count between
+  them, and C itself);
+
+and a product of M rows is then one call: padded with zero rows to F below F, all M rows from F
+to C, and tiles of F rows above C (an F-row call: the same bits). Every row has the bits of
+itself alone at place 0 of an F-row call in a decode step, a prefill, a chunk and a batch.
+
+The ceiling follows the calls: the first probe of a key checks up to FIRST_CEILING rows or the
+call's own count (the next power of two), and a later call above it extends the probe to its
+next power of two (up to MAX_CEILING); a count that fails there stops the ceiling below it. A
+sample is not every count: it catches a kernel that switches path above some M (every sampled
+count above the switch fails) and the small-M paths and remainder rows near the floor (every count
+checked), not a path taken for a narrow band of counts between two samples alone.
+
+A verdict is kept per machine, in `$KVFID_CACHE/whole-calls.json` under
+kvfid.kernels.invariant.machine.machine_key() (CPU model, dispatch capability, ISA variables, torch
+version, threads, the probe's RULE), so a later process reads the floor and ceiling back instead of
+probing again; `verdicts()` says in words what each key takes here and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvfid.kernels.invariant import machine
+
+FLOORS = (1, 2, 4, 8, 16, 32, 64)   # candidate floors, smallest first (the cheapest decode)
+DENSE = 64                          # every row count from the floor to DENSE above it is checked
+FIRST_CEILING = 256                 # the first probe of a key checks at least this many rows
+MAX_CEILING = 1 << 16               # no probe beyond this: tiles of F rows serve above it
+STORE = "whole-calls.json"
+# The probe's version, part of the machine key its spans are kept under (a span found by an
+# earlier probe is probed again, not reused).
+RULE = "whole 1"
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where one call serves a key: from `floor` rows (fewer are padded to it) up to `ceiling`
+    rows (more run in tiles of `floor` rows); `probed`: the counts checked so far reach here."""
+
+    floor: int | None           # None: no floor found, the tiled route serves every count
+    ceiling: int = 0
+    probed: int = 0
+    why: str = ""
+
+
+def sample(low: int, high: int) -> list[int]:
+    """The row counts above `low` up to `high` a probe checks: for every power of two p with
+    low <= p < high, the doubling (p, 2p]'s first count, a count inside it, its last two; and
+    high itself; ascending."""
+    counts = {high}
+    p = 1
+    while p < high:
+        if p >= low:
+            counts |= {p + 1, p + p // 2 + 3, 2 * p - 1, 2 * p}
+        p *= 2
+    return sorted(c for c in counts if low < c <= high)
+
+
+def _ceiling_for(rows: int) -> int:
+    return min(MAX_CEILING, max(FIRST_CEILING, 1 << max(0, rows - 1).bit_length()))
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _random_rows(count: int, width: int, dtype: torch.dtype, device: torch.device, scale: float,
+                 seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(count, width, generator=gen) * scale).to(device, dtype)
+
+
+def in_tiles(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, tile: int) -> torch.Tensor:
+    """fn over rows [M, K] -> [M, N], `tile` rows a call, zero rows padding the last tile: the
+    tiled mode's one loop."""
+    m, width = rows.shape
+    outs = []
+    for start in range(0, m, tile):
+        part = rows[start:start + tile]
+        if part.shape[0] == tile:
+            block = _fresh(part)
+        else:
+            block = rows.new_zeros(tile, width)
+            block[:part.shape[0]] = part
+        outs.append(fn(block)[:part.shape[0]])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def place_probe(fn: Callable[[torch.Tensor], torch.Tensor], tile: int, width: int,
+                dtype: torch.dtype, device: torch.device, scale: float = 1.0) -> str | None:
+    """None when every row of a random [tile, width] tile has the bits it gets alone at place 0
+    of a zero tile; else which places differ."""
+    x = _random_rows(tile, width, dtype, device, scale, seed=0)
+    full = fn(_fresh(x))
+    bad = []
+    for place in range(tile):
+        alone = torch.zeros_like(x)
+        alone[0] = x[place]
+        if not _same_rows(fn(alone)[:1], full[place:place + 1]):
+            bad.append(place)
+    return f"places {bad} of {tile} differ from place 0" if bad else None
+
+
+def _first_failing(fn: Callable, x: torch.Tensor, canon: torch.Tensor, counts: list[int]) -> int | None:
+    """The first count of `counts` whose one call over x's first rows differs from `canon`."""
+    return next((m for m in counts if not _same_rows(fn(_fresh(x[:m])), canon[:m])), None)
+
+
+def _find(fn: Callable, width: int, dtype: torch.dtype, device: torch.device, scale: float,
+          ceiling: int) -> Span:
+    """Probe a key: its floor (the smallest F of FLOORS that passes the place probe and whose
+    one call gives the F-tile bits at every count from F to F + DENSE), then the sample above up
+    to `ceiling`."""
+    x = _random_rows(FLOORS[-1] + DENSE, width, dtype, device, scale, seed=1)
+    calls: dict[int, torch.Tensor] = {}
+    tried = []
+    for floor in FLOORS:
+        place = place_probe(fn, floor, width, dtype, device, scale)
+        if place is not None:
+            tried.append(f"{floor}: {place}")
+            continue
+        canon = in_tiles(fn, x[:floor + DENSE], floor)
+        bad = None
+        for m in range(floor, floor + DENSE + 1):
+            if m not in calls:
+                calls[m] = fn(_fresh(x[:m]))
+            if not _same_rows(calls[m], canon[:m]):
+                bad = m
+                break
+        if bad is None:
+            found = Span(floor, floor + DENSE, floor + DENSE,
+                         f"one call, floor {floor}, checked to {floor + DENSE} rows")
+            return _extend(fn, found, width, dtype, device, scale, max(ceiling, floor + DENSE))
+        tried.append(f"{floor}: one call of {bad} rows differs")
+    return Span(None, 0, FLOORS[-1] + DENSE, f"no floor up to {FLOORS[-1]} rows (floor {tried[0]}; "
+                f"floor {tried[-1]})")
+
+
+def floor_of(fn: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype,
+             device: torch.device) -> int | None:
+    """The floor of a product (its dense counts only: no sample above, nothing kept): what a
+    route's timing weighs a whole call by."""
+    return _find(fn, width, dtype, device, 1.0, 0).floor
+
+
+def _extend(fn: Callable, span: Span, width: int, dtype: torch.dtype, device: torch.device,
+            scale: float, high: int) -> Span:
+    """The span's sample from its probed count up to `high`, against tiles of its floor."""
+    counts = sample(span.probed, high)
+    if not counts:
+        return span
+    x = _random_rows(high, width, dtype, device, scale, seed=high)
+    canon = in_tiles(fn, x, span.floor)
+    bad = _first_failing(fn, x, canon, counts)
+    if bad is None:
+        return Span(span.floor, high, high, f"one call, floor {span.floor}, checked to {high} rows")
+    passed = max([span.ceiling] + [m for m in counts if m < bad])
+    return Span(span.floor, passed, high,
+                f"one call from {span.floor} to {passed} rows; {bad} rows differ, tiles of {span.floor} above")
+
+
+# ---- where verdicts are kept ------------------------------------------------------------------
+
+_lock = threading.RLock()
+_spans: dict[tuple, Span] = {}      # (key text, threads) -> this process's span
+
+
+def key_text(key: Hashable, widen: bool) -> str:
+    """A probe key in words, e.g. `mm [M, 576] x [576, 192] (strides (1, 576)) bfloat16`."""
+    op, width, layout, dtype, *extra = key
+    text = f"{op} [M, {width}]"
+    if layout is not None:
+        text += f" x {list(layout[0])} (strides {layout[1]})"
+    text += f" {str(dtype).removeprefix('torch.')}" + (" widened to fp32" if widen else "")
+    return text + (f" {tuple(extra)}" if extra else "")
+
+
+def _path():
+    return machine.cache_dir() / STORE
+
+
+def _wants_more(found: Span, rows: int) -> bool:
+    """Whether a call of `rows` rows should extend the span's probe: it has a floor, the call is
+    above what was probed, no count has failed yet, and MAX_CEILING is not reached."""
+    return (found.floor is not None and rows > found.probed and found.ceiling >= found.probed
+            and found.probed < MAX_CEILING)
+
+
+def span(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], rows: int, width: int,
+         dtype: torch.dtype, device: torch.device, scale: float, widen: bool) -> Span:
+    """The span of `key` at this thread count, covering a call of `rows` rows where it can:
+    this process's, else the machine's kept one, else probed now (and kept); extended when `rows`
+    is above what was probed. One process probes a key at a time (the others then read it)."""
+    name = (key_text(key, widen), torch.get_num_threads())
+    found = _spans.get(name)
+    if found is not None and not _wants_more(found, rows):
+        return found
+    with _lock:
+        found = _spans.get(name)
+        if found is None or _wants_more(found, rows):
+            path, key_of_machine = _path(), machine.machine_key(RULE)
+            with contextlib.ExitStack() as hold:
+                try:
+                    hold.enter_context(machine.locked(path))
+                    store = machine.read_json(path)
+                except OSError:      # no writable store: this process's own probe, not kept
+                    store = None
+                kept = (store or {}).get(key_of_machine, {}).get(name[0])
+                if found is None and kept is not None:
+                    found = Span(**kept)
+                if found is None or _wants_more(found, rows):
+                    found = _probe(found, fn, width, dtype, device, scale, rows)
+                    if store is not None:
+                        store.setdefault(key_of_machine, {})[name[0]] = asdict(found)
+                        with contextlib.suppress(OSError):
+                            machine.write_json(path, store)
+        _spans[name] = found
+    return found
+
+
+def _probe(found: Span | None, fn, width, dtype, device, scale, rows) -> Span:
+    if found is None:
+        return _find(fn, width, dtype, device, scale, _ceiling_for(rows))
+    return _extend(fn, found, width, dtype, device, scale, _ceiling_for(rows))
+
+
+def call(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, served: Span) -> torch.Tensor:
+    """fn over rows [M, K] as the span serves it: padded to the floor, one call, or tiles of the
+    floor above the ceiling."""
+    m = rows.shape[0]
+    if m > served.ceiling:
+        return in_tiles(fn, rows, served.floor)
+    if m < served.floor:
+        block = rows.new_zeros(served.floor, rows.shape[1])
+        block[:m] = rows
+        return fn(block)[:m]
+    plain = rows.is_contiguous() and rows.storage_offset() == 0
+    return fn(rows if plain else _fresh(rows))
+
+
+def verdicts() -> list[dict]:
+    """Every key this process served by span: its words, thread count, floor, ceiling, why."""
+    with _lock:
+        return [{"call": text, "threads": threads, **asdict(s)} for (text, threads), s in _spans.items()]
+
+
+def kept() -> dict[str, dict]:
+    """The spans kept for this machine at any thread count ("<call> @tN" -> span), read without
+    probing (for the environment record)."""
+    store = machine.read_json(_path())
+    return {f"{text} @t{n}": record for n in range(1, (os.cpu_count() or 1) + 1)
+            for text, record in store.get(machine.machine_key(RULE, n), {}).items()}
