@@ -113,7 +113,8 @@ def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invar
     start = time.perf_counter()
     rows = []
     longest = max(len(p) for p in prompts) + tokens + 1
-    config = functools.partial(EngineConfig, faithful=faithful)
+    # A TP check compares TP=1 with TP=N: the TP=1 engine computes the TP-invariant products too.
+    config = functools.partial(EngineConfig, faithful=faithful, tp_invariant=tp > 1)
     threaded = functools.partial(vllm_engine.torch_threads, threads)
     with vllm_engine.engine(folder, dtype, config(), max_len=longest) as llm, threaded():
         say("decode, one request at a time")

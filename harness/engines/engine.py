@@ -96,6 +96,9 @@ class EngineConfig:
     chunk: int | None = None          # max tokens per scheduler step; None: no prompt is split
     faithful: bool = False            # kvfid's attention and batch-invariant mode inside (engine_faithful)
     tp: int = 1                       # tensor-parallel size: the model on this many worker processes
+    # Faithful at TP=1 with the TP-invariant products (kvfid.kernels.invariant.parallel), as every
+    # faithful engine at TP>1 computes them: the TP=1 side of a TP comparison (`@tp1`'s products).
+    tp_invariant: bool = False
     kv_blocks: int | None = None      # the paged cache's size in blocks (None: what the KV space holds)
     recording: bool = False           # the recording scheduler (load_scheduler), synchronous steps
     max_seqs: int = 64                # the most sequences one step may hold
@@ -104,7 +107,8 @@ class EngineConfig:
     def label(self) -> str:
         return (f"prefix cache {'on' if self.prefix_caching else 'off'}, "
                 + (f"chunked prefill by {self.chunk}" if self.chunk else "no chunking")
-                + (", faithful" if self.faithful else "") + (f", TP={self.tp}" if self.tp > 1 else ""))
+                + (", faithful" if self.faithful else "") + (f", TP={self.tp}" if self.tp > 1 else "")
+                + (", TP-invariant products" if self.faithful and self.tp_invariant and self.tp == 1 else ""))
 
 
 def threads_bind(tp: int) -> str:
@@ -143,7 +147,8 @@ def engine(folder: str, dtype: str, config: EngineConfig = EngineConfig(), max_l
         if config.faithful:
             from kvfid.engines import faithful as engine_faithful
 
-            stack.enter_context(engine_faithful.installed() if config.tp == 1
+            claims = config.tp > 1 or config.tp_invariant
+            stack.enter_context(engine_faithful.installed(claims) if config.tp == 1
                                 else engine_faithful.in_workers())
             extra["compilation_config"] = engine_faithful.COMPILATION
         if config.recording:

@@ -9,10 +9,12 @@ Inside vLLM-CPU, with `KVFID_FAITHFUL=1` (or `installed()` in this process):
   (the inverse of vLLM's own writer's layout), every request of the step at once. vLLM's writer
   still fills the cache, so the engine state is read the same way stock or not;
 - GEMMs: vLLM's CPU linear dispatch (`layers.utils.dispatch_cpu_unquantized_gemm`, replaced for
-  the engine's life) computes, under kvfid's batch-invariant mode, the TP-invariant products of
-  kvfid's native `+bi` stack at any TP size (kvfid.engines.faithful_tp): each output part of a
-  merged projection (q, k, v; gate, up) in fixed pieces, row-parallel layers in fixed segments
-  whose sums are gathered and added in one tree instead of vLLM's all-reduce, the LM head whole;
+  the engine's life) computes, under kvfid's batch-invariant mode, the products of kvfid's native
+  `+bi` stack (kvfid.engines.faithful_tp): each output part of a merged projection (q, k, v;
+  gate, up) alone, the LM head on the unpadded vocabulary; at TP>1 (and at TP=1 where a TP
+  comparison asks, `KVFID_FAITHFUL_TP=1`) the TP-invariant products of `native/..+bi@tpN`:
+  output parts in fixed pieces, row-parallel layers in fixed segments whose sums are gathered and
+  added in one tree instead of vLLM's all-reduce;
 - RMSNorm (`CustomOp.register_oot`): the residual is added in the model dtype before the norm,
   as transformers does (vLLM's fused add normalises the fp32 sum, before rounding);
 - every other CustomOp by its `forward_native` (`compilation_config.custom_ops=["none"]`).
@@ -25,8 +27,11 @@ from __future__ import annotations
 import contextlib
 import os
 
+from kvfid.engines import faithful_tp
+
 ENV = "KVFID_FAITHFUL"
 IMPL_ENV = "KVFID_FAITHFUL_IMPL"
+TP_ENV = faithful_tp.TP_ENV
 COMPILATION = {"custom_ops": ["none"]}
 
 
@@ -74,8 +79,6 @@ def _backend_classes():
 
 def _linear(layer, remove_weight: bool, stock) -> None:
     """vLLM's CPU GEMM dispatch, faithful at any TP size (kvfid.engines.faithful_tp)."""
-    from kvfid.engines import faithful_tp
-
     faithful_tp.dispatch(layer, remove_weight, stock)
 
 
@@ -146,9 +149,10 @@ def in_workers():
     processes (TP>1): each worker's plugin installs it for its life (KVFID_FAITHFUL=1 and the
     mode's implementation in their environment); the variables are restored on exit."""
     global _parent
-    saved = {name: os.environ.get(name) for name in (ENV, IMPL_ENV)}
+    saved = {name: os.environ.get(name) for name in (ENV, IMPL_ENV, TP_ENV)}
     os.environ[IMPL_ENV] = mode_impl()
     os.environ[ENV] = "1"
+    os.environ[TP_ENV] = "1"               # workers exist only at TP>1
     _parent = os.getpid()                  # this process's own plugin call stays a no-op
     try:
         yield
@@ -162,23 +166,26 @@ def in_workers():
 
 
 @contextlib.contextmanager
-def installed():
-    """The faithful engine for engines started in this process within the block; everything is
-    restored on exit (the backend registry, the GEMM dispatch, RMSNorm, the mode, the variable)."""
+def installed(tp_invariant: bool = False):
+    """The faithful engine for engines started in this process within the block (with the
+    TP-invariant products where `tp_invariant`); everything is restored on exit (the backend
+    registry, the GEMM dispatch, RMSNorm, the mode, the variables)."""
     from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
-    before = os.environ.get(ENV)
+    before = {name: os.environ.get(name) for name in (ENV, TP_ENV)}
     os.environ[ENV] = "in-process"           # the plugin, loaded by each engine, then does nothing
+    os.environ[TP_ENV] = "1" if tp_invariant else "0"
     remove = _install()
     try:
         with set_batch_invariant_mode(impl=mode_impl()):
             yield
     finally:
         remove()
-        if before is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def register() -> None:

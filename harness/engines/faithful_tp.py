@@ -1,5 +1,14 @@
 """The faithful engine's linear layers at any tensor-parallel size: vLLM's CPU GEMM dispatch
-computing what kvfid's native TP-invariant stack computes (kvfid.kernels.invariant.parallel).
+computing what kvfid's native `+bi` stack computes: its plain products at TP=1
+(`plain_linear`), the TP-invariant ones (kvfid.kernels.invariant.parallel) of
+`native/..+bi@tpN` at TP>1, and at TP=1 where a TP comparison asks (`KVFID_FAITHFUL_TP=1`).
+
+Plain, at TP=1: each output part of a merged projection (q, k, v; gate, up) is its own product,
+as transformers' separate projections are (a kernel may choose its blocking from the number of
+columns), the row-parallel layers one product, the LM head on the unpadded vocabulary (vLLM pads
+it to 64-row multiples), zero logits where it padded.
+
+TP-invariant:
 
 vLLM-CPU shards a model Megatron-style over its TP ranks (processes, with its own CPU
 communicator). For each linear layer vLLM's dispatch sets `layer.cpu_linear`; here, instead:
@@ -16,15 +25,26 @@ communicator). For each linear layer vLLM's dispatch sets `layer.cpu_linear`; he
   native stack's pieces, so every rank gathers the whole head once and computes all logits in
   the native pieces, keeping its own shard's (zero rows where vLLM padded); vLLM then gathers.
 
-The bits then do not depend on the TP size: a TP=2 engine's rollouts are what native/bf16+bi
-at TP=1 computes. A size that does not divide the fixed segments is refused at load.
+The bits then do not depend on the TP size: a TP=2 engine's rollouts are what
+`native/bf16+bi@tp1` computes. A size that does not divide the fixed segments is refused at load.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvfid.kernels.invariant import parallel
+
+
+TP_ENV = "KVFID_FAITHFUL_TP"     # "1": the TP-invariant products at TP=1 too
+
+
+def tp_invariant(layer) -> bool:
+    """Whether this engine computes the TP-invariant products: at TP>1 always, at TP=1 where
+    KVFID_FAITHFUL_TP=1 says so."""
+    return _size(layer) > 1 or os.environ.get(TP_ENV) == "1"
 
 
 def dispatch(layer, remove_weight: bool, stock) -> None:
@@ -35,7 +55,10 @@ def dispatch(layer, remove_weight: bool, stock) -> None:
 
     if layer.weight.is_meta or layer.weight.ndim != 2:
         return stock(layer, remove_weight)
-    if isinstance(layer, RowParallelLinear):
+    if not tp_invariant(layer):
+        layer.cpu_linear = plain_linear(layer, isinstance(layer, ColumnParallelLinear),
+                                        isinstance(layer, VocabParallelEmbedding))
+    elif isinstance(layer, RowParallelLinear):
         layer.cpu_linear = _row(layer)
     elif isinstance(layer, VocabParallelEmbedding):
         layer.cpu_linear = _head(layer)
@@ -43,6 +66,29 @@ def dispatch(layer, remove_weight: bool, stock) -> None:
         layer.cpu_linear = _column(layer)
     else:
         layer.cpu_linear = torch.nn.functional.linear
+
+
+def plain_linear(layer, column: bool, head: bool):
+    """The native stack's plain products at TP=1: a merged projection's output parts each alone;
+    the LM head on its unpadded vocabulary."""
+    if head:
+        vocab = int(layer.org_vocab_size)
+
+        def linear(x, weight, bias):
+            logits = torch.nn.functional.linear(x, weight[:vocab])
+            out = torch.cat([logits, logits.new_zeros(*x.shape[:-1], weight.shape[0] - vocab)], -1)
+            return out if bias is None else out + bias
+        return linear
+    sizes = list(getattr(layer, "output_partition_sizes", None) or [layer.weight.shape[0]])
+    if not column or len(sizes) == 1 or sum(sizes) != layer.weight.shape[0]:
+        return torch.nn.functional.linear
+    parts = [torch.nn.Parameter(w.contiguous(), requires_grad=False)
+             for w in layer.weight.detach().split(sizes, 0)]
+
+    def merged(x, weight, bias, parts=parts, sizes=tuple(sizes)):
+        biases = bias.split(sizes, 0) if bias is not None else [None] * len(parts)
+        return torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(parts, biases)], -1)
+    return merged
 
 
 def _size(layer) -> int:

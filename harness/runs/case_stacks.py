@@ -59,7 +59,9 @@ def product_stacks(v, t: dict) -> tuple[Stack, ...]:
     threads = t.get("threads")
     if threads is not None:
         v.check("stacks", "threads", threads, threads_reason)
-    return tuple(Stack(b, d, bi, device, threads, c, faithful_recurrence=fr, tp=n)
+    # A case that names TP sizes runs TP stacks, `tp = 1` included (`@tp1`: with the mode, the
+    # TP-invariant products at size 1, what its larger sizes are compared against).
+    return tuple(Stack(b, d, bi, device, threads, c, faithful_recurrence=fr, tp=n, tp_named="tp" in t)
                  for b, d, bi, fr, c, n in itertools.product(backends, dtypes, dict.fromkeys(modes),
                                                              dict.fromkeys(faithful),
                                                              dict.fromkeys(compiled),

@@ -44,6 +44,10 @@ class Stack:
     # faithful stack), off without; False with the mode asks for the chunked scan (`+bi+scan`).
     faithful_recurrence: bool | None = None
     tp: int = 1   # tensor-parallel size: the model sharded over this many ranks (kvfid.stacks.tp)
+    # The label names the TP size even at 1 (`@tp1`): a TP stack at size 1. With the mode its
+    # products are the TP-invariant ones (kvfid.kernels.invariant.parallel), as at every size
+    # above 1; a `+bi` stack that names no TP size computes plain products (they cost more).
+    tp_named: bool = False
 
     def __post_init__(self) -> None:
         attention_backend(self.backend)  # raises ValueError naming the valid ones
@@ -55,6 +59,13 @@ class Stack:
             raise ValueError(f"tp must be positive, got {self.tp}")
         if self.faithful_recurrence is None:
             object.__setattr__(self, "faithful_recurrence", self.batch_invariant)
+        if self.tp > 1 and not self.tp_named:
+            object.__setattr__(self, "tp_named", True)
+
+    @property
+    def tp_invariant(self) -> bool:
+        """Whether the products are the TP-invariant ones: a `+bi` stack that names a TP size."""
+        return self.batch_invariant and self.tp_named
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -82,12 +93,13 @@ class Stack:
                 + ("+scan" if bi and not fr else "+fr" if fr and not bi else "")
                 + ("+compile" if self.compiled else "")
                 + (f"@t{self.threads}" if self.threads is not None else "")
-                + (f"@tp{self.tp}" if self.tp > 1 else ""))
+                + (f"@tp{self.tp}" if self.tp_named else ""))
 
     def describe(self) -> dict:
         """The stack as the ledger stores it."""
         described = {**asdict(self), "label": self.label, "batch_invariant_impl": self.batch_invariant_impl}
-        if self.tp == 1:
+        del described["tp_named"]                              # the label and `tp` say it
+        if not self.tp_named:
             del described["tp"]                                # records read as before
         for option in ("compiled", "faithful_recurrence"):   # off: records read as before
             if not described[option] and not (option == "faithful_recurrence"
@@ -137,8 +149,8 @@ class Stack:
                 restore.enter_context(recorded_selections(module))   # sparse attention's choices
             from kvfid.stacks import tp
 
-            if self.tp > 1 or self.batch_invariant or tp.ranks().size > 1:
-                restore.enter_context(tp.parallel_model(module, self.tp, self.batch_invariant))
+            if self.tp_named or tp.ranks().size > 1:
+                restore.enter_context(tp.parallel_model(module, self.tp, self.tp_invariant))
             if self.compiled:
                 from kvfid.stacks.compiled import compiled_forward
 
@@ -182,7 +194,8 @@ def parse_stack(text: str, device: str = "cpu", threads: int | None = None) -> S
                          "e.g. sdpa/bf16")
     backend, dtype = body.split("/")
     return Stack(backend, dtype, batch_invariant, device, threads, compiled,
-                 faithful_recurrence=faithful, tp=int(tp_text) if tp_text else 1)
+                 faithful_recurrence=faithful, tp=int(tp_text) if tp_text else 1,
+                 tp_named=bool(tp_text))
 
 
 def check_supports(stack: Stack, model_or_config, length: int | None = None) -> None:
@@ -216,7 +229,7 @@ def check_supports(stack: Stack, model_or_config, length: int | None = None) -> 
     reason = serving.model_reason(backend, serving.module_class(model_or_config))
     if reason:
         raise StackUnavailable(f"{refuse}: {reason}")
-    if stack.tp > 1:
+    if stack.tp_named:
         reason = tp_reason(stack, model_or_config, infos)
         if reason:
             raise StackUnavailable(f"{refuse}: {reason}")
@@ -236,5 +249,5 @@ def tp_reason(stack: Stack, model_or_config, infos) -> str | None:
     plan = tp.shardable(master) if master is not None else []
     if isinstance(plan, str):
         return f"TP cannot shard it: {plan}"
-    reason = tp.tp_reason(serving.text_config(model_or_config), stack.tp, stack.batch_invariant)
+    reason = tp.tp_reason(serving.text_config(model_or_config), stack.tp, stack.tp_invariant)
     return f"TP={stack.tp}: {reason}" if reason else None

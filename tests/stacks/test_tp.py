@@ -135,6 +135,32 @@ def test_stack_and_arm_labels_carry_the_tp_size():
         parse_construction("live@tp1")
 
 
+def test_only_a_stack_that_names_a_tp_size_computes_the_tp_invariant_products():
+    """TP invariance taxes no one else: `native/bf16+bi` runs the model's own linears under the
+    mode; `@tp1` (a TP stack at size 1) runs the fixed segments and pieces, whose bits are those
+    of every TP size; stock `@tp1` runs the unsharded layers."""
+    from kvfid.inputs.models import load_model
+    from kvfid.stacks import tp
+    from kvfid.stacks.stack import parse_stack
+
+    model = load_model("tiny-llama")
+    plain, named = parse_stack("native/bf16+bi@t1"), parse_stack("native/bf16+bi@t1@tp1")
+    assert (plain.tp_invariant, named.tp_invariant, parse_stack("sdpa/bf16@tp1").tp_invariant) == \
+        (False, True, False)
+    assert (named.label, named.describe()["tp"], "tp" in plain.describe()) == \
+        ("native/bf16+bi@t1@tp1", 1, False)
+    assert parse_stack("native/bf16+bi@tp2").tp_invariant          # every size above 1 names itself
+    ids = model.codec.prompt_ids(PROMPT)
+    logits = {}
+    for stack in (plain, named):
+        with stack.activate(model) as module:
+            layers = [m for m in module.modules() if isinstance(m, tp.ParallelLinear)]
+            assert bool(layers) == stack.tp_invariant and all(m.invariant for m in layers)
+            logits[stack.label] = module(torch.tensor([ids])).logits
+    # The control: the two stacks compute the row-parallel sums in another order (not one bit set).
+    assert not torch.equal(*logits.values())
+
+
 def test_row_segments_are_the_same_bits_whichever_rank_holds_them():
     """The reduction's structure, no ranks: the segment products of two halves of the reduction
     axis, concatenated, are the products of the whole axis's segments, so the tree gives one

