@@ -39,7 +39,7 @@ def env(fmt: str) -> None:
     """Print the environment record (GPUs through NVML, versions, CPU, git) and its key."""
     from kvfid.environment import envinfo
 
-    record = envinfo.collect()
+    record = envinfo.machine_record()
     click.echo(json.dumps({**record, "key": envinfo.environment_key(record)}, indent=1)
                if fmt == "json" else envinfo.describe(record))
 

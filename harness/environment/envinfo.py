@@ -58,12 +58,16 @@ def collect(nvml=None) -> dict:
         # The tiled batch-invariant mode's routes kept for this machine (kvfid.kernels.invariant.route): a
         # route changes a +bi stack's bits, and is timed once per machine, so it is recorded.
         "tiled_routes": {name: r["route"] for name, r in mode_route.kept().items()},
-        # Where a whole-call route serves one stock call per product (kvfid.kernels.invariant.whole):
-        # each product shape's floor and ceiling kept for this machine (they decide its bits).
-        "whole_calls": whole.kept(),
         "platform": platform.platform(),
         "git": _git_revision(),
     }
+
+
+def machine_record() -> dict:
+    """`kvfid env`'s record: `collect()` and, where a whole-call route serves one stock call per
+    product (kvfid.kernels.invariant.whole), every product shape's span kept for this machine
+    (they decide a `+bi` stack's bits; a run's record holds those its processes used)."""
+    return {**collect(), "whole_calls": whole.kept()}
 
 
 # --- GPUs through NVML -------------------------------------------------------------------------

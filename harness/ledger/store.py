@@ -199,10 +199,14 @@ class Ledger:
             self.db.execute("UPDATE runs SET status = ?, finished = ?, error = ? WHERE id = ?",
                             (status, finished, error, run_id))
 
-    def note_environment(self, run_id: str, field: str, value) -> None:
+    def note_environment(self, run_id: str, field: str, value, merge: bool = False) -> None:
         """Set one field of a run's stored environment record (what its processes found while it
-        ran, e.g. the whole-call spans); the environment key is not changed."""
-        environment = {**self.run(run_id).environment, field: value}
+        ran, e.g. the whole-call spans; `merge`: a dict added to what the field holds, as another
+        process of the run noted it); the environment key is not changed."""
+        environment = self.run(run_id).environment
+        if merge:
+            value = {**(environment.get(field) or {}), **value}
+        environment = {**environment, field: value}
         with self._transaction():
             self.db.execute("UPDATE runs SET environment = ? WHERE id = ?",
                             (json.dumps(environment), run_id))

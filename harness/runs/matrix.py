@@ -262,6 +262,9 @@ def measure(prepared: Prepared, ledger: Ledger, shard: Shard = Shard(),
                                           record, key)
             ledger.hold(run.id)       # the heartbeat `runs` reads
             bar.update()
+        # The whole-call spans this process's units were served by (kvfid.kernels.invariant.whole),
+        # beside those of the run's other processes.
+        ledger.note_environment(run.id, "whole_calls", whole.used(), merge=True)
     except KeyboardInterrupt:
         ledger.set_status(run.id, "interrupted")
         raise RunInterrupted(run.id) from None
@@ -277,9 +280,6 @@ def measure(prepared: Prepared, ledger: Ledger, shard: Shard = Shard(),
         bar.close()
         with contextlib.suppress(DiskFull):     # a lease left behind dies with this process
             ledger.release(run.id)
-    # The whole-call spans this machine keeps now, those the units found included (the record
-    # taken at the start names those kept before: kvfid.kernels.invariant.whole).
-    ledger.note_environment(run.id, "whole_calls", whole.kept())
     status = ledger.finish(run.id)
     return RunResult(run.id, status, measured, len(units) - len(todo), len(units))
 

@@ -129,7 +129,10 @@ def place_probe(fn: Callable[[torch.Tensor], torch.Tensor], tile: int, width: in
         alone[0] = x[place]
         if not _same_rows(fn(alone)[:1], full[place:place + 1]):
             bad.append(place)
-    return f"places {bad} of {tile} differ from place 0" if bad else None
+    if not bad:
+        return None
+    shown = ", ".join(map(str, bad[:6])) + (", ..." if len(bad) > 6 else "")
+    return f"{len(bad)} of {tile} places ({shown}) differ from place 0"
 
 
 def _first_failing(fn: Callable, x: torch.Tensor, canon: torch.Tensor, counts: list[int]) -> int | None:
@@ -273,6 +276,12 @@ def verdicts() -> list[dict]:
     """Every key this process served by span: its words, thread count, floor, ceiling, why."""
     with _lock:
         return [{"call": text, "threads": threads, **asdict(s)} for (text, threads), s in _spans.items()]
+
+
+def used() -> dict[str, dict]:
+    """The spans this process served ("<call> @tN" -> span), as `kept()` names them."""
+    with _lock:
+        return {f"{text} @t{threads}": asdict(s) for (text, threads), s in _spans.items()}
 
 
 def kept() -> dict[str, dict]:
