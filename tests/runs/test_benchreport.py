@@ -195,6 +195,6 @@ def test_the_scale_curve_gives_each_stack_its_median_and_ratio_by_prefix_length(
     curve = text[text.index("Scale curve"):]
     assert "| stack | step | 64 tokens | 512 tokens | 2048 tokens |" in curve
     assert "| native/bf16+bi | prefill | 200 ms (2.00x) | 1.6 s (2.00x) | 6.4 s (2.00x) |" in curve
-    assert "| 2.00x sdpa/bf16 | 1.50x | tiled bf16@t1: tiles of 2 |" in text and "<svg" not in text
+    assert "| 2.00x sdpa/bf16 | 1.50x | tiled bf16@t1: stock, tiles of 2 |" in text and "<svg" not in text
     page = render_bench_html(comparison)
     assert page.count("<svg") == 1 and page.count("<circle") == 6 and ">2048<" in page
