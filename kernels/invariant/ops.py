@@ -23,9 +23,10 @@ alone than inside a batch (`tests/bench/mode_families.py`):
   a CPU the stock kernel computes a vectorized body and a scalar tail, which can round
   differently, so an element's bits depend on where it sits in the tensor (measured: `silu`,
   `sigmoid` and `softplus` on an AVX-512 machine). The override hands the stock kernel a
-  contiguous copy padded to a multiple of `LANES` elements, in single-threaded blocks of `BLOCK`
-  elements: every element goes through the same vector code, whatever the tensor's size
-  (functional overloads only: `out=` and in-place forms go to the stock kernel);
+  contiguous tensor of a multiple of `LANES` elements (the tensor itself where it is one, else a
+  zero-padded copy), in single-threaded blocks of `BLOCK` elements: every element goes through
+  the same vector code, whatever the tensor's size (functional overloads only: `out=` and
+  in-place forms go to the stock kernel);
 * complex `mul` (a complex rotary: Llama 4's `xq_ * freqs_cis`; kernels/invariant/complex_products.py):
   the real and imaginary parts from real element-wise mul, sub and add, whatever the operands'
   layout; installed only where a model may compute complex products, the ops that make a complex
@@ -209,23 +210,46 @@ def _topk(impl: str, original) -> Callable:
 
 # --- element-wise ---------------------------------------------------------------------------------
 
-def lane_uniform(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn (element-wise) on a contiguous copy of x padded to a multiple of LANES, in calls of BLOCK
-    elements: no element is in a scalar tail or at a thread split, whatever x's size."""
-    flat = x.reshape(-1)
-    n = flat.numel()
-    padded = x.new_zeros(-(-n // LANES) * LANES)
-    padded[:n] = flat
-    out = torch.cat([fn(padded[i:i + BLOCK]) for i in range(0, padded.numel(), BLOCK)])
-    return out[:n].reshape(x.shape)
+def lane_uniform(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                 fn_out: Callable[[torch.Tensor, torch.Tensor], object] | None = None) -> torch.Tensor:
+    """fn (element-wise) with no element of x in a scalar tail or at a thread split, whatever x's
+    size: x itself where it is contiguous and a multiple of LANES elements, else a contiguous copy
+    padded with zeros to one, in calls of at most BLOCK elements (one call where it is no more),
+    written by `fn_out(block, out)` into one output buffer where given."""
+    n = x.numel()
+    size = -(-n // LANES) * LANES
+    if size == n and x.is_contiguous():             # lanes-whole already: no copy
+        if n <= BLOCK:
+            return fn(x)
+        padded = x.view(-1)                                           # [size]
+    else:
+        padded = torch.constant_pad_nd(x.reshape(-1), (0, size - n))   # [size], zeros after x
+    if size <= BLOCK:
+        return fn(padded)[:n].view(x.shape)
+    if fn_out is None:
+        out = torch.cat([fn(padded[i:i + BLOCK]) for i in range(0, size, BLOCK)])
+    else:
+        out = torch.empty_like(padded)
+        for i in range(0, size, BLOCK):
+            fn_out(padded[i:i + BLOCK], out[i:i + BLOCK])
+    return out[:n].view(x.shape)
 
 
-def _elementwise(impl: str, original) -> Callable:
-    def elementwise(keys, x, *args, **kwargs):
-        if not isinstance(x, torch.Tensor) or not _dense_float(x) or x.numel() == 0:
-            return original.call_boxed(keys, x, *args, **kwargs)
-        return lane_uniform(lambda block: original.call_boxed(keys, block, *args, **kwargs), x)
-    return elementwise
+def _elementwise(name: str) -> Callable:
+    """The factory of element-wise op `name`: its functional form through `lane_uniform`, the
+    blocks of a tensor above BLOCK elements written by the op's `out=` form (the same structured
+    kernel) into one buffer."""
+    out_form = getattr(torch.ops.aten, name).out
+
+    def factory(impl: str, original) -> Callable:
+        def elementwise(keys, x, *args, **kwargs):
+            if not (isinstance(x, torch.Tensor) and x.layout == torch.strided
+                    and x.dtype in FLOAT_DTYPES and x.numel()):
+                return original.call_boxed(keys, x, *args, **kwargs)
+            return lane_uniform(lambda block: original.call_boxed(keys, block, *args, **kwargs), x,
+                                lambda block, out: out_form(block, *args, out=out, **kwargs))
+        return elementwise
+    return factory
 
 
 # The stock kernel as `mode.stock_ops()` calls it, where a plain boxed call would not take what a
@@ -235,7 +259,7 @@ STOCK_CALLS = _complex.STOCK_CALLS
 FACTORIES = {"_grouped_mm": _grouped_mm, "sum.dim_IntList": _sum_dim, "cumsum": _cumsum,
              "convolution": _convolution, "linalg_solve_triangular": _solve_triangular,
              "topk": _topk, **_complex.FACTORIES,
-             **{op: _elementwise for op in ELEMENTWISE_OPS}}
+             **{op: _elementwise(op) for op in ELEMENTWISE_OPS}}
 
 
 def extend(ops: tuple[str, ...], where_stock: tuple[str, ...], factories: dict):

@@ -2,6 +2,9 @@
 against the path it replaced (kept here as the reference), bit for bit on random inputs, and a
 twin that rounds differently caught by the same check, so the check can fail on any CPU.
 
+* element-wise ops (kernels/invariant/ops.py `lane_uniform`): the tensor itself where it is a
+  lanes-whole contiguous block, one padded call, or blocks written by the op's `out=` form,
+  against a padded copy called in blocks and joined by `cat`;
 * complex products only where a model may make them (kernels/invariant/complex_products.py):
   `makes_complex` reads a model's code; a model without them gives the same bits with the stock
   `mul` as with the override, and the ops that make a complex tensor refuse under a mode told
@@ -16,13 +19,63 @@ import sys
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, bits_equal, randn, tiny_model
+import torch.nn.functional as F
+from helpers import DTYPE_IDS, DTYPES, assert_bitwise_equal, bits_equal, randn, tiny_model
 
 from kvfid.kernels import KernelRefusal
 from kvfid.kernels.invariant.complex_products import STOCK_CALLS, makes_complex
 from kvfid.kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.kernels.invariant.ops import BLOCK, ELEMENTWISE_OPS, LANES
 
 ROWWISE = set_batch_invariant_mode(impl="rowwise")
+
+
+# --- element-wise ---------------------------------------------------------------------------
+
+def padded_blocks_then_cat(fn, x: torch.Tensor) -> torch.Tensor:
+    """The element-wise path before: a zero-padded contiguous copy, calls of BLOCK elements, cat."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    padded = x.new_zeros(-(-n // LANES) * LANES)
+    padded[:n] = flat
+    out = torch.cat([fn(padded[i:i + BLOCK]) for i in range(0, padded.numel(), BLOCK)])
+    return out[:n].reshape(x.shape)
+
+
+# Each op as a model calls it, extra arguments included (they reach the `out=` form too).
+CALLS = {name: getattr(torch, name, None) or getattr(F, name) for name in ELEMENTWISE_OPS}
+CALLS.update(gelu=lambda x: F.gelu(x, approximate="tanh"), softplus=lambda x: F.softplus(x, 2.0, 10.0))
+POSITIVE = ("log", "rsqrt", "reciprocal", "log1p")   # inside their domains: no NaN to compare
+
+# Every path: lanes-whole (the tensor itself), one padded call, blocks (`out=`), strided.
+SHAPES = {"lanes-whole": (6, 256), "a block": (BLOCK // 256, 256), "padded": (3, 37), "one": (1,),
+          "lanes-whole blocks": (2, BLOCK + LANES), "blocks": (2, BLOCK + 5), "strided": (40, 6),
+          "strided blocks": (300, 64)}
+
+
+def element_input(name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+    x = randn(*shape, dtype=dtype, seed=len(name), scale=3.0, on="cpu")
+    x = x.abs() + 0.25 if name in POSITIVE else x
+    return x.t() if shape in (SHAPES["strided"], SHAPES["strided blocks"]) else x   # [N, M] view
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", ELEMENTWISE_OPS)
+def test_elementwise_paths_keep_the_bits(name, dtype):
+    call = CALLS[name]
+    for where, shape in SHAPES.items():
+        x = element_input(name, shape, dtype)
+        before = padded_blocks_then_cat(call, x)          # stock kernel, outside the mode
+        with ROWWISE:
+            now = call(x)
+        assert_bitwise_equal(now, before, f"{name} {where} {tuple(x.shape)}")
+
+
+def test_elementwise_check_catches_a_path_that_rounds_differently():
+    """The twin computes in fp64 and rounds once: the fp32 kernel's several roundings differ."""
+    x = element_input("sigmoid", SHAPES["blocks"], torch.float32)
+    before = padded_blocks_then_cat(torch.sigmoid, x)
+    assert not bits_equal(torch.sigmoid(x.double()).float(), before), "twin not caught"
 
 
 # --- complex products -------------------------------------------------------------------------
