@@ -8,7 +8,10 @@ twin that rounds differently caught by the same check, so the check can fail on 
 * complex products only where a model may make them (kernels/invariant/complex_products.py):
   `makes_complex` reads a model's code; a model without them gives the same bits with the stock
   `mul` as with the override, and the ops that make a complex tensor refuse under a mode told
-  there are none.
+  there are none;
+* the TP-invariant row products (kernels/invariant/parallel.py): the segments' inputs copied
+  once into one aligned buffer and the tree added level by level, against a clone per segment
+  and the tree pair by pair.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from helpers import DTYPE_IDS, DTYPES, assert_bitwise_equal, bits_equal, randn, tiny_model
 
 from kvfid.kernels import KernelRefusal
+from kvfid.kernels.invariant import parallel
 from kvfid.kernels.invariant.complex_products import STOCK_CALLS, makes_complex
 from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 from kvfid.kernels.invariant.ops import BLOCK, ELEMENTWISE_OPS, LANES
@@ -174,3 +178,67 @@ def test_a_faithful_stack_serves_complex_products_only_to_a_model_that_makes_the
             if not served:
                 with pytest.raises(KernelRefusal):
                     torch.view_as_complex(randn(2, 2, on="cpu"))
+
+
+# --- TP-invariant row products ----------------------------------------------------------------
+
+def segment_products_cloned(x, segments):
+    """The row-parallel products before: each input segment cloned alone."""
+    width, rows = segments[0].shape[1], x.reshape(-1, x.shape[-1])
+    out = torch.stack([F.linear(rows[:, i * width:(i + 1) * width].clone(
+        memory_format=torch.contiguous_format), weight) for i, weight in enumerate(segments)])
+    return out.view(len(segments), *x.shape[:-1], out.shape[-1])
+
+
+def tree_sum_pairwise(parts):
+    """The tree before: pair by pair, over a list."""
+    level = list(parts.unbind(0))
+    while len(level) > 1:
+        level = [level[i] + level[i + 1] if i + 1 < len(level) else level[i]
+                 for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def tree_sum_in_sequence(parts):
+    """A twin: the parts added one after another."""
+    out = parts[0]
+    for part in parts[1:]:
+        out = out + part
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", [False, True], ids=["stock", "mode"])
+def test_row_products_keep_their_bits(dtype, mode):
+    gen = torch.Generator().manual_seed(5)
+    w = randn(96, 448, dtype=dtype, gen=gen, on="cpu")
+    bias = randn(96, dtype=dtype, gen=gen, on="cpu")
+    inputs = [randn(1, 448, dtype=dtype, gen=gen, on="cpu"), randn(17, 448, dtype=dtype, gen=gen, on="cpu"),
+              randn(2, 5, 448, dtype=dtype, gen=gen, on="cpu"),
+              randn(448, 6, dtype=dtype, gen=gen, on="cpu").t()]        # a strided [6, 448] view
+    with set_batch_invariant_mode(impl="tiled") if mode else contextlib.nullcontext():
+        for count in (8, 4, 2, 1):
+            segments = parallel.cut(w, count, 1)
+            for x in inputs:
+                now = parallel.segment_products(x, segments)
+                before = segment_products_cloned(x, segments)
+                assert_bitwise_equal(now, before, f"{count} segments of {tuple(x.shape)}")
+                reduced = parallel.tree_sum(before.float()).to(dtype) + bias
+                assert_bitwise_equal(parallel.row_reduce(now, dtype, bias), reduced, "row_reduce")
+
+
+def test_the_tree_by_levels_is_the_tree_pair_by_pair():
+    for count in range(1, 10):
+        parts = randn(count, 7, 33, seed=count, scale=1e3, on="cpu")
+        assert_bitwise_equal(parallel.tree_sum(parts), tree_sum_pairwise(parts), f"{count} parts")
+    parts = randn(8, 7, 33, seed=8, scale=1e3, on="cpu")
+    assert not bits_equal(tree_sum_in_sequence(parts), tree_sum_pairwise(parts)), "twin not caught"
+
+
+def test_segment_inputs_are_the_segments_each_aligned_as_a_fresh_tensor():
+    rows = randn(3, 8 * 7, dtype=torch.bfloat16, on="cpu")
+    parts = parallel.segment_inputs(rows, 8)
+    first = parts[0].data_ptr()
+    for i, part in enumerate(parts):
+        assert part.is_contiguous() and (part.data_ptr() - first) % parallel.ALIGN_BYTES == 0
+        assert bits_equal(part, rows[:, 7 * i:7 * (i + 1)])
