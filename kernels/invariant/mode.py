@@ -63,7 +63,9 @@ _lock = threading.RLock()
 # (token, (impl, complex products) or None), innermost last
 _requests: list[tuple[object, tuple[str, bool] | None]] = []
 _installed: tuple[tuple[str, bool], torch.library.Library] | None = None
-_local = threading.local()  # .stock: this thread is inside stock_ops()
+# The threads inside stock_ops() now, by ident: every overridden call tests it, so the common case
+# (no thread inside) is one global read, not a thread-local attribute lookup.
+_stock_threads: set[int] = set()
 
 
 def _dense_float(*tensors: torch.Tensor) -> bool:
@@ -271,7 +273,7 @@ def _boxed(original) -> Callable:
 def _unless_stock(replacement: Callable, stock: Callable) -> Callable:
     """The replacement, except inside `stock_ops()`, where `stock` (the stock kernel) runs."""
     def kernel(keys, *args, **kwargs):
-        if getattr(_local, "stock", False):
+        if _stock_threads and threading.get_ident() in _stock_threads:
             return stock(keys, *args, **kwargs)
         return replacement(keys, *args, **kwargs)
     return kernel
@@ -281,12 +283,15 @@ def _unless_stock(replacement: Callable, stock: Callable) -> Callable:
 def stock_ops():
     """Within the block (this thread), the overridden ops run their stock kernels even while the
     mode is on: for code that fixes every call's shape itself (kvfid.kernels.attention.native)."""
-    previous = getattr(_local, "stock", False)
-    _local.stock = True
+    ident = threading.get_ident()
+    if ident in _stock_threads:          # nested: the outer block restores
+        yield
+        return
+    _stock_threads.add(ident)
     try:
         yield
     finally:
-        _local.stock = previous
+        _stock_threads.discard(ident)
 
 
 def _stock_kernel(op: str, key: str):

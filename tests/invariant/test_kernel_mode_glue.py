@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import sys
+import threading
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from helpers import DTYPE_IDS, DTYPES, assert_bitwise_equal, bits_equal, randn, 
 from kvfid.kernels import KernelRefusal
 from kvfid.kernels.invariant import parallel
 from kvfid.kernels.invariant.complex_products import STOCK_CALLS, makes_complex
-from kvfid.kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode, stock_ops
 from kvfid.kernels.invariant.ops import BLOCK, ELEMENTWISE_OPS, LANES
 
 ROWWISE = set_batch_invariant_mode(impl="rowwise")
@@ -131,6 +132,32 @@ def test_without_complex_products_mul_is_stock_and_complex_makers_refuse():
         assert not _stock_mul_registered()                 # the control: the override is there
         assert all(make().is_complex() for make in makers)
     assert _stock_mul_registered()
+
+
+def test_stock_ops_is_per_thread_and_nests():
+    """Inside stock_ops() this thread reaches the stock kernels (the guard's op runs), another
+    thread the overrides (it refuses); an inner block's exit leaves the outer one stock."""
+    x = randn(3, 2, on="cpu")
+    seen = []
+
+    def other_thread():
+        try:
+            torch.view_as_complex(x)
+            seen.append("stock")
+        except KernelRefusal:
+            seen.append("override")
+
+    with set_batch_invariant_mode(impl="rowwise", complex_products=False):
+        with stock_ops():
+            with stock_ops():
+                assert torch.view_as_complex(x).is_complex()
+            assert torch.view_as_complex(x).is_complex()
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            thread.join()
+        with pytest.raises(KernelRefusal):
+            torch.view_as_complex(x)
+    assert seen == ["override"]
 
 
 @contextlib.contextmanager
