@@ -46,10 +46,12 @@ def makes_complex(model: torch.nn.Module) -> bool:
     """Whether `model` may compute a complex product: it holds a complex parameter or buffer, or
     a Python module defining one of its modules' classes (torch's own aside) has complex-making
     code or cannot be read."""
-    held = itertools.chain(model.parameters(), model.buffers())
-    if any(t.is_complex() for t in held):
-        return True
-    names = {cls.__module__ for sub in model.modules() for cls in type(sub).__mro__}
+    names = set()
+    for sub in model.modules():     # one walk; a module's own tensors read from its dicts
+        if any(t is not None and t.is_complex()
+               for t in itertools.chain(sub._parameters.values(), sub._buffers.values())):
+            return True
+        names.update(cls.__module__ for cls in type(sub).__mro__)
     return any(_source_makes_complex(name) for name in sorted(names)
                if name != "builtins" and name != "torch" and not name.startswith("torch."))
 
