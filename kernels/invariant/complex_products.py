@@ -143,8 +143,9 @@ def _guard(op: str) -> Callable:
     def factory(impl: str, original) -> Callable:
         def refuse(keys, *args, **kwargs):
             raise KernelRefusal(f"aten::{op} made a complex tensor under a batch-invariant mode "
-                                "entered without complex products (kvfid found no complex-making "
-                                "code in the model); enter it with complex_products=True")
+                                "entered without complex products: kvfid's reading of the model's "
+                                "code (makes_complex) missed it; the mode with "
+                                "complex_products=True serves it")
         return refuse
     return factory
 
