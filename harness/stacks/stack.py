@@ -134,10 +134,12 @@ class Stack:
                 raise StackUnavailable(f"backend {self.backend} is not available here: {first_line}") from err
             restore.callback(module.set_attn_implementation, previous_impl)
             if self.batch_invariant:
+                from kvfid.kernels.invariant.complex_products import makes_complex
                 from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
-                restore.enter_context(set_batch_invariant_mode(True,
-                                                               impl=self.batch_invariant_impl))
+                # a model without complex products keeps every real product off Python
+                restore.enter_context(set_batch_invariant_mode(
+                    True, impl=self.batch_invariant_impl, complex_products=makes_complex(module)))
             if self.faithful_recurrence:
                 from kvfid.kernels.recurrence import faithful_recurrence
 

@@ -3,10 +3,11 @@ part of its layer's state (`kvfid_selection`), so constructions compare it like 
 
 A sparse-attention indexer (DeepSeek-V3.2's DSA) is a module with a `layer_idx`, called with the
 cache, that returns integer key indices [B, S, k]; it is found by that output, never by a
-family's name. `recorded_selections(model)` hooks every module with a `layer_idx`: after such a
-call the selected keys of each query, restricted to the keys it may see (position <= its own; a
-prefill row of fewer than k visible keys selects masked ones too), sorted and padded with -1 to
-the indexer's `index_topk`, are appended to `cache.layers[layer_idx].kvfid_selection` [B, T, K].
+family's name. `recorded_selections(model)` hooks every module with a `layer_idx` (one whose
+output is not key indices drops its hook after its first call): after an indexer's call the
+selected keys of each query, restricted to the keys it may see (position <= its own; a prefill
+row of fewer than k visible keys selects masked ones too), sorted and padded with -1 to the
+indexer's `index_topk`, are appended to `cache.layers[layer_idx].kvfid_selection` [B, T, K].
 Compared as a part with positions (`first_position`: the first query whose selection differs;
 `n_diff`: how many selected slots differ). Restores the modules on exit.
 """
@@ -34,10 +35,13 @@ def _visible_sorted(indices: torch.Tensor, first: int, width: int) -> torch.Tens
     return ordered[..., :width]
 
 
+def _selects_keys(output) -> bool:
+    """An indexer's output: integer key indices [B, S, k]."""
+    return (isinstance(output, torch.Tensor) and output.dim() == 3
+            and not output.is_floating_point() and not output.is_complex())
+
+
 def _record(module, args, kwargs, output) -> None:
-    if not (isinstance(output, torch.Tensor) and output.dim() == 3
-            and not output.is_floating_point() and not output.is_complex()):
-        return
     cache = next((a for a in [*args, *kwargs.values()] if hasattr(a, "layers")), None)
     if cache is None or module.layer_idx >= len(cache.layers):
         return
@@ -55,13 +59,24 @@ def _record(module, args, kwargs, output) -> None:
 
 @contextlib.contextmanager
 def recorded_selections(model: torch.nn.Module):
-    """Within the block, every indexer's selection is recorded in its cache layer."""
-    handles = [m.register_forward_hook(_record, with_kwargs=True)
-               for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+    """Within the block, every indexer's selection is recorded in its cache layer. A hooked module
+    whose output is not key indices (an attention, a recurrent mixer: every call returns the same
+    kind of output) loses its hook after that call, so the rest of the block calls it unhooked."""
+    handles = {}
+
+    def hook(module, args, kwargs, output) -> None:
+        if _selects_keys(output):
+            _record(module, args, kwargs, output)
+        elif id(module) in handles:
+            handles.pop(id(module)).remove()
+
+    for m in model.modules():
+        if isinstance(getattr(m, "layer_idx", None), int) and id(m) not in handles:
+            handles[id(m)] = m.register_forward_hook(hook, with_kwargs=True)
     try:
         yield
     finally:
-        for handle in handles:
+        for handle in handles.values():
             handle.remove()
 
 

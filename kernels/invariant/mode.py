@@ -41,6 +41,7 @@ from kvfid.kernels.invariant import matmul as _matmul
 from kvfid.kernels.invariant import route as _route
 from kvfid.kernels.invariant import tiled as _tiled
 from kvfid.kernels.invariant import ops as _mode_ops
+from kvfid.kernels.invariant import complex_products as _complex
 from kvfid.kernels.invariant import norm as _norm
 from kvfid.kernels.invariant import softmax as _softmax
 from kvfid.kernels import FLOAT_DTYPES, triton_runs_on
@@ -59,9 +60,12 @@ OUT_OPS = ("mm.out", "addmm.out", "bmm.out")
 WHERE_STOCK_OPS = ("mm.dtype",)
 
 _lock = threading.RLock()
-_requests: list[tuple[object, str | None]] = []  # (token, impl or None), innermost last
-_installed: tuple[str, torch.library.Library] | None = None
-_local = threading.local()  # .stock: this thread is inside stock_ops()
+# (token, (impl, complex products) or None), innermost last
+_requests: list[tuple[object, tuple[str, bool] | None]] = []
+_installed: tuple[tuple[str, bool], torch.library.Library] | None = None
+# The threads inside stock_ops() now, by ident: every overridden call tests it, so the common case
+# (no thread inside) is one global read, not a thread-local attribute lookup.
+_stock_threads: set[int] = set()
 
 
 def _dense_float(*tensors: torch.Tensor) -> bool:
@@ -238,13 +242,17 @@ _FACTORIES = {
 OVERRIDDEN_OPS, WHERE_STOCK_OPS, _FACTORIES = _mode_ops.extend(OVERRIDDEN_OPS, WHERE_STOCK_OPS, _FACTORIES)
 
 
-def _install(impl: str) -> torch.library.Library:
+def _install(impl: str, complex_products: bool) -> torch.library.Library:
+    # Complex products served, or the ops that make a complex tensor guarded (complex_products.py).
+    left_out = _complex.GUARD if complex_products else _complex.SERVE
     lib = torch.library.Library("aten", "IMPL")
     try:
         with warnings.catch_warnings():
             # Replacing aten kernels is the point; torch warns about it once per process.
             warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
             for key, op in itertools.product(DISPATCH_KEYS, OVERRIDDEN_OPS + OUT_OPS + WHERE_STOCK_OPS):
+                if op in left_out:
+                    continue
                 # The kernel registered now (before ours) is the fallback and the "rowwise" worker.
                 original = _stock_kernel(op, key)
                 if original is not None and (key == "CPU" or op not in _mode_ops.CPU_ONLY_OPS):
@@ -265,7 +273,7 @@ def _boxed(original) -> Callable:
 def _unless_stock(replacement: Callable, stock: Callable) -> Callable:
     """The replacement, except inside `stock_ops()`, where `stock` (the stock kernel) runs."""
     def kernel(keys, *args, **kwargs):
-        if getattr(_local, "stock", False):
+        if _stock_threads and threading.get_ident() in _stock_threads:
             return stock(keys, *args, **kwargs)
         return replacement(keys, *args, **kwargs)
     return kernel
@@ -275,12 +283,15 @@ def _unless_stock(replacement: Callable, stock: Callable) -> Callable:
 def stock_ops():
     """Within the block (this thread), the overridden ops run their stock kernels even while the
     mode is on: for code that fixes every call's shape itself (kvfid.kernels.attention.native)."""
-    previous = getattr(_local, "stock", False)
-    _local.stock = True
+    ident = threading.get_ident()
+    if ident in _stock_threads:          # nested: the outer block restores
+        yield
+        return
+    _stock_threads.add(ident)
     try:
         yield
     finally:
-        _local.stock = previous
+        _stock_threads.discard(ident)
 
 
 def _stock_kernel(op: str, key: str):
@@ -301,35 +312,37 @@ def _remove(lib: torch.library.Library) -> None:
     lib._destroy()
 
 
-def _apply(impl: str | None) -> None:
-    """Make the installed overrides match `impl` (None: none installed)."""
+def _apply(wanted: tuple[str, bool] | None) -> None:
+    """Make the installed overrides match `wanted` ((impl, complex products); None: none installed)."""
     global _installed
-    if (_installed[0] if _installed else None) == impl:
+    if (_installed[0] if _installed else None) == wanted:
         return
     if _installed is not None:
         _remove(_installed[1])
         _installed = None
-    if impl is not None:
-        _installed = (impl, _install(impl))
+    if wanted is not None:
+        _installed = (wanted, _install(*wanted))
 
 
 class set_batch_invariant_mode:  # noqa: N801  (named like the context managers it sits beside)
     """Within the block, the overridden aten ops run batch-invariant kernels; `enabled=False`
     turns them off inside an enclosing mode. Each exit restores what its entry found, also when the
-    body raises. Nested and re-entrant use (the same object entered again) are both safe."""
+    body raises. Nested and re-entrant use (the same object entered again) are both safe.
+    `complex_products=False` (for a model that computes none: complex_products.makes_complex)
+    leaves every product to the stock `mul` and refuses the ops that make a complex tensor."""
 
-    def __init__(self, enabled: bool = True, *, impl: str = "triton"):
+    def __init__(self, enabled: bool = True, *, impl: str = "triton", complex_products: bool = True):
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
-        self._impl = impl if enabled else None
+        self._wanted = (impl, bool(complex_products)) if enabled else None
         self._tokens: list[object] = []
 
     def __enter__(self) -> "set_batch_invariant_mode":
         token = object()
         with _lock:
-            _requests.append((token, self._impl))
+            _requests.append((token, self._wanted))
             try:
-                _apply(self._impl)
+                _apply(self._wanted)
             except BaseException:
                 _requests.pop()
                 _apply(_requests[-1][1] if _requests else None)
@@ -349,4 +362,4 @@ class set_batch_invariant_mode:  # noqa: N801  (named like the context managers 
 def batch_invariant_mode() -> str | None:
     """The implementation whose overrides are installed now ("triton", "rowwise", "tiled"), or None."""
     with _lock:
-        return _installed[0] if _installed else None
+        return _installed[0][0] if _installed else None

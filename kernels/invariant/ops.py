@@ -23,15 +23,14 @@ alone than inside a batch (`tests/bench/mode_families.py`):
   a CPU the stock kernel computes a vectorized body and a scalar tail, which can round
   differently, so an element's bits depend on where it sits in the tensor (measured: `silu`,
   `sigmoid` and `softplus` on an AVX-512 machine). The override hands the stock kernel a
-  contiguous copy padded to a multiple of `LANES` elements, in single-threaded blocks of `BLOCK`
-  elements: every element goes through the same vector code, whatever the tensor's size
-  (functional overloads only: `out=` and in-place forms go to the stock kernel);
-* complex `mul` (a complex rotary: Llama 4's `xq_ * freqs_cis`): the stock CPU kernel's vector
-  body and its strided scalar loop round (a+bi)(c+di) differently, so a product's bits depend on
-  its operands' layout (a transposed rotary table takes the strided loop: docs/hazards.md,
-  "Complex products round by their layout"). The override computes the real and imaginary parts
-  with real element-wise mul, sub and add, each rounded once whatever the path (real operands
-  and 0-d ones included); a real product goes to the stock kernel. CPU only (CPU_ONLY_OPS).
+  contiguous tensor of a multiple of `LANES` elements (the tensor itself where it is one, else a
+  zero-padded copy), in single-threaded blocks of `BLOCK` elements: every element goes through
+  the same vector code, whatever the tensor's size (functional overloads only: `out=` and
+  in-place forms go to the stock kernel);
+* complex `mul` (a complex rotary: Llama 4's `xq_ * freqs_cis`; kernels/invariant/complex_products.py):
+  the real and imaginary parts from real element-wise mul, sub and add, whatever the operands'
+  layout; installed only where a model may compute complex products, the ops that make a complex
+  tensor guarded elsewhere. CPU only (CPU_ONLY_OPS).
 
 The implementation name (`triton`, `rowwise`, ...) does not change these: each is the same
 fixed-order computation under every implementation. Each factory has the signature of those in
@@ -46,6 +45,7 @@ from collections.abc import Callable
 import torch
 
 from kvfid.kernels import FLOAT_DTYPES
+from kvfid.kernels.invariant import complex_products as _complex
 
 # Element-wise ops whose CPU kernel has a vector body and a scalar tail (transcendental functions);
 # exact IEEE ops (add, mul, div, sqrt) round the same on both paths and are left alone.
@@ -55,13 +55,11 @@ REDUCTION_OPS = ("sum.dim_IntList", "cumsum")
 MOE_OPS = ("_grouped_mm",)
 SCAN_OPS = ("convolution", "linalg_solve_triangular")
 SELECT_OPS = ("topk",)
-COMPLEX_OPS = ("mul.Tensor",)
+COMPLEX_OPS = _complex.SERVE + _complex.GUARD
 # Overridden on the CPU only: a CUDA complex product takes one path whatever the layout, and every
 # product of a GPU stack would otherwise pass through Python.
 CPU_ONLY_OPS = COMPLEX_OPS
 OPS = MOE_OPS + REDUCTION_OPS + SCAN_OPS + SELECT_OPS + ELEMENTWISE_OPS + COMPLEX_OPS
-# a complex dtype -> the dtype of its parts
-_PARTS = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 
 LANES = 256     # a multiple of any CPU vector loop's step (2 x 512-bit vectors of 1-byte elements)
 BLOCK = 16384   # elements per call: a multiple of LANES, below ATen's parallel grain (32768)
@@ -212,109 +210,56 @@ def _topk(impl: str, original) -> Callable:
 
 # --- element-wise ---------------------------------------------------------------------------------
 
-def lane_uniform(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn (element-wise) on a contiguous copy of x padded to a multiple of LANES, in calls of BLOCK
-    elements: no element is in a scalar tail or at a thread split, whatever x's size."""
-    flat = x.reshape(-1)
-    n = flat.numel()
-    padded = x.new_zeros(-(-n // LANES) * LANES)
-    padded[:n] = flat
-    out = torch.cat([fn(padded[i:i + BLOCK]) for i in range(0, padded.numel(), BLOCK)])
-    return out[:n].reshape(x.shape)
+def lane_uniform(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                 fn_out: Callable[[torch.Tensor, torch.Tensor], object] | None = None) -> torch.Tensor:
+    """fn (element-wise) with no element of x in a scalar tail or at a thread split, whatever x's
+    size: x itself where it is contiguous and a multiple of LANES elements, else a contiguous copy
+    padded with zeros to one, in calls of at most BLOCK elements (one call where it is no more),
+    written by `fn_out(block, out)` into one output buffer where given."""
+    n = x.numel()
+    size = -(-n // LANES) * LANES
+    if size == n and x.is_contiguous():             # lanes-whole already: no copy
+        if n <= BLOCK:
+            return fn(x)
+        padded = x.view(-1)                                           # [size]
+    else:
+        padded = torch.constant_pad_nd(x.reshape(-1), (0, size - n))   # [size], zeros after x
+    if size <= BLOCK:
+        return fn(padded)[:n].view(x.shape)
+    if fn_out is None:
+        out = torch.cat([fn(padded[i:i + BLOCK]) for i in range(0, size, BLOCK)])
+    else:
+        out = torch.empty_like(padded)
+        for i in range(0, size, BLOCK):
+            fn_out(padded[i:i + BLOCK], out[i:i + BLOCK])
+    return out[:n].view(x.shape)
 
 
-def _elementwise(impl: str, original) -> Callable:
-    def elementwise(keys, x, *args, **kwargs):
-        if not isinstance(x, torch.Tensor) or not _dense_float(x) or x.numel() == 0:
-            return original.call_boxed(keys, x, *args, **kwargs)
-        return lane_uniform(lambda block: original.call_boxed(keys, block, *args, **kwargs), x)
-    return elementwise
+def _elementwise(name: str) -> Callable:
+    """The factory of element-wise op `name`: its functional form through `lane_uniform`, the
+    blocks of a tensor above BLOCK elements written by the op's `out=` form (the same structured
+    kernel) into one buffer."""
+    out_form = getattr(torch.ops.aten, name).out
 
-
-# --- complex -------------------------------------------------------------------------------------
-
-def complex_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a * b (broadcast; one of them complex64/128, the other that, real or 0-d) as
-    (ac - bd) + (ad + bc)i from real element-wise ops: every element rounds alike, whatever the
-    operands' layout. A part that is zero (a real operand's imaginary) is not computed."""
-    dtype = torch.result_type(a, b)
-    part = _PARTS[dtype]
-
-    def parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not t.is_complex():
-            return t.to(part), None
-        pair = torch.view_as_real(t.to(dtype))   # [..., 2]
-        return pair[..., 0], pair[..., 1]
-
-    (re_a, im_a), (re_b, im_b) = parts(a), parts(b)
-    if im_a is None:
-        return torch.complex(re_a * re_b, re_a * im_b)
-    if im_b is None:
-        return torch.complex(re_a * re_b, im_a * re_b)
-    return torch.complex(re_a * re_b - im_a * im_b, re_a * im_b + im_a * re_b)
-
-
-def _mul(impl: str, original) -> Callable:
-    stock = _stock_mul(original)
-
-    def mul(keys, a, b):
-        if torch.result_type(a, b) in _PARTS and all(_plain(t) for t in (a, b)):
-            return complex_product(_tensor(a), _tensor(b))
-        return stock(keys, a, b)
-    return mul
-
-
-def _stock_mul(original) -> Callable:
-    """The stock `mul.Tensor` called with what the dispatcher hands a Python kernel (a wrapped
-    number arrives as a Python number, which the stock kernel takes only as a tensor)."""
-    def stock(keys, a, b):
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            return original.call_boxed(keys, a, b)
-        return _with_number(lambda x, y: original.call_boxed(keys, x, y), a, b)
-    return stock
-
-
-def _plain(t) -> bool:
-    """A strided tensor without a conjugate bit, or a number."""
-    return not isinstance(t, torch.Tensor) or (t.layout == torch.strided and not t.is_conj())
-
-
-# A Python number's dtype as a wrapped-number tensor holds it.
-_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64,
-                  complex: torch.complex128}
-
-
-def _tensor(x) -> torch.Tensor:
-    """x, or a Python number as a 0-d tensor of its own dtype."""
-    return x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=_NUMBER_DTYPES[type(x)])
-
-
-def _with_number(stock: Callable, a, b) -> torch.Tensor:
-    """stock(a, b) where one of them is a Python number: a wrapped number, which a Python kernel
-    receives unwrapped and the stock kernel takes only as a tensor. It goes in as a 0-d tensor of
-    the number's own dtype (the value the kernel reads), or of the promoted dtype, beside the
-    tensor or, when that is 0-d, a 1-element view of it: the first that promotes to the dtype the
-    wrapped number gave."""
-    tensor, number = (a, b) if isinstance(a, torch.Tensor) else (b, a)
-    wanted = torch.result_type(tensor, number)
-    held = _tensor(number)
-    views = (tensor, tensor.reshape(1)) if tensor.dim() == 0 else (tensor,)
-    for scalar in (held, held.to(wanted)):
-        for view in views:
-            if torch.result_type(view, scalar) == wanted:
-                out = stock(view, scalar) if a is tensor else stock(scalar, view)
-                return out.reshape(tensor.shape) if view is not tensor else out
-    raise AssertionError(f"no operand promotes {tensor.dtype} by {number!r} to {wanted}")
+    def factory(impl: str, original) -> Callable:
+        def elementwise(keys, x, *args, **kwargs):
+            if not (isinstance(x, torch.Tensor) and x.layout == torch.strided
+                    and x.dtype in FLOAT_DTYPES and x.numel()):
+                return original.call_boxed(keys, x, *args, **kwargs)
+            return lane_uniform(lambda block: original.call_boxed(keys, block, *args, **kwargs), x,
+                                lambda block, out: out_form(block, *args, out=out, **kwargs))
+        return elementwise
+    return factory
 
 
 # The stock kernel as `mode.stock_ops()` calls it, where a plain boxed call would not take what a
 # Python kernel receives.
-STOCK_CALLS = {"mul.Tensor": _stock_mul}
+STOCK_CALLS = _complex.STOCK_CALLS
 
-FACTORIES = {"_grouped_mm": _grouped_mm, "mul.Tensor": _mul, "sum.dim_IntList": _sum_dim, "cumsum": _cumsum,
+FACTORIES = {"_grouped_mm": _grouped_mm, "sum.dim_IntList": _sum_dim, "cumsum": _cumsum,
              "convolution": _convolution, "linalg_solve_triangular": _solve_triangular,
-             "topk": _topk,
-             **{op: _elementwise for op in ELEMENTWISE_OPS}}
+             "topk": _topk, **_complex.FACTORIES,
+             **{op: _elementwise(op) for op in ELEMENTWISE_OPS}}
 
 
 def extend(ops: tuple[str, ...], where_stock: tuple[str, ...], factories: dict):

@@ -60,23 +60,42 @@ def cut(weight: torch.Tensor, count: int, dim: int) -> list[torch.Tensor]:
             for piece in weight.chunk(count, dim)]
 
 
+# Where the segments' inputs start in their one buffer: a multiple of any allocator's alignment
+# (the CPU's 64 bytes, CUDA's 512), so each is aligned as a fresh tensor of its own would be.
+ALIGN_BYTES = 512
+
+
+def segment_inputs(rows: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
+    """rows [M, count * S] -> `count` contiguous [M, S] tensors, segment i's columns, copied once
+    into one buffer with each segment starting on an ALIGN_BYTES boundary: each is laid out as a
+    fresh contiguous copy of its own would be."""
+    m, width = rows.shape[0], rows.shape[1] // count
+    unit = max(1, ALIGN_BYTES // rows.element_size())
+    stride = -(-(m * width) // unit) * unit                                  # elements per segment
+    buffer = rows.new_empty(count * stride)
+    inputs = buffer.as_strided((count, m, width), (stride, width, 1))       # [count, M, S]
+    inputs.copy_(rows.unflatten(1, (count, width)).transpose(0, 1))
+    return inputs.unbind(0)
+
+
 def segment_products(x: torch.Tensor, segments: list[torch.Tensor]) -> torch.Tensor:
     """x [..., len(segments) * S] times each weight segment [N, S] alone (each input segment a
-    fresh contiguous [rows, S] copy: one matrix product per segment): [len(segments), ..., N] in
-    x's dtype."""
-    width, rows = segments[0].shape[1], x.reshape(-1, x.shape[-1])     # [M, K]
-    out = torch.stack([F.linear(rows[:, i * width:(i + 1) * width].clone(
-        memory_format=torch.contiguous_format), weight) for i, weight in enumerate(segments)])
+    contiguous [rows, S] tensor, `segment_inputs`: one matrix product per segment):
+    [len(segments), ..., N] in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])                                     # [M, K]
+    out = torch.stack([F.linear(part, weight)
+                       for part, weight in zip(segment_inputs(rows, len(segments)), segments)])
     return out.view(len(segments), *x.shape[:-1], out.shape[-1])
 
 
 def tree_sum(parts: torch.Tensor) -> torch.Tensor:
     """parts [G, ...] added in one fixed pairwise tree: ((p0 + p1) + (p2 + p3)) + ... (an odd
-    last part is carried up a level as it is)."""
-    level = list(parts.unbind(0))
-    while len(level) > 1:
-        level = [level[i] + level[i + 1] if i + 1 < len(level) else level[i]
-                 for i in range(0, len(level), 2)]
+    last part is carried up a level as it is); each level's pairs in one element-wise add."""
+    level = parts
+    while level.shape[0] > 1:
+        even = level.shape[0] // 2 * 2
+        summed = level[0:even:2] + level[1:even:2]                       # pair i: parts 2i, 2i+1
+        level = torch.cat([summed, level[even:]]) if even < level.shape[0] else summed
     return level[0]
 
 

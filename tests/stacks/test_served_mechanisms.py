@@ -209,6 +209,28 @@ def test_the_twin_takes_the_selection_too():
     assert_close_to_ref(twin, eager, torch.float32)
 
 
+def test_only_the_indexers_stay_hooked_for_their_selections():
+    """recorded_selections keeps the hook of a module whose output is key indices (each call's
+    selection recorded: a prefill's 11 positions, then a step's one) and drops every other's after
+    its first call; the control: the attentions were hooked at first."""
+    from transformers import DynamicCache
+
+    from kvfid.states.selection import ATTRIBUTE, recorded_selections
+
+    module = family_model("deepseek-v32")
+    hooked = [m for m in module.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+    indexers = [m for m in hooked if type(m).__name__.endswith("Indexer")]
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with recorded_selections(module), torch.no_grad():
+        assert all(m._forward_hooks for m in hooked) and len(indexers) < len(hooked)
+        cache = DynamicCache(config=module.config)
+        module(ids[:, :11], use_cache=True, **{cache_keyword(module): cache})
+        module(ids[:, 11:], use_cache=True, **{cache_keyword(module): cache})
+        assert [bool(m._forward_hooks) for m in hooked] == [m in indexers for m in hooked]
+    assert not any(m._forward_hooks for m in hooked)
+    assert [getattr(layer, ATTRIBUTE).shape[1] for layer in cache.layers] == [12] * len(indexers)
+
+
 def test_the_serving_table_says_what_the_kernels_do(folders):
     from kvfid.stacks.backends import builtin_backends
     from kvfid.stacks.serving import serving_table
