@@ -33,6 +33,10 @@ ENV = "KVFID_FAITHFUL"
 IMPL_ENV = "KVFID_FAITHFUL_IMPL"
 TP_ENV = faithful_tp.TP_ENV
 COMPILATION = {"custom_ops": ["none"]}
+# vLLM's models compute their rotary in real arithmetic: the mode serves no complex product (every
+# real product stays off Python), and an op that makes a complex tensor is refused, not run stock
+# (kvfid.kernels.invariant.complex_products).
+COMPLEX_PRODUCTS = False
 
 
 def _backend_classes():
@@ -177,7 +181,7 @@ def installed(tp_invariant: bool = False):
     os.environ[TP_ENV] = "1" if tp_invariant else "0"
     remove = _install()
     try:
-        with set_batch_invariant_mode(impl=mode_impl()):
+        with set_batch_invariant_mode(impl=mode_impl(), complex_products=COMPLEX_PRODUCTS):
             yield
     finally:
         remove()
@@ -197,7 +201,8 @@ def register() -> None:
     from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
     _install()
-    set_batch_invariant_mode(impl=mode_impl()).__enter__()   # the engine process's life: never exited
+    # the engine process's life: never exited
+    set_batch_invariant_mode(impl=mode_impl(), complex_products=COMPLEX_PRODUCTS).__enter__()
     _registered = True
 
 
