@@ -34,7 +34,8 @@ COMPILATION = {"custom_ops": ["none"]}
 
 def _backend_classes():
     """The faithful backend and its implementation (classes built once vLLM imports)."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl, _get_attn_isa
 
     from kvfid.kernels.attention.paged import paged_attention
 
@@ -45,22 +46,28 @@ def _backend_classes():
             super().__init__(*args, **kwargs)
             from vllm.config import get_current_vllm_config
 
-            ops = list(get_current_vllm_config().compilation_config.custom_ops)
+            config = get_current_vllm_config()
+            ops = list(config.compilation_config.custom_ops)
             if ops != COMPILATION["custom_ops"]:   # vLLM's C++ norm / rotary / SiLU would run
                 raise RuntimeError(f"kvfid's faithful engine needs compilation_config "
                                    f"custom_ops={COMPILATION['custom_ops']}; this engine has {ops}")
+            # What it cannot serve is refused here, as the engine starts, before any request.
+            unsupported = [name for name, on in (
+                ("a sliding window", self.sliding_window not in (-1, None)),
+                ("sinks", self.sinks is not None), ("ALiBi", self.alibi_slopes is not None),
+                ("a soft cap", bool(self.logits_soft_cap)), ("an fp8 cache", self.is_fp8_kv_cache),
+                ("encoder attention", self.attn_type != AttentionType.DECODER)) if on]
+            if unsupported:
+                raise NotImplementedError(f"kvfid's faithful vLLM attention does not serve {unsupported[0]}")
+            dtype, block = config.model_config.dtype, config.cache_config.block_size
+            _layout(_get_attn_isa(dtype, block, self.head_size), dtype, block, self.head_size)
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                     output_scale=None, output_block_scale=None):
             if attn_metadata is None:                 # vLLM's warm-up
                 return output
-            unsupported = [name for name, on in (
-                ("a sliding window", self.sliding_window not in (-1, None)),
-                ("sinks", self.sinks is not None), ("ALiBi", self.alibi_slopes is not None),
-                ("a soft cap", bool(self.logits_soft_cap)), ("an fp8 cache", self.is_fp8_kv_cache),
-                ("non-causal attention", not attn_metadata.causal)) if on]
-            if unsupported:
-                raise NotImplementedError(f"kvfid's faithful vLLM attention does not serve {unsupported[0]}")
+            if not attn_metadata.causal:
+                raise NotImplementedError("kvfid's faithful vLLM attention does not serve non-causal attention")
             # kvfid's attention over the paged cache (each position's bits the native path's)
             block, head = kv_cache.shape[2], kv_cache.shape[3] // 2
             paged_attention(output, query, kv_cache, _layout(layer.isa, kv_cache.dtype, block, head),
