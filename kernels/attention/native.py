@@ -87,23 +87,25 @@ def _row(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     if valid_first >= end:
         return                               # every query of this row is padding
     work = plan(valid_first, end, Pattern(window, chunk, key_first), config)
-    at = valid_first - work.first * tm       # row offset of the first valid query in the tiles
-    tiles = q.new_zeros(n_kv, work.tiles * tm, group, dim, dtype=torch.float32)
-    tiles[:, at:at + end - valid_first] = q.unflatten(0, (n_kv, group))[:, :, valid_first - q_first:].transpose(1, 2)
-    tiles.mul_(query_scale(scale, softcap))
-    keys, values = (_keys(x, work.start, work.stop, key_first, end, key_start - pad) for x in (k, v))
-    done = torch.empty(n_kv, work.tiles * tm * group, v.shape[-1])
-    run_tiles(tiles.view(n_kv, -1, dim), keys, values, work, config, done, softcap, sinks)
-    done = done.view(n_kv, work.tiles * tm, group, -1)[:, at:at + end - valid_first]
-    out.unflatten(0, (n_kv, group))[:, :, valid_first - q_first:] = done.transpose(1, 2)
+    count = end - valid_first
+    queries, written = q.unflatten(0, (n_kv, group)), out.unflatten(0, (n_kv, group))
+    if count < q_len:                        # [Hkv, G, count, D]: the valid queries
+        queries, written = (x.narrow(2, valid_first - q_first, count) for x in (queries, written))
+    keys = _keys(k, work.start, work.stop, key_first, end, key_start - pad)
+    values = _keys(v, work.start, work.stop, key_first, end, key_start - pad)
+    run_tiles(queries.transpose(1, 2), query_scale(scale, softcap), keys, values, work, config,
+              written.transpose(1, 2), softcap, sinks)
 
 
 def _keys(x: torch.Tensor, start: int, stop: int, first: int, end: int, offset: int) -> torch.Tensor:
     """x [Hkv, T, D] (own position offset + i at index i, valid from `first` to `end`) as fp32
     [Hkv, stop - start, D] from own position `start`; absent positions zero."""
-    out = torch.empty(x.shape[0], stop - start, x.shape[-1])
     lo, hi = max(start, first), min(stop, end)
-    out[:, lo - start:hi - start] = x[:, lo - offset:hi - offset]
+    held = x if (lo - offset, hi - lo) == (0, x.shape[1]) else x.narrow(1, lo - offset, hi - lo)
+    if (lo, hi) == (start, stop):
+        return held.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], stop - start, x.shape[-1])
+    out.narrow(1, lo - start, hi - lo).copy_(held)
     if lo > start:
         out[:, :lo - start] = 0.0
     if hi < stop:
@@ -158,7 +160,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     in q's dtype, with bits per position independent of batch size and of how the positions were
     split into prefill, chunks or decode steps. `first_valid` [B]: row b's first valid key
     (absolute position; earlier keys are padding, never read; those queries are 0)."""
-    out = q.new_zeros(*q.shape[:3], v.shape[-1])
+    padded = first_valid is not None or visibility is not None   # positions never written are zeros
+    out = (q.new_zeros if padded else q.new_empty)(*q.shape[:3], v.shape[-1])
     return attention_into(out, q, k, v, scale, first_valid, key_start=key_start, window=window,
                           chunk=chunk, softcap=softcap, sinks=sinks, config=config,
                           visibility=visibility)

@@ -103,6 +103,8 @@ class Plan:
     tiles: int                 # how many
     groups: tuple[Group, ...]
     pattern: Pattern
+    begin: int                 # the own positions whose outputs are written: begin .. end - 1
+    end: int
 
     @property
     def start(self) -> int:    # the first key any tile reads (own position)
@@ -113,6 +115,7 @@ class Plan:
         return self.groups[-1].stop
 
 
+@functools.lru_cache(maxsize=1024)
 def plan(valid_first: int, end: int, pattern: Pattern, config: NativeConfig) -> Plan:
     """The tiles holding own positions valid_first .. end - 1, grouped by the keys they read."""
     tm, tn = config.tile_m, config.tile_n
@@ -126,31 +129,46 @@ def plan(valid_first: int, end: int, pattern: Pattern, config: NativeConfig) -> 
             groups[-1] = Group(g.first, g.count + 1, start, stop)
         else:
             groups.append(Group(tile, 1, start, stop))
-    return Plan(first, last - first + 1, tuple(groups), pattern)
+    return Plan(first, last - first + 1, tuple(groups), pattern, valid_first, end)
 
 
-def query_scale(scale: float, softcap: float | None) -> float:
-    """What the queries are multiplied by: the scores come out in base 2 (a soft cap is applied
-    to the natural scores, then converted)."""
-    return scale if softcap is not None else scale * LOG2E
+@functools.lru_cache(maxsize=64)
+def query_scale(scale: float, softcap: float | None) -> torch.Tensor:
+    """What the queries are multiplied by, as a one-element fp32 tensor (a product with it is
+    computed in fp32 whatever the queries' dtype): the scores come out in base 2 (a soft cap is
+    applied to the natural scores, then converted)."""
+    return torch.tensor([scale if softcap is not None else scale * LOG2E], dtype=torch.float32)
 
 
-def run_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, work: Plan, config: NativeConfig,
-              out: torch.Tensor, softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
-    """q [Hkv, tiles * tile_m * G, D] fp32: the sequence's query tiles, scaled by `query_scale`
-    (rows of absent positions zero); k [Hkv, work.stop - work.start, D], v [..., Dv] fp32: its
-    keys from own position work.start (absent keys zero); sinks [Hq] or None -> out
-    [Hkv, tiles * tile_m * G, Dv] (rows of absent positions: anything)."""
-    heads, _, dim = q.shape
-    group_size = q.shape[1] // (work.tiles * config.tile_m)
-    rows = config.tile_m * group_size
+def run_tiles(queries: torch.Tensor, factor: torch.Tensor, k: torch.Tensor, v: torch.Tensor, work: Plan,
+              config: NativeConfig, out: torch.Tensor, softcap: float | None = None,
+              sinks: torch.Tensor | None = None) -> None:
+    """queries [Hkv, work.end - work.begin, G, D] (any float dtype): a sequence's queries at own
+    positions begin .. end - 1, multiplied by `factor` (query_scale) into fp32 tiles (absent
+    positions zero); k [Hkv, work.stop - work.start, D], v [..., Dv] fp32: its keys from own
+    position work.start (absent keys zero); sinks [Hq] or None -> out [Hkv, work.end -
+    work.begin, G, Dv] (any dtype and strides)."""
+    heads, _, group_size, dim = queries.shape
+    tm = config.tile_m
+    rows = tm * group_size
     threads = torch.get_num_threads()
+    # one buffer for every group's query tiles and one for every piece's scores: fresh memory for
+    # each would be paged in each time
+    widest = max(g.count for g in work.groups)
+    tiles = torch.empty(heads, widest * tm, group_size, dim)
+    scores = torch.empty(heads * widest * rows * max(min(config.span, g.stop - g.start) for g in work.groups))
     for g in work.groups:
         together = g.count == 1 or stacks(heads, group_size, dim, v.shape[-1], config, threads,
                                           g.count, _lengths(g, config))
         for one in [g] if together else [Group(t, 1, g.start, g.stop) for t in range(g.first, g.first + g.count)]:
-            at = slice((one.first - work.first) * rows, (one.first + one.count - work.first) * rows)
-            attend(q[:, at], k, v, work.start, one, work.pattern, config, out[:, at], softcap, sinks)
+            lo, hi = max(work.begin, one.first * tm), min(work.end, (one.first + one.count) * tm)
+            q = tiles.narrow(1, 0, one.count * tm)                      # [Hkv, count * tm, G, D]
+            if hi - lo < one.count * tm:
+                q.zero_()
+            torch.mul(queries.narrow(1, lo - work.begin, hi - lo), factor,
+                      out=q.narrow(1, lo - one.first * tm, hi - lo))
+            attend(q.view(heads, -1, dim), k, v, work.start, one, work.pattern, config, softcap, sinks,
+                   out, work.begin, work.end, scores)
 
 
 def _pieces(g: Group, config: NativeConfig) -> list[tuple[int, int]]:
@@ -166,10 +184,11 @@ def _lengths(g: Group, config: NativeConfig) -> tuple[tuple[bool, int], ...]:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, g: Group, pattern: Pattern,
-           config: NativeConfig, out: torch.Tensor, softcap: float | None,
-           sinks: torch.Tensor | None) -> None:
-    """One group: q [Hkv, count * tile_m * G, D] over k, v (index 0 at own position `base`)
-    -> out [Hkv, count * tile_m * G, Dv]."""
+           config: NativeConfig, softcap: float | None, sinks: torch.Tensor | None,
+           out: torch.Tensor, begin: int, end: int, scores: torch.Tensor | None = None) -> None:
+    """One group: q [Hkv, count * tile_m * G, D] over k, v (index 0 at own position `base`);
+    its outputs at own positions begin .. end - 1 written to out[:, position - begin] ([Hkv, *, G, Dv]).
+    `scores`: a flat fp32 buffer to compute each piece's scores in (else fresh)."""
     heads, m_rows, _ = q.shape
     group_size = m_rows // (g.count * config.tile_m)
     tn = config.tile_n
@@ -180,15 +199,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, g: Grou
                                           g.stop - tn)
     m = l = acc = alpha = None
     for a, b in _pieces(g, config):
-        s = torch.bmm(q, k[:, a - base:b - base].transpose(1, 2))           # [Hkv, M, b - a]
+        whole = a == base and b - a == k.shape[1]
+        s = (scores.narrow(0, 0, heads * m_rows * (b - a)).view(heads, m_rows, b - a) if scores is not None
+             else torch.empty(heads, m_rows, b - a))
+        torch.bmm(q, (k if whole else k.narrow(1, a - base, b - a)).transpose(1, 2), out=s)  # [Hkv, M, b - a]
         if softcap is not None:
             s.div_(softcap)
             _lane_uniform(torch.tanh, s)
             s.mul_(softcap * LOG2E)
-        for lo, hi in ((a, min(b, open_from)), (max(a, g.stop - tn), b)):
-            if lo < hi:
-                s[:, :, lo - a:hi - a].masked_fill_(
-                    _hidden(g, pattern, config, group_size, lo, hi, plain), float("-inf"))
+        if plain:   # only the diagonal key tile, the last of the last piece: a fixed additive mask
+            if b == g.stop:
+                s.narrow(2, b - tn - a, tn).add_(_causal(g.count * config.tile_m, group_size, tn,
+                                                          g.first * config.tile_m - (b - tn)))
+        else:
+            for lo, hi in ((a, min(b, open_from)), (max(a, g.stop - tn), b)):
+                if lo < hi:
+                    s.narrow(2, lo - a, hi - lo).masked_fill_(_hidden(g, pattern, config, group_size, lo, hi),
+                                                              float("-inf"))
         top = s.amax(-1)                                                     # [Hkv, M]
         if not plain:
             top.clamp_min_(FLOOR)
@@ -198,12 +225,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, g: Grou
         m = top
         s.sub_(m.unsqueeze(-1))
         _lane_uniform(torch.exp2, s)
-        total = torch.sum(s, -1)
+        total = torch.sum(s, -1, out=torch.empty(heads, m_rows))
+        values = v if whole else v.narrow(1, a - base, b - a)
         if acc is None:
-            l, acc = total, torch.bmm(s, v[:, a - base:b - base])           # [Hkv, M, Dv]
+            l, acc = total, torch.bmm(s, values)                              # [Hkv, M, Dv]
         else:
             l.mul_(alpha).add_(total)
-            acc.mul_(alpha.unsqueeze(-1)).baddbmm_(s, v[:, a - base:b - base])
+            acc.mul_(alpha.unsqueeze(-1)).baddbmm_(s, values)
     if sinks is not None:  # a per-head logit in the denominator only
         sink = (sinks.float() * LOG2E).view(heads, 1, group_size).expand(heads, m_rows // group_size,
                                                                          group_size).reshape(heads, m_rows)
@@ -211,14 +239,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, g: Grou
         alpha = _lane_uniform(torch.exp2, m - top)
         l.mul_(alpha).add_(_lane_uniform(torch.exp2, sink - top))
         acc.mul_(alpha.unsqueeze(-1))
-    torch.div(acc, l.unsqueeze(-1), out=out)
+    tm = config.tile_m
+    lo, hi = max(begin, g.first * tm), min(end, (g.first + g.count) * tm)
+    if lo < hi:
+        first, count = lo - g.first * tm, hi - lo
+        acc, l = acc.view(heads, -1, group_size, acc.shape[-1]), l.view(heads, -1, group_size, 1)
+        if count < acc.shape[1]:
+            acc, l = acc.narrow(1, first, count), l.narrow(1, first, count)
+        torch.div(acc, l, out=out if count == out.shape[1] else out.narrow(1, lo - begin, count))
 
 
-def _hidden(g: Group, pattern: Pattern, config: NativeConfig, group_size: int, lo: int, hi: int,
-            plain: bool) -> torch.Tensor:
+def _hidden(g: Group, pattern: Pattern, config: NativeConfig, group_size: int, lo: int, hi: int) -> torch.Tensor:
     """[count * tile_m * G, hi - lo] True where a row's query may not see the key."""
-    if plain:   # only the diagonal key tile: a fixed mask per place of the group in its key tile
-        return _causal(g.count * config.tile_m, group_size, hi - lo, g.first * config.tile_m - lo)
     positions = (g.first * config.tile_m + torch.arange(g.count * config.tile_m)).repeat_interleave(group_size)
     return pattern.hidden(positions[:, None], torch.arange(lo, hi)[None, :])
 
@@ -226,9 +258,10 @@ def _hidden(g: Group, pattern: Pattern, config: NativeConfig, group_size: int, l
 @functools.lru_cache(maxsize=256)
 def _causal(positions: int, group_size: int, width: int, offset: int) -> torch.Tensor:
     """Rows of `positions` consecutive queries (G rows each) from key `offset` of a [width] slice:
-    True where the key is after the query."""
+    -inf where the key is after the query, else 0 (added: a visible score stays as it is)."""
     own = (offset + torch.arange(positions)).repeat_interleave(group_size)[:, None]
-    return torch.arange(width)[None, :] > own
+    return torch.zeros(positions * group_size, width).masked_fill_(torch.arange(width)[None, :] > own,
+                                                                    float("-inf"))
 
 
 def _lane_uniform(fn, x: torch.Tensor) -> torch.Tensor:
@@ -237,6 +270,8 @@ def _lane_uniform(fn, x: torch.Tensor) -> torch.Tensor:
     split), so no element is in a scalar tail; returns x."""
     flat = x.view(-1)
     n = flat.numel()
+    if n % LANES == 0 and (n <= BLOCK or torch.get_num_threads() == 1):
+        return fn(x, out=x)
     whole = -(-n // LANES) * LANES
     work = flat if whole == n else torch.cat([flat, flat.new_zeros(whole - n)])
     step = whole if torch.get_num_threads() == 1 else BLOCK
@@ -269,12 +304,14 @@ def _stacks_probe(heads: int, group_size: int, dim: int, v_dim: int, config: Nat
     q = torch.randn(heads, count * rows, dim, generator=generator)
     k = torch.randn(heads, stop - start, dim, generator=generator)
     v = torch.randn(heads, stop - start, v_dim, generator=generator)
-    together = torch.empty(heads, count * rows, v_dim)
-    attend(q, k, v, start, Group(first, count, start, stop), Pattern(), config, together, None, None)
+    together = torch.empty(heads, count * tm, group_size, v_dim)
+    attend(q, k, v, start, Group(first, count, start, stop), Pattern(), config, None, None,
+           together, first * tm, (first + count) * tm)
     for i in range(count):
-        alone = torch.empty(heads, rows, v_dim)
+        alone = torch.empty(heads, tm, group_size, v_dim)
+        at = (first + i) * tm
         attend(q[:, i * rows:(i + 1) * rows].clone(), k, v, start, Group(first + i, 1, start, stop),
-               Pattern(), config, alone, None, None)
-        if not torch.equal(alone, together[:, i * rows:(i + 1) * rows]):
+               Pattern(), config, None, None, alone, at, at + tm)
+        if not torch.equal(alone, together[:, i * tm:(i + 1) * tm]):
             return False
     return True

@@ -103,7 +103,7 @@ def paged_attention(output: torch.Tensor, query: torch.Tensor, kv_cache: torch.T
     positions of its `seq_lens[r]` keys, held in the blocks `block_table[r]`; `layout` is
     `layouts(...)` of the cache's writer."""
     blocks, heads, block, width = kv_cache.shape
-    head, tm = width // 2, config.tile_m
+    head = width // 2
     group = num_heads // heads
     memory = kv_cache.view(blocks, heads, 2, block * head)
     queries = query.view(query.shape[0], heads, group, head)
@@ -111,18 +111,11 @@ def paged_attention(output: torch.Tensor, query: torch.Tensor, kv_cache: torch.T
     factor = query_scale(scale, None)
     with stock_ops():
         for request in planned(metadata, block, config):
-            work, q_len = request.work, request.rows.stop - request.rows.start
-            at = request.length - q_len - work.first * tm          # row of its first query in the tiles
-            tiles = torch.zeros(heads, work.tiles * tm, group, head)
-            tiles[:, at:at + q_len] = queries[request.rows].transpose(0, 1)
-            tiles.mul_(factor)
             stored = memory[request.ids]                                  # [nb, Hkv, 2, block * D]
             keys, values = (_keys(stored[:, :, which], part, request, block, head)
                             for which, part in enumerate(layout))
-            done = torch.empty(heads, work.tiles * tm * group, head)
-            run_tiles(tiles.view(heads, -1, head), keys, values, work, config, done)
-            done = done.view(heads, work.tiles * tm, group, head)[:, at:at + q_len]
-            written[request.rows] = done.transpose(0, 1)
+            run_tiles(queries[request.rows].transpose(0, 1), factor, keys, values, request.work, config,
+                      written[request.rows].transpose(0, 1))
     return output
 
 
