@@ -11,8 +11,9 @@ kernels/attention/native_tiles.py, which the paged path (paged.py) shares:
   in order, with an fp32 online softmax across spans; keys absent from the call are zeros and
   masked. Every product a position goes through has a shape fixed by its tile alone (never by
   the batch, the length or the chunking), and the position sits at the same row of it;
-* the tiles of one key tile share one product where this machine's probe shows each gets the
-  bits it gets alone (native_tiles.stacks), else tile by tile: the same bits either way.
+* the positions of one key tile share one product where this machine's probe shows each gets
+  the bits it gets in its tile alone (native_tiles.rows_keep_bits), a decode step only its own
+  rows (padded to the fewest the probe allows), else tile by tile: the same bits either way.
 
 Batch rows are computed one after another (a row never shares a product with another row), each in
 its own positions: absolute position minus its left padding (`first_valid`, the absolute position

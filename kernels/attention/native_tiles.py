@@ -5,18 +5,19 @@ to `run_tiles`, so a position's bits are one function of its own queries and key
 
 * a query tile holds `tile_m` positions of one sequence aligned to its own positions (position t
   is row t % tile_m of tile t // tile_m), each position as its G query heads (rows t-major, G per
-  position: [tile_m * G, D] per key/value head). A tile reads the keys from `Plan.start` (0, or
-  with a window or a chunk the lowest key its first position may see, down to a key tile) to the
-  end of the key tile of `tile_n` positions that holds it: the keys a tile reads, and so every
-  shape its products have, are a function of the tile alone, never of the construction;
+  position: [tile_m * G, D] per key/value head). A tile reads the keys from 0 (with a window or
+  a chunk: the lowest key its first position may see, down to a key tile) to the end of the key
+  tile of `tile_n` positions that holds it: the keys a tile reads, and so every shape its
+  products have, are a function of the tile alone, never of the construction;
 * keys are read in spans of `span` positions aligned to absolute positions, in order, with an fp32
   online softmax across spans in base 2 (the queries carry log2(e)); within a span a product per
   operand (scores, then probabilities x values), whose reduction over the span's keys is the
   machine BLAS's for that fixed shape. A key a query may not see is -inf, so it weighs exactly 0;
-* the query tiles that end in the same key tile read the same keys: they are stacked in one
-  product where a probe on this machine shows every tile gets the bits it gets alone (`stacks`:
-  per product shape and thread count, the stacked products, row sums and all, against each tile
-  computed alone on random data); elsewhere tile by tile, the same bits;
+* the positions whose tiles read the same keys are computed in one call (their rows stacked)
+  where a probe on this machine shows each position gets the bits it gets in its tile computed
+  alone (`rows_keep_bits`: per call size, product shape and thread count, the whole call on
+  random data against each tile alone); a short call (a decode step) is padded to the fewest
+  positions that do (the floor the machine allows); elsewhere tile by tile;
 * exp2 (and tanh under a soft cap) run only on contiguous calls of a multiple of LANES elements,
   at most BLOCK per call where more than one thread could split a call: every element takes the
   vector body (kvfid.kernels.invariant.ops: the scalar tail rounds differently). max, +, -, *, /
@@ -86,50 +87,48 @@ class Pattern:
 
 
 @dataclass(frozen=True)
-class Group:
-    """Query tiles first .. first + count - 1 of a sequence, reading keys start .. stop - 1."""
+class Run:
+    """Own positions lo .. hi - 1 of a sequence, in tiles that read the same keys start .. stop - 1."""
 
-    first: int
-    count: int
+    lo: int
+    hi: int
     start: int
     stop: int
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A sequence's work: its query tiles (own positions) in groups that read the same keys."""
+    """A sequence's work: its positions begin .. end - 1 in runs that read the same keys."""
 
-    first: int                 # its first query tile
-    tiles: int                 # how many
-    groups: tuple[Group, ...]
+    runs: tuple[Run, ...]
     pattern: Pattern
-    begin: int                 # the own positions whose outputs are written: begin .. end - 1
+    begin: int
     end: int
 
     @property
-    def start(self) -> int:    # the first key any tile reads (own position)
-        return self.groups[0].start
+    def start(self) -> int:    # the first key any run reads (own position)
+        return self.runs[0].start
 
     @property
-    def stop(self) -> int:     # past the last key any tile reads
-        return self.groups[-1].stop
+    def stop(self) -> int:     # past the last key any run reads
+        return self.runs[-1].stop
 
 
 @functools.lru_cache(maxsize=1024)
-def plan(valid_first: int, end: int, pattern: Pattern, config: NativeConfig) -> Plan:
-    """The tiles holding own positions valid_first .. end - 1, grouped by the keys they read."""
+def plan(begin: int, end: int, pattern: Pattern, config: NativeConfig) -> Plan:
+    """Own positions begin .. end - 1 by the keys their tiles read: a tile t reads from its first
+    position's lowest key (down to a key tile) to the end of the key tile that holds it."""
     tm, tn = config.tile_m, config.tile_n
-    first, last = valid_first // tm, (end - 1) // tm
-    groups: list[Group] = []
-    for tile in range(first, last + 1):
+    runs: list[Run] = []
+    for tile in range(begin // tm, (end - 1) // tm + 1):
         start = pattern.lowest(tile * tm) // tn * tn
         stop = (tile * tm // tn + 1) * tn
-        if groups and (groups[-1].start, groups[-1].stop) == (start, stop):
-            g = groups[-1]
-            groups[-1] = Group(g.first, g.count + 1, start, stop)
+        lo, hi = max(begin, tile * tm), min(end, (tile + 1) * tm)
+        if runs and (runs[-1].start, runs[-1].stop) == (start, stop):
+            runs[-1] = Run(runs[-1].lo, hi, start, stop)
         else:
-            groups.append(Group(tile, 1, start, stop))
-    return Plan(first, last - first + 1, tuple(groups), pattern, valid_first, end)
+            runs.append(Run(lo, hi, start, stop))
+    return Plan(tuple(runs), pattern, begin, end)
 
 
 @functools.lru_cache(maxsize=64)
@@ -144,61 +143,72 @@ def run_tiles(queries: torch.Tensor, factor: torch.Tensor, k: torch.Tensor, v: t
               config: NativeConfig, out: torch.Tensor, softcap: float | None = None,
               sinks: torch.Tensor | None = None) -> None:
     """queries [Hkv, work.end - work.begin, G, D] (any float dtype): a sequence's queries at own
-    positions begin .. end - 1, multiplied by `factor` (query_scale) into fp32 tiles (absent
-    positions zero); k [Hkv, work.stop - work.start, D], v [..., Dv] fp32: its keys from own
-    position work.start (absent keys zero); sinks [Hq] or None -> out [Hkv, work.end -
-    work.begin, G, Dv] (any dtype and strides)."""
+    positions begin .. end - 1, multiplied by `factor` (query_scale) into fp32 rows; k [Hkv,
+    work.stop - work.start, D], v [..., Dv] fp32: its keys from own position work.start (absent
+    keys zero); sinks [Hq] or None -> out [Hkv, work.end - work.begin, G, Dv] (any dtype and
+    strides). Each position gets the bits it gets in its tile computed alone."""
     heads, _, group_size, dim = queries.shape
-    tm = config.tile_m
-    rows = tm * group_size
-    threads = torch.get_num_threads()
-    # one buffer for every group's query tiles and one for every piece's scores: fresh memory for
+    shape = (heads, group_size, dim, v.shape[-1], config, torch.get_num_threads())
+    calls = [call for run in work.runs for call in _calls(run, shape)]
+    widest = max(n for _, n, _ in calls)
+    # one buffer for every call's query rows and one for every piece's scores: fresh memory for
     # each would be paged in each time
-    widest = max(g.count for g in work.groups)
-    tiles = torch.empty(heads, widest * tm, group_size, dim)
-    scores = torch.empty(heads * widest * rows * max(min(config.span, g.stop - g.start) for g in work.groups))
-    for g in work.groups:
-        together = g.count == 1 or stacks(heads, group_size, dim, v.shape[-1], config, threads,
-                                          g.count, _lengths(g, config))
-        for one in [g] if together else [Group(t, 1, g.start, g.stop) for t in range(g.first, g.first + g.count)]:
-            lo, hi = max(work.begin, one.first * tm), min(work.end, (one.first + one.count) * tm)
-            q = tiles.narrow(1, 0, one.count * tm)                      # [Hkv, count * tm, G, D]
-            if hi - lo < one.count * tm:
-                q.zero_()
-            torch.mul(queries.narrow(1, lo - work.begin, hi - lo), factor,
-                      out=q.narrow(1, lo - one.first * tm, hi - lo))
-            attend(q.view(heads, -1, dim), k, v, work.start, one, work.pattern, config, softcap, sinks,
-                   out, work.begin, work.end, scores)
+    rows = torch.empty(heads, widest, group_size, dim)
+    scores = torch.empty(heads * widest * group_size * max(min(config.span, r.stop - r.start) for r in work.runs))
+    for lo, n, run in calls:
+        q = rows.narrow(1, 0, n)                                        # [Hkv, n, G, D]
+        first, last = max(work.begin, lo), min(work.end, lo + n)
+        if last - first < n:
+            q.zero_()                                                   # absent positions: zero rows
+        torch.mul(queries.narrow(1, first - work.begin, last - first), factor,
+                  out=q.narrow(1, first - lo, last - first))
+        attend(q.view(heads, -1, dim), k, v, work.start, lo, n, run, work.pattern, config, softcap,
+               sinks, out, work.begin, work.end, scores)
 
 
-def _pieces(g: Group, config: NativeConfig) -> list[tuple[int, int]]:
-    """The spans a group reads, cut at multiples of `span` (absolute), each [from, to)."""
-    cuts = list(range((g.start // config.span + 1) * config.span, g.stop, config.span))
-    edges = [g.start, *cuts, g.stop]
+def _calls(run: Run, shape: tuple) -> list[tuple[int, int, Run]]:
+    """How a run is computed: (first position, positions, run) per call. The run in one call where
+    the probe shows each position keeps its tile's bits; a short run padded to the fewest positions
+    that do; else its tiles one by one (each tile alone: its bits by definition)."""
+    config = shape[4]
+    tm, n = config.tile_m, run.hi - run.lo
+    aligned = run.lo % tm == 0 and n == tm
+    lengths = _lengths(run, config)
+    if aligned or rows_keep_bits(*shape, n, lengths):
+        return [(run.lo, n, run)]
+    for padded in range(n + 1, tm):
+        if rows_keep_bits(*shape, padded, lengths):
+            return [(run.lo, padded, run)]
+    return [(tile * tm, tm, run) for tile in range(run.lo // tm, (run.hi - 1) // tm + 1)]
+
+
+def _pieces(run: Run, config: NativeConfig) -> list[tuple[int, int]]:
+    """The spans a run reads, cut at multiples of `span` (absolute), each [from, to)."""
+    cuts = list(range((run.start // config.span + 1) * config.span, run.stop, config.span))
+    edges = [run.start, *cuts, run.stop]
     return list(zip(edges, edges[1:]))
 
 
-def _lengths(g: Group, config: NativeConfig) -> tuple[tuple[bool, int], ...]:
-    """The product shapes a group's pieces take: (later piece?, keys)."""
-    return tuple((i > 0, b - a) for i, (a, b) in enumerate(_pieces(g, config)))
+def _lengths(run: Run, config: NativeConfig) -> tuple[tuple[bool, int], ...]:
+    """The product shapes a run's pieces take: (later piece?, keys)."""
+    return tuple((i > 0, b - a) for i, (a, b) in enumerate(_pieces(run, config)))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, g: Group, pattern: Pattern,
-           config: NativeConfig, softcap: float | None, sinks: torch.Tensor | None,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, lo: int, n: int, run: Run,
+           pattern: Pattern, config: NativeConfig, softcap: float | None, sinks: torch.Tensor | None,
            out: torch.Tensor, begin: int, end: int, scores: torch.Tensor | None = None) -> None:
-    """One group: q [Hkv, count * tile_m * G, D] over k, v (index 0 at own position `base`);
-    its outputs at own positions begin .. end - 1 written to out[:, position - begin] ([Hkv, *, G, Dv]).
+    """One call: q [Hkv, n * G, D], the rows of own positions lo .. lo + n - 1 (G each), over the
+    keys run.start .. run.stop - 1 of k, v (index 0 at own position `base`); the outputs of its
+    positions in begin .. end - 1 written to out[:, position - begin] ([Hkv, *, G, Dv]).
     `scores`: a flat fp32 buffer to compute each piece's scores in (else fresh)."""
     heads, m_rows, _ = q.shape
-    group_size = m_rows // (g.count * config.tile_m)
-    tn = config.tile_n
-    plain = pattern.window is None and pattern.chunk is None and pattern.key_first <= g.start
-    last_position = (g.first + g.count) * config.tile_m - 1
-    # keys every row of the group sees need no mask: [open_from, stop - tile_n)
-    open_from = g.start if plain else min(max(g.start, pattern.key_first, pattern.lowest(last_position)),
-                                          g.stop - tn)
+    group_size, tn = m_rows // n, config.tile_n
+    plain = pattern.window is None and pattern.chunk is None and pattern.key_first <= run.start
+    # keys every row of the call sees need no mask: [open_from, stop - tile_n)
+    open_from = run.start if plain else min(max(run.start, pattern.key_first, pattern.lowest(lo + n - 1)),
+                                            run.stop - tn)
     m = l = acc = alpha = None
-    for a, b in _pieces(g, config):
+    for a, b in _pieces(run, config):
         whole = a == base and b - a == k.shape[1]
         s = (scores.narrow(0, 0, heads * m_rows * (b - a)).view(heads, m_rows, b - a) if scores is not None
              else torch.empty(heads, m_rows, b - a))
@@ -208,14 +218,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, g: Grou
             _lane_uniform(torch.tanh, s)
             s.mul_(softcap * LOG2E)
         if plain:   # only the diagonal key tile, the last of the last piece: a fixed additive mask
-            if b == g.stop:
-                s.narrow(2, b - tn - a, tn).add_(_causal(g.count * config.tile_m, group_size, tn,
-                                                          g.first * config.tile_m - (b - tn)))
+            if b == run.stop:
+                s.narrow(2, b - tn - a, tn).add_(_causal(n, group_size, tn, lo - (b - tn)))
         else:
-            for lo, hi in ((a, min(b, open_from)), (max(a, g.stop - tn), b)):
-                if lo < hi:
-                    s.narrow(2, lo - a, hi - lo).masked_fill_(_hidden(g, pattern, config, group_size, lo, hi),
-                                                              float("-inf"))
+            for x, y in ((a, min(b, open_from)), (max(a, run.stop - tn), b)):
+                if x < y:
+                    s.narrow(2, x - a, y - x).masked_fill_(_hidden(lo, n, group_size, pattern, x, y), float("-inf"))
         top = s.amax(-1)                                                     # [Hkv, M]
         if not plain:
             top.clamp_min_(FLOOR)
@@ -233,26 +241,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, g: Grou
             l.mul_(alpha).add_(total)
             acc.mul_(alpha.unsqueeze(-1)).baddbmm_(s, values)
     if sinks is not None:  # a per-head logit in the denominator only
-        sink = (sinks.float() * LOG2E).view(heads, 1, group_size).expand(heads, m_rows // group_size,
-                                                                         group_size).reshape(heads, m_rows)
+        sink = (sinks.float() * LOG2E).view(heads, 1, group_size).expand(heads, n, group_size).reshape(heads, m_rows)
         top = torch.maximum(m, sink)
         alpha = _lane_uniform(torch.exp2, m - top)
         l.mul_(alpha).add_(_lane_uniform(torch.exp2, sink - top))
         acc.mul_(alpha.unsqueeze(-1))
-    tm = config.tile_m
-    lo, hi = max(begin, g.first * tm), min(end, (g.first + g.count) * tm)
-    if lo < hi:
-        first, count = lo - g.first * tm, hi - lo
-        acc, l = acc.view(heads, -1, group_size, acc.shape[-1]), l.view(heads, -1, group_size, 1)
-        if count < acc.shape[1]:
-            acc, l = acc.narrow(1, first, count), l.narrow(1, first, count)
-        torch.div(acc, l, out=out if count == out.shape[1] else out.narrow(1, lo - begin, count))
+    first, last = max(begin, lo), min(end, lo + n)
+    if first < last:
+        acc, l = acc.view(heads, n, group_size, acc.shape[-1]), l.view(heads, n, group_size, 1)
+        if last - first < n:
+            acc, l = acc.narrow(1, first - lo, last - first), l.narrow(1, first - lo, last - first)
+        torch.div(acc, l, out=out if last - first == out.shape[1] else out.narrow(1, first - begin, last - first))
 
 
-def _hidden(g: Group, pattern: Pattern, config: NativeConfig, group_size: int, lo: int, hi: int) -> torch.Tensor:
-    """[count * tile_m * G, hi - lo] True where a row's query may not see the key."""
-    positions = (g.first * config.tile_m + torch.arange(g.count * config.tile_m)).repeat_interleave(group_size)
-    return pattern.hidden(positions[:, None], torch.arange(lo, hi)[None, :])
+def _hidden(lo: int, n: int, group_size: int, pattern: Pattern, x: int, y: int) -> torch.Tensor:
+    """[n * G, y - x] True where a row's query (own positions lo ..) may not see the key (x ..)."""
+    positions = torch.arange(lo, lo + n).repeat_interleave(group_size)
+    return pattern.hidden(positions[:, None], torch.arange(x, y)[None, :])
 
 
 @functools.lru_cache(maxsize=256)
@@ -284,34 +289,34 @@ def _lane_uniform(fn, x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def stacks(heads: int, group_size: int, dim: int, v_dim: int, config: NativeConfig, threads: int,
-           count: int, lengths: tuple[tuple[bool, int], ...]) -> bool:
-    """Whether `count` query tiles stacked in one product get, on this machine at this thread
-    count, the bits each gets alone, for every piece shape in `lengths` (probed once per shape)."""
-    return all(_stacks_probe(heads, group_size, dim, v_dim, config, threads, count, later, keys)
+def rows_keep_bits(heads: int, group_size: int, dim: int, v_dim: int, config: NativeConfig, threads: int,
+                   positions: int, lengths: tuple[tuple[bool, int], ...]) -> bool:
+    """Whether a call of `positions` consecutive positions gives each, on this machine at this
+    thread count, the bits it gets in its tile computed alone, for every piece shape in `lengths`
+    (probed once per shape)."""
+    return all(_rows_probe(heads, group_size, dim, v_dim, config, threads, positions, later, keys)
                for later, keys in lengths)
 
 
 @functools.lru_cache(maxsize=None)
-def _stacks_probe(heads: int, group_size: int, dim: int, v_dim: int, config: NativeConfig,
-                  threads: int, count: int, later: bool, keys: int) -> bool:
-    """`count` tiles (random data) whose last piece reads `keys` keys, as the first piece or
-    after a first piece of one key tile (`later`), stacked against each tile alone."""
-    tm, tn, rows = config.tile_m, config.tile_n, config.tile_m * group_size
+def _rows_probe(heads: int, group_size: int, dim: int, v_dim: int, config: NativeConfig,
+                threads: int, positions: int, later: bool, keys: int) -> bool:
+    """A key tile's positions (random data) whose last piece reads `keys` keys, as the first piece
+    or after a first piece of one key tile (`later`): its last `positions` (those that see the
+    most keys) in one call against each tile computed alone."""
+    tm, tn = config.tile_m, config.tile_n
     start, stop = (config.span - tn, config.span + keys) if later else (0, keys)
-    first = (stop - tn) // tm                      # the group's tiles end in the last key tile
-    generator = torch.Generator().manual_seed(count * 7919 + keys)
-    q = torch.randn(heads, count * rows, dim, generator=generator)
+    run, lo = Run(stop - tn, stop, start, stop), stop - tn
+    generator = torch.Generator().manual_seed(positions * 7919 + keys)
+    q = torch.randn(heads, tn, group_size, dim, generator=generator)
     k = torch.randn(heads, stop - start, dim, generator=generator)
     v = torch.randn(heads, stop - start, v_dim, generator=generator)
-    together = torch.empty(heads, count * tm, group_size, v_dim)
-    attend(q, k, v, start, Group(first, count, start, stop), Pattern(), config, None, None,
-           together, first * tm, (first + count) * tm)
-    for i in range(count):
-        alone = torch.empty(heads, tm, group_size, v_dim)
-        at = (first + i) * tm
-        attend(q[:, i * rows:(i + 1) * rows].clone(), k, v, start, Group(first + i, 1, start, stop),
-               Pattern(), config, None, None, alone, at, at + tm)
-        if not torch.equal(alone, together[:, i * tm:(i + 1) * tm]):
-            return False
-    return True
+    alone = torch.empty(heads, tn, group_size, v_dim)
+    for at in range(0, tn, tm):
+        attend(q.narrow(1, at, tm).reshape(heads, -1, dim), k, v, start, lo + at, tm, run, Pattern(),
+               config, None, None, alone, lo, stop)
+    together = torch.empty(heads, positions, group_size, v_dim)
+    first = stop - positions
+    attend(q.narrow(1, first - lo, positions).reshape(heads, -1, dim), k, v, start, first, positions, run,
+           Pattern(), config, None, None, together, first, stop)
+    return torch.equal(together, alone.narrow(1, first - lo, positions))

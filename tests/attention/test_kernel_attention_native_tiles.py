@@ -1,7 +1,8 @@
 """kvfid.kernels.attention.native_tiles, the tile math under the native and the paged path: the
-stacking probe (query tiles in one product only where this machine gives each its bits alone),
-its controls (a product or a row sum whose row bits depend on the stack is caught), tiles one by
-one giving the stacked bits, and the lane-uniform exp2 (its control: the stock scalar tail)."""
+call-size probe (positions in one product, more or fewer than a tile, only where this machine
+gives each the bits of its tile alone), its controls (a product or a row sum whose row bits depend
+on the rows in the call is caught, wider or narrower), tiles one by one giving the same bits, and
+the lane-uniform exp2 (its control: a twin whose tail rounds differently)."""
 
 from __future__ import annotations
 
@@ -12,53 +13,63 @@ from helpers import assert_bitwise_equal, randn
 from kvfid.kernels.attention import native, native_tiles
 from kvfid.kernels.attention.native_tiles import DEFAULT_CONFIG
 
-# SmolLM2's heads (3 KV heads of 3 queries, D 64): 4 tiles of a key tile stacked, one piece of a
-# key tile and a later piece of a full span
+# SmolLM2's heads (3 KV heads of 3 queries, D 64), a tile of 16 positions (48 rows): calls of a
+# key tile's 64 positions and of 1 to 15, one piece of a key tile and a later piece of a full span
 SHAPE = (3, 3, 64, 64, DEFAULT_CONFIG)
 PROBED = [(False, 64), (True, DEFAULT_CONFIG.span)]
+SIZES = (64, 1, 2, 5)
 
 
-def _probe(count: int = 4) -> bool:
-    """The probe itself, uncached, at one thread count (what `stacks` keeps per shape)."""
-    return all(native_tiles._stacks_probe.__wrapped__(*SHAPE, 1, count, later, keys)
+def _probe(positions: int) -> bool:
+    """The probe itself, uncached, at one thread count (what `rows_keep_bits` keeps per shape)."""
+    return all(native_tiles._rows_probe.__wrapped__(*SHAPE, 1, positions, later, keys)
                for later, keys in PROBED)
 
 
 def test_the_probe_gives_a_verdict_and_tiles_one_by_one_give_the_same_bits(monkeypatch):
-    """Whatever this machine's verdict, the attention gives the same bits with stacking refused
-    (a prefill crossing a span, so stacked groups of every piece kind run)."""
-    print(f"stacking probe on this machine: {_probe()}")
+    """Whatever this machine's verdicts, the attention gives the same bits with every call but a
+    whole tile refused (a prefill crossing a span, so calls of every piece kind run; decode steps)."""
+    print("call sizes (positions) whose rows keep their tile's bits here:",
+          {n: _probe(n) for n in SIZES})
     gen = torch.Generator().manual_seed(0)
     q, k, v = (randn(2, h, 700, 64, dtype=torch.bfloat16, gen=gen, on="cpu") for h in (9, 3, 3))
-    stacked = native.attention(q, k, v)
-    monkeypatch.setattr(native_tiles, "stacks", lambda *args: False)
-    assert_bitwise_equal(native.attention(q, k, v), stacked, "tiles one by one vs stacked")
+    allowed = native.attention(q, k, v), [native.attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1])
+                                          for t in (0, 17, 63, 64, 600)]
+    monkeypatch.setattr(native_tiles, "rows_keep_bits", lambda *args: False)
+    refused = native.attention(q, k, v), [native.attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1])
+                                          for t in (0, 17, 63, 64, 600)]
+    assert_bitwise_equal(refused[0], allowed[0], "a prefill tile by tile vs in calls the probe allows")
+    for a, b in zip(refused[1], allowed[1]):
+        assert_bitwise_equal(a, b, "a decode step in its whole tile vs in the rows the probe allows")
 
 
-def _twin(stock, wide):
-    """A twin of `stock` that, on calls of more rows than one tile, computes another way."""
+def _twin(stock, other):
+    """A twin of `stock` that, on calls of another row count than one tile's 48, computes another way."""
     def twin(a, *args, **kwargs):
-        return wide(a, *args, **kwargs) if a.shape[1] > 16 * 3 else stock(a, *args, **kwargs)
+        return (stock if a.shape[1] == 16 * 3 else other)(a, *args, **kwargs)
     return twin
 
 
-def test_control_the_probe_catches_a_product_whose_rows_depend_on_the_stack(monkeypatch):
+@pytest.mark.parametrize("positions", [64, 5])
+def test_control_the_probe_catches_a_product_whose_rows_depend_on_the_call(monkeypatch, positions):
     stock = torch.bmm
 
     def split(a, b, **kwargs):   # the reduction over D in two halves, then added
         half = a.shape[-1] // 2
-        return stock(a[..., :half], b[:, :half]) + stock(a[..., half:], b[:, half:])
+        out = stock(a[..., :half], b[:, :half]) + stock(a[..., half:], b[:, half:])
+        return kwargs["out"].copy_(out) if "out" in kwargs else out
     monkeypatch.setattr(torch, "bmm", _twin(stock, split))
-    assert not _probe(), "a product whose row bits depend on the rows stacked was not caught"
+    assert not _probe(positions), "a product whose row bits depend on the rows in the call was not caught"
 
 
-def test_control_the_probe_catches_a_row_sum_that_depends_on_the_stack(monkeypatch):
+@pytest.mark.parametrize("positions", [64, 5])
+def test_control_the_probe_catches_a_row_sum_that_depends_on_the_call(monkeypatch, positions):
     stock = torch.sum
 
     def backwards(x, dim, **kwargs):   # the row summed from its last element
         return stock(x.flip(dim), dim, **kwargs)
     monkeypatch.setattr(torch, "sum", _twin(stock, backwards))
-    assert not _probe(), "a row sum whose bits depend on the rows stacked was not caught"
+    assert not _probe(positions), "a row sum whose bits depend on the rows in the call was not caught"
 
 
 def _sizes_check(exp2) -> None:

@@ -90,11 +90,11 @@ def test_every_request_has_the_native_bits_alone_at_every_block_size(block, dtyp
 
 
 def test_tiles_computed_one_by_one_give_the_same_bits(monkeypatch):
-    """Where the machine's probe refuses stacking, tile by tile: the same bits."""
+    """Where the machine's probe refuses every call but a whole tile, tile by tile: the same bits."""
     cache, query, starts, dense, layout, metadata = _step(torch.bfloat16, 32, "plain")
     stacked = torch.zeros(starts[-1], HEADS * GROUP * HEAD, dtype=torch.bfloat16)
     paged.paged_attention(stacked, query, cache, layout, metadata, HEADS * GROUP, 0.2)
-    monkeypatch.setattr(native_tiles, "stacks", lambda *args: False)
+    monkeypatch.setattr(native_tiles, "rows_keep_bits", lambda *args: False)
     one_by_one = torch.zeros_like(stacked)
     paged.paged_attention(one_by_one, query, cache, layout, metadata, HEADS * GROUP, 0.2)
     assert_bitwise_equal(one_by_one, stacked, "tiles one by one vs stacked")
