@@ -149,12 +149,14 @@ def run_tiles(queries: torch.Tensor, factor: torch.Tensor, k: torch.Tensor, v: t
     strides). Each position gets the bits it gets in its tile computed alone."""
     heads, _, group_size, dim = queries.shape
     shape = (heads, group_size, dim, v.shape[-1], config, torch.get_num_threads())
-    calls = [call for run in work.runs for call in _calls(run, shape)]
+    calls = _calls(work.runs[0], shape) if len(work.runs) == 1 else \
+        tuple(call for run in work.runs for call in _calls(run, shape))
     widest = max(n for _, n, _ in calls)
     # one buffer for every call's query rows and one for every piece's scores: fresh memory for
     # each would be paged in each time
     rows = torch.empty(heads, widest, group_size, dim)
-    scores = torch.empty(heads * widest * group_size * max(min(config.span, r.stop - r.start) for r in work.runs))
+    size = heads * widest * group_size * max(min(config.span, r.stop - r.start) for r in work.runs)
+    scores = torch.empty(-(-size // LANES) * LANES)     # room to round every exp2 call up to LANES
     for lo, n, run in calls:
         q = rows.narrow(1, 0, n)                                        # [Hkv, n, G, D]
         first, last = max(work.begin, lo), min(work.end, lo + n)
@@ -166,7 +168,8 @@ def run_tiles(queries: torch.Tensor, factor: torch.Tensor, k: torch.Tensor, v: t
                sinks, out, work.begin, work.end, scores)
 
 
-def _calls(run: Run, shape: tuple) -> list[tuple[int, int, Run]]:
+@functools.lru_cache(maxsize=4096)
+def _calls(run: Run, shape: tuple) -> tuple[tuple[int, int, Run], ...]:
     """How a run is computed: (first position, positions, run) per call. The run in one call where
     the probe shows each position keeps its tile's bits; a short run padded to the fewest positions
     that do; else its tiles one by one (each tile alone: its bits by definition)."""
@@ -175,18 +178,19 @@ def _calls(run: Run, shape: tuple) -> list[tuple[int, int, Run]]:
     aligned = run.lo % tm == 0 and n == tm
     lengths = _lengths(run, config)
     if aligned or rows_keep_bits(*shape, n, lengths):
-        return [(run.lo, n, run)]
+        return ((run.lo, n, run),)
     for padded in range(n + 1, tm):
         if rows_keep_bits(*shape, padded, lengths):
-            return [(run.lo, padded, run)]
-    return [(tile * tm, tm, run) for tile in range(run.lo // tm, (run.hi - 1) // tm + 1)]
+            return ((run.lo, padded, run),)
+    return tuple((tile * tm, tm, run) for tile in range(run.lo // tm, (run.hi - 1) // tm + 1))
 
 
-def _pieces(run: Run, config: NativeConfig) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=4096)
+def _pieces(run: Run, config: NativeConfig) -> tuple[tuple[int, int], ...]:
     """The spans a run reads, cut at multiples of `span` (absolute), each [from, to)."""
     cuts = list(range((run.start // config.span + 1) * config.span, run.stop, config.span))
     edges = [run.start, *cuts, run.stop]
-    return list(zip(edges, edges[1:]))
+    return tuple(zip(edges, edges[1:]))
 
 
 def _lengths(run: Run, config: NativeConfig) -> tuple[tuple[bool, int], ...]:
@@ -232,7 +236,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, lo: int
             alpha = _lane_uniform(torch.exp2, m - top)
         m = top
         s.sub_(m.unsqueeze(-1))
-        _lane_uniform(torch.exp2, s)
+        _lane_uniform(torch.exp2, s, scores)
         total = torch.sum(s, -1, out=torch.empty(heads, m_rows))
         values = v if whole else v.narrow(1, a - base, b - a)
         if acc is None:
@@ -269,16 +273,20 @@ def _causal(positions: int, group_size: int, width: int, offset: int) -> torch.T
                                                                     float("-inf"))
 
 
-def _lane_uniform(fn, x: torch.Tensor) -> torch.Tensor:
+def _lane_uniform(fn, x: torch.Tensor, room: torch.Tensor | None = None) -> torch.Tensor:
     """fn (element-wise, in place through out=) over contiguous x: on calls of a multiple of LANES
     elements, at most BLOCK per call where a thread split could land inside one (one thread: no
-    split), so no element is in a scalar tail; returns x."""
+    split), so no element is in a scalar tail; returns x. `room`: a flat buffer x starts at whose
+    following elements may be overwritten (the call is rounded up inside it instead of copied)."""
     flat = x.view(-1)
     n = flat.numel()
-    if n % LANES == 0 and (n <= BLOCK or torch.get_num_threads() == 1):
-        return fn(x, out=x)
     whole = -(-n // LANES) * LANES
-    work = flat if whole == n else torch.cat([flat, flat.new_zeros(whole - n)])
+    if room is not None and whole <= room.numel() and flat.data_ptr() == room.data_ptr():
+        flat = room.narrow(0, 0, whole)
+    if flat.numel() % LANES == 0 and (whole <= BLOCK or torch.get_num_threads() == 1):
+        fn(flat, out=flat)
+        return x
+    work = flat if flat.numel() == whole else torch.cat([flat, flat.new_zeros(whole - n)])
     step = whole if torch.get_num_threads() == 1 else BLOCK
     for i in range(0, whole, step):
         part = work[i:i + step]

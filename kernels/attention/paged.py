@@ -53,12 +53,13 @@ def _positions(part: torch.Tensor, layout, block: int, head: int) -> torch.Tenso
 class Request:
     """One request of a step: its query rows, its tiles, the blocks covering the keys they read."""
 
-    rows: slice            # its rows of the step's query and output
-    length: int            # keys it holds (its last query is at position length - 1)
+    first: int             # its rows of the step's query and output: first .. first + count - 1
+    count: int
     work: Plan
-    ids: torch.Tensor      # the blocks holding positions first_block * block ...
-    first_block: int
-    held_blocks: int       # blocks the key buffer spans (those gathered, then zeros)
+    ids: torch.Tensor      # the blocks gathered: positions origin .. origin + len(ids) * block - 1
+    spans: int             # blocks the key buffer spans (those gathered, then zeros)
+    zeros: int             # buffer positions from here on are absent (zero)
+    offset: int            # own position work.start in the buffer
 
 
 def step_plan(starts: list[int], lengths: list[int], table: list[list[int]], block: int,
@@ -72,9 +73,10 @@ def step_plan(starts: list[int], lengths: list[int], table: list[list[int]], blo
         work = plan(length - q_len, length, Pattern(), config)
         first_block = work.start // block
         filled = -(-min(work.stop, length) // block)          # blocks holding keys it reads
-        spans = -(-work.stop // block) - first_block
         ids = torch.tensor(table[r][first_block:filled], dtype=torch.long)
-        out.append(Request(slice(starts[r], starts[r + 1]), length, work, ids, first_block, spans))
+        origin = first_block * block
+        out.append(Request(starts[r], q_len, work, ids, -(-work.stop // block) - first_block,
+                           length - origin, work.start - origin))
     return out
 
 
@@ -111,11 +113,11 @@ def paged_attention(output: torch.Tensor, query: torch.Tensor, kv_cache: torch.T
     factor = query_scale(scale, None)
     with stock_ops():
         for request in planned(metadata, block, config):
-            stored = memory[request.ids]                                  # [nb, Hkv, 2, block * D]
-            keys, values = (_keys(stored[:, :, which], part, request, block, head)
+            stored = torch.index_select(memory, 0, request.ids)          # [nb, Hkv, 2, block * D]
+            keys, values = (_keys(stored.select(2, which), part, request, block, head)
                             for which, part in enumerate(layout))
-            run_tiles(queries[request.rows].transpose(0, 1), factor, keys, values, request.work, config,
-                      written[request.rows].transpose(0, 1))
+            run_tiles(queries.narrow(0, request.first, request.count).transpose(0, 1), factor, keys, values,
+                      request.work, config, written.narrow(0, request.first, request.count).transpose(0, 1))
     return output
 
 
@@ -123,11 +125,11 @@ def _keys(stored: torch.Tensor, layout, request: Request, block: int, head: int)
     """One part of a request's blocks [nb, Hkv, block * D] -> fp32 [Hkv, stop - start, D] from own
     position work.start, absent positions zero."""
     shaped = _positions(stored, layout, block, head)                      # [nb, Hkv, block, D]
-    nb = shaped.shape[0]
-    buffer = torch.empty(shaped.shape[1], request.held_blocks, block, head)
-    buffer[:, :nb] = shaped.transpose(0, 1)
-    buffer = buffer.view(shaped.shape[1], -1, head)                      # [Hkv, positions, D]
-    origin = request.first_block * block
-    if request.length - origin < buffer.shape[1]:
-        buffer[:, request.length - origin:] = 0.0
-    return buffer[:, request.work.start - origin:request.work.stop - origin]
+    nb, heads = shaped.shape[:2]
+    buffer = torch.empty(heads, request.spans, block, head)
+    (buffer if nb == request.spans else buffer.narrow(1, 0, nb)).copy_(shaped.transpose(0, 1))
+    buffer = buffer.view(heads, -1, head)                                # [Hkv, positions, D]
+    if request.zeros < buffer.shape[1]:
+        buffer.narrow(1, request.zeros, buffer.shape[1] - request.zeros).zero_()
+    width = request.work.stop - request.work.start
+    return buffer if width == buffer.shape[1] else buffer.narrow(1, request.offset, width)

@@ -35,12 +35,21 @@ def test_the_probe_gives_a_verdict_and_tiles_one_by_one_give_the_same_bits(monke
     q, k, v = (randn(2, h, 700, 64, dtype=torch.bfloat16, gen=gen, on="cpu") for h in (9, 3, 3))
     allowed = native.attention(q, k, v), [native.attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1])
                                           for t in (0, 17, 63, 64, 600)]
-    monkeypatch.setattr(native_tiles, "rows_keep_bits", lambda *args: False)
+    refuse_every_call_but_a_tile(monkeypatch)
     refused = native.attention(q, k, v), [native.attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1])
                                           for t in (0, 17, 63, 64, 600)]
     assert_bitwise_equal(refused[0], allowed[0], "a prefill tile by tile vs in calls the probe allows")
     for a, b in zip(refused[1], allowed[1]):
         assert_bitwise_equal(a, b, "a decode step in its whole tile vs in the rows the probe allows")
+
+
+def refuse_every_call_but_a_tile(monkeypatch) -> None:
+    """The probe refuses every call size (the calls of a run are chosen afresh, not from cache)."""
+    monkeypatch.setattr(native_tiles, "rows_keep_bits", lambda *args: False)
+    monkeypatch.setattr(native_tiles, "_calls", native_tiles._calls.__wrapped__)
+    run = native_tiles.Run(63, 100, 0, 128)
+    assert native_tiles._calls(run, SHAPE[:4] + (DEFAULT_CONFIG, 1)) == tuple(
+        (t * 16, 16, run) for t in range(3, 7)), "refused calls are not the run's tiles"
 
 
 def _twin(stock, other):
@@ -83,14 +92,21 @@ def _sizes_check(exp2) -> None:
     assert_bitwise_equal(alone, expected[:2048], "exp2 of each element alone")
 
 
+def _in_room(x: torch.Tensor) -> torch.Tensor:
+    """exp2 of x computed at the start of a larger buffer, the call rounded up inside it."""
+    room = torch.full((x.numel() + native_tiles.LANES,), 7.0)
+    return native_tiles._lane_uniform(torch.exp2, room.narrow(0, 0, x.numel()).copy_(x), room).clone()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-def test_lane_uniform_exp2_gives_an_element_its_bits_at_any_size(threads):
+@pytest.mark.parametrize("room", [False, True], ids=["padded-copy", "in-room"])
+def test_lane_uniform_exp2_gives_an_element_its_bits_at_any_size(threads, room):
     """Every element takes the vector body, in calls of any size (tails of every length, more
-    than BLOCK elements) at one thread and at two."""
+    than BLOCK elements) at one thread and at two, padded by a copy or rounded up in a buffer."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _sizes_check(lambda x: native_tiles._lane_uniform(torch.exp2, x))
+        _sizes_check(_in_room if room else lambda x: native_tiles._lane_uniform(torch.exp2, x))
     finally:
         torch.set_num_threads(before)
 

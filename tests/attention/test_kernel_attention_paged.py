@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import assert_bitwise_equal, randn
+from test_kernel_attention_native_tiles import refuse_every_call_but_a_tile
 
-from kvfid.kernels.attention import native, native_tiles, paged
+from kvfid.kernels.attention import native, paged
 
 HEADS, GROUP, HEAD = 2, 3, 32
 # (queries, keys held): decodes one past a key tile, at a block edge and past a span; a prefill;
@@ -94,7 +95,7 @@ def test_tiles_computed_one_by_one_give_the_same_bits(monkeypatch):
     cache, query, starts, dense, layout, metadata = _step(torch.bfloat16, 32, "plain")
     stacked = torch.zeros(starts[-1], HEADS * GROUP * HEAD, dtype=torch.bfloat16)
     paged.paged_attention(stacked, query, cache, layout, metadata, HEADS * GROUP, 0.2)
-    monkeypatch.setattr(native_tiles, "rows_keep_bits", lambda *args: False)
+    refuse_every_call_but_a_tile(monkeypatch)
     one_by_one = torch.zeros_like(stacked)
     paged.paged_attention(one_by_one, query, cache, layout, metadata, HEADS * GROUP, 0.2)
     assert_bitwise_equal(one_by_one, stacked, "tiles one by one vs stacked")

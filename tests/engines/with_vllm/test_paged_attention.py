@@ -70,6 +70,7 @@ def test_every_request_of_a_step_has_the_native_bits_alone(dtype, gathered, alon
     instead of as a view; `alone`: query tiles never stacked (where the machine's probe fails)."""
     if alone:
         monkeypatch.setattr(native_tiles, "rows_keep_bits", lambda *args: False)
+        monkeypatch.setattr(native_tiles, "_calls", native_tiles._calls.__wrapped__)
     where = paged_layout("vec", dtype, BLOCK, HEAD)
     layout = tuple(torch.argsort(w) for w in where) if gathered else paged.layouts(*where, BLOCK, HEAD)
     # decodes at several lengths (one past a key tile, one at a block edge), a prefill, a chunk
