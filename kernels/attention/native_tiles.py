@@ -159,7 +159,7 @@ def run_tiles(queries: torch.Tensor, factor: torch.Tensor, k: torch.Tensor, v: t
     scores = torch.empty(-(-size // LANES) * LANES)     # room to round every exp2 call up to LANES
     for lo, n, run in calls:
         q = rows.narrow(1, 0, n)                                        # [Hkv, n, G, D]
-        first, last = max(work.begin, lo), min(work.end, lo + n)
+        first, last = max(work.begin, run.lo, lo), min(work.end, run.hi, lo + n)   # the run's own positions
         if last - first < n:
             q.zero_()                                                   # absent positions: zero rows
         torch.mul(queries.narrow(1, first - work.begin, last - first), factor,
@@ -203,7 +203,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, lo: int
            out: torch.Tensor, begin: int, end: int, scores: torch.Tensor | None = None) -> None:
     """One call: q [Hkv, n * G, D], the rows of own positions lo .. lo + n - 1 (G each), over the
     keys run.start .. run.stop - 1 of k, v (index 0 at own position `base`); the outputs of its
-    positions in begin .. end - 1 written to out[:, position - begin] ([Hkv, *, G, Dv]).
+    positions in the run and in begin .. end - 1 written to out[:, position - begin] ([Hkv, *, G, Dv]).
     `scores`: a flat fp32 buffer to compute each piece's scores in (else fresh)."""
     heads, m_rows, _ = q.shape
     group_size, tn = m_rows // n, config.tile_n
@@ -250,7 +250,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, lo: int
         alpha = _lane_uniform(torch.exp2, m - top)
         l.mul_(alpha).add_(_lane_uniform(torch.exp2, sink - top))
         acc.mul_(alpha.unsqueeze(-1))
-    first, last = max(begin, lo), min(end, lo + n)
+    first, last = max(begin, run.lo, lo), min(end, run.hi, lo + n)
     if first < last:
         acc, l = acc.view(heads, n, group_size, acc.shape[-1]), l.view(heads, n, group_size, 1)
         if last - first < n:
