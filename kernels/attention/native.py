@@ -34,8 +34,8 @@ import math
 import torch
 
 from kvfid.kernels import FLOAT_DTYPES
-from kvfid.kernels.attention.native_tiles import (DEFAULT_CONFIG, NativeConfig, Pattern, plan, query_scale,
-                                                   run_tiles)
+from kvfid.kernels.attention.native_call import DEFAULT_CONFIG, NativeConfig, Pattern
+from kvfid.kernels.attention.native_tiles import plan, query_scale, run_tiles
 from kvfid.kernels.attention.reference import attention_ref  # noqa: F401  (the same contract's reference)
 from kvfid.kernels.attention.views import as_visibility, check_visibility, runs
 from kvfid.kernels.invariant.mode import stock_ops

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfid.kernels.attention.native_tiles import DEFAULT_CONFIG, NativeConfig, Pattern, Plan, plan, query_scale, run_tiles
+from kvfid.kernels.attention.native_call import DEFAULT_CONFIG, NativeConfig, Pattern
+from kvfid.kernels.attention.native_tiles import Plan, plan, query_scale, run_stacked, run_tiles
 from kvfid.kernels.invariant.mode import stock_ops
 
 
@@ -62,10 +63,29 @@ class Request:
     offset: int            # own position work.start in the buffer
 
 
+@dataclass(frozen=True)
+class Stack:
+    """Decode steps of a step whose keys end in the same key tile: computed in one call."""
+
+    requests: tuple[Request, ...]
+    rows: torch.Tensor       # [S] their rows of the step's query and output
+    positions: tuple[int, ...]
+    ids: torch.Tensor        # [S * spans] the blocks gathered for each (the first block where it holds none)
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step's work: requests computed alone, and stacks of decode steps."""
+
+    alone: tuple[Request, ...]
+    stacks: tuple[Stack, ...]
+
+
 def step_plan(starts: list[int], lengths: list[int], table: list[list[int]], block: int,
-              config: NativeConfig) -> list[Request]:
-    """Each request's work: the query tiles of its last starts[r+1] - starts[r] positions."""
-    out = []
+              config: NativeConfig) -> Step:
+    """Each request's work (the query tiles of its last starts[r+1] - starts[r] positions); its
+    decode steps grouped by the key tile their keys end in."""
+    alone, decodes = [], {}
     for r, length in enumerate(lengths):
         q_len = starts[r + 1] - starts[r]
         if not q_len:
@@ -73,17 +93,30 @@ def step_plan(starts: list[int], lengths: list[int], table: list[list[int]], blo
         work = plan(length - q_len, length, Pattern(), config)
         first_block = work.start // block
         filled = -(-min(work.stop, length) // block)          # blocks holding keys it reads
-        ids = torch.tensor(table[r][first_block:filled], dtype=torch.long)
+        ids = table[r][first_block:filled]
         origin = first_block * block
-        out.append(Request(starts[r], q_len, work, ids, -(-work.stop // block) - first_block,
-                           length - origin, work.start - origin))
-    return out
+        request = Request(starts[r], q_len, work, torch.tensor(ids, dtype=torch.long),
+                          -(-work.stop // block) - first_block, length - origin, work.start - origin)
+        if q_len == 1 and work.stop - work.start <= config.span:   # longer: the products decide, not the calls
+            decodes.setdefault((work.start, work.stop), []).append((request, ids + [ids[0]] * (request.spans - len(ids))))
+        else:
+            alone.append(request)
+    stacks = []
+    for members in decodes.values():
+        if len(members) == 1:
+            alone.append(members[0][0])
+            continue
+        requests = tuple(m[0] for m in members)
+        stacks.append(Stack(requests, torch.tensor([r.first for r in requests]),
+                            tuple(r.work.begin for r in requests),
+                            torch.tensor([i for m in members for i in m[1]], dtype=torch.long)))
+    return Step(tuple(alone), tuple(stacks))
 
 
 _STEP: dict = {}        # the last step's metadata, what it said, its plan (every layer reads one step)
 
 
-def planned(metadata, block: int, config: NativeConfig) -> list[Request]:
+def planned(metadata, block: int, config: NativeConfig) -> Step:
     """The plan of the step `metadata` describes (vLLM's CPU attention metadata: query_start_loc,
     seq_lens, block_table), made once for all its layers (again if the metadata object or what
     it says changed)."""
@@ -111,14 +144,55 @@ def paged_attention(output: torch.Tensor, query: torch.Tensor, kv_cache: torch.T
     queries = query.view(query.shape[0], heads, group, head)
     written = output.view(output.shape[0], heads, group, head)
     factor = query_scale(scale, None)
+    step = planned(metadata, block, config)
     with stock_ops():
-        for request in planned(metadata, block, config):
-            stored = torch.index_select(memory, 0, request.ids)          # [nb, Hkv, 2, block * D]
-            keys, values = (_keys(stored.select(2, which), part, request, block, head)
-                            for which, part in enumerate(layout))
-            run_tiles(queries.narrow(0, request.first, request.count).transpose(0, 1), factor, keys, values,
-                      request.work, config, written.narrow(0, request.first, request.count).transpose(0, 1))
+        for stack in step.stacks:
+            if not _stacked(stack, queries, written, memory, layout, factor, block, head, config):
+                for request in stack.requests:
+                    _alone(request, queries, written, memory, layout, factor, block, head, config)
+        for request in step.alone:
+            _alone(request, queries, written, memory, layout, factor, block, head, config)
     return output
+
+
+def _alone(request: Request, queries, written, memory, layout, factor, block: int, head: int,
+           config: NativeConfig) -> None:
+    """One request: its blocks gathered, its tiles computed (native_tiles.run_tiles)."""
+    stored = torch.index_select(memory, 0, request.ids)                  # [nb, Hkv, 2, block * D]
+    keys, values = (_keys(stored.select(2, which), part, request, block, head)
+                    for which, part in enumerate(layout))
+    run_tiles(queries.narrow(0, request.first, request.count).transpose(0, 1), factor, keys, values,
+              request.work, config, written.narrow(0, request.first, request.count).transpose(0, 1))
+
+
+def _stacked(stack: Stack, queries, written, memory, layout, factor, block: int, head: int,
+             config: NativeConfig) -> bool:
+    """A stack of decode steps in one call (native_tiles.run_stacked); False where the machine's
+    probe refuses it."""
+    count, first = len(stack.requests), stack.requests[0]
+    spans, heads = first.spans, memory.shape[1]
+    stored = torch.index_select(memory, 0, stack.ids).view(count, spans, heads, 2, -1)
+    width, used = first.work.stop - first.work.start, first.offset + first.work.stop - first.work.start
+    parts = []
+    for which, part in enumerate(layout):                  # [S, Hkv, used, D] fp32, absent zero
+        shaped = _positions(stored.select(3, which), part, block, head)   # [S, spans, Hkv, block, D]
+        buffer = torch.empty(count, heads, spans, block, head)
+        if spans == 1 and used < block:                    # a block longer than the keys read
+            buffer, shaped = buffer.narrow(3, 0, used), shaped.narrow(3, 0, used)
+        buffer.copy_(shaped.transpose(1, 2))
+        buffer = buffer.view(count, heads, -1, head)
+        for i, request in enumerate(stack.requests):
+            if request.zeros < buffer.shape[2]:
+                buffer[i].narrow(1, request.zeros, buffer.shape[2] - request.zeros).zero_()
+        if width < buffer.shape[2]:
+            buffer = buffer.narrow(2, first.offset, width)
+        parts.append(buffer.reshape(count * heads, width, head))
+    done = run_stacked(torch.index_select(queries, 0, stack.rows), factor, *parts, stack.positions,
+                       first.work.runs[0], config)
+    if done is None:
+        return False
+    written.index_copy_(0, stack.rows, done.to(written.dtype))
+    return True
 
 
 def _keys(stored: torch.Tensor, layout, request: Request, block: int, head: int) -> torch.Tensor:

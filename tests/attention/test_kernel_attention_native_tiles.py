@@ -1,4 +1,4 @@
-"""kvfid.kernels.attention.native_tiles, the tile math under the native and the paged path: the
+"""kvfid.kernels.attention.native_tiles and native_call, the tile math under the native and the paged path: the
 call-size probe (positions in one product, more or fewer than a tile, only where this machine
 gives each the bits of its tile alone), its controls (a product or a row sum whose row bits depend
 on the rows in the call is caught, wider or narrower), tiles one by one giving the same bits, and
@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import assert_bitwise_equal, randn
 
-from kvfid.kernels.attention import native, native_tiles
-from kvfid.kernels.attention.native_tiles import DEFAULT_CONFIG
+from kvfid.kernels.attention import native, native_call, native_tiles
+from kvfid.kernels.attention.native_call import DEFAULT_CONFIG
 
 # SmolLM2's heads (3 KV heads of 3 queries, D 64), a tile of 16 positions (48 rows): calls of a
 # key tile's 64 positions and of 1 to 15, one piece of a key tile and a later piece of a full span
@@ -47,7 +47,7 @@ def refuse_every_call_but_a_tile(monkeypatch) -> None:
     """The probe refuses every call size (the calls of a run are chosen afresh, not from cache)."""
     monkeypatch.setattr(native_tiles, "rows_keep_bits", lambda *args: False)
     monkeypatch.setattr(native_tiles, "_calls", native_tiles._calls.__wrapped__)
-    run = native_tiles.Run(63, 100, 0, 128)
+    run = native_call.Run(63, 100, 0, 128)
     assert native_tiles._calls(run, SHAPE[:4] + (DEFAULT_CONFIG, 1)) == tuple(
         (t * 16, 16, run) for t in range(3, 7)), "refused calls are not the run's tiles"
 
@@ -81,10 +81,30 @@ def test_control_the_probe_catches_a_row_sum_that_depends_on_the_call(monkeypatc
     assert not _probe(positions), "a row sum whose bits depend on the rows in the call was not caught"
 
 
+def _sequences_probe(count: int = 5) -> bool:
+    """The stacking probe of decode steps, uncached: `count` sequences of 2-position calls."""
+    return all(native_tiles._sequences_probe.__wrapped__(*SHAPE, 1, count, 2, later, keys)
+               for later, keys in PROBED)
+
+
+def test_control_the_sequences_probe_catches_a_product_whose_batch_entries_depend_on_the_batch(monkeypatch):
+    """Sequences stacked in the products' batch dimension: a product that computes a batch of more
+    than one sequence's heads another way is caught (this machine's own verdict is printed)."""
+    print(f"decode steps of 5 sequences stacked keep their bits here: {_sequences_probe()}")
+    stock = torch.bmm
+
+    def split(a, b, **kwargs):   # the reduction in two halves, then added
+        half = a.shape[-1] // 2
+        out = stock(a[..., :half], b[:, :half]) + stock(a[..., half:], b[:, half:])
+        return kwargs["out"].copy_(out) if "out" in kwargs else out
+    monkeypatch.setattr(torch, "bmm", lambda a, *rest, **kw: (split if a.shape[0] > SHAPE[0] else stock)(a, *rest, **kw))
+    assert not _sequences_probe(), "a product whose batch entries depend on the batch was not caught"
+
+
 def _sizes_check(exp2) -> None:
     """exp2(x) over calls of several sizes: each element's bits those of a call of LANES elements."""
-    lanes = native_tiles.LANES
-    x = torch.randn(3 * native_tiles.BLOCK + lanes, generator=torch.Generator().manual_seed(1)) * 30
+    lanes = native_call.LANES
+    x = torch.randn(3 * native_call.BLOCK + lanes, generator=torch.Generator().manual_seed(1)) * 30
     expected = torch.cat([torch.exp2(x[i:i + lanes]) for i in range(0, x.numel(), lanes)])
     for n in (1, 7, 255, 257, 1000, x.numel() - 44, x.numel()):
         assert_bitwise_equal(exp2(x[:n].clone()), expected[:n], f"exp2 over {n} elements")
@@ -94,8 +114,8 @@ def _sizes_check(exp2) -> None:
 
 def _in_room(x: torch.Tensor) -> torch.Tensor:
     """exp2 of x computed at the start of a larger buffer, the call rounded up inside it."""
-    room = torch.full((x.numel() + native_tiles.LANES,), 7.0)
-    return native_tiles._lane_uniform(torch.exp2, room.narrow(0, 0, x.numel()).copy_(x), room).clone()
+    room = torch.full((x.numel() + native_call.LANES,), 7.0)
+    return native_call.lane_uniform(torch.exp2, room.narrow(0, 0, x.numel()).copy_(x), room).clone()
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -106,7 +126,7 @@ def test_lane_uniform_exp2_gives_an_element_its_bits_at_any_size(threads, room):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _sizes_check(_in_room if room else lambda x: native_tiles._lane_uniform(torch.exp2, x))
+        _sizes_check(_in_room if room else lambda x: native_call.lane_uniform(torch.exp2, x))
     finally:
         torch.set_num_threads(before)
 

@@ -90,6 +90,21 @@ def test_every_request_has_the_native_bits_alone_at_every_block_size(block, dtyp
     assert not torch.equal(other[starts[4]:starts[5]], out[starts[4]:starts[5]])
 
 
+def test_decode_steps_ending_in_one_key_tile_are_stacked_and_give_their_bits_either_way(monkeypatch):
+    """The step's decodes at 1, 33 and 64 keys end in the first key tile: one stack (the test above
+    holds their bits to native alone); refused by the probe, one by one, the same bits."""
+    cache, query, starts, dense, layout, metadata = _step(torch.bfloat16, 32, "plain")
+    step = paged.step_plan(starts, metadata.seq_lens.tolist(), metadata.block_table.tolist(), 32,
+                           paged.DEFAULT_CONFIG)
+    assert [s.positions for s in step.stacks] == [(0, 63, 32)]      # in the step's order
+    stacked = torch.zeros(starts[-1], HEADS * GROUP * HEAD, dtype=torch.bfloat16)
+    paged.paged_attention(stacked, query, cache, layout, metadata, HEADS * GROUP, 0.2)
+    monkeypatch.setattr(paged, "run_stacked", lambda *args: None)
+    alone = torch.zeros_like(stacked)
+    paged.paged_attention(alone, query, cache, layout, metadata, HEADS * GROUP, 0.2)
+    assert_bitwise_equal(alone, stacked, "decode steps one by one vs stacked")
+
+
 def test_tiles_computed_one_by_one_give_the_same_bits(monkeypatch):
     """Where the machine's probe refuses every call but a whole tile, tile by tile: the same bits."""
     cache, query, starts, dense, layout, metadata = _step(torch.bfloat16, 32, "plain")
