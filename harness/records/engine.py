@@ -84,6 +84,7 @@ class EngineCheckRecord:
     wall_s: float = 0.0
     status: str = "ok"
     threads: int | None = None                # the engines' torch threads (None: vLLM-CPU's own)
+    block_size: int = 32                      # the KV block in tokens the engines ran with
 
     @property
     def exact(self) -> bool:

@@ -1,26 +1,26 @@
 """Batch-invariant, prefill-decode-invariant causal attention in plain PyTorch (the native CPU path).
 
-The same tiling contract as the Triton kernel (kernels/attention/kernel.py), written with torch ops so a
-CPU runs it at BLAS speed instead of in the Triton interpreter:
+The tiling contract of the Triton kernel (kernels/attention/kernel.py), written with torch ops so
+a CPU runs it at BLAS speed instead of in the Triton interpreter; the tile math itself is
+kernels/attention/native_tiles.py, which the paged path (paged.py) shares:
 
 * query tiles of `tile_m` positions aligned to each row's own positions: position t is row
   `t % tile_m` of query tile `t // tile_m`, a decode query padded up to that tile with zero rows;
-* key/value tiles of `tile_n` positions (a multiple of `tile_m`), aligned the same way, zero-filled
-  where a key is absent, visited in order with an fp32 online softmax;
-* every product is one `torch.bmm` of one fixed shape per model, [Hkv, G * tile_m, D] x
-  [Hkv, D, tile_n] (G query heads per key/value head stacked as rows) and [Hkv, G * tile_m,
-  tile_n] x [Hkv, tile_n, Dv], on fresh fp32 tiles; every elementwise op and row reduction also
-  runs on tensors of that one shape. No call ever sees a shape that depends on the batch, the
-  length or the chunking, and a row sits at the same place of the same shape in every
-  construction, so the BLAS call it goes through is the same call.
+* a tile reads the keys from a start fixed by its own first position to the end of the key tile
+  of `tile_n` positions that holds it, in spans of `span` positions aligned to absolute positions,
+  in order, with an fp32 online softmax across spans; keys absent from the call are zeros and
+  masked. Every product a position goes through has a shape fixed by its tile alone (never by
+  the batch, the length or the chunking), and the position sits at the same row of it;
+* the positions of one key tile share one product where this machine's probe shows each gets
+  the bits it gets in its tile alone (native_tiles.rows_keep_bits), a decode step only its own
+  rows (padded to the fewest the probe allows), else tile by tile: the same bits either way.
 
 Batch rows are computed one after another (a row never shares a product with another row), each in
 its own positions: absolute position minus its left padding (`first_valid`, the absolute position
-of its first valid key), so neither padding nor neighbours can change its bits. A key tile that is
-fully masked for a row is an exact no-op of the online softmax (the state stays bit for bit), so
-the tiles a row really reads are the same in every construction. Optional: a sliding `window`
-(p - window < k <= p), a `chunk`ed local attention (k // chunk == p // chunk), logit `softcap`
-(softcap * tanh(s / softcap), in fp32) and per-head `sinks` (a logit in the softmax denominator).
+of its first valid key), so neither padding nor neighbours can change its bits. Optional: a
+sliding `window` (p - window < k <= p), a `chunk`ed local attention (k // chunk == p // chunk),
+logit `softcap` (softcap * tanh(s / softcap), in fp32) and per-head `sinks` (a logit in the
+softmax denominator).
 
 Whether a stock bmm really gives a row the same bits at the same place of the same shape is a
 property of the machine's BLAS; kvfid.environment.invariance proves it per machine (implementation
@@ -30,29 +30,15 @@ property of the machine's BLAS; kvfid.environment.invariance proves it per machi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from kvfid.kernels import FLOAT_DTYPES
+from kvfid.kernels.attention.native_call import DEFAULT_CONFIG, NativeConfig, Pattern
+from kvfid.kernels.attention.native_tiles import plan, query_scale, run_tiles
 from kvfid.kernels.attention.reference import attention_ref  # noqa: F401  (the same contract's reference)
 from kvfid.kernels.attention.views import as_visibility, check_visibility, runs
 from kvfid.kernels.invariant.mode import stock_ops
-
-
-@dataclass(frozen=True)
-class NativeConfig:
-    """The fixed tiling: never a function of batch or length."""
-
-    tile_m: int = 16  # query positions per tile (per query head), as the Triton kernel's BLOCK_M
-    tile_n: int = 64  # keys per tile; a multiple of tile_m
-
-    def __post_init__(self) -> None:
-        if self.tile_m < 1 or self.tile_n % self.tile_m:
-            raise ValueError(f"tile_n ({self.tile_n}) must be a positive multiple of tile_m ({self.tile_m})")
-
-
-DEFAULT_CONFIG = NativeConfig()
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None) -> None:
@@ -87,96 +73,45 @@ def _first_valid(first_valid: torch.Tensor | None, batch: int) -> list[int]:
     return pads
 
 
-def _tiles(x: torch.Tensor, first: int, n_tiles: int, tile: int, start: int) -> torch.Tensor:
-    """x [H, G, T, D] (position `start` + i at index i) as fp32 tiles [n_tiles, H, G * tile, D]
-    covering positions first*tile .. (first+n_tiles)*tile - 1 (rows g-major); absent positions
-    are zeros."""
-    heads, group, length, dim = x.shape
-    out = torch.zeros(heads, group, n_tiles * tile, dim, dtype=torch.float32, device=x.device)
-    lo, hi = max(first * tile, start), min((first + n_tiles) * tile, start + length)
-    if hi > lo:
-        out[:, :, lo - first * tile:hi - first * tile] = x[:, :, lo - start:hi - start]
-    out = out.view(heads, group, n_tiles, tile, dim).permute(2, 0, 1, 3, 4)
-    return out.reshape(n_tiles, heads, group * tile, dim)  # a contiguous copy
-
-
-# The online softmax's starting maximum: finite, so a row that has seen no key yet needs no
-# special case (exp(-inf - floor) = 0, exp(floor - floor) = 1: a fully masked tile changes nothing).
-_FLOOR = -1e30
-
-
 def _row(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
          pad: int, key_start: int, window: int | None, chunk: int | None, softcap: float | None,
          sinks: torch.Tensor | None, config: NativeConfig) -> None:
-    """One batch row: q [Hq, Tq, D], k [Hkv, Tk, D], v [Hkv, Tk, Dv] -> out [Hq, Tq, Dv]."""
-    n_q, q_len, _ = q.shape
+    """One batch row: q [Hq, Tq, D], k [Hkv, Tk, D], v [Hkv, Tk, Dv] -> out [Hq, Tq, Dv], in the
+    row's own positions (absolute minus `pad`)."""
+    n_q, q_len, dim = q.shape
     n_kv, kv_len, _ = k.shape
-    group, tm, tn, dev = n_q // n_kv, config.tile_m, config.tile_n, q.device
-    key_first = max(key_start - pad, 0)  # own position of the first valid key present
-    end = key_start + kv_len - pad  # own positions of the keys end here
-    q_first = end - q_len  # own position of query 0
+    group, tm = n_q // n_kv, config.tile_m
+    key_first = max(key_start - pad, 0)      # own position of the first valid key held
+    end = key_start + kv_len - pad           # own positions of the keys end here
+    q_first = end - q_len                    # own position of query 0
     valid_first = max(q_first, key_first, 0)
     if valid_first >= end:
-        return  # every query of this row is padding
+        return                               # every query of this row is padding
+    work = plan(valid_first, end, Pattern(window, chunk, key_first), config)
+    count = end - valid_first
+    queries, written = q.unflatten(0, (n_kv, group)), out.unflatten(0, (n_kv, group))
+    if count < q_len:                        # [Hkv, G, count, D]: the valid queries
+        queries, written = (x.narrow(2, valid_first - q_first, count) for x in (queries, written))
+    keys = _keys(k, work.start, work.stop, key_first, end, key_start - pad)
+    values = _keys(v, work.start, work.stop, key_first, end, key_start - pad)
+    run_tiles(queries.transpose(1, 2), query_scale(scale, softcap), keys, values, work, config,
+              written.transpose(1, 2), softcap, sinks)
 
-    def lowest_key(position: int) -> int:
-        """The first key any query at or after `position` can see (window and chunk limits)."""
-        low = key_first
-        if window is not None:
-            low = max(low, position - window + 1)
-        if chunk is not None:
-            low = max(low, position // chunk * chunk)
-        return low
 
-    first_qt, last_qt = valid_first // tm, (end - 1) // tm
-    first_kt, last_kt = lowest_key(first_qt * tm) // tn, (end - 1) // tn
-    # Queries scaled once, in their fixed tiles; keys and values in theirs (absent ones zero).
-    q_own = _tiles(q.reshape(n_kv, group, q_len, -1) * scale if scale != 1.0 else
-                   q.reshape(n_kv, group, q_len, -1), first_qt, last_qt - first_qt + 1, tm, q_first)
-    k_own = _tiles(k[:, None], first_kt, last_kt - first_kt + 1, tn, key_start - pad)
-    v_own = _tiles(v[:, None], first_kt, last_kt - first_kt + 1, tn, key_start - pad)
-    k_own = k_own.transpose(2, 3)  # [n, Hkv, D, tn]
-    rows = torch.arange(tm, device=dev).repeat(group)[:, None]  # [G*tm, 1] offset in the tile
-    cols = torch.arange(tn, device=dev)[None, :]  # [1, tn]
-    sink = None
-    if sinks is not None:  # [Hkv, G * tm]: each row's head's sink logit
-        sink = sinks.float().reshape(n_kv, group, 1).expand(n_kv, group, tm).reshape(n_kv, group * tm)
-    results = []
-    for qt in range(first_qt, last_qt + 1):
-        tile = q_own[qt - first_qt]  # [Hkv, G*tm, D]
-        m = torch.full((n_kv, group * tm), _FLOOR, device=dev)
-        l = torch.zeros(n_kv, group * tm, device=dev)
-        acc = torch.zeros(n_kv, group * tm, v.shape[-1], device=dev)
-        low = lowest_key(qt * tm)
-        for kt in range(low // tn, (min((qt + 1) * tm, end) - 1) // tn + 1):
-            s = torch.bmm(tile, k_own[kt - first_kt])  # [Hkv, G*tm, tn]
-            if softcap is not None:
-                s = torch.tanh(s / softcap) * softcap
-            # Keys every row of the tile may see need no mask (masking them would change nothing).
-            if (kt + 1) * tn > qt * tm or kt * tn < low or window is not None or chunk is not None:
-                pos, key_pos = qt * tm + rows, kt * tn + cols  # own positions [G*tm, 1], [1, tn]
-                keep = (key_pos <= pos) & (key_pos >= key_first) & (key_pos < end)
-                if window is not None:
-                    keep &= key_pos > pos - window
-                if chunk is not None:
-                    keep &= key_pos // chunk == pos // chunk
-                s = s.masked_fill(~keep, float("-inf"))
-            m_new = torch.maximum(m, s.amax(-1))
-            alpha = torch.exp(m - m_new)
-            p = torch.exp(s - m_new[..., None])
-            l = torch.addcmul(p.sum(-1), l, alpha)
-            acc = torch.baddbmm(acc * alpha[..., None], p, v_own[kt - first_kt])  # [Hkv, G*tm, Dv]
-            m = m_new
-        if sink is not None:
-            m_all = torch.maximum(m, sink)
-            alpha = torch.exp(m - m_all)
-            l = torch.addcmul(torch.exp(sink - m_all), l, alpha)
-            acc = acc * alpha[..., None]
-        results.append(acc / l[..., None])
-    done = torch.stack(results).view(-1, n_kv, group, tm, v.shape[-1])  # [n_qt, Hkv, G, tm, Dv]
-    done = done.permute(1, 2, 0, 3, 4).reshape(n_q, -1, v.shape[-1])  # [Hq, n_qt*tm, Dv]
-    lo = valid_first - first_qt * tm
-    out[:, valid_first - q_first:] = done[:, lo:lo + end - valid_first].to(out.dtype)
+def _keys(x: torch.Tensor, start: int, stop: int, first: int, end: int, offset: int) -> torch.Tensor:
+    """x [Hkv, T, D] (own position offset + i at index i, valid from `first` to `end`) as fp32
+    [Hkv, stop - start, D] from own position `start`; absent positions zero."""
+    lo, hi = max(start, first), min(stop, end)
+    held = x if (lo - offset, hi - lo) == (0, x.shape[1]) else x.narrow(1, lo - offset, hi - lo)
+    if (lo, hi) == (start, stop):
+        return held.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], stop - start, x.shape[-1])
+    out.narrow(1, lo - start, hi - lo).copy_(held)
+    if lo > start:
+        out[:, :lo - start] = 0.0
+    if hi < stop:
+        out[:, hi - start:] = 0.0
+    return out
 
 
 def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -226,7 +161,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     in q's dtype, with bits per position independent of batch size and of how the positions were
     split into prefill, chunks or decode steps. `first_valid` [B]: row b's first valid key
     (absolute position; earlier keys are padding, never read; those queries are 0)."""
-    out = q.new_zeros(*q.shape[:3], v.shape[-1])
+    padded = first_valid is not None or visibility is not None   # positions never written are zeros
+    out = (q.new_zeros if padded else q.new_empty)(*q.shape[:3], v.shape[-1])
     return attention_into(out, q, k, v, scale, first_valid, key_start=key_start, window=window,
                           chunk=chunk, softcap=softcap, sinks=sinks, config=config,
                           visibility=visibility)

@@ -22,6 +22,8 @@ def no_vllm(monkeypatch):
 
 @pytest.mark.parametrize("args", [["engine-check", "--model", "smollm2-135m"],
                                   ["engine-check", "--kv", "--faithful", "--model", "smollm2-135m"],
+                                  ["engine-check", "--faithful", "--block-size", "vllm"],
+                                  ["engine-check", "--faithful", "--block-size", "128"],
                                   ["engine-bench", "--model", "smollm2-135m"],
                                   ["engine-bench", "--threads", "1", "--model", "smollm2-135m"],
                                   ["engine-bench", "--load", "4", "--model", "smollm2-135m"],
@@ -93,4 +95,10 @@ def test_engine_load_refuses_before_any_engine(no_vllm, args, said, tmp_path, mo
     shown = CliRunner().invoke(main, ["engine-load", "--db", "never.sqlite", *args])
     assert shown.exit_code == 2 and said in shown.output, shown.output
     assert not (tmp_path / "never.sqlite").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "x", "-32"])
+def test_a_bad_block_size_is_a_usage_error(value):
+    shown = CliRunner().invoke(main, ["engine-check", "--block-size", value])
+    assert shown.exit_code == 2 and "--block-size" in shown.output, shown.output
 

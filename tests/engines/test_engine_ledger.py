@@ -34,7 +34,7 @@ EXACT_KV = {**KV, "items_exact": 2, "first_bad_layer": None, "first_position": N
 RESULT = {"model": "smollm2-135m", "folder": "/models/smollm2", "dtype": "bf16",
           "engine": "vllm 0.32.0", "prompts": 2, "tokens": 8, "chunk": 32, "item_set": "arith",
           "batch_invariant": False, "batch_invariant_note": None, "faithful": False, "kv": True,
-          "wall_s": 3.25, "threads": 1,
+          "wall_s": 3.25, "threads": 1, "block_size": 128,
           "rows": [{"construction": "decode vs prefill re-scoring", "tokens": 16, "differ": 5,
                     "max_abs": 0.02, "items_exact": 0, "items": 2, "kv": KV},
                    {"construction": "decode alone vs batched", "tokens": 13, "differ": 0,
@@ -63,6 +63,8 @@ def test_the_record_round_trips_and_gives_back_engine_checks_result():
     assert faithful.exact and faithful.label == "vllm 0.32.0/bf16+faithful"
     with pytest.raises(ValueError, match="no field"):
         from_result({**RESULT, "surprise": 1})
+    before_blocks = {k: v for k, v in RESULT.items() if k != "block_size"}   # checks stored before
+    assert from_result(before_blocks).block_size == 32                        # ran at kvfid's 32
     no_kv = from_result({**RESULT, "kv": False, "rows": [{k: v for k, v in r.items() if k != "kv"}
                                                          for r in RESULT["rows"]]})
     assert no_kv.rows[0].kv is None and from_json(no_kv.to_json()) == no_kv

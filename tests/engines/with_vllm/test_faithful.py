@@ -90,6 +90,41 @@ def test_faithful_engine_is_bit_exact_in_every_row(tiny_folder, dtype, tmp_path)
     assert "**Bit-exact**: every construction gave the same logprob bits and the same K and V" in report
 
 
+@pytest.mark.parametrize("block_size", [None, 32, 64, 128], ids=["vllm-default", "32", "64", "128"])
+def test_faithful_engine_is_bit_exact_at_every_block_size_vllm_accepts(tiny_folder, block_size):
+    """Key tiles and spans are fixed by positions, not by KV blocks: every construction exact at
+    vLLM-CPU's default block (none given) and at each size; sequences past the largest block, so
+    the prefix cache serves full blocks and chunks cross block and tile edges."""
+    result = engine_check(f"hf:{tiny_folder}", "bf16", 2, 140, 32, kv=True, faithful=True, threads=1,
+                          block_size=block_size)
+    assert result["block_size"] == (block_size or result["block_size"]) and result["block_size"] % 32 == 0
+    for row in result["rows"]:
+        assert row["differ"] == 0 and row["tokens"] > 0, (block_size, row)
+        assert row["kv"]["items_exact"] == row["kv"]["items"] == 2 and row["kv"]["n_diff"] == 0, (block_size, row)
+    assert result["rows"][-1]["served_tokens"] >= result["block_size"]
+
+
+def test_a_block_size_vllm_refuses_is_refused_as_the_engine_starts(tiny_folder):
+    """vLLM-CPU's attention takes blocks in multiples of 32 (the faithful backend inherits that):
+    16 is refused in one line before any request."""
+    from kvfid.errors import Unavailable
+
+    with pytest.raises(Unavailable) as refused:
+        engine_check(f"hf:{tiny_folder}", "bf16", 1, 4, 32, faithful=True, threads=1, block_size=16)
+    assert "\n" not in str(refused.value) and "block size" in str(refused.value), refused.value
+
+
+def test_what_the_faithful_attention_cannot_serve_is_refused_as_the_engine_starts(windowed_folder):
+    """A sliding window: refused in one line when the engine starts, before any request."""
+    from kvfid.engines import engine as vllm_engine
+    from kvfid.errors import Unavailable
+
+    with pytest.raises(Unavailable) as refused:
+        with vllm_engine.engine(str(windowed_folder), "bf16", vllm_engine.EngineConfig(faithful=True)):
+            pytest.fail("the engine started")
+    assert "\n" not in str(refused.value) and "does not serve a sliding window" in str(refused.value)
+
+
 def _gaps(tiny_folder, tmp_path, *flags, dtype="fp32"):
     out = tmp_path / "r.jsonl"
     made = CliRunner().invoke(main, ["rollouts", "--engine", "vllm", *flags, "--model",

@@ -1,4 +1,4 @@
-"""The faithful engine's attention over the paged cache (kvfid.engines.paged_attention): every
+"""The faithful engine's attention over the paged cache (kvfid.kernels.attention.paged): every
 request of a step at once, each position bit for bit what kvfid's native path computes for that
 request alone, whatever else shares the step (decodes, prefills and chunks at lengths around the
 tile and block edges); a control shows the paged reader really reads the blocks the table names.
@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; `make install-vllm`, then `make test-vllm`")
 
-from kvfid.engines import paged_attention as paged  # noqa: E402
-from kvfid.kernels.attention import native  # noqa: E402
+from kvfid.engines.kv import paged_layout  # noqa: E402
+from kvfid.kernels.attention import native, native_tiles, paged  # noqa: E402
 
 BLOCK, HEADS, GROUP, HEAD = 32, 3, 3, 64
 
@@ -67,20 +67,18 @@ def _native(query, keys, values, scale):
                                                     (torch.bfloat16, False, True)])
 def test_every_request_of_a_step_has_the_native_bits_alone(dtype, gathered, alone, monkeypatch):
     """`gathered`: the writer's layout read by its inverse permutation (how an AMX layout is read)
-    instead of as a view; `alone`: groups of one item (where the machine's probe fails)."""
+    instead of as a view; `alone`: query tiles never stacked (where the machine's probe fails)."""
     if alone:
-        monkeypatch.setattr(paged, "slots_for", lambda *args: 1)
-    if gathered:
-        from kvfid.engines.kv import paged_layout
-
-        monkeypatch.setattr(paged, "_layouts", lambda isa, dt, block, head: tuple(
-            torch.argsort(w) for w in paged_layout(isa, dt, block, head)))
+        monkeypatch.setattr(native_tiles, "rows_keep_bits", lambda *args: False)
+        monkeypatch.setattr(native_tiles, "_calls", native_tiles._calls.__wrapped__)
+    where = paged_layout("vec", dtype, BLOCK, HEAD)
+    layout = tuple(torch.argsort(w) for w in where) if gathered else paged.layouts(*where, BLOCK, HEAD)
     # decodes at several lengths (one past a key tile, one at a block edge), a prefill, a chunk
     requests = [(1, 1), (1, 65), (1, 200), (37, 37), (20, 150), (1, 64), (3, 97), (1, 33), (16, 300)]
     cache, table, query, starts, dense, isa = _step(dtype, requests)
     scale = HEAD ** -0.5
     out = torch.full((starts[-1], HEADS * GROUP * HEAD), float("nan"), dtype=dtype)
-    paged.paged_attention(out, query, cache, isa, _metadata(starts, [n for _, n in requests], table),
+    paged.paged_attention(out, query, cache, layout, _metadata(starts, [n for _, n in requests], table),
                           HEADS * GROUP, scale)
     for r, (q, k, v) in enumerate(dense):
         alone = _native(q, k, v, scale)
@@ -90,13 +88,6 @@ def test_every_request_of_a_step_has_the_native_bits_alone(dtype, gathered, alon
     swapped = table.clone()
     swapped[[2, 4]] = table[[4, 2]]
     out2 = torch.zeros_like(out)
-    paged.paged_attention(out2, query, cache, isa, _metadata(starts, [n for _, n in requests], swapped),
+    paged.paged_attention(out2, query, cache, layout, _metadata(starts, [n for _, n in requests], swapped),
                           HEADS * GROUP, scale)
     assert not torch.equal(out2[starts[4]:starts[5]], out[starts[4]:starts[5]])
-
-
-def test_slot_placement_is_checked_against_items_alone():
-    """The probe computes the group with every slot full and each item alone; on this machine it
-    says which grouping keeps the bits (a group of one is the native path's shape)."""
-    slots = paged.slots_for(HEADS, GROUP, HEAD, 16, 64, torch.get_num_threads())
-    assert slots in (1, paged.SLOTS)
