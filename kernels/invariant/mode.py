@@ -337,6 +337,11 @@ class set_batch_invariant_mode:  # noqa: N801  (named like the context managers 
         self._wanted = (impl, bool(complex_products)) if enabled else None
         self._tokens: list[object] = []
 
+    @property
+    def impl(self) -> str | None:
+        """The implementation this mode installs on entry; None for a mode that turns them off."""
+        return self._wanted[0] if self._wanted else None
+
     def __enter__(self) -> "set_batch_invariant_mode":
         token = object()
         with _lock:

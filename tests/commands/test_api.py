@@ -52,9 +52,9 @@ def test_the_mode_under_both_names_and_its_default_per_device():
     assert moved.set_batch_invariant_mode is set_batch_invariant_mode   # its name before the rooms
     mode = kvfid.batch_invariant_mode()
     assert isinstance(mode, set_batch_invariant_mode)
-    assert mode._impl == ("triton" if torch.cuda.is_available() else "tiled")
-    assert kvfid.batch_invariant_mode(impl="rowwise")._impl == "rowwise"
-    assert kvfid.batch_invariant_mode(False)._impl is None
+    assert mode.impl == ("triton" if torch.cuda.is_available() else "tiled")
+    assert kvfid.batch_invariant_mode(impl="rowwise").impl == "rowwise"
+    assert kvfid.batch_invariant_mode(False).impl is None
 
 
 def _cli_json(*args: str) -> dict:
