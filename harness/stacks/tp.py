@@ -270,6 +270,24 @@ def parallel_model(module: torch.nn.Module, size: int, invariant: bool) -> Itera
 
 
 @contextlib.contextmanager
+def plain_linears(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Within the block the model's ParallelLinears are the nn.Linears they wrap: a `+bi` stack at
+    TP=1 without its TP-invariant products (what those cost on their own: kvfid.tasks.price);
+    put back on exit. Refused over several ranks, where a rank's shard is not the layer."""
+    if ranks().size > 1:
+        raise TPUnavailable("the plain linears run in one process only")
+    found = [(parent, name, child) for parent in module.modules()
+             for name, child in parent.named_children() if isinstance(child, ParallelLinear)]
+    for parent, name, child in found:
+        setattr(parent, name, child.linear)
+    try:
+        yield module
+    finally:
+        for parent, name, child in found:
+            setattr(parent, name, child)
+
+
+@contextlib.contextmanager
 def at_size(module: torch.nn.Module, size: int) -> Iterator[None]:
     """Within the block the sharded model runs at TP `size` (1: every rank computes whole
     layers; the world's size: sharded); its caches are read whole either way."""
