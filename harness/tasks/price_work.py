@@ -2,11 +2,11 @@
 interleaved run that times them.
 
 An arm is a session (a context that sets a stack up and yields the call to time; set-up and
-tear-down are not timed) under a name. `interleaved` runs one untimed warm-up round, lets the
-caller choose the rounds from its length, then the timed rounds: round r calls the arms in their
-order rotated by r (A B, B A, A B, ... : every arm as often first as the others), each call timed
-end to end (`time.perf_counter`) with this thread's CPU time beside it (`time.thread_time`: other
-jobs on a shared machine stretch wall time much more).
+tear-down are not timed) under a name. `interleaved` runs one untimed warm-up round and one
+timed round, lets the caller choose the rounds from that round's length, then the rest: round r
+calls the arms in their order rotated by r (A B, B A, A B, ... : every arm as often first as the
+others), each call timed end to end (`time.perf_counter`) with this thread's CPU time beside
+it (`time.thread_time`: other jobs on a shared machine stretch wall time much more).
 
 The work: a prefill of seeded token ids into a fresh cache; a decode step of `sequences` rows
 after a cache of `keys` positions each, filled with seeded random keys and values in the stack's
@@ -49,7 +49,7 @@ class Clocks:
     cpu: Callable[[], float] = time.thread_time
 
 
-# Rounds by the warm-up round's seconds: a long round is timed once, a shorter one a few times,
+# Rounds by the first timed round's seconds: a long round is timed once, a shorter one a few times,
 # a short one as often as fits in ROUNDS_S (within MIN_ROUNDS..MAX_ROUNDS); never more than the
 # budget left holds, never fewer than one.
 ONE_ROUND_S = 5.0
@@ -58,7 +58,8 @@ ROUNDS_S, MIN_ROUNDS, MAX_ROUNDS = 4.0, 5, 21
 
 
 def rounds_for(round_s: float, left_s: float) -> int:
-    """Timed rounds after a warm-up round of `round_s` seconds, with `left_s` of the budget left."""
+    """Timed rounds in all where the first took `round_s` seconds and `left_s` of the budget is
+    left."""
     if round_s >= ONE_ROUND_S:
         rounds = 1
     elif round_s >= FEW_ROUNDS_S:
@@ -81,16 +82,21 @@ def _round(arms: list[Arm], first: int, clocks: Clocks) -> dict[str, tuple[float
 
 def interleaved(arms: list[Arm], rounds: Callable[[float], int],
                 clocks: Clocks = Clocks()) -> tuple[tuple[ArmTimes, ...], int]:
-    """One untimed warm-up round, then `rounds(warm-up round's seconds)` timed rounds, arms
-    interleaved: each arm's times and the rounds run."""
-    warm = _round(arms, 0, clocks)
-    count = rounds(sum(wall for wall, _ in warm.values()))
+    """One untimed warm-up round (first calls: probes, packed weights, allocations), one timed
+    round, then more up to `rounds(the first timed round's seconds)`, arms interleaved: each
+    arm's times and the rounds run."""
+    _round(arms, 0, clocks)
     walls: dict[str, list[float]] = {a.name: [] for a in arms}
     cpus: dict[str, list[float]] = {a.name: [] for a in arms}
-    for r in range(count):
-        for name, (wall, cpu) in _round(arms, r % len(arms), clocks).items():
+    count, r = 1, 0
+    while r < count:
+        timed = _round(arms, r % len(arms), clocks)
+        for name, (wall, cpu) in timed.items():
             walls[name].append(wall)
             cpus[name].append(cpu)
+        if r == 0:
+            count = max(1, rounds(sum(wall for wall, _ in timed.values())))
+        r += 1
     return tuple(ArmTimes(a.name, a.stack, tuple(walls[a.name]), tuple(cpus[a.name]))
                  for a in arms), count
 
