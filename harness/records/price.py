@@ -39,11 +39,12 @@ class ArmTimes:
         return statistics.median(self.cpu_s) if self.cpu_s else None
 
 
-def over(a: ArmTimes | None, b: ArmTimes | None) -> float | None:
-    """a's median over b's (None where either has no timed call)."""
-    if a is None or b is None or not a.median_s or not b.median_s:
+def over(a: ArmTimes | None, b: ArmTimes | None, cpu: bool = False) -> float | None:
+    """a's median over b's, of wall time or (`cpu`) of CPU time; None where either has none."""
+    if a is None or b is None:
         return None
-    return a.median_s / b.median_s
+    top, bottom = (a.cpu_median_s, b.cpu_median_s) if cpu else (a.median_s, b.median_s)
+    return top / bottom if top and bottom else None
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,12 @@ class PriceRow:
     def ratio(self) -> float | None:
         """Faithful over stock: the price."""
         return over(self.arm(FAITHFUL), self.arm(STOCK))
+
+    @property
+    def cpu_ratio(self) -> float | None:
+        """Faithful over stock in this thread's CPU time (which other jobs on a shared machine
+        stretch much less than wall time)."""
+        return over(self.arm(FAITHFUL), self.arm(STOCK), cpu=True)
 
     @property
     def work(self) -> str:

@@ -52,11 +52,11 @@ def _floor(row: PriceRow) -> str:
 
 def _cells(row: PriceRow) -> list[str]:
     if row.skipped:
-        return [row.model, row.work, "-", "-", "-", "-", "-", "-", "0", f"skipped: {row.skipped}"]
+        return [row.model, row.work, "-", "-", "-", "-", "-", "-", "-", "0", f"skipped: {row.skipped}"]
     plain = row.arm(PLAIN_LINEARS)
     note = "; ".join(filter(None, [row.note, "" if row.order == "interleaved" else row.order]))
     return [row.model, row.work, _times(row, STOCK), _times(row, FAITHFUL), _x(row.ratio),
-            f"{_times(row, PLAIN_LINEARS)} ({_x(over(plain, row.arm(STOCK)))})" if plain else "-",
+            _x(row.cpu_ratio), f"{_times(row, PLAIN_LINEARS)} ({_x(over(plain, row.arm(STOCK)))})" if plain else "-",
             _x(over(row.arm(FAITHFUL), plain)) if plain else "-", _floor(row), str(row.rounds), note]
 
 
@@ -89,7 +89,9 @@ def price_document(table: PriceTable) -> list:
         Paragraph(f"Stacks: {_labels(table)}. Each row's arms were timed in one interleaved run "
                   "(an untimed warm-up round, then rounds calling every arm once, the order "
                   "rotated each round); a figure is the median of its arm's timed calls, the "
-                  "ratio faithful median / stock median. Decode rows: one step of the sequences "
+                  "ratio faithful median / stock median, and beside it the same ratio of this "
+                  "thread's CPU time per call (on a shared machine other jobs stretch wall time "
+                  "much more; an engine row has none). Decode rows: one step of the sequences "
                   f"after a cache of that many keys each (seeded random keys and values; "
                   f"{plan.get('context')} keys at "
                   f"{', '.join(map(str, plan.get('sequences') or ())) or 'no'} sequences). The TP-product "
@@ -97,7 +99,7 @@ def price_document(table: PriceTable) -> list:
                   "added in an fp32 tree) against the same stack with plain linears. The floor: "
                   "the step's products at the rows the faithful route pads them to, against "
                   "one call at the step's own rows, stock kernels, interleaved."),
-        Table(["model", "work", "stock", "faithful", "faithful / stock",
+        Table(["model", "work", "stock", "faithful", "faithful / stock", "in CPU time",
                "without TP products (/ stock)", "TP products", "floor", "rounds", "note"],
               [_cells(row) for row in table.rows]),
     ]

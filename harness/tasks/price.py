@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvfid.errors import BadInput, Interrupted
+from kvfid.records.plain import as_plain
 from kvfid.records.price import FAITHFUL, PLAIN_LINEARS, STOCK, Floor, PriceRow, PriceTable
 from kvfid.tasks import price_work
 
@@ -120,7 +121,7 @@ class PriceRun:
         self.plan, self.say = plan, say
         self.start = time.monotonic()
         environment = envinfo.collect()
-        self.table = PriceTable(asdict(plan), plan.threads, environment,
+        self.table = PriceTable(as_plain(asdict(plan)), plan.threads, environment,
                                 envinfo.environment_key(environment), _now(), "running")
         self.path = new_price_path(reports, self.table.environment_key) if reports else None
         self.measured: list[dict] = []
@@ -141,10 +142,13 @@ class PriceRun:
             write_table(self.table, self.path)
 
     def finish(self, status: str) -> PriceTable:
-        from kvfid.environment import envinfo
+        """The table closed: its status, when, and the tiled routes kept now (a route the run's
+        faithful stack chose is kept once it is timed; the rest of the record is the start's)."""
+        from kvfid.kernels.invariant import route as mode_route
 
+        routes = {name: r["route"] for name, r in mode_route.kept().items()}
         self.table = replace(self.table, status=status, finished=_now(),
-                             environment=envinfo.collect())   # the routes the run chose, too
+                             environment={**self.table.environment, "tiled_routes": routes})
         self.write()
         return self.table
 
@@ -186,8 +190,10 @@ def _model_rows(run: PriceRun, name: str) -> None:
                              "rows": tokens if phase == "prefill" else sequences,
                              "round_s": sum(a.median_s or 0.0 for a in row.arms)})
         run.add(row)
+        cpu = f"{row.cpu_ratio:.2f}x" if row.cpu_ratio else "-"
         run.say(f"{name}: {row.work}: stock {row.arm(STOCK).median_s:.4f} s, faithful "
-                f"{row.arm(FAITHFUL).median_s:.4f} s ({row.ratio:.2f}x), {row.rounds} round(s)")
+                f"{row.arm(FAITHFUL).median_s:.4f} s ({row.ratio:.2f}x; CPU time {cpu}), "
+                f"{row.rounds} round(s)")
     del model
     gc.collect()
 

@@ -170,3 +170,27 @@ def test_column_pieces_fall_back_to_each_piece_alone_where_the_probe_fails(monke
     out = parallel.column_product(x, pieces, w, b)
     alone = torch.cat([F.linear(x, p, c) for p, c in zip(pieces, b.split(4))], -1)
     assert torch.equal(out, alone)
+
+
+def test_plain_linears_run_a_bi_stack_without_its_tp_products_and_put_them_back(monkeypatch):
+    """Inside `plain_linears` no ParallelLinear computes (the control: outside it, in the same
+    `+bi` stack at TP=1, every linear layer goes through one); on exit the same ones are back."""
+    from kvfid.inputs.models import load_model
+    from kvfid.stacks import tp
+    from kvfid.stacks.stack import parse_stack
+
+    calls = []
+    real = tp.ParallelLinear.forward
+    monkeypatch.setattr(tp.ParallelLinear, "forward",
+                        lambda self, x: calls.append(self.kind) or real(self, x))
+    ids = torch.tensor([[5, 6, 7]])
+    with parse_stack("native/fp32+bi@t1").activate(load_model("tiny-llama")) as module:
+        wrapped = [m for m in module.modules() if isinstance(m, tp.ParallelLinear)]
+        module(input_ids=ids)
+        assert len(calls) == len(wrapped) > 0 and {"row", "column", "vocab"} <= set(calls)
+        calls.clear()
+        with tp.plain_linears(module):
+            assert not any(isinstance(m, tp.ParallelLinear) for m in module.modules())
+            module(input_ids=ids)
+        assert calls == []
+        assert [m for m in module.modules() if isinstance(m, tp.ParallelLinear)] == wrapped
