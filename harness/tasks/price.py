@@ -95,15 +95,15 @@ def check_plan(plan: PricePlan) -> None:
         parse_route(plan.floor_route)
 
 
-def _estimate(row: tuple, weights: int, measured: list[dict]) -> tuple[float, str] | None:
+def _estimate(model: str, row: tuple, weights: int, measured: list[dict]) -> tuple[float, str] | None:
     """(seconds, why) a row would take (a warm-up and one round), scaled from the nearest row of
     its phase measured (this model's first) by linear weights x rows; None where none is."""
     phase, tokens, sequences = row
     rows = tokens if phase == "prefill" else sequences
-    same = [m for m in measured if m["phase"] == phase] or []
+    same = [m for m in measured if m["phase"] == phase]
     if not same:
         return None
-    mine = [m for m in same if m["weights"] == weights] or same
+    mine = [m for m in same if m["model"] == model] or same
     below = [m for m in mine if m["rows"] <= rows]
     ref = max(below, key=lambda m: m["rows"]) if below else min(mine, key=lambda m: m["rows"])
     round_s = ref["round_s"] * (weights * rows) / (ref["weights"] * ref["rows"])
@@ -177,14 +177,16 @@ def _model_rows(run: PriceRun, name: str) -> None:
     weights = price_work.linear_weights(model.master)
     for work in works:
         phase, tokens, sequences = work
-        guess = _estimate(work, weights, run.measured)
+        guess = _estimate(name, work, weights, run.measured)
+        what = _skipped(name, phase, tokens, sequences, "").work
         if run.left() <= 0 or (guess and guess[0] > run.left()):
             why = (f"about {guess[0]:.0f} s ({guess[1]}), over the {max(run.left(), 0):.0f} s left "
                    f"of the {plan.budget_s:.0f} s budget" if guess else
                    f"the {plan.budget_s:.0f} s budget is spent")
-            run.say(f"{name}: {phase} {tokens}x{sequences}: skipped: {why}")
+            run.say(f"{name}: {what}: skipped: {why}")
             run.add(_skipped(name, phase, tokens, sequences, why))
             continue
+        run.say(f"{name}: {what}: measuring" + (f" (about {guess[0]:.0f} s or more)" if guess else ""))
         row = _measure(run, model, name, stock, faithful, work)
         run.measured.append({"model": name, "work": row.work, "phase": phase, "weights": weights,
                              "rows": tokens if phase == "prefill" else sequences,

@@ -74,11 +74,11 @@ def test_the_estimate_scales_the_nearest_measured_row_by_weights_and_rows():
                  "rows": 64, "round_s": 2.0},
                 {"model": "m", "work": "prefill 8 tokens", "phase": "prefill", "weights": 100,
                  "rows": 8, "round_s": 1.0}]
-    seconds, why = price._estimate(("prefill", 512, 1), 100, measured)
+    seconds, why = price._estimate("m", ("prefill", 512, 1), 100, measured)
     assert seconds == pytest.approx(2 * 2.0 * 512 / 64) and "prefill 64 tokens" in why
-    seconds, _ = price._estimate(("prefill", 32, 1), 300, measured)          # another model: x3
+    seconds, _ = price._estimate("n", ("prefill", 32, 1), 300, measured)     # another model: x3
     assert seconds == pytest.approx(2 * 1.0 * 300 * 32 / (100 * 8))
-    assert price._estimate(("decode", 1, 1), 100, measured) is None           # no decode row yet
+    assert price._estimate("m", ("decode", 1, 1), 100, measured) is None      # no decode row yet
 
 
 @pytest.fixture
