@@ -1,5 +1,5 @@
 """Commands over cases, runs and the ledger: `run`, `runs`, `show`, `audit`, `report`, `merge`,
-`compare`, `bench`, `bench-report`, `times`."""
+`compare`, `bench`, `bench-report`, `times`, `price`."""
 
 from __future__ import annotations
 
@@ -207,5 +207,65 @@ def times(reports, dbs, write_to, fmt) -> None:
         click.echo(text, nl=False)
 
 
+def _counts(_ctx, param, text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers (empty: none)."""
+    try:
+        values = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: comma-separated positive integers", param=param) from None
+    if any(v < 1 for v in values):
+        raise click.BadParameter(f"{text!r}: comma-separated positive integers", param=param)
+    return values
+
+
+@click.command()
+@click.option("--models", default="smollm2-135m,qwen2.5-0.5b-shape,llama-3.2-1b-shape",
+              show_default=True, help="Comma-separated presets (see `kvfid models`), in order.")
+@click.option("--prefill", default="64,512,2048", show_default=True, callback=_counts,
+              help="Prefill lengths (empty: none).")
+@click.option("--sequences", default="1,8,32", show_default=True, callback=_counts,
+              help="Decode steps of this many sequences, each over --context keys.")
+@click.option("--context", type=click.IntRange(min=1), default=512, show_default=True,
+              help="The keys each sequence of a --sequences decode step reads.")
+@click.option("--keys", default="64,512,2048", show_default=True, callback=_counts,
+              help="Decode steps of one sequence over this many keys.")
+@click.option("--stock", default="sdpa/bf16", show_default=True, help="The stock stack.")
+@click.option("--faithful", default="native/bf16+bi", show_default=True,
+              help="The faithful stack.")
+@click.option("--tp-products/--no-tp-products", default=True, show_default=True,
+              help="Also time a +bi faithful stack at @tp1 (its TP-invariant products).")
+@click.option("--floor-route", metavar="[widen:]F", default=None,
+              help="The floor's route: F rows a product call, widened to fp32 or not (default: "
+                   "this machine's route for the dtype, as the faithful stack takes it).")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="torch threads of every arm.")
+@click.option("--budget", "budget_s", type=click.FloatRange(min=0, min_open=True), default=1800.0,
+              show_default=True, help="Seconds for the whole table: a row whose estimate passes "
+                                      "what is left is shown skipped with it.")
+@click.option("--engine/--no-engine", default=True, show_default=True,
+              help="The faithful vLLM engine's rows (engine-bench in --vllm-venv).")
+@click.option("--engine-model", default="smollm2-135m", show_default=True,
+              help="The engine rows' model (smollm2-135m or hf:<folder>).")
+@click.option("--vllm-venv", default=".venv-vllm", show_default=True,
+              type=click.Path(file_okay=False), help="The venv holding vLLM (`make install-vllm`).")
+@reports_option
+@fmt_option
+def price(models, reports, fmt, budget_s, **options) -> None:
+    """The faithful stacks' price: faithful over stock time per model, prefill length and decode
+    shape, each row from one interleaved run, with the TP-invariant products' share, the floor
+    beside each decode row and the faithful vLLM engine's rows; written under
+    REPORTS/<environment key>/price/ as each row finishes."""
+    from kvfid.records.price import to_json
+    from kvfid.reports.price_table import render_markdown
+    from kvfid.tasks.price import PricePlan, price as price_table
+
+    plan = PricePlan(models=tuple(m.strip() for m in models.split(",") if m.strip()),
+                     budget_s=budget_s, **options)
+    table, path = price_table(plan, reports, progress=lambda s: click.echo(s, err=True))
+    if path:
+        click.echo(f"price: {path}", err=True)
+    click.echo(to_json(table) if fmt == "json" else render_markdown(table), nl=fmt == "json")
+
+
 COMMANDS = [run, runs, show, audit, report_command, merge, compare_command, bench, bench_report,
-            times]
+            times, price]

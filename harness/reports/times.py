@@ -2,9 +2,10 @@
 
 Each row is one stored result and names the file it comes from: a fidelity run's wall time and
 seconds per unit (its `summary.json` under reports/, or a ledger's runs table), the kernel table's
-duration (`kernels.json`), and a speed bench's timed seconds with each model step's ratio to its
-baseline stack at the shortest context (`bench/<stamp>.json`). The rows are ordered by environment
-key, then by time, so the same files always give the same table.
+duration (`kernels.json`), a speed bench's timed seconds with each model step's ratio to its
+baseline stack at the shortest context (`bench/<stamp>.json`), and a price table's wall with the
+range of its rows' faithful / stock ratios (`price/<stamp>.json`, `kvfid price`). The rows are
+ordered by environment key, then by time, so the same files always give the same table.
 
 docs/environment.md holds the table over the committed reports/ between two marker lines;
 `kvfid times --write docs/environment.md` rewrites that section, and the suite checks that the
@@ -131,6 +132,25 @@ def _bench_rows(reports: Path) -> list[TimeRow]:
     return rows
 
 
+def _price_rows(reports: Path) -> list[TimeRow]:
+    """Each stored price table (kvfid price): its wall and the range of its rows' ratios."""
+    from kvfid.records.price import from_json
+
+    rows = []
+    for path in sorted(reports.glob("**/price/*.json")):
+        t = from_json(path.read_text())
+        git = t.environment.get("git") or {}
+        ratios = [r.ratio for r in t.rows if r.ratio is not None]
+        skipped = sum(1 for r in t.rows if r.skipped)
+        wall = (_instant(t.finished) - _instant(t.started)).total_seconds() if t.finished else None
+        figures = (f"faithful / stock {min(ratios):.2f}x to {max(ratios):.2f}x over {len(ratios)} "
+                   f"rows" if ratios else "no row measured") + (f"; {skipped} skipped" if skipped else "")
+        rows.append(TimeRow(t.environment_key, f"price table ({len(t.rows)} rows, {t.status})",
+                            _revision(git.get("revision"), git.get("dirty")), _when(t.started),
+                            wall, figures, str(path.relative_to(reports))))
+    return rows
+
+
 def collect_times(reports: str | Path = "reports", dbs: tuple = ()) -> list[TimeRow]:
     """Every timing stored under `reports` (run summaries, kernel tables, bench results) and in
     the ledgers `dbs` (a run both hold is listed once, from its summary)."""
@@ -143,7 +163,7 @@ def collect_times(reports: str | Path = "reports", dbs: tuple = ()) -> list[Time
         if not Path(db).is_file():
             raise BadInput(f"no ledger at {db}")
         rows += _ledger_rows(Path(db), summarized)
-    rows += _kernel_rows(reports) + _bench_rows(reports)
+    rows += _kernel_rows(reports) + _bench_rows(reports) + _price_rows(reports)
     return sorted(rows, key=lambda r: (r.environment_key, r.when, r.what, r.source))
 
 
