@@ -17,6 +17,7 @@ from kvfid.runs.aggregate import OUTCOMES, ROLES, aggregate  # noqa: F401 (re-ex
 from kvfid.environment.envinfo import describe as describe_environment
 from kvfid.reports.figures import PALETTE, svg_bars, svg_lines  # noqa: F401 (re-exported)
 from kvfid.outputs import write_files
+from kvfid.reports.paper_report import endpoint_blocks, side_by_side_blocks
 from kvfid.reports.program_report import program_blocks, program_command, program_rows
 from kvfid.reports.replay_report import replay_blocks, replay_command, replay_rows
 from kvfid.reports.document import (interval_text, markdown, number, percent,  # noqa: F401
@@ -139,6 +140,7 @@ def document(run, case, summary: RunSummary, units, raw_environment: bool = True
                 ("p", "Rates count items whose boundary state exists (short items, where EOS "
                       "came within the B live tokens, are counted apart). Intervals are 95% "
                       "Wilson; the replica floor is the same construction run twice.")]
+        doc += endpoint_blocks(summary) + side_by_side_blocks(summary, case, run)
     for label, s in summary.stacks.items():
         doc += _stack_blocks(label, s, case, units, prompts)
     if summary.crossing:

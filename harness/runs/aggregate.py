@@ -5,7 +5,8 @@ docs/protocol.md lists (disagreement vs live with Wilson intervals and the repli
 cache bit-exactness, first bad layer, median d_rel per layer, first-divergence quartiles and
 histogram, correctness and flips with a paired interval and exact McNemar p, transplant outcomes per
 selection and row role, margins at divergence, the crossing 2x2; for replayed trajectories, per
-stack and construction the logprob mismatch and its |delta| by decade) as a `RunSummary`
+stack and construction the logprob mismatch and its |delta| by decade; per stack the seed paper's
+endpoints, kvfid.runs.endpoints) as a `RunSummary`
 (kvfid.runs.summary); `show`, `report` (kvfid.reports.report) and `compare` (kvfid.compare.runs)
 all read it, summary.json holds its `to_plain()`.
 """
@@ -23,6 +24,7 @@ from kvfid.diagnoses.replay_gaps import ENGINE, STEP, aggregate_gaps
 from kvfid.records.program import ProgramRecord
 from kvfid.records.replay_record import ReplayRecord
 from kvfid.runs import stats
+from kvfid.runs.endpoints import stack_endpoints
 from kvfid.runs.program_aggregate import program_stack
 from kvfid.runs.summary import (ConstructionAggregate, CrossingAggregate, Divergence, Rate,
                                 ReplicaFloor, RunSummary, Spread, StackAggregate,
@@ -34,9 +36,7 @@ ROLES = ("divergent", "control", "unsampled")
 
 # --------------------------------------------------------------------------- aggregates
 
-def rate(k: int, n: int) -> Rate:
-    """k of n with its 95% Wilson interval."""
-    return Rate(k, n, k / n if n else None, stats.wilson_interval(k, n))
+rate = Rate.of       # k of n with its 95% Wilson interval
 
 
 def _spread(xs: list[float]) -> Spread:
@@ -66,14 +66,16 @@ def aggregate(units, design: dict | None = None) -> RunSummary:
         stacks[stack] = dataclasses.replace(found, constructions={
             label: dataclasses.replace(c, differences=kinds[label]) if label in kinds else c
             for label, c in found.constructions.items()})
+    crossed = _crossing(sorted(crossing, key=lambda u: u.item_index)) if crossing else None
     return RunSummary(
-        stacks, _crossing(sorted(crossing, key=lambda u: u.item_index)) if crossing else None,
-        tuple(sorted(controls)),
+        stacks, crossed, tuple(sorted(controls)),
         {stack: _replay(group) for stack, group in replayed.items()} or None,
         {stack: gaps for stack, group in replayed.items() if (gaps := _replay_engine(group))}
         or None,
         {stack: program_stack([u.record for u in sorted(group, key=lambda u: u.item_index)], rate)
-         for stack, group in programs.items()} or None)
+         for stack, group in programs.items()} or None,
+        {stack: stack_endpoints(stack, s, [u.record for u in by_stack[stack]], crossed)
+         for stack, s in stacks.items()} or None)
 
 
 def _twin(stack: str) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from kvfid.records.plain import as_plain, from_plain
 from kvfid.records.program import Segment
-from kvfid.runs.stats import PairedDifference
+from kvfid.runs.stats import PairedDifference, wilson_interval
 
 # What summary.json says beside every construction's d_rel_per_layer.
 D_REL_PER_LAYER = ("median over items of each layer's ||a-b||_F/||a||_F, each part (k, v, "
@@ -37,6 +37,11 @@ class Rate:
     n: int
     rate: float | None
     ci: tuple[float, float]
+
+    @classmethod
+    def of(cls, k: int, n: int) -> Rate:
+        """k of n with its 95% Wilson interval."""
+        return cls(k, n, k / n if n else None, wilson_interval(k, n))
 
     @classmethod
     def from_plain(cls, data: dict | None) -> Rate | None:
@@ -173,9 +178,76 @@ class LayoutAggregate:
 
 
 @dataclass(frozen=True)
+class FirstDivergence:
+    """Where suffixes that differ from live first differ, as the seed paper reports it: median,
+    quartiles, range and a small histogram ((lo, hi, count) rows, lo <= index < hi), seen on a
+    suffix of `horizon` tokens (a divergence after it is not seen)."""
+
+    horizon: int
+    n: int
+    median: float | None
+    q1: float | None
+    q3: float | None
+    low: int | None
+    high: int | None
+    histogram: tuple[tuple[int, int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class FixedPrefix:
+    """The crossing's two constructions (incremental, prefill) over one P: suffixes that differ,
+    caches bit-exact. `prefix`: whose live run froze P (the crossing's reference, or the stack)."""
+
+    prefix: str
+    suffix_differs: Rate
+    cache_bit_exact: int
+
+
+@dataclass(frozen=True)
+class Bridge:
+    """incremental against live over the same P: caches bit-exact, suffixes that differ."""
+
+    cache_bit_exact: Rate
+    suffix_differs: Rate
+
+
+@dataclass(frozen=True)
+class DonorFollowing:
+    """One transplant direction as the paper reports it: of the divergent rows (recipient and donor
+    suffixes differ) that decode a suffix, the share that follows the cache donor; the rows whose
+    boundary argmax already differs, apart; of the control rows (exact rows in the seeded sample),
+    the share whose suffix the transplant changed."""
+
+    transplant: str
+    divergent: int
+    boundary: int
+    follows_donor: Rate
+    controls_changed: Rate
+
+
+@dataclass(frozen=True)
+class StackEndpoints:
+    """Every endpoint the seed paper reports, for one stack (kvfid.runs.endpoints builds it):
+    live against prefill unless a field says otherwise."""
+
+    items: int
+    batch_invariant: bool
+    disagreement: Rate | None
+    replicas: dict[str, ReplicaFloor]
+    correctness: PairedDifference | None
+    first_divergence: FirstDivergence | None
+    crossing: FixedPrefix | None               # the crossing unit's cell, where it has this stack
+    own_prefix: FixedPrefix | None             # over this stack's own live P
+    bridge: Bridge | None
+    transplants: tuple[DonorFollowing, ...]
+    d_rel_per_layer: dict[str, tuple[float | None, ...]]   # D_REL_PER_LAYER, live ~ prefill
+
+
+@dataclass(frozen=True)
 class RunSummary:
     """A run's aggregates: per stack, the crossing, the transplant control sample, and the
-    replay aggregates as kvfid.diagnoses.replay gives them, per stack and layout the program's."""
+    replay aggregates as kvfid.diagnoses.replay gives them, per stack and layout the program's;
+    per stack the seed paper's endpoints."""
 
     stacks: dict[str, StackAggregate]
     crossing: CrossingAggregate | None
@@ -183,6 +255,7 @@ class RunSummary:
     replay: dict | None = None
     replay_engine: dict | None = None
     program: dict[str, dict[str, LayoutAggregate]] | None = None
+    endpoints: dict[str, StackEndpoints] | None = None
 
     def to_plain(self) -> dict:
         """The summary as strict JSON data: summary.json's keys, NaN as None, D_REL_PER_LAYER

@@ -31,8 +31,8 @@ def edited(old: str, new: str) -> str:
     return GOOD.replace(old, new)
 
 
-@pytest.mark.parametrize("name", ["smoke", "smollm2-cpu", "paper", "paper-shape", "gpu-qwen2.5-shape",
-                                  "replay-smollm2"])
+@pytest.mark.parametrize("name", ["smoke", "smollm2-cpu", "paper", "paper-shape", "paper-cpu",
+                                  "gpu-qwen2.5-shape", "replay-smollm2"])
 def test_shipped_cases_load(name, monkeypatch):
     monkeypatch.chdir(CASES.parent)       # a replay case's trajectories are read from the root
     case = load_case(CASES / f"{name}.toml")
@@ -59,6 +59,21 @@ def test_default_cases_carry_the_batch_invariant_faithful_stack(name, headline):
     assert {"sdpa/bf16", "sdpa/fp32"} <= set(labels)  # the diverging stock rows beside it
     if name == "smollm2-cpu":  # every item, and enough of them for an interval worth reading
         assert (case.stack_items or (None,))[0] is None and case.items.n >= 8
+
+
+def test_the_cpu_paper_case_is_the_paper_design_on_cpu_stacks():
+    """paper-cpu differs from paper only in its stacks: stock sdpa in both precisions (its first
+    stack, which the crossing's reference runs like) and the faithful native/bf16+bi, one thread
+    each; its control: paper's own stacks are the GPU's."""
+    paper, cpu = (load_case(CASES / f"{name}.toml") for name in ("paper", "paper-cpu"))
+    same = lambda c: (c.model, c.items, c.B, c.S, c.constructions, c.replicas, c.transplants,
+                      c.crossing.dtypes, c.crossing.constructions, c.crossing.items,
+                      c.crossing.reference.label.partition("@")[0], c.ignore_eos)
+    assert same(cpu) == same(paper)
+    assert [s.label for s in cpu.stacks] == ["sdpa/bf16@t1", "sdpa/fp32@t1", "native/bf16+bi@t1"]
+    assert {s.device for s in cpu.stacks} == {"cpu"} and not cpu.stack_items
+    assert cpu.crossing.reference.label == "sdpa/bf16@t1"
+    assert {s.device for s in paper.stacks} == {"cuda"}
 
 
 STACK_GROUPS = GOOD.replace("""[stacks]

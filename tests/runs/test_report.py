@@ -190,8 +190,8 @@ def test_report_files_are_written_and_self_contained(tmp_path):
     with Ledger(tmp_path / "l.sqlite") as ledger:
         typed = aggregate(ledger.units("r1"), ledger.run("r1").design)
     assert {k: summary[k] for k in typed.to_plain()} == typed.to_plain()
-    assert list(summary)[-6:] == ["stacks", "crossing", "control_indices", "replay",
-                                  "replay_engine", "program"]
+    assert list(summary)[-7:] == ["stacks", "crossing", "control_indices", "replay",
+                                  "replay_engine", "program", "endpoints"]
     prefill = summary["stacks"][STACK]["constructions"]["prefill"]
     assert list(prefill) == [
         "kind", "vs", "suffix_disagree", "replica_floor", "live_replica_floor",
