@@ -52,6 +52,7 @@ What the function reads from transformers (5.17 through 5.2x, public names only)
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -105,8 +106,16 @@ def _check_keywords(name: str, kwargs: dict, kernel_options: dict, options: froz
     """Refuse a kernel option the kernel does not take, a near miss of the keyword
     `kernel_options` itself, and a kernel option (or a near miss of one) given as a plain keyword:
     each would pass through as a transformers keyword and be dropped. Other keywords are
-    transformers' (each family passes its own: `s_aux`, `position_ids`, ...) and pass through unread."""
-    if unknown := sorted(set(kernel_options) - options):
+    transformers' (each family passes its own: `s_aux`, `position_ids`, ...) and pass through unread.
+    A set of names that passed once passes without another look (every layer of every step
+    passes the same ones)."""
+    _check_names(name, frozenset(kwargs), frozenset(kernel_options or ()), options)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_names(name: str, kwargs: frozenset[str], kernel_options: frozenset[str],
+                 options: frozenset[str]) -> None:
+    if unknown := sorted(kernel_options - options):
         raise ValueError(f"{name}: unknown kernel option {unknown[0]!r}; allowed: {_listed(options)}")
     for keyword in sorted(kwargs):
         if difflib.get_close_matches(keyword, ("kernel_options",), n=1, cutoff=0.75):

@@ -179,6 +179,13 @@ def _mean_dim(impl: str, original) -> Callable:
         covered = _dense_float(x) and x.dim() > 0 and x.numel() > 0
         if not covered or (dtype is not None and dtype not in FLOAT_DTYPES):
             return original.call_boxed(keys, x, dim, keepdim, dtype=dtype)
+        last = x.dim() - 1
+        if impl == "tiled" and dim is not None and len(dim) == 1 and dim[0] % x.dim() == last:
+            # the common case (a norm's mean over the last dim): no permute, one reshape each way
+            flat = x.reshape(-1, x.shape[-1])  # [R, n]
+            out = _tiled.by_tiles(_key("mean.dim", flat.shape[1], None, x.dtype, dtype),
+                                  lambda t: original.call_boxed(keys, t, [-1], True, dtype=dtype), flat)
+            return out.reshape(*x.shape[:-1], 1) if keepdim else out.reshape(x.shape[:-1])
         rows, dims = _reduced_last(x, dim)  # [*kept, n]
         if _triton(impl, x):
             out = _norm.mean_last_dim(rows, dtype=dtype)

@@ -17,7 +17,15 @@ load which comes and goes on a shared machine (preemption only adds time) slows 
 than another; while a score lies near the margin, the timing goes on (up to `MORE` times as many
 rounds).
 
-The rule is **hysteresis toward the order of `candidates()`** (stock before widened, larger tiles
+Where the stock kernel's probe finds **a floor of one row** (every row has the same bits at every
+row count probed: kvfid.kernels.invariant.whole), the route is that kernel itself, one call per
+product (`whole:1`), taken without timing: each product is the stock call, so it costs what stock
+costs at every row count and every shape. A timing on one product cannot promise that: the widened
+route, faster on the timed product whose weight stays in cache, was 1.33x stock's products in a
+0.5B model's decode step, whose weights stream from memory at twice the bytes in fp32
+(docs/environment.md, "The tiled mode's route").
+
+Otherwise the rule is **hysteresis toward the order of `candidates()`** (stock before widened, larger tiles
 first): the earliest route whose score is within `NEAR` of the best wins, so a later route
 displaces an earlier one only when it is clearly faster; and the tiles lie a factor 4 apart, so
 that where a tile's cost grows with its rows the candidates' scores lie far from the margin.
@@ -57,7 +65,7 @@ ROUNDS = 11                 # interleaved timing rounds (a candidate's score: it
 MORE = 3                    # at most this many times ROUNDS while a score is near the margin
 # The selection rule's version, part of machine_key: a route kept under an earlier rule (other
 # candidates, another margin) is timed again, not reused beside fresh choices under one key.
-RULE = 3
+RULE = 4
 BAND = 1.15                 # "near the margin": within this factor of best * NEAR
 PIN_ENV = "KVFID_TILED_ROUTE"
 NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -138,20 +146,44 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def measure(dtype: torch.dtype) -> dict:
-    """Time every candidate route of `dtype` on a decode row and a PREFILL_ROWS prefill, each as
-    it runs (under kvfid.kernels.invariant.mode's stock block, so torch.mm is the stock kernel):
-    one call (a decode row padded to the floor the timed product's probe finds, stock and
-    widened) or the tiled loop, in ROUNDS interleaved rounds; the chosen route, the scores, the
-    floors and the median timings."""
+def _timed_product(dtype: torch.dtype):
+    """The timed product's weight [K, N] (as F.linear passes it), its fp32 copy, PREFILL_ROWS rows
+    of input, and the product stock and widened (by `widen`)."""
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(OUT, WIDTH, generator=gen) * WIDTH ** -0.5).to(dtype).t()  # [K, N] as F.linear
     wide = w.float()
     rows = torch.randn(PREFILL_ROWS, WIDTH, generator=gen).to(dtype)
-    products = {False: lambda t: torch.mm(t, w), True: lambda t: torch.mm(t.float(), wide).to(dtype)}
+    return w, wide, rows, {False: lambda t: torch.mm(t, w),
+                           True: lambda t: torch.mm(t.float(), wide).to(dtype)}
+
+
+def measure(dtype: torch.dtype) -> dict:
+    """This machine's route for `dtype` (run under kvfid.kernels.invariant.mode's stock block, so
+    torch.mm is the stock kernel): the timed product's floors, stock and widened; where the
+    stock floor is one row, the stock call itself (`whole:1`, untimed); else `timed`'s choice."""
+    _, _, rows, products = _timed_product(dtype)
     half = dtype in (torch.bfloat16, torch.float16)
     floors = {widen: whole.floor_of(products[widen], WIDTH, dtype, rows.device)
               for widen in ((False, True) if half else (False,))}
+    if floors[False] == 1:
+        return {"route": asdict(Route(1, whole=True)), "floors": _floor_names(floors),
+                "rule": "the stock kernel gives a row the same bits at every row count probed "
+                        "(a floor of one row): each product is the stock call, untimed",
+                "product": f"[T, {WIDTH}] x [{WIDTH}, {OUT}]", "prefill_rows": PREFILL_ROWS,
+                "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return timed(dtype, floors)
+
+
+def _floor_names(floors: dict[bool, int | None]) -> dict[str, int | None]:
+    return {("widened" if widen else "stock"): floor for widen, floor in floors.items()}
+
+
+def timed(dtype: torch.dtype, floors: dict[bool, int | None]) -> dict:
+    """Time every candidate route of `dtype` (given the timed product's `floors`) on a decode row
+    and a PREFILL_ROWS prefill, each as it runs: one call (a decode row padded to the floor,
+    stock and widened) or the tiled loop, in ROUNDS interleaved rounds; the chosen route, the
+    scores, the floors and the median timings."""
+    w, _, rows, products = _timed_product(dtype)
     order = candidates(dtype, floors)
 
     def calls(route: Route | None):
@@ -182,7 +214,7 @@ def measure(dtype: torch.dtype) -> dict:
                                                   "prefill": round(median[None][1], 4)},
             "costs_ms": {r.spec(): [round(d, 4), round(p, 4)] for r, (d, p) in median.items() if r},
             "scores": {r.spec(): round(s, 3) for r, s in scores.items()},
-            "floors": {("widened" if widen else "stock"): floor for widen, floor in floors.items()},
+            "floors": _floor_names(floors),
             "rule": f"the earliest route within {NEAR}x of the best score (fastest of {n + 1} rounds)",
             "product": f"[T, {WIDTH}] x [{WIDTH}, {OUT}]", "prefill_rows": PREFILL_ROWS,
             "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

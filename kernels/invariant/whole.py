@@ -196,7 +196,7 @@ def _extend(fn: Callable, span: Span, width: int, dtype: torch.dtype, device: to
 # ---- where verdicts are kept ------------------------------------------------------------------
 
 _lock = threading.RLock()
-_spans: dict[tuple, Span] = {}      # (key text, threads) -> this process's span
+_spans: dict[tuple, Span] = {}      # (key, widen, threads) -> this process's span
 
 
 def key_text(key: Hashable, widen: bool) -> str:
@@ -225,13 +225,14 @@ def span(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], rows: int, w
     """The span of `key` at this thread count, covering a call of `rows` rows where it can:
     this process's, else the machine's kept one, else probed now (and kept); extended when `rows`
     is above what was probed. One process probes a key at a time (the others then read it)."""
-    name = (key_text(key, widen), torch.get_num_threads())
-    found = _spans.get(name)
+    name = (key, widen, torch.get_num_threads())
+    found = _spans.get(name)       # the common case: one dictionary read, no words made
     if found is not None and not _wants_more(found, rows):
         return found
     with _lock:
         found = _spans.get(name)
         if found is None or _wants_more(found, rows):
+            text = key_text(key, widen)
             path, key_of_machine = _path(), machine.machine_key(RULE)
             with contextlib.ExitStack() as hold:
                 try:
@@ -239,13 +240,13 @@ def span(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], rows: int, w
                     store = machine.read_json(path)
                 except OSError:      # no writable store: this process's own probe, not kept
                     store = None
-                kept = (store or {}).get(key_of_machine, {}).get(name[0])
+                kept = (store or {}).get(key_of_machine, {}).get(text)
                 if found is None and kept is not None:
                     found = Span(**kept)
                 if found is None or _wants_more(found, rows):
                     found = _probe(found, fn, width, dtype, device, scale, rows)
                     if store is not None:
-                        store.setdefault(key_of_machine, {})[name[0]] = asdict(found)
+                        store.setdefault(key_of_machine, {})[text] = asdict(found)
                         with contextlib.suppress(OSError):
                             machine.write_json(path, store)
         _spans[name] = found
@@ -275,13 +276,15 @@ def call(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, served:
 def verdicts() -> list[dict]:
     """Every key this process served by span: its words, thread count, floor, ceiling, why."""
     with _lock:
-        return [{"call": text, "threads": threads, **asdict(s)} for (text, threads), s in _spans.items()]
+        return [{"call": key_text(key, widen), "threads": threads, **asdict(s)}
+                for (key, widen, threads), s in _spans.items()]
 
 
 def used() -> dict[str, dict]:
     """The spans this process served ("<call> @tN" -> span), as `kept()` names them."""
     with _lock:
-        return {f"{text} @t{threads}": asdict(s) for (text, threads), s in _spans.items()}
+        return {f"{key_text(key, widen)} @t{threads}": asdict(s)
+                for (key, widen, threads), s in _spans.items()}
 
 
 def kept() -> dict[str, dict]:

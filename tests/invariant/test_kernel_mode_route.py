@@ -80,13 +80,29 @@ def _floors(record: dict) -> dict[bool, int | None]:
     return {kind == "widened": floor for kind, floor in record.get("floors", {}).items()}
 
 
-def test_a_measured_route_says_how_it_was_chosen():
-    record = mode_route.measure(BF16)
+def test_a_timed_route_says_how_it_was_chosen():
+    record = mode_route.timed(BF16, {False: 1, True: None})
     order = mode_route.candidates(BF16, _floors(record))
+    assert [r.spec() for r in order][0] == "whole:1"
     assert set(record["scores"]) == {r.spec() for r in order}
     assert Route(**record["route"]) == mode_route.choose(
         {Route.from_spec(k): v for k, v in record["scores"].items()}, order)
     assert "rounds" in record["rule"] and set(record["costs_ms"]) == set(record["scores"])
+
+
+def test_a_stock_floor_of_one_row_is_the_route_untimed_and_any_other_is_timed(monkeypatch):
+    """Where the timed product's stock floor is one row the route is the stock call (nothing
+    timed); a floor above one, or none, goes to the timing (the control)."""
+    timings = []
+    monkeypatch.setattr(mode_route, "timed", lambda dtype, floors: timings.append(floors) or
+                        {"route": {"tile": 4, "widen": False, "whole": False}})
+    for stock, chosen in ((1, Route(1, whole=True)), (4, Route(4)), (None, Route(4))):
+        monkeypatch.setattr(mode_route.whole, "floor_of",
+                            lambda fn, width, dtype, device, stock=stock: stock)
+        record = mode_route.measure(torch.float32)
+        assert Route(**record["route"]) == chosen
+        assert (stock == 1) == ("untimed" in record.get("rule", ""))
+    assert timings == [{False: 4}, {False: None}]
 
 
 def test_pinned_routes_parse_and_bad_ones_are_refused(monkeypatch):
