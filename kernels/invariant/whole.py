@@ -220,6 +220,11 @@ def _wants_more(found: Span, rows: int) -> bool:
             and found.probed < MAX_CEILING)
 
 
+def probed(key: Hashable, widen: bool) -> Span | None:
+    """This process's span of `key` at this thread count, if it has one (nothing probed)."""
+    return _spans.get((key, widen, torch.get_num_threads()))
+
+
 def span(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], rows: int, width: int,
          dtype: torch.dtype, device: torch.device, scale: float, widen: bool) -> Span:
     """The span of `key` at this thread count, covering a call of `rows` rows where it can:

@@ -167,3 +167,27 @@ def test_a_whole_call_product_is_close_to_the_fp64_product(fresh_spans, monkeypa
     with torch.inference_mode(), set_batch_invariant_mode(impl="tiled"):
         out = torch.mm(a, b)
     assert_close_to_ref(out, a.double() @ b.double(), torch.bfloat16)
+
+
+def test_a_span_of_floor_one_is_the_stock_call_itself_and_any_other_floor_goes_through_the_span(
+        fresh_spans, monkeypatch):
+    """Under a stock whole-call route, a product whose span has floor 1 and covers its rows is
+    the stock call on the rows as they are (the chain of `tiled.product` never runs); with
+    floor 4 (the control) the chain runs and pads the one row to 4."""
+    monkeypatch.setenv(mode_route.PIN_ENV, "fp32=whole:1")
+    x, w = randn(3, 96, seed=1, on="cpu"), randn(40, 96, seed=2, on="cpu")
+    stock = torch.nn.functional.linear(x, w)
+    chained = []
+    real = mode_tiled.product
+    monkeypatch.setattr(mode_tiled, "product", lambda *a, **k: chained.append(a[2].shape[0]) or real(*a, **k))
+    with set_batch_invariant_mode(impl="tiled"):
+        torch.nn.functional.linear(x, w)                     # probes the span of this key
+    (key, widen, threads), = [k for k in whole._spans if k[0][0] == "mm"]
+    for floor, through in ((1, []), (4, [3])):
+        whole._spans[key, widen, threads] = whole.Span(floor, 64, 64, f"floor {floor}, given")
+        chained.clear()
+        with set_batch_invariant_mode(impl="tiled"):
+            out = torch.nn.functional.linear(x, w)
+        assert chained == through
+        if floor == 1:
+            assert_bitwise_equal(out, stock, "the stock call's bits")
