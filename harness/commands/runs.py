@@ -234,8 +234,9 @@ def _counts(_ctx, param, text: str) -> tuple[int, ...]:
               help="The faithful stack.")
 @click.option("--tp-products/--no-tp-products", default=True, show_default=True,
               help="Also time a +bi faithful stack at @tp1 (its TP-invariant products).")
-@click.option("--floor-route", metavar="[widen:]F", default=None,
-              help="The floor's route: F rows a product call, widened to fp32 or not (default: "
+@click.option("--floor-route", metavar="[widen:][whole:]F", default=None,
+              help="The floor's route: F rows a product call (whole: one call, padded to F "
+                   "below F), widened to fp32 or not (default: "
                    "this machine's route for the dtype, as the faithful stack takes it).")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="torch threads of every arm.")

@@ -45,8 +45,9 @@ def _floor(row: PriceRow) -> str:
     if f is None:
         return "-"
     tile = f.route.split(":")[-1]
+    calls = "one call" if "whole:" in f.route else f"calls of {tile}"
     return (f"{_x(f.ratio)}: {f.products} products by route {f.route} ({f.padded_rows} rows in "
-            f"calls of {tile}) {seconds(f.padded.median_s)}, against one stock call of {f.rows} "
+            f"{calls}) {seconds(f.padded.median_s)}, against one stock call of {f.rows} "
             f"row(s) {seconds(f.own.median_s)}; {f.rounds} round(s)")
 
 

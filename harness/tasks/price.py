@@ -61,13 +61,14 @@ class PricePlan:
 
 
 def parse_route(text: str):
-    """`[widen:]F` -> kvfid.kernels.invariant.route.Route (exit 2 on anything else)."""
+    """`[widen:][whole:]F` -> kvfid.kernels.invariant.route.Route (exit 2 on anything else)."""
     from kvfid.kernels.invariant.route import Route
 
-    widen, _, tile = text.strip().rpartition(":")
-    if widen not in ("", "widen") or not tile.isdigit() or int(tile) < 1:
-        raise BadInput(f"--floor-route {text!r}: expected [widen:]F, e.g. 16 or widen:1")
-    return Route(int(tile), widen=bool(widen))
+    try:
+        return Route.from_spec(text)
+    except ValueError:
+        raise BadInput(f"--floor-route {text!r}: expected [widen:][whole:]F, e.g. 16, widen:1 "
+                       "or whole:1") from None
 
 
 def check_plan(plan: PricePlan) -> None:
@@ -263,11 +264,12 @@ def floor(model, faithful, rows: int, plan: PricePlan, left_s: float) -> Floor:
         master = dict(model.master.named_modules())    # fp32 weights of the same shapes
         wide = [(master[n].weight.detach(), None if master[n].bias is None else master[n].bias.detach())
                 for n, _ in named]
-    padded = math.ceil(rows / route.tile) * route.tile
+    padded = max(rows, route.tile) if route.whole else math.ceil(rows / route.tile) * route.tile
     arms = [price_work.Arm("own rows", f"{rows} row(s), one stock call",
                            price_work.products(layers, rows, threads=plan.threads)),
             price_work.Arm("route", f"{route.text()}: {padded} row(s)",
-                           price_work.products(layers, rows, route.tile, wide, plan.threads))]
+                           price_work.products(layers, rows, route.tile, wide, plan.threads,
+                                               route.whole))]
     times, rounds = price_work.interleaved(arms, lambda s: price_work.rounds_for(s, left_s))
     return Floor(route.spec(), source, rows, padded, len(layers), times[0], times[1], rounds)
 

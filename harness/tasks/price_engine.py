@@ -21,9 +21,9 @@ from pathlib import Path
 from kvfid.records.price import FAITHFUL, STOCK, ArmTimes, PriceRow
 
 SEQUENTIAL = "sequential (engine-bench: the stock engine's calls, then the faithful engine's)"
-# engine-bench as docs/cli.md shows it: 4 prompts x 16 tokens; under load, 16 requests of 32
-# tokens from 8 clients in 18 KV blocks.
-BENCH = ("-n", "4", "--tokens", "16")
+# engine-bench on 8 prompts x 32 tokens; under load, 16 requests of 32 tokens from 8 clients in
+# 18 KV blocks.
+BENCH = ("-n", "8", "--tokens", "32")
 LOAD = ("--load", "8", "-n", "16", "--tokens", "32", "--kv-blocks", "18")
 
 

@@ -179,11 +179,18 @@ def linear_weights(module: torch.nn.Module) -> int:
 
 
 def products(layers: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int,
-             tile: int | None = None, wide: list | None = None, threads: int = 1) -> Session:
+             tile: int | None = None, wide: list | None = None, threads: int = 1,
+             whole: bool = False) -> Session:
     """A session of every product once: x [rows, K] times each weight [N, K] (with its bias), in
-    one call (`tile` None), or by the route's calls of `tile` rows (zero rows padding the last),
-    in fp32 from `wide`'s weights where the route widens; rounded back to the model's dtype."""
+    one call (`tile` None), or by the route's calls: of `tile` rows (zero rows padding the last),
+    or under a whole-call route (`whole`) one call padded to `tile` rows below it; in fp32 from
+    `wide`'s weights where the route widens; rounded back to the model's dtype."""
+    from kvfid.kernels.invariant import whole as whole_calls
     from kvfid.kernels.invariant.route import in_tiles
+
+    if whole and tile is not None:      # one call from the floor up, as kvfid.kernels.invariant.whole.call
+        span = whole_calls.Span(tile, max(rows, tile), max(rows, tile), "the route's floor")
+        in_tiles = lambda fn, x, floor: whole_calls.call(fn, x, span)   # noqa: E731
 
     gen = torch.Generator().manual_seed(3)
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(w.dtype) for w, _ in layers}
