@@ -75,8 +75,9 @@ def price_document(table: PriceTable) -> list:
     env = table.environment
     cpu, git = env.get("cpu") or {}, env.get("git") or {}
     versions = env.get("versions") or {}
-    routes = ", ".join(f"{k} {'widen:' if r.get('widen') else ''}{r.get('tile')}"
-                       for k, r in sorted((env.get("tiled_routes") or {}).items())) or "none kept"
+    routes = ", ".join(f"{k} {'widen:' if r.get('widen') else ''}{'whole:' if r.get('whole') else ''}"
+                       f"{r.get('tile')}" for k, r in sorted((env.get("tiled_routes") or {}).items())) \
+        or "none kept"
     revision = (git.get("revision") or "-")[:7] + ("+dirty" if git.get("dirty") else "")
     plan = table.plan
     return [
