@@ -20,10 +20,10 @@ rounds).
 Where the stock kernel's probe finds **a floor of one row** (every row has the same bits at every
 row count probed: kvfid.kernels.invariant.whole), the route is that kernel itself, one call per
 product (`whole:1`), taken without timing: each product is the stock call, so it costs what stock
-costs at every row count and every shape. A timing on one product cannot promise that: the widened
-route, faster on the timed product whose weight stays in cache, was 1.33x stock's products in a
-0.5B model's decode step, whose weights stream from memory at twice the bytes in fp32
-(docs/environment.md, "The tiled mode's route").
+costs at every row count and every shape. A timing on one product cannot promise that: a route
+faster on the timed product, whose weight stays in cache, can cost more in a model's decode step,
+whose weights stream from memory (at twice the bytes, widened to fp32; measured:
+docs/environment.md, "The tiled mode's route").
 
 Otherwise the rule is **hysteresis toward the order of `candidates()`** (stock before widened, larger tiles
 first): the earliest route whose score is within `NEAR` of the best wins, so a later route
