@@ -188,9 +188,10 @@ def products(layers: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int,
     from kvfid.kernels.invariant import whole as whole_calls
     from kvfid.kernels.invariant.route import in_tiles
 
+    by_route = in_tiles
     if whole and tile is not None:      # one call from the floor up, as kvfid.kernels.invariant.whole.call
         span = whole_calls.Span(tile, max(rows, tile), max(rows, tile), "the route's floor")
-        in_tiles = lambda fn, x, floor: whole_calls.call(fn, x, span)   # noqa: E731
+        by_route = lambda fn, x, floor: whole_calls.call(fn, x, span)   # noqa: E731
 
     gen = torch.Generator().manual_seed(3)
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(w.dtype) for w, _ in layers}
@@ -201,10 +202,10 @@ def products(layers: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int,
             calls.append(lambda x=x, w=weight, b=bias: F.linear(x, w, b))
         elif wide is not None:
             w32, b32 = wide[i]
-            calls.append(lambda x=x, w=w32, b=b32: in_tiles(     # as the mode's widened product
+            calls.append(lambda x=x, w=w32, b=b32: by_route(     # as the mode's widened product
                 lambda t: F.linear(t, w, b), x.float(), tile).to(x.dtype))
         else:
-            calls.append(lambda x=x, w=weight, b=bias: in_tiles(lambda t: F.linear(t, w, b), x, tile))
+            calls.append(lambda x=x, w=weight, b=bias: by_route(lambda t: F.linear(t, w, b), x, tile))
 
     @contextlib.contextmanager
     def session():
