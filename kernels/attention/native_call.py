@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfid.kernels.invariant.ops import BLOCK, LANES
+from kvfid.kernels.invariant.ops import lane_uniform_
 
 # The online softmax's floor: a row that has seen no key yet (its first span fully masked under
 # a window or a chunk) keeps a finite maximum, so exp2(-inf - FLOOR) = 0 and nothing is NaN.
@@ -126,7 +126,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, lo: int
         torch.bmm(q, (k if whole else k.narrow(1, a - base, b - a)).transpose(1, 2), out=s)  # [Hkv, M, b - a]
         if softcap is not None:
             s.div_(softcap)
-            lane_uniform(torch.tanh, s)
+            lane_uniform_(torch.tanh, s)
             s.mul_(softcap * LOG2E)
         if plain:   # only the diagonal key tile, the last of the last piece: a fixed additive mask
             if b == run.stop and isinstance(lo, tuple):
@@ -143,10 +143,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, lo: int
             top.clamp_min_(FLOOR)
         if m is not None:
             torch.maximum(m, top, out=top)
-            alpha = lane_uniform(torch.exp2, m - top)
+            alpha = lane_uniform_(torch.exp2, m - top)
         m = top
         s.sub_(m.unsqueeze(-1))
-        lane_uniform(torch.exp2, s, scores)
+        lane_uniform_(torch.exp2, s, scores)
         total = torch.sum(s, -1, out=torch.empty(heads, m_rows))
         values = v if whole else v.narrow(1, a - base, b - a)
         if acc is None:
@@ -157,8 +157,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, lo: int
     if sinks is not None:  # a per-head logit in the denominator only
         sink = (sinks.float() * LOG2E).view(heads, 1, group_size).expand(heads, n, group_size).reshape(heads, m_rows)
         top = torch.maximum(m, sink)
-        alpha = lane_uniform(torch.exp2, m - top)
-        l.mul_(alpha).add_(lane_uniform(torch.exp2, sink - top))
+        alpha = lane_uniform_(torch.exp2, m - top)
+        l.mul_(alpha).add_(lane_uniform_(torch.exp2, sink - top))
         acc.mul_(alpha.unsqueeze(-1))
     if out is None:
         return acc.div_(l.unsqueeze(-1))
@@ -189,26 +189,3 @@ def _causal(positions: int, group_size: int, width: int, offset: int) -> torch.T
     own = (offset + torch.arange(positions)).repeat_interleave(group_size)[:, None]
     return torch.zeros(positions * group_size, width).masked_fill_(torch.arange(width)[None, :] > own,
                                                                     float("-inf"))
-
-
-def lane_uniform(fn, x: torch.Tensor, room: torch.Tensor | None = None) -> torch.Tensor:
-    """fn (element-wise, in place through out=) over contiguous x: on calls of a multiple of LANES
-    elements, at most BLOCK per call where a thread split could land inside one (one thread: no
-    split), so no element is in a scalar tail; returns x. `room`: a flat buffer x starts at whose
-    following elements may be overwritten (the call is rounded up inside it instead of copied)."""
-    flat = x.view(-1)
-    n = flat.numel()
-    whole = -(-n // LANES) * LANES
-    if room is not None and whole <= room.numel() and flat.data_ptr() == room.data_ptr():
-        flat = room.narrow(0, 0, whole)
-    if flat.numel() % LANES == 0 and (whole <= BLOCK or torch.get_num_threads() == 1):
-        fn(flat, out=flat)
-        return x
-    work = flat if flat.numel() == whole else torch.cat([flat, flat.new_zeros(whole - n)])
-    step = whole if torch.get_num_threads() == 1 else BLOCK
-    for i in range(0, whole, step):
-        part = work[i:i + step]
-        fn(part, out=part)
-    if work is not flat:
-        flat.copy_(work[:n])
-    return x

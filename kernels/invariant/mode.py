@@ -117,10 +117,8 @@ def _mm(impl: str, original) -> Callable:
         if _triton(impl, a):
             return _matmul.matmul(a, b)
         if impl == "tiled":
-            key = _key("mm", a.shape[1], b, a.dtype)
-            if _tiled.stock_call_serves(key, a):     # what the route's one call would be
-                return original.call_boxed(keys, a, b)
-            return _tiled.product(key, lambda t, w: original.call_boxed(keys, t, w), a, b)
+            return _tiled.product(_key("mm", a.shape[1], b, a.dtype),
+                                  lambda t, w: original.call_boxed(keys, t, w), a, b)
         return torch.cat([original.call_boxed(keys, _fresh(a[i:i + 1]), b) for i in range(a.shape[0])])
     return mm
 
@@ -148,10 +146,8 @@ def _addmm(impl: str, original) -> Callable:
         if _triton(impl, a):
             return _matmul.matmul(a, b, bias)
         if impl == "tiled":
-            key = _key("addmm", a.shape[1], b, a.dtype, tuple(bias.shape))
-            if _tiled.stock_call_serves(key, a):     # what the route's one call would be
-                return original.call_boxed(keys, bias, a, b)
-            return _tiled.product(key, lambda t, w, c: original.call_boxed(keys, c, t, w), a, b, bias)
+            return _tiled.product(_key("addmm", a.shape[1], b, a.dtype, tuple(bias.shape)),
+                                  lambda t, w, c: original.call_boxed(keys, c, t, w), a, b, bias)
         return torch.cat([original.call_boxed(keys, bias, _fresh(a[i:i + 1]), b)
                           for i in range(a.shape[0])])
     return addmm
@@ -187,12 +183,8 @@ def _mean_dim(impl: str, original) -> Callable:
         if impl == "tiled" and dim is not None and len(dim) == 1 and dim[0] % x.dim() == last:
             # the common case (a norm's mean over the last dim): no permute, one reshape each way
             flat = x.reshape(-1, x.shape[-1])  # [R, n]
-            key = _key("mean.dim", flat.shape[1], None, x.dtype, dtype)
-            if _tiled.stock_call_serves(key, flat):  # what the route's one call would be
-                out = original.call_boxed(keys, flat, [-1], True, dtype=dtype)
-            else:
-                out = _tiled.by_tiles(key, lambda t: original.call_boxed(keys, t, [-1], True, dtype=dtype),
-                                      flat)
+            out = _tiled.by_tiles(_key("mean.dim", flat.shape[1], None, x.dtype, dtype),
+                                  lambda t: original.call_boxed(keys, t, [-1], True, dtype=dtype), flat)
             return out.reshape(*x.shape[:-1], 1) if keepdim else out.reshape(x.shape[:-1])
         rows, dims = _reduced_last(x, dim)  # [*kept, n]
         if _triton(impl, x):

@@ -235,6 +235,29 @@ def lane_uniform(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
     return out[:n].view(x.shape)
 
 
+def lane_uniform_(fn, x: torch.Tensor, room: torch.Tensor | None = None) -> torch.Tensor:
+    """`lane_uniform` in place: fn (element-wise, through out=) over contiguous x, on calls of a multiple of LANES
+    elements, at most BLOCK per call where a thread split could land inside one (one thread: no
+    split), so no element is in a scalar tail; returns x. `room`: a flat buffer x starts at whose
+    following elements may be overwritten (the call is rounded up inside it instead of copied)."""
+    flat = x.view(-1)
+    n = flat.numel()
+    whole = -(-n // LANES) * LANES
+    if room is not None and whole <= room.numel() and flat.data_ptr() == room.data_ptr():
+        flat = room.narrow(0, 0, whole)
+    if flat.numel() % LANES == 0 and (whole <= BLOCK or torch.get_num_threads() == 1):
+        fn(flat, out=flat)
+        return x
+    work = flat if flat.numel() == whole else torch.cat([flat, flat.new_zeros(whole - n)])
+    step = whole if torch.get_num_threads() == 1 else BLOCK
+    for i in range(0, whole, step):
+        part = work[i:i + step]
+        fn(part, out=part)
+    if work is not flat:
+        flat.copy_(work[:n])
+    return x
+
+
 def _elementwise(name: str) -> Callable:
     """The factory of element-wise op `name`: its functional form through `lane_uniform`, the
     blocks of a tensor above BLOCK elements written by the op's `out=` form (the same structured

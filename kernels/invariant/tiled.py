@@ -57,15 +57,13 @@ def trusted(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], width: in
     return verdict is None
 
 
-def stock_call_serves(key: Hashable, rows: torch.Tensor) -> bool:
-    """Whether the route gives `rows` [M, K] exactly one stock call on them as they are: a stock
+def _stock_call_serves(key: Hashable, rows: torch.Tensor, route: Route) -> bool:
+    """Whether `whole.call` would make one call of `fn` on `rows` [M, K] as they are: a stock
     whole-call route whose span for `key` (already probed) has a floor of one row and covers M,
-    the rows plain (contiguous from their storage's start, as `whole.call` passes them). Then an
-    override may make that call itself; the few lookups here stand for a chain of calls."""
-    if rows.device.type != "cpu" or not rows.is_contiguous() or rows.storage_offset():
-        return False
-    route = mode_route.route(rows.dtype, rows.device)
-    if not route.whole or route.widen:
+    the rows plain (contiguous from their storage's start). The common case of every decode step,
+    decided in a few lookups."""
+    if not route.whole or route.widen or rows.device.type != "cpu" or not rows.is_contiguous() \
+            or rows.storage_offset():
         return False
     found = whole.probed(key, False)
     return found is not None and found.floor == 1 and rows.shape[0] <= found.ceiling
@@ -75,8 +73,10 @@ def by_tiles(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], rows: to
              scale: float = 1.0, route: Route | None = None) -> torch.Tensor:
     """fn over rows [M, K] -> [M, N], the route's tile of rows per call (zero rows pad the last
     tile); row by row where the probe for `key` failed."""
-    m, width = rows.shape
     route = route or mode_route.route(rows.dtype, rows.device)
+    if _stock_call_serves(key, rows, route):
+        return fn(rows)
+    m, width = rows.shape
     served = _whole_span(key, fn, rows, scale, route)
     if served is not None:
         return whole.call(fn, rows, served)

@@ -12,6 +12,8 @@ from helpers import assert_bitwise_equal, randn
 
 from kvfid.kernels.attention import native, native_call, native_tiles
 from kvfid.kernels.attention.native_call import DEFAULT_CONFIG
+from kvfid.kernels.invariant import ops
+from kvfid.kernels.invariant.ops import lane_uniform_
 
 # SmolLM2's heads (3 KV heads of 3 queries, D 64), a tile of 16 positions (48 rows): calls of a
 # key tile's 64 positions and of 1 to 15, one piece of a key tile and a later piece of a full span
@@ -103,8 +105,8 @@ def test_control_the_sequences_probe_catches_a_product_whose_batch_entries_depen
 
 def _sizes_check(exp2) -> None:
     """exp2(x) over calls of several sizes: each element's bits those of a call of LANES elements."""
-    lanes = native_call.LANES
-    x = torch.randn(3 * native_call.BLOCK + lanes, generator=torch.Generator().manual_seed(1)) * 30
+    lanes = ops.LANES
+    x = torch.randn(3 * ops.BLOCK + lanes, generator=torch.Generator().manual_seed(1)) * 30
     expected = torch.cat([torch.exp2(x[i:i + lanes]) for i in range(0, x.numel(), lanes)])
     for n in (1, 7, 255, 257, 1000, x.numel() - 44, x.numel()):
         assert_bitwise_equal(exp2(x[:n].clone()), expected[:n], f"exp2 over {n} elements")
@@ -114,8 +116,8 @@ def _sizes_check(exp2) -> None:
 
 def _in_room(x: torch.Tensor) -> torch.Tensor:
     """exp2 of x computed at the start of a larger buffer, the call rounded up inside it."""
-    room = torch.full((x.numel() + native_call.LANES,), 7.0)
-    return native_call.lane_uniform(torch.exp2, room.narrow(0, 0, x.numel()).copy_(x), room).clone()
+    room = torch.full((x.numel() + ops.LANES,), 7.0)
+    return lane_uniform_(torch.exp2, room.narrow(0, 0, x.numel()).copy_(x), room).clone()
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -126,7 +128,7 @@ def test_lane_uniform_exp2_gives_an_element_its_bits_at_any_size(threads, room):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _sizes_check(_in_room if room else lambda x: native_call.lane_uniform(torch.exp2, x))
+        _sizes_check(_in_room if room else lambda x: lane_uniform_(torch.exp2, x))
     finally:
         torch.set_num_threads(before)
 

@@ -172,14 +172,15 @@ def test_a_whole_call_product_is_close_to_the_fp64_product(fresh_spans, monkeypa
 def test_a_span_of_floor_one_is_the_stock_call_itself_and_any_other_floor_goes_through_the_span(
         fresh_spans, monkeypatch):
     """Under a stock whole-call route, a product whose span has floor 1 and covers its rows is
-    the stock call on the rows as they are (the chain of `tiled.product` never runs); with
-    floor 4 (the control) the chain runs and pads the one row to 4."""
+    the stock call on the rows as they are (`whole.call` never runs); with floor 4 (the control)
+    `whole.call` serves it and pads the rows to 4."""
     monkeypatch.setenv(mode_route.PIN_ENV, "fp32=whole:1")
     x, w = randn(3, 96, seed=1, on="cpu"), randn(40, 96, seed=2, on="cpu")
     stock = torch.nn.functional.linear(x, w)
     chained = []
-    real = mode_tiled.product
-    monkeypatch.setattr(mode_tiled, "product", lambda *a, **k: chained.append(a[2].shape[0]) or real(*a, **k))
+    real = whole.call
+    monkeypatch.setattr(whole, "call", lambda fn, rows, served: chained.append(rows.shape[0]) or
+                        real(fn, rows, served))
     with set_batch_invariant_mode(impl="tiled"):
         torch.nn.functional.linear(x, w)                     # probes the span of this key
     (key, widen, threads), = [k for k in whole._spans if k[0][0] == "mm"]
