@@ -127,10 +127,35 @@ def place_keys(name: str, mask: torch.Tensor | None, position_ids, batch: int, q
     return {"visibility": (placed["visibility"].cpu() & chosen).to(device)}
 
 
+# The last mask-free placement: every layer of one forward passes the same position ids, so the
+# layers after the first compare the ids with the last call's (one op) instead of reading them
+# again (several). Keyed by the ids' values (a copy: inference tensors keep no version counter,
+# and a caller may update its ids in place) and the call's shape.
+_last_placed: tuple | None = None
+
+
 def _placed(name: str, mask: torch.Tensor | None, position_ids, batch: int, q_len: int,
             kv_len: int, window: int | None, serves: frozenset[str], device: torch.device,
             sparse: bool = False) -> dict:
     """`place_keys` for a layer that is not chunked: the positions' pattern or a visibility."""
+    global _last_placed
+    if mask is not None or not isinstance(position_ids, torch.Tensor):
+        return _placed_now(name, mask, position_ids, batch, q_len, kv_len, window, serves, device,
+                           sparse)
+    key = (position_ids.dtype, position_ids.device, batch, q_len, kv_len, window, serves, device,
+           sparse)
+    last = _last_placed
+    if last is not None and last[0] == key and torch.equal(last[1], position_ids):
+        return dict(last[2])
+    placed = _placed_now(name, mask, position_ids, batch, q_len, kv_len, window, serves, device,
+                         sparse)
+    _last_placed = (key, position_ids.clone(), dict(placed))
+    return placed
+
+
+def _placed_now(name: str, mask: torch.Tensor | None, position_ids, batch: int, q_len: int,
+                kv_len: int, window: int | None, serves: frozenset[str], device: torch.device,
+                sparse: bool = False) -> dict:
     own = _own_positions(name, mask, position_ids, batch, q_len, kv_len, window, None)
     allowed = None if own is not None else _allowed(mask) if mask.dim() == 4 \
         and tuple(mask.shape[-2:]) == (q_len, kv_len) else None   # read only when not the pattern
