@@ -287,8 +287,9 @@ def sample_trajectories(model, stack, prompts: list[tuple[str, list[int]]], toke
         runner = Runner(module)
         for index, (item_id, prompt) in enumerate(prompts):
             generator = torch.Generator().manual_seed(seed * 100003 + index)
-            cache, out, logprobs = new_cache(module), [], []
-            logits = runner.forward(as_batch(prompt), cache)[0]
+            out, logprobs = [], []
+            logits, cached = runner.forward(as_batch(prompt), new_cache(module))
+            logits = logits[0]
             while len(out) < tokens:
                 probs = torch.softmax(logits.double() / temperature, -1).cpu()
                 token = int(torch.multinomial(probs, 1, generator=generator))
@@ -297,7 +298,8 @@ def sample_trajectories(model, stack, prompts: list[tuple[str, list[int]]], toke
                 logprobs.append(float(picked_logprobs(logits[None], torch.tensor([token]))[0]))
                 if token in model.codec.eos_ids or len(out) == tokens:
                     break
-                logits = runner.forward(as_batch([token]), cache)[0]
+                logits, cached = runner.forward(as_batch([token]), cached)
+                logits = logits[0]
             rows.append(as_row(Trajectory(item_id, tuple(prompt), tuple(out), tuple(logprobs)),
                                model=model.name, stack=stack.label, temperature=temperature,
                                seed=seed))

@@ -34,10 +34,11 @@ ALLOWED = "prefill, chunked:N, batched:N, cached:K, spec:k, spec:tree:WxD"
 
 def reference_logits(runner: Runner, t: Trajectory) -> torch.Tensor:
     """The generator's next-token logits for each continuation token: [len(tokens), V]."""
-    cache = new_cache(runner.module)
-    rows = [runner.forward(as_batch(t.prompt_ids), cache)[0]]
+    logits, cached = runner.forward(as_batch(t.prompt_ids), new_cache(runner.module))
+    rows = [logits[0]]
     for token in t.tokens[:-1]:
-        rows.append(runner.forward(as_batch([token]), cache)[0])
+        logits, cached = runner.forward(as_batch([token]), cached)
+        rows.append(logits[0])
     return torch.stack(rows)
 
 
@@ -52,17 +53,20 @@ def rescored_logits(runner: Runner, t: Trajectory, construction: str
     if c.kind in prefix_reuse.REUSE_KINDS:
         vocab_size = runner.module.config.get_text_config().vocab_size
         k = cached_length(c, t) if c.kind == "cached" else None
-        return prefix_reuse.feed_rows(runner, new_cache(runner.module), c, len(t.prompt_ids),
-                                     ids[:-1], vocab_size, first, cached_length=k)
+        rows, acceptance, _ = prefix_reuse.feed_rows(
+            runner, new_cache(runner.module), c, len(t.prompt_ids), ids[:-1], vocab_size, first,
+            cached_length=k)
+        return rows, acceptance
     if c.kind == "chunked":
-        cache, parts, start = new_cache(runner.module), [], 0
+        cached, parts, start = new_cache(runner.module), [], 0
         for size in c.chunk_sizes(len(t.prompt_ids), len(ids)):
-            parts.append(runner.forward_all(as_batch(ids[start:start + size]), cache)[0])
+            logits, cached = runner.forward_all(as_batch(ids[start:start + size]), cached)
+            parts.append(logits[0])
             start += size
         logits = torch.cat(parts)  # [T, V]
     else:
         rows = c.n if c.kind == "batched" else 1
-        logits = runner.forward_all(as_batch(ids, rows), None)[0]
+        logits = runner.forward_all(as_batch(ids, rows), None)[0][0]
     return logits[first:first + len(t.tokens)], None
 
 

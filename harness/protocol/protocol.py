@@ -64,8 +64,7 @@ def decode_suffix(runner: Runner, state: kv.BoundaryState, steps: int, eos_ids,
                   feeding: Feeding = next_token) -> Greedy:
     """`steps` greedy tokens from a boundary state, by the batch-1 suffix decoder; `feeding`
     gives the feed of the cache resumed from it (a stage program's: at its layout's positions)."""
-    cache = resume(state, runner.module)
-    suffix, _ = greedy(state.logits, steps, eos_ids, feeding(runner, cache))
+    suffix, _ = greedy(state.logits, steps, eos_ids, feeding(runner, resume(state, runner.module)))
     return suffix
 
 
@@ -75,13 +74,15 @@ def run_live(module, prompt: list[int], B: int, S: int, eos_ids) -> Arm:
     The live run's own continuation is its suffix: nothing is decoded twice. If EOS comes among
     the B tokens the arm has no state (the item is `short`).
     """
-    start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
-    logits, feed = runner.forward(as_batch(prompt), cache)[0], next_token(runner, cache)
-    generated, logits = greedy(logits, B, eos_ids, feed, feed_last=True)
+    start, runner = time.perf_counter(), Runner(module)
+    logits, cached = runner.forward(as_batch(prompt), new_cache(module))
+    feed = next_token(runner, cached)
+    generated, logits = greedy(logits[0], B, eos_ids, feed, feed_last=True)
     if generated.eos:
         return Arm("live", None, Greedy(), time.perf_counter() - start, runner.calls,
                    runner.seconds, generated=generated)
-    state = kv.snapshot(cache, prompt + generated.tokens, logits[None], config=module.config)
+    state = kv.snapshot(feed.cached.cache, prompt + generated.tokens, logits[None],
+                        config=module.config)
     suffix, _ = greedy(logits, S, eos_ids, feed)
     return Arm("live", state, suffix, time.perf_counter() - start, runner.calls, runner.seconds,
                generated=generated)
@@ -93,19 +94,20 @@ def run_construction(module, construction: Construction, prompt_length: int,
     stage program's (kvfid.stages.program.Layout, over `prefix`), whose `chunk` feeds each chunk
     under its visibility at its positions and whose `suffix_feed` decodes in its last stage;
     None: one plain stream."""
-    start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
+    start, runner, cached = time.perf_counter(), Runner(module), new_cache(module)
     rows = construction.n if construction.kind == "batched" else 1
     acceptance = None
     if construction.kind in prefix_reuse.REUSE_KINDS:
-        logits, acceptance = prefix_reuse.feed(runner, cache, construction, prompt_length, prefix,
-                                          module.config.get_text_config().vocab_size)
+        logits, acceptance, cached = prefix_reuse.feed(
+            runner, cached, construction, prompt_length, prefix,
+            module.config.get_text_config().vocab_size)
     else:
         sizes = construction.chunk_sizes(prompt_length, len(prefix))
-        chunk = layout.chunk(runner, cache) if layout is not None else None
-        logits = feed_chunks(runner, cache, prefix, sizes, rows, chunk)      # [rows, V]
-    state = kv.snapshot(cache, prefix, logits, config=module.config)
-    rows_identical = kv.rows_identical(cache, logits) if rows > 1 else None
-    del cache
+        chunk = layout.chunk(runner) if layout is not None else None
+        logits, cached = feed_chunks(runner, cached, prefix, sizes, rows, chunk)   # [rows, V]
+    state = kv.snapshot(cached.cache, prefix, logits, config=module.config)
+    rows_identical = kv.rows_identical(cached.cache, logits) if rows > 1 else None
+    del cached
     suffix = decode_suffix(runner, state, S, eos_ids,
                            next_token if layout is None else layout.suffix_feed)
     return Arm(construction.label, state, suffix, time.perf_counter() - start, runner.calls,
@@ -126,17 +128,17 @@ def run_cobatched(module, construction: Construction, prefix: list[int], S: int,
                   neighbours: Neighbours) -> Arm:
     """P built in one left-padded batch with other items; the item's row (padding dropped) is the
     state. `+decode`: the suffix is decoded in the same co-batch, else by the batch-1 decoder."""
-    start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
+    start, runner = time.perf_counter(), Runner(module)
     batch = cobatch.choose(prefix, neighbours.item_id, neighbours.pool, construction.n,
                            neighbours.max_length)
-    logits, mask = cobatch.prefill(runner, cache, batch)             # [N, V], [N, W]
-    state = kv.snapshot(cache, prefix, logits, batch.row, batch.pads[batch.row],
+    logits, mask, cached = cobatch.prefill(runner, new_cache(module), batch)   # [N, V], [N, W]
+    state = kv.snapshot(cached.cache, prefix, logits, batch.row, batch.pads[batch.row],
                         config=module.config)
     if construction.decode_in_batch:
         suffix, _ = greedy(logits[batch.row], S, eos_ids,
-                           cobatch.in_batch(runner, cache, batch, logits, mask))
+                           cobatch.in_batch(runner, cached, batch, logits, mask))
     else:
-        del cache
+        del cached
         suffix = decode_suffix(runner, state, S, eos_ids)
     return Arm(construction.label, state, suffix, time.perf_counter() - start, runner.calls,
                runner.seconds, cobatch=batch.describe())
@@ -292,9 +294,9 @@ def run_item(model, stack, item, plan: ItemPlan, matcher=None,
 def warm_up(module, prompt: list[int]) -> float:
     """One untimed forward over the prompt and one decode step, so that no arm's wall time pays
     for lazy initialization (kernel selection, allocator growth, Triton compiles); its seconds."""
-    start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
-    logits = runner.forward(as_batch(prompt), cache)[0]
-    runner.forward(as_batch([top2(logits)[0]]), cache)
+    start, runner = time.perf_counter(), Runner(module)
+    logits, cached = runner.forward(as_batch(prompt), new_cache(module))
+    runner.forward(as_batch([top2(logits[0])[0]]), cached)
     return time.perf_counter() - start
 
 

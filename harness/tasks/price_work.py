@@ -117,7 +117,7 @@ def prefill(model, stack, tokens: int) -> Session:
     @contextlib.contextmanager
     def session():
         with stack.activate(model) as module:
-            given = {cache_keyword(module): new_cache(module)}
+            given = {cache_keyword(module): new_cache(module).cache}
             yield lambda: module(input_ids=ids, use_cache=True, logits_to_keep=1, **given)
     return session
 
@@ -136,7 +136,7 @@ def filled_cache(module, sequences: int, keys: int, seed: int = 1):
     dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     dtype = next(module.parameters()).dtype
     gen = torch.Generator().manual_seed(seed)
-    cache = new_cache(module)
+    cache = new_cache(module).cache
     for layer in range(int(config.num_hidden_layers)):
         k, v = (torch.randn(sequences, kv, keys, dim, generator=gen).to(dtype) for _ in range(2))
         cache.update(k, v, layer)             # [B, H_kv, T, D]

@@ -51,14 +51,14 @@ def _timed(label: str, bench: TPBench) -> dict:
                 torch.distributed.barrier()
 
         for repeat in range(bench.repeats + 1):       # the first: an untimed warm-up
-            cache = new_cache(module)
+            cached = new_cache(module)
             barrier()
             start = time.perf_counter()
-            logits = runner.forward(as_batch(ids), cache)
+            logits, cached = runner.forward(as_batch(ids), cached)
             barrier()
             middle = time.perf_counter()
             for _ in range(bench.decode):
-                logits = runner.forward(as_batch([int(logits[0].argmax())]), cache)
+                logits, cached = runner.forward(as_batch([int(logits[0].argmax())]), cached)
             barrier()
             if repeat:
                 prefill.append(middle - start)

@@ -86,8 +86,8 @@ def profile_stack(model, stack, prefix: list[int], cuda: bool) -> StackProfile:
                 seconds[name] = time.perf_counter() - start
                 return value
 
-            logits = part("prefill", lambda: runner.forward(as_batch(prefix), cache))
-            state = part("state read", lambda: kv.snapshot(cache, prefix, logits,
+            logits, cache = part("prefill", lambda: runner.forward(as_batch(prefix), cache))
+            state = part("state read", lambda: kv.snapshot(cache.cache, prefix, logits,
                                                              config=module.config))
             part("fingerprint", lambda: (kv.sha_cache(state), kv.sha_tensor(state.logits)))
             part("compare", lambda: kv.compare_states(state, state))

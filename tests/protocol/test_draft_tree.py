@@ -60,10 +60,13 @@ def test_the_ancestor_mask_shows_each_node_its_ancestors_only():
 def test_the_accepted_path_is_gathered_after_the_root_in_order():
     from transformers import DynamicCache
 
+    from kvfid.protocol.decode import Cached
+
     cache = DynamicCache()
     keys = torch.arange(7.0).view(1, 1, 7, 1)      # slot s holds s
     cache.update(keys, keys + 100, 0)
-    draft_tree._keep_path(cache, 2, [1, 4])        # root at slot 2, path nodes 1 and 4
+    kept = draft_tree.keep_path(Cached(cache, 7), 2, [1, 4])   # root at slot 2, path nodes 1 and 4
+    assert kept.cache is cache and kept.positions == 5
     assert cache.layers[0].keys.flatten().tolist() == [0, 1, 2, 3, 6]
     assert cache.layers[0].values.flatten().tolist() == [100, 101, 102, 103, 106]
     drafts, path = draft_tree._drafts((0, 0, 1, 1), [10, 11], None, random.Random(0), 50)
