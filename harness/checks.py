@@ -107,24 +107,5 @@ def tp_reason(tp) -> str | None:
     return None
 
 
-def construction_reason(label: str) -> str | None:
-    """Why a parsed construction label cannot be run here (a batch too large to hold)."""
-    kind, _, n = label.partition("@")[0].partition(":")
-    n = n.partition("+")[0]   # cobatched:N+decode
-    if kind in ("batched", "cobatched") and n.isdigit() and int(n) > MAX_BATCH:
-        return f"allowed: {kind}:N with N <= {MAX_BATCH}"
-    return None
-
-
-def split_arms(text: str) -> tuple[str, ...]:
-    """A comma-separated list of constructions; a tree given by its parents
-    (`spec:tree:0,0,1,1`) keeps its commas: a piece that is only digits (with an optional
-    `+rateR` after the last) continues the tree before it."""
-    out: list[str] = []
-    for piece in (p.strip() for p in text.split(",")):
-        if out and out[-1].startswith("spec:tree:") and re.fullmatch(r"\d+(\+rate[\d.]+)?", piece) \
-                and re.fullmatch(r"spec:tree:\d+(,\d+)*", out[-1]):
-            out[-1] += f",{piece}"
-        elif piece:
-            out.append(piece)
-    return tuple(out)
+# Why a construction cannot run here and how a list of them is split: each Construction says
+# (kvfid.protocol.constructions: `reason`, `parse_constructions`).

@@ -206,9 +206,9 @@ def checked_replay(trajectories, model_name, stack: Stack, constructions: str):
     size 1 only: each rank loads the model by its name)."""
     from kvfid import checks
     from kvfid.diagnoses.subject import check_subject
-    from kvfid.protocol.prefix_reuse import check_rollback
+    from kvfid.protocol.constructions import check_rollback, split_arms
 
-    chosen = checks.split_arms(constructions)
+    chosen = split_arms(constructions)
     if any("@" in c for c in chosen):
         raise BadInput(f"--constructions {constructions}: a replay re-scores at the stack's TP "
                        f"size (--tp), not per construction")

@@ -14,14 +14,15 @@ program, `repro_program` checks and measures its layout the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from kvfid import checks
 from kvfid.diagnoses.subject import check_subject, plan_world
-from kvfid.protocol.prefix_reuse import check_rollback
+from kvfid.protocol.constructions import Construction, TransplantSpec, check_rollback
 from kvfid.stacks.stack import Stack, check_supports
 from kvfid.errors import BadInput
 from kvfid.names import BIT_EXACT, DIVERGES
-from kvfid.protocol.protocol import ItemPlan, parse_transplant
+from kvfid.protocol.protocol import ItemPlan
 
 
 @dataclass
@@ -37,21 +38,34 @@ class Repro:
     world: int = 1           # ranks the item runs on: the largest TP size of the stack and arms
 
 
+def typed(values, kind: type, name: str) -> tuple:
+    """`values` as a tuple, each one a `kind` (TypeError otherwise: a comma string is parsed at
+    the edge, kvfid.protocol.constructions.parse_constructions)."""
+    if isinstance(values, str) or not all(isinstance(v, kind) for v in values):
+        raise TypeError(f"{name}: a sequence of {kind.__name__}, not {values!r}")
+    return tuple(values)
+
+
 def prepare(model_name, stack: Stack, prompt: str | None, item_set: str | None,
-            item_index: int | None, boundary: int, suffix: int, constructions: str,
-            replicas: str, transplants, cross, ignore_eos: bool = False) -> Repro:
+            item_index: int | None, boundary: int, suffix: int,
+            constructions: Sequence[Construction], replicas: Sequence[Construction] = (),
+            transplants: Sequence[TransplantSpec] = (), cross: Sequence[str] = (),
+            ignore_eos: bool = False) -> Repro:
     """Check every option, then load the model and check what needs it (layers, context).
     `model_name`: a preset, `hf:<folder>`, or a Model already loaded (the Python API's; at TP
-    size 1 only: each rank loads the model by its name)."""
+    size 1 only: each rank loads the model by its name); `cross`: dtype names."""
+    constructions = typed(constructions, Construction, "constructions")
+    replicas = typed(replicas, Construction, "replicas")
+    transplants = typed(transplants, TransplantSpec, "transplants")
+    cross = typed(cross, str, "cross")
     try:
-        plan = ItemPlan(boundary, suffix, checks.split_arms(constructions),
-                        checks.split_arms(replicas),
-                        tuple(parse_transplant(t) for t in transplants), ignore_eos=ignore_eos)
-        cross_stacks = [stack.with_dtype(d) for d in cross.split(",")] if cross else []
+        plan = ItemPlan(boundary, suffix, constructions, replicas, transplants,
+                        ignore_eos=ignore_eos)
+        cross_stacks = [stack.with_dtype(d) for d in cross]
     except ValueError as err:
         raise BadInput(str(err)) from None
     for arm in plan.arms:
-        checks.require(checks.construction_reason(arm), "--constructions", arm)
+        checks.require(plan.construction(arm).reason(), "--constructions", arm)
     subject = check_subject(model_name, stack, prompt, item_set, item_index,
                             world=plan_world(stack, plan.arms, "--constructions"))
     model, prompt_length = subject.model, len(subject.prompt_ids)
@@ -227,8 +241,9 @@ class ProgramOutcome:
 
 
 def repro_program(program: str, model_name: str, stack: Stack, prompt, item_set, item_index,
-                  boundary: int, suffix: int, constructions: str, replicas: str, transplants,
-                  cross, ignore_eos: bool = False) -> ProgramOutcome:
+                  boundary: int, suffix: int, constructions: Sequence[Construction],
+                  replicas: Sequence[Construction] = (), transplants: Sequence[str] = (),
+                  cross: Sequence[str] = (), ignore_eos: bool = False) -> ProgramOutcome:
     """`kvfid repro` over a stage program's layout (kvfid.stages.program): every option and
     the program checked before any compute (exit 2 in one line; the set-up is
     kvfid.diagnoses.subject's), the arms measured at its merge boundary, its verdict against
@@ -242,10 +257,11 @@ def repro_program(program: str, model_name: str, stack: Stack, prompt, item_set,
     if stack.tp != 1:
         raise BadInput(f"--tp {stack.tp}: a stage program runs at TP size 1 only")
     try:
-        crossed = [stack.with_dtype(d) for d in cross.split(",")] if cross else []
+        crossed = [stack.with_dtype(d) for d in typed(cross, str, "cross")]
     except ValueError as err:
-        raise BadInput(f"--cross {cross}: {err}") from None
-    chosen, again = (tuple(a for a in text.split(",") if a) for text in (constructions, replicas))
+        raise BadInput(f"--cross {','.join(cross)}: {err}") from None
+    chosen, again = (tuple(c.label for c in typed(given, Construction, name))
+                     for given, name in ((constructions, "constructions"), (replicas, "replicas")))
     stages_checks.check_plan(chosen, again)
     subject = check_subject(model_name, stack, prompt, item_set, item_index)
     model, prompt_length = subject.model, len(subject.prompt_ids)
@@ -255,10 +271,10 @@ def repro_program(program: str, model_name: str, stack: Stack, prompt, item_set,
                               again, moves)
     crossing = None
     if crossed:
-        from kvfid.stages.crossing import run_crossing
+        from kvfid.stages.crossing import run_program_crossing
 
         eos = frozenset() if ignore_eos else model.codec.eos_ids
-        crossing = run_crossing(model, measured, stack.label, crossed, suffix, eos)
+        crossing = run_program_crossing(model, measured, stack.label, crossed, suffix, eos)
     environment = envinfo.collect()
     return ProgramOutcome(measured.run, stack.describe(), measured.layout, crossing, environment,
                           envinfo.environment_key(environment))
@@ -267,7 +283,8 @@ def repro_program(program: str, model_name: str, stack: Stack, prompt, item_set,
 def repro(program: str | None = None, **options) -> ReproOutcome | ProgramOutcome:
     """`kvfid repro`: every option checked (exit 2 / 3), the item measured (one stream, or over
     a stage program's layout: `repro_program`), the verdict and the environment it was measured
-    in."""
+    in. The options are `prepare`'s, typed: Constructions, TransplantSpecs, dtype names (the
+    command line parses its comma lists once, kvfid.commands.options.repro_arguments)."""
     from kvfid.environment import envinfo
 
     if program:

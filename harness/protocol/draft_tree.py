@@ -15,7 +15,7 @@ with probability R, so a step may stop early), every other node a wrong token. N
 what P has left are pruned, so the last step ends at |P|. The mask is the one visibility-mask
 path every stack serves (a 4-D float mask, 0 where a query sees a key); a model whose layers do
 not attend through the mask alone (sliding-window, chunked, recurrent, latent) is refused
-(prefix_reuse.check_rollback).
+(constructions.check_rollback).
 """
 
 from __future__ import annotations

@@ -33,45 +33,14 @@ import random
 import torch
 
 from kvfid.errors import Unavailable
-from kvfid.protocol import draft_tree
 from kvfid.protocol.decode import Cached, Runner, as_batch
 
-REUSE_KINDS = ("cached", "spec", "spec-tree")
 _NGRAM = 2           # the n of prompt-lookup drafting
 _EXTRA_OTHER = 3     # how much longer than P the earlier request of `cached:K` is
 
 
 class RollbackError(Unavailable):
     """The model's cache cannot be cut back without a trace (exit 3)."""
-
-
-def check_rollback(model, arms) -> None:
-    """Refuse, before any compute, a prefix-cache hit or a speculative arm on a model with a
-    recurrent layer state, which a cut cannot put back (RollbackError, exit 3)."""
-    from kvfid.protocol.constructions import parse_construction
-    from kvfid.stacks.serving import describe_layers
-
-    serving_arms = [a for a in arms if parse_construction(a).kind in REUSE_KINDS]
-    if not serving_arms:
-        return
-    _check_tree(describe_layers(model), [a for a in serving_arms
-                                         if parse_construction(a).kind == "spec-tree"])
-    recurrent = [info for info in describe_layers(model) if "recurrent" in info.mechanisms]
-    if recurrent:
-        raise RollbackError(f"{', '.join(serving_arms)}: a prefix-cache hit or a speculative "
-                            f"rollback cuts the cache back, which layer {recurrent[0].index} "
-                            f"({recurrent[0].layer_type}, a recurrent state) cannot take")
-
-
-def _check_tree(layers, trees: list[str]) -> None:
-    """A tree arm needs layers that attend through the mask alone (the ancestor mask reaches
-    every layer as it is) and plain keys and values (to gather the accepted path): exit 3."""
-    for info in layers if trees else ():
-        other = set(info.mechanisms) & {"sliding_window", "chunked_attention", "recurrent"}
-        if other or info.kind != "full":
-            what = sorted(other)[0] if other else f"a {info.kind} state"
-            raise RollbackError(f"{trees[0]}: layer {info.index} is {what}; tree verification "
-                                f"serves models whose layers attend through the mask only")
 
 
 def feed(runner: Runner, at: Cached, construction, prompt_length: int, prefix: list[int],
@@ -94,18 +63,8 @@ def feed_rows(runner: Runner, at: Cached, construction, prompt_length: int, pref
     (`cached_length` overrides the construction's K), the prompt's last position for `spec:k`."""
     if hasattr(at.cache, "activate_past_recording"):   # window layers keep what a rollback needs
         at.cache.activate_past_recording()
-    if construction.kind == "cached":
-        k = (construction.cached_length(prompt_length, len(prefix)) if cached_length is None
-             else cached_length)
-        assert k <= first, f"{construction.label}: no logits before position K={k}"
-        rows, at = _cached(runner, at, k, prefix, vocab_size, len(prefix) - first)
-        acceptance = None
-    else:
-        assert prompt_length - 1 <= first, f"{construction.label}: no logits inside the prompt"
-        verify = draft_tree.verify if construction.kind == "spec-tree" else _spec
-        rows, acceptance, at = verify(runner, at, construction, prompt_length, prefix,
-                                      vocab_size)
-        rows = rows[first - (prompt_length - 1):]
+    rows, acceptance, at = construction.reuse(runner, at, prompt_length, prefix, vocab_size,
+                                              first, cached_length)
     at = rollback(at, 0)   # layers that kept past states for the rollback drop what they no longer need
     return rows, acceptance, at
 
@@ -123,7 +82,7 @@ def rollback(at: Cached, tokens: int) -> Cached:
     return at.covering(at.positions - tokens)
 
 
-def _cached(runner: Runner, at: Cached, k: int, prefix: list[int], vocab_size: int,
+def prefix_hit(runner: Runner, at: Cached, k: int, prefix: list[int], vocab_size: int,
             rows: int) -> tuple[torch.Tensor, Cached]:
     """The earlier request, the cut back to K, then P[K:] in one call; its last `rows` logits."""
     later = prefix[k:]
@@ -135,7 +94,7 @@ def _cached(runner: Runner, at: Cached, k: int, prefix: list[int], vocab_size: i
     return logits[0], at
 
 
-def _spec(runner: Runner, at: Cached, construction, prompt_length: int, prefix: list[int],
+def speculate(runner: Runner, at: Cached, construction, prompt_length: int, prefix: list[int],
           vocab_size: int) -> tuple[torch.Tensor, tuple[int, ...], Cached]:
     """The prompt, then verification steps; the logits of positions prompt_length-1 .. |P|-1:
     the prompt's last, then each step's pending token's and its accepted drafts' rows."""

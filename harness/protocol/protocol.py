@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvfid.states import cache as kv
-from kvfid.protocol import cobatch, prefix_reuse
+from kvfid.protocol import cobatch
 from kvfid.states import scale, surgery
 from kvfid.records import record as rec
 from kvfid.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
                                    TransplantSpec, parse_construction, parse_transplant)
 from kvfid.states.cache import top2
-from kvfid.protocol.decode import (Feeding, Greedy, Runner, as_batch, feed_chunks, greedy,
+from kvfid.protocol.decode import (Feeding, Greedy, Runner, as_batch, greedy,
                                    new_cache, next_token, resume)
 
 # --------------------------------------------------------------------------- arms
@@ -94,19 +94,12 @@ def run_construction(module, construction: Construction, prompt_length: int,
     stage program's (kvfid.stages.program.Layout, over `prefix`), whose `chunk` feeds each chunk
     under its visibility at its positions and whose `suffix_feed` decodes in its last stage;
     None: one plain stream."""
-    start, runner, cached = time.perf_counter(), Runner(module), new_cache(module)
-    rows = construction.n if construction.kind == "batched" else 1
-    acceptance = None
-    if construction.kind in prefix_reuse.REUSE_KINDS:
-        logits, acceptance, cached = prefix_reuse.feed(
-            runner, cached, construction, prompt_length, prefix,
-            module.config.get_text_config().vocab_size)
-    else:
-        sizes = construction.chunk_sizes(prompt_length, len(prefix))
-        chunk = layout.chunk(runner) if layout is not None else None
-        logits, cached = feed_chunks(runner, cached, prefix, sizes, rows, chunk)   # [rows, V]
+    start, runner = time.perf_counter(), Runner(module)
+    logits, acceptance, cached = construction.build(                            # [rows, V]
+        runner, new_cache(module), prompt_length, prefix,
+        module.config.get_text_config().vocab_size, layout)
     state = kv.snapshot(cached.cache, prefix, logits, config=module.config)
-    rows_identical = kv.rows_identical(cached.cache, logits) if rows > 1 else None
+    rows_identical = kv.rows_identical(cached.cache, logits) if construction.rows > 1 else None
     del cached
     suffix = decode_suffix(runner, state, S, eos_ids,
                            next_token if layout is None else layout.suffix_feed)
@@ -147,9 +140,9 @@ def run_cobatched(module, construction: Construction, prefix: list[int], S: int,
 def build_arm(module, construction: Construction, prompt: list[int], prefix: list[int], S: int,
               eos_ids, neighbours: Neighbours | None = None) -> Arm:
     """`live` regenerates P itself; every other construction is built over the given P."""
-    if construction.kind == "live":
+    if construction.regenerates:
         return run_live(module, prompt, len(prefix) - len(prompt), S, eos_ids)
-    if construction.kind == "cobatched":
+    if construction.needs_neighbours:
         return run_cobatched(module, construction, prefix, S, eos_ids, neighbours)
     return run_construction(module, construction, len(prompt), prefix, S, eos_ids)
 
@@ -194,7 +187,9 @@ def run_transplant(module, spec: TransplantSpec, arms: dict[str, Arm], prompt_le
 
 @dataclass(frozen=True)
 class ItemPlan:
-    """What to measure on one item: B, S, arms, replicas, transplants (all validated)."""
+    """What to measure on one item: B, S, arms, replicas, transplants (all validated). Arms and
+    replicas are given as Constructions (or their labels, parsed here) and kept as labels;
+    `construction(label)` is each one's Construction."""
 
     B: int
     S: int
@@ -209,12 +204,20 @@ class ItemPlan:
             raise ProtocolError(f"B and S must be positive (got B={self.B}, S={self.S})")
         if self.transplant_rows not in ("all", "divergent"):
             raise ProtocolError(f"transplant_rows {self.transplant_rows!r}; valid: all, divergent")
-        arms = [parse_construction(a).label for a in self.arms]
+        built = [parse_construction(a) for a in self.arms]
         for spec in self.transplants:
-            arms += [spec.recipient, spec.donor]
-        arms += [parse_construction(r).label for r in self.replicas]
-        ordered = ["live"] + [a for a in dict.fromkeys(arms) if a != "live"]
-        object.__setattr__(self, "arms", tuple(ordered))
+            built += [parse_construction(spec.recipient), parse_construction(spec.donor)]
+        again = tuple(parse_construction(r) for r in self.replicas)
+        built += again
+        live = parse_construction("live")
+        chosen = {c.label: c for c in [live, *built]}
+        object.__setattr__(self, "arms", tuple(chosen))
+        object.__setattr__(self, "replicas", tuple(c.label for c in again))
+        object.__setattr__(self, "_constructions", chosen)
+
+    def construction(self, label: str) -> Construction:
+        """The Construction of one of the plan's arms or replicas."""
+        return self._constructions[label]
 
     def check_fits(self, prompt_length: int, context_length: int) -> None:
         """Refuse before any compute when prompt + B + S exceeds the model's context."""
@@ -222,10 +225,8 @@ class ItemPlan:
         if need > context_length:
             raise ProtocolError(f"prompt ({prompt_length} tokens) + B ({self.B}) + S ({self.S}) "
                                 f"= {need} exceeds the model's context of {context_length}")
-        for label in self.arms:   # a prefix-cache hit must leave something to extend
-            construction = parse_construction(label)
-            if construction.kind == "cached":
-                construction.cached_length(prompt_length, prompt_length + self.B)
+        for label in self.arms:   # e.g. a prefix-cache hit must leave something to extend
+            self.construction(label).check_fits(prompt_length, prompt_length + self.B)
 
 
 def run_item(model, stack, item, plan: ItemPlan, matcher=None,
@@ -238,7 +239,7 @@ def run_item(model, stack, item, plan: ItemPlan, matcher=None,
     plan.check_fits(len(prompt), model.context_length)
     matcher = matcher or (lambda text, answer: None)
     others = None
-    if any(label.startswith("cobatched") for label in plan.arms):
+    if any(plan.construction(label).needs_neighbours for label in plan.arms):
         pool = neighbours or cobatch.default_pool()
         others = Neighbours(item.id, tuple((i.id, codec.prompt_ids(i.prompt)) for i in pool),
                             model.context_length - plan.S)
@@ -262,7 +263,7 @@ def run_item(model, stack, item, plan: ItemPlan, matcher=None,
         prefix = list(live.state.prefix)
         arms = {"live": live}
         for label in plan.arms[1:]:
-            construction = parse_construction(label)
+            construction = plan.construction(label)
             with stack.arm(module, construction.at):   # the stack's business (e.g. a TP size)
                 arms[label] = build_arm(module, construction, prompt, prefix, plan.S, eos,
                                         others)
@@ -271,7 +272,7 @@ def run_item(model, stack, item, plan: ItemPlan, matcher=None,
                             for label in plan.arms[1:])
         spent, replicas, transplants = list(arms.values()), [], []
         for label in plan.replicas:
-            construction = parse_construction(label)
+            construction = plan.construction(label)
             with stack.arm(module, construction.at):
                 again = build_arm(module, construction, prompt, prefix, plan.S, eos, others)
             replicas.append(rec.Replica(label, again.fingerprints(),
@@ -328,9 +329,9 @@ def run_crossing(model, item, reference, stacks, B: int, S: int,
     for stack in stacks:
         with stack.activate(model) as module:
             warm_up(module, prompt)
-            built = {name: run_construction(module, parse_construction(name), len(prompt),
-                                            prefix, S, eos) for name in constructions}
-        first, second = (built[c] for c in constructions[:2])
+            built = {c.label: run_construction(module, c, len(prompt), prefix, S, eos)
+                     for c in map(parse_construction, constructions)}
+        first, second = list(built.values())[:2]
         within.append(rec.StackComparison(stack.label, compare_arms(first, second, "crossing")))
         cells += [rec.CrossingCell(stack.label, name, arm.fingerprints(), tuple(arm.suffix.tokens),
                                    arm.suffix.tokens == live.suffix.tokens, arm.forward_calls,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvfid.checks import split_arms
+from kvfid.protocol.constructions import split_arms
 from kvfid.cli import main
 from kvfid.protocol import draft_tree
 from kvfid.stacks.stack import Stack
@@ -121,7 +121,7 @@ def test_replay_rescores_by_a_tree_bit_identically_on_the_faithful_stack():
 
 
 def test_a_tree_on_a_model_with_window_layers_is_refused_before_compute():
-    from kvfid.protocol.prefix_reuse import RollbackError, _check_tree
+    from kvfid.protocol.constructions import RollbackError, _check_tree
     from kvfid.stacks.serving import LayerInfo
 
     layers = [LayerInfo(0, "full_attention", "DynamicLayer", "full", ()),

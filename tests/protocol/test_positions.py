@@ -25,11 +25,12 @@ def bamba(tmp_path_factory):
 
 def _repro(folder, stack: str):
     from kvfid.diagnoses import repro
+    from kvfid.protocol.constructions import parse_constructions
     from kvfid.stacks.stack import parse_stack
 
     parsed = parse_stack(stack)
-    prepared = repro.prepare(f"hf:{folder}", parsed, "Hi there", None, None, B, S, "live,prefill",
-                             "", [], "", ignore_eos=True)
+    prepared = repro.prepare(f"hf:{folder}", parsed, "Hi there", None, None, B, S,
+                             parse_constructions("live,prefill"), ignore_eos=True)
     return repro.measure(prepared)
 
 
