@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import torch
+
 from kvfid.diagnoses.replay import checked_replay, replay_unit
 from kvfid.errors import BadInput
 from kvfid.diagnoses.repro import ReproOutcome
@@ -42,8 +44,6 @@ def batch_invariant_mode(enabled: bool = True, *, impl: str | None = None) -> se
     the block, everything restored on exit. `impl`: Triton kernels where CUDA is (`triton`), else
     the stock kernels on fixed tiles of rows, each shape probed first (`tiled`), as a stack picks;
     `rowwise` or `triton` (the interpreter, slow on a CPU) by name."""
-    import torch
-
     return set_batch_invariant_mode(
         enabled, impl=impl or ("triton" if torch.cuda.is_available() else "tiled"))
 
@@ -96,8 +96,6 @@ def read_state(cache, config=None, prefix: Iterable[int] = (), logits=None) -> B
     """A transformers cache's state, every layer and part cloned (`config`: the model's, which
     tells an MLA layer's latent from K/V). The clones are ordinary tensors, also when read inside
     a stack's context (which runs under inference mode): a caller may change them."""
-    import torch
-
     with torch.inference_mode(False):
         return BoundaryState(tuple(prefix), logits=logits, layers=read_cache(cache, config))
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from kvfid.errors import BadInput, Unavailable
 
 MAX_THREADS = 1024          # torch takes an int32; no machine here has more cores
@@ -66,8 +68,6 @@ def selection_reason(selection, n_layers: int, prefix_length: int) -> str | None
 
 def device_and_threads(device: str | None, threads: int | None) -> str:
     """Check `--device` and `--threads` of a command; the device (None: cuda when available)."""
-    import torch
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     require(device_reason(device), "--device", device)
     if threads is not None:
@@ -86,7 +86,6 @@ def check_cuda(device: str, where: str, error=Unavailable) -> None:
     """Exit 3 when a CUDA device is asked for and this machine has none (or not that index)."""
     if not device.startswith("cuda"):
         return
-    import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = int(device.split(":")[1]) if ":" in device else 0

@@ -35,6 +35,7 @@ from kvfid.states.cache import bits_equal
 from kvfid.protocol.decode import Runner, as_batch, new_cache
 from kvfid.tracing.optrace import trace
 from kvfid.protocol.protocol import parse_construction
+from kvfid.states import cache as kv
 
 
 @dataclass
@@ -149,8 +150,6 @@ def _states_compared(module, prefix: list[int], prompt_length: int, against: str
                      side_b=contextlib.nullcontext) -> tuple[CacheDiff, bool]:
     """The two sides' boundary states over all of P compared (cache.compare_states), and
     whether their last logits are bit-equal."""
-    from kvfid.states import cache as kv
-
     spans_a, spans_b = _constructions(prefix, prompt_length, against)
     runner = Runner(module)
     cache_a, logits_a = _build(module, runner, prefix, spans_a)

@@ -13,16 +13,28 @@ program, `repro_program` checks and measures its layout the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from kvfid import checks
 from kvfid.diagnoses.subject import check_subject, plan_world
 from kvfid.protocol.constructions import Construction, TransplantSpec, check_rollback
 from kvfid.stacks.stack import Stack, check_supports
-from kvfid.errors import BadInput
+from kvfid.errors import BadInput, KvfidError
 from kvfid.names import BIT_EXACT, DIVERGES
-from kvfid.protocol.protocol import ItemPlan
+from kvfid.protocol.protocol import ItemPlan, run_crossing, run_item
+from kvfid.diagnoses import render
+from kvfid.diagnoses.render import program_text
+from kvfid.environment import envinfo
+from kvfid.inputs.items import match_answer
+from kvfid.inputs.models import load_model
+from kvfid.records.plain import as_plain
+from kvfid.records.record import to_dict
+from kvfid.stacks.ranks import on_ranks
+from kvfid.stages import checks as stages_checks, program as stages
+from kvfid.stages.crossing import run_program_crossing
+from kvfid.states import scale
+from kvfid.states.scale import describe
 
 
 @dataclass
@@ -82,14 +94,7 @@ def prepare(model_name, stack: Stack, prompt: str | None, item_set: str | None,
 
 def measure(repro: Repro):
     """Run the checked repro: the item's ItemRecord, with its crossing when asked for."""
-    from dataclasses import replace
-
-    from kvfid.inputs.items import match_answer
-    from kvfid.protocol.protocol import run_crossing, run_item
-
     if repro.world > 1:
-        from kvfid.stacks.ranks import on_ranks
-
         return on_ranks(repro.world, _measure_ranked, repro.model_name, repro.stack, repro.item,
                         repro.plan, repro.cross_stacks, device=repro.stack.device)
     record = run_item(repro.model, repro.stack, repro.item, repro.plan, matcher=match_answer)
@@ -106,12 +111,6 @@ def settle_in_fp32(repro: Repro, record):
     settled by the same comparison on the same stack in fp32: rounding where fp32 agrees to fp32
     rounding, functional where it differs far above it. Unchanged where nothing is unsettled, or
     where the fp32 stack cannot serve the model (the kinds stay unsettled)."""
-    from dataclasses import replace
-
-    from kvfid.errors import KvfidError
-    from kvfid.protocol.protocol import ItemPlan, run_item
-    from kvfid.states import scale
-
     unsettled = [c for c in record.comparisons
                  if c.difference is not None and c.difference.kind == scale.UNSETTLED]
     if not unsettled:
@@ -143,8 +142,6 @@ def settle_in_fp32(repro: Repro, record):
 
 def _measure_ranked(model_name: str, stack: Stack, item, plan: ItemPlan, cross_stacks):
     """One rank's part of a TP repro: the model loaded here, the item measured by every rank."""
-    from kvfid.inputs.models import load_model
-
     repro = Repro(load_model(model_name), stack, item, plan, list(cross_stacks), model_name)
     return measure(repro)
 
@@ -162,8 +159,6 @@ def verdict(record) -> str | None:
 def difference_kind(record) -> str | None:
     """The gravest kind among the differences of the arms compared with live (functional, then
     unsettled, then rounding; kvfid.states.scale), None where none differs."""
-    from kvfid.states import scale
-
     kinds = {c.difference.kind for c in record.comparisons
              if c.kind in ("arm", "bridge") and c.difference is not None}
     return next((k for k in (scale.FUNCTIONAL, scale.UNSETTLED, scale.ROUNDING) if k in kinds), None)
@@ -186,19 +181,11 @@ class ReproOutcome:
         return expect is None or self.verdict == expect
 
     def to_json(self) -> dict:
-        from dataclasses import replace
-
-        from kvfid.records.record import to_dict
-
         return {**to_dict(replace(self.record, environment=self.environment)),
                 "verdict": self.verdict, "difference": difference_kind(self.record),
                 "environment_key": self.environment_key}
 
     def text(self) -> str:
-        from kvfid.diagnoses import render
-
-        from kvfid.states.scale import describe
-
         shown = self.verdict or "none (nothing was compared with live)"
         kind = difference_kind(self.record)
         if kind is not None:
@@ -226,8 +213,6 @@ class ProgramOutcome:
         return expect is None or self.verdict == expect
 
     def to_json(self) -> dict:
-        from kvfid.records.plain import as_plain
-
         layout = {k: getattr(self.layout, k) for k in ("tokens", "segments", "positions")}
         crossed = {} if self.crossing is None else {"crossing": as_plain(self.crossing)}
         return {**as_plain(self.run), "stack": self.stack, "layout": layout, **crossed,
@@ -235,8 +220,6 @@ class ProgramOutcome:
                 "environment_key": self.environment_key}
 
     def text(self) -> str:
-        from kvfid.diagnoses.render import program_text
-
         return program_text(self.run, self.stack["label"], self.crossing, self.verdict)
 
 
@@ -248,9 +231,6 @@ def repro_program(program: str, model_name: str, stack: Stack, prompt, item_set,
     the program checked before any compute (exit 2 in one line; the set-up is
     kvfid.diagnoses.subject's), the arms measured at its merge boundary, its verdict against
     live. `boundary` is the program's merge boundary, not an option's."""
-    from kvfid.environment import envinfo
-    from kvfid.stages import checks as stages_checks, program as stages
-
     spec = stages.parse_program(program)
     if suffix < 1:
         raise BadInput(f"-S = {suffix}: a stage program needs a suffix of at least 1 token")
@@ -271,8 +251,6 @@ def repro_program(program: str, model_name: str, stack: Stack, prompt, item_set,
                               again, moves)
     crossing = None
     if crossed:
-        from kvfid.stages.crossing import run_program_crossing
-
         eos = frozenset() if ignore_eos else model.codec.eos_ids
         crossing = run_program_crossing(model, measured, stack.label, crossed, suffix, eos)
     environment = envinfo.collect()
@@ -285,8 +263,6 @@ def repro(program: str | None = None, **options) -> ReproOutcome | ProgramOutcom
     a stage program's layout: `repro_program`), the verdict and the environment it was measured
     in. The options are `prepare`'s, typed: Constructions, TransplantSpecs, dtype names (the
     command line parses its comma lists once, kvfid.commands.options.repro_arguments)."""
-    from kvfid.environment import envinfo
-
     if program:
         return repro_program(program, **options)
     checked = prepare(**options)

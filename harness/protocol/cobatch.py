@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from kvfid.protocol.decode import Cached, Feeder, Runner
+from kvfid.inputs.items import arith_items
 
 PAD_ID = 0  # the token id at pad positions (masked; any id would do)
 
@@ -52,8 +53,6 @@ class CoBatch:
 def default_pool(n: int = 16) -> list:
     """Neighbours for an item that comes without an item set (a single prompt): the built-in
     arith set."""
-    from kvfid.inputs.items import arith_items
-
     return arith_items(n)
 
 

@@ -343,7 +343,7 @@ def _check_continues(run, case: Case, key: str) -> None:
 
 def progress_bar(total: int, name: str, enabled: bool):
     """A tqdm bar on stderr (disabled when `enabled` is false)."""
-    from tqdm import tqdm
+    from tqdm import tqdm   # lazy: a progress bar on a terminal only
 
     return tqdm(total=total, desc=name, unit="unit", file=sys.stderr, disable=not enabled,
                 dynamic_ncols=True)

@@ -13,6 +13,7 @@ import torch
 
 from kvfid.protocol.decode import Cached, Feeder, Runner
 from kvfid.records.program import Segment
+from kvfid.kernels.attention.reference import segment_mask
 
 
 @dataclass
@@ -50,8 +51,6 @@ class Layout:
 
     def mask(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """[1, 1, end - start, end] float: the rows of positions start..end-1 over keys 0..end-1."""
-        from kvfid.kernels.attention.reference import segment_mask
-
         seg = torch.tensor(self.segments[:end])[None]
         visible = segment_mask(seg, self.sees, q_len=end - start)  # [1, q, end]
         return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[:, None]
