@@ -47,7 +47,8 @@ elif not any(isinstance(finder, _BeforeTriton) for finder in sys.meta_path):
 __all__ = ["Stack", "Model", "load_model", "repro", "ReproOutcome", "read_state",
            "compare_states", "CacheDiff", "BoundaryState", "replay", "ReplayResult",
            "batch_invariant_mode", "set_batch_invariant_mode", "faithful_recurrence",
-           "cache_keyword", "__version__"]
+           "cache_keyword", "Construction", "parse_construction", "TransplantSpec",
+           "__version__"]
 
 
 def __getattr__(name: str):

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import torch
+
 from kvfid.diagnoses.replay import checked_replay, replay_unit
 from kvfid.errors import BadInput
 from kvfid.diagnoses.repro import ReproOutcome
@@ -28,6 +30,8 @@ from kvfid.inputs.models import Model, from_module
 from kvfid.inputs.models import load_model as _load_preset
 from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 from kvfid.kernels.recurrence import faithful_recurrence
+from kvfid.protocol.constructions import (Construction, TransplantSpec, parse_construction,
+                                          parse_transplant)
 from kvfid.protocol.decode import cache_keyword
 from kvfid.records.record import CacheDiff
 from kvfid.records.replay_record import LogprobMismatch, PickedGap, ReplayRecord
@@ -40,8 +44,6 @@ def batch_invariant_mode(enabled: bool = True, *, impl: str | None = None) -> se
     the block, everything restored on exit. `impl`: Triton kernels where CUDA is (`triton`), else
     the stock kernels on fixed tiles of rows, each shape probed first (`tiled`), as a stack picks;
     `rowwise` or `triton` (the interpreter, slow on a CPU) by name."""
-    import torch
-
     return set_batch_invariant_mode(
         enabled, impl=impl or ("triton" if torch.cuda.is_available() else "tiled"))
 
@@ -61,31 +63,39 @@ def load_model(model, tokenizer=None) -> Model:
 
 
 def repro(model, prompt: str, *, stack: Stack | str = "sdpa/bf16",
-          constructions: Sequence[str] = ("live", "prefill", "incremental"),
-          boundary: int = 32, suffix: int = 48, replicas: Sequence[str] = (),
-          transplants: Sequence[str] = (), cross: Sequence[str] = (), ignore_eos: bool = False,
-          arms: Sequence[str] | None = None) -> ReproOutcome:
+          constructions: Sequence[Construction | str] = ("live", "prefill", "incremental"),
+          boundary: int = 32, suffix: int = 48, replicas: Sequence[Construction | str] = (),
+          transplants: Sequence[TransplantSpec | str] = (), cross: Sequence[str] = (),
+          ignore_eos: bool = False,
+          arms: Sequence[Construction | str] | None = None) -> ReproOutcome:
     """One prompt on one stack, as `kvfid repro` measures it: every construction built as an arm
     and compared with live (cache, boundary logits, suffix), replicas, transplants
-    (`live<-prefill:keys`), the precision crossing over `cross` dtypes. Returns the typed record,
-    its verdict and environment. `arms` is `constructions`' earlier name (given both, refused)."""
+    (`live<-prefill:keys`), the precision crossing over `cross` dtypes. Constructions and
+    transplants are given as `kvfid.Construction` / `TransplantSpec` values or their labels (each
+    label parsed here, once). Returns the typed record, its verdict and environment. `arms` is
+    `constructions`' earlier name (given both, refused)."""
     if arms is not None:
         if constructions != ("live", "prefill", "incremental"):
             raise TypeError("repro() takes constructions= or its earlier name arms=, not both")
         constructions = arms
+    for name, given in (("constructions", constructions), ("replicas", replicas),
+                        ("transplants", transplants), ("cross", cross)):
+        if isinstance(given, str):
+            raise TypeError(f"repro() takes {name}= as a sequence, not the string {given!r}")
     return _repro(model_name=model if isinstance(model, str) else load_model(model),
                   stack=stack_of(stack), prompt=prompt, item_set=None, item_index=None,
-                  boundary=boundary, suffix=suffix, constructions=",".join(constructions),
-                  replicas=",".join(replicas), transplants=tuple(transplants),
-                  cross=",".join(cross), ignore_eos=ignore_eos)
+                  boundary=boundary, suffix=suffix,
+                  constructions=tuple(map(parse_construction, constructions)),
+                  replicas=tuple(map(parse_construction, replicas)),
+                  transplants=tuple(t if isinstance(t, TransplantSpec) else parse_transplant(t)
+                                    for t in transplants),
+                  cross=tuple(cross), ignore_eos=ignore_eos)
 
 
 def read_state(cache, config=None, prefix: Iterable[int] = (), logits=None) -> BoundaryState:
     """A transformers cache's state, every layer and part cloned (`config`: the model's, which
     tells an MLA layer's latent from K/V). The clones are ordinary tensors, also when read inside
     a stack's context (which runs under inference mode): a caller may change them."""
-    import torch
-
     with torch.inference_mode(False):
         return BoundaryState(tuple(prefix), logits=logits, layers=read_cache(cache, config))
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from kvfid.errors import BadInput, Unavailable
 
 MAX_THREADS = 1024          # torch takes an int32; no machine here has more cores
@@ -66,8 +68,6 @@ def selection_reason(selection, n_layers: int, prefix_length: int) -> str | None
 
 def device_and_threads(device: str | None, threads: int | None) -> str:
     """Check `--device` and `--threads` of a command; the device (None: cuda when available)."""
-    import torch
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     require(device_reason(device), "--device", device)
     if threads is not None:
@@ -86,7 +86,6 @@ def check_cuda(device: str, where: str, error=Unavailable) -> None:
     """Exit 3 when a CUDA device is asked for and this machine has none (or not that index)."""
     if not device.startswith("cuda"):
         return
-    import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = int(device.split(":")[1]) if ":" in device else 0
@@ -107,24 +106,5 @@ def tp_reason(tp) -> str | None:
     return None
 
 
-def construction_reason(label: str) -> str | None:
-    """Why a parsed construction label cannot be run here (a batch too large to hold)."""
-    kind, _, n = label.partition("@")[0].partition(":")
-    n = n.partition("+")[0]   # cobatched:N+decode
-    if kind in ("batched", "cobatched") and n.isdigit() and int(n) > MAX_BATCH:
-        return f"allowed: {kind}:N with N <= {MAX_BATCH}"
-    return None
-
-
-def split_arms(text: str) -> tuple[str, ...]:
-    """A comma-separated list of constructions; a tree given by its parents
-    (`spec:tree:0,0,1,1`) keeps its commas: a piece that is only digits (with an optional
-    `+rateR` after the last) continues the tree before it."""
-    out: list[str] = []
-    for piece in (p.strip() for p in text.split(",")):
-        if out and out[-1].startswith("spec:tree:") and re.fullmatch(r"\d+(\+rate[\d.]+)?", piece) \
-                and re.fullmatch(r"spec:tree:\d+(,\d+)*", out[-1]):
-            out[-1] += f",{piece}"
-        elif piece:
-            out.append(piece)
-    return tuple(out)
+# Why a construction cannot run here and how a list of them is split: each Construction says
+# (kvfid.protocol.constructions: `reason`, `parse_constructions`).

@@ -5,6 +5,7 @@ mask checks, positions and refusals as "kvfid_triton", another kernel behind the
 from __future__ import annotations
 
 from kvfid.kernels.hf import make_attention, register_kernel
+from kvfid.kernels.attention.native import attention_into
 
 NAME = "kvfid_native"
 # Every mechanism of the shared interface (kvfid.kernels.hf): the native kernel applies them all,
@@ -14,8 +15,6 @@ SERVES: frozenset[str] = frozenset({"sliding_window", "chunked_attention", "soft
 
 
 def _native_attention_into(out, q, k, v, **kwargs):
-    from kvfid.kernels.attention.native import attention_into
-
     return attention_into(out, q, k, v, **kwargs)
 
 

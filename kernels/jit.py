@@ -39,7 +39,7 @@ def _interpreted_class():
     """The interpreter's function class, if it and its module have the `rewrite` and
     `_patch_lang` this module relies on."""
     try:
-        from triton.runtime import interpreter
+        from triton.runtime import interpreter   # lazy: guarded: absent where the except below applies
     except ImportError:
         return None
     cls = getattr(interpreter, "InterpretedFunction", None)

@@ -8,7 +8,7 @@ import json
 import click
 
 from kvfid.commands.options import (constructions_option, db_option, exit_with, fmt_option,
-                                    item_options, stack_options, take_stack)
+                                    item_options, repro_arguments, stack_options, take_stack)
 from kvfid.names import BIT_EXACT, CONSTRUCTION_HELP, DIVERGES, VERDICT_HELP
 
 
@@ -45,7 +45,7 @@ def repro(fmt, expect, **options) -> None:
     from kvfid.diagnoses.repro import repro as run_repro
 
     stack = take_stack(options)   # the stack options, one value
-    outcome = run_repro(stack=stack, **options)
+    outcome = run_repro(stack=stack, **repro_arguments(options))
     click.echo(json.dumps(outcome.to_json(), indent=1) if fmt == "json" else outcome.text())
     exit_with(outcome.passed(expect))
 

@@ -87,6 +87,22 @@ def constructions_option(default: str, help: str):
                         default=default, show_default=True, help=help)
 
 
+def repro_arguments(options: dict) -> dict:
+    """`kvfid repro`'s comma lists parsed once, here at the edge, into the typed values
+    kvfid.diagnoses.repro.repro takes: Constructions, TransplantSpecs (a stage program's stay
+    as given: their `segment=NAME` is resolved against the program), dtype names. A bad one is
+    refused (ProtocolError, exit 2) naming what is allowed."""
+    from kvfid.protocol.constructions import parse_constructions, parse_transplant
+
+    typed = dict(options)
+    typed["constructions"] = parse_constructions(options["constructions"])
+    typed["replicas"] = parse_constructions(options["replicas"] or "")
+    if not options.get("program"):
+        typed["transplants"] = tuple(parse_transplant(t) for t in options["transplants"])
+    typed["cross"] = tuple(options["cross"].split(",")) if options["cross"] else ()
+    return typed
+
+
 def take_stack(options: dict):
     """Take a command's stack options out of `options` and return the one Stack they name
     (kvfid.diagnoses.subject.command_stack: --stack's label, or the separate options given on

@@ -29,6 +29,7 @@ from kvfid.compare.inputs import (compare_bench_inputs, compare_kernel_inputs,
                                             stored_inputs)
 from kvfid.errors import BadInput
 from kvfid.ledger.store import Ledger, LedgerError, default_db_path
+from kvfid.runs.case import stored_case
 
 INTERVAL_RULE = ("A rate changed beyond its interval when the two runs' 95% Wilson intervals do "
                  "not overlap (then each run's rate also lies outside the other's interval); a "
@@ -227,8 +228,6 @@ def _load(ledger: Ledger, head: dict) -> dict:
 
 
 def _stored_case(run):
-    from kvfid.runs.case import stored_case
-
     try:
         return stored_case(run)
     except Exception:   # an older stored case that no longer validates: its fields are unknown

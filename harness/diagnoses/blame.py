@@ -35,6 +35,7 @@ from kvfid.states.cache import bits_equal
 from kvfid.protocol.decode import Runner, as_batch, new_cache
 from kvfid.tracing.optrace import trace
 from kvfid.protocol.protocol import parse_construction
+from kvfid.states import cache as kv
 
 
 @dataclass
@@ -123,11 +124,12 @@ def _constructions(prefix: list[int], prompt_length: int, against: str) -> tuple
 
 
 def _build(module, runner: Runner, prefix: list[int], spans: list[tuple[int, int]]):
-    """A cache fed the calls of `spans` in order; the last call's logits [1, V]."""
-    cache, logits = new_cache(module), None
+    """A cache fed the calls of `spans` in order (kvfid.protocol.decode.Cached); the last call's
+    logits [1, V]."""
+    cached, logits = new_cache(module), None
     for start, end in spans:
-        logits = runner.forward(as_batch(prefix[start:end]), cache)
-    return cache, logits
+        logits, cached = runner.forward(as_batch(prefix[start:end]), cached)
+    return cached, logits
 
 
 def first_differing_position(module, prefix: list[int], prompt_length: int, against: str = "prefill",
@@ -148,15 +150,13 @@ def _states_compared(module, prefix: list[int], prompt_length: int, against: str
                      side_b=contextlib.nullcontext) -> tuple[CacheDiff, bool]:
     """The two sides' boundary states over all of P compared (cache.compare_states), and
     whether their last logits are bit-equal."""
-    from kvfid.states import cache as kv
-
     spans_a, spans_b = _constructions(prefix, prompt_length, against)
     runner = Runner(module)
     cache_a, logits_a = _build(module, runner, prefix, spans_a)
-    state_a = kv.snapshot(cache_a, prefix, logits_a, config=module.config)
+    state_a = kv.snapshot(cache_a.cache, prefix, logits_a, config=module.config)
     with side_b():
         cache_b, logits_b = _build(module, runner, prefix, spans_b)
-        state_b = kv.snapshot(cache_b, prefix, logits_b, config=module.config)
+        state_b = kv.snapshot(cache_b.cache, prefix, logits_b, config=module.config)
     diff = kv.compare_states(state_a, state_b)
     return diff, bits_equal(logits_a, logits_b)
 

@@ -13,6 +13,10 @@ from kvfid.diagnoses.subject import check_subject, plan_world
 from kvfid.errors import BadInput
 from kvfid.protocol.protocol import parse_construction, run_live
 from kvfid.stacks.stack import Stack
+from kvfid.inputs.models import load_model
+from kvfid.stacks.compiled import trace_units
+from kvfid.stacks.ranks import on_ranks
+from kvfid.tracing import tp_units
 
 def blame_item(model, stack, prompt: list[int], boundary: int, against: str = "prefill",
                position: int | None = None) -> tuple[BlameResult, int | None]:
@@ -32,8 +36,6 @@ def blame_item(model, stack, prompt: list[int], boundary: int, against: str = "p
         first = first_differing_position(module, prefix, len(prompt), against)
         chosen = position if position is not None else first
         if stack.compiled:
-            from kvfid.stacks.compiled import trace_units
-
             result = blame(module, prefix, len(prompt), against, chosen, trace_units)
             if first is not None and not result.culprits:   # invariant alone, not compiled whole
                 result.whole_forward = whole_forward_difference(module, prefix, len(prompt), against)
@@ -45,8 +47,6 @@ def _blame_parallel(module, stack, prefix: list[int], prompt_length: int, agains
                     position: int | None, at: str | None) -> tuple[BlameResult, int | None]:
     """Blame with a side at TP>1: side b built in `stack.arm(module, at)`, each side traced by
     TP units; each ParallelLinear's op is named as side a ran it, with both sides' products."""
-    from kvfid.tracing import tp_units
-
     side_b = lambda: stack.arm(module, at)   # noqa: E731
     first = first_differing_position(module, prefix, prompt_length, against, side_b)
     notes: list[dict] = []
@@ -110,8 +110,6 @@ def blame_command(model_name: str, stack: Stack, prompt: str | None, item_set: s
                        f"{len(prompt_ids) + boundary - 1}")
     try:
         if world > 1:
-            from kvfid.stacks.ranks import on_ranks
-
             result, first = on_ranks(world, _blame_ranked, model_name, stack, prompt_ids,
                                               boundary, against, position, device=stack.device)
         else:
@@ -124,6 +122,4 @@ def blame_command(model_name: str, stack: Stack, prompt: str | None, item_set: s
 def _blame_ranked(model_name: str, stack, prompt_ids: list[int], boundary: int, against: str,
                   position: int | None):
     """One rank's part of a TP blame: the model loaded here, `blame_item` run by every rank."""
-    from kvfid.inputs.models import load_model
-
     return blame_item(load_model(model_name), stack, prompt_ids, boundary, against, position)

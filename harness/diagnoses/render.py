@@ -4,6 +4,7 @@ or a stage program's (`program_text`)."""
 from __future__ import annotations
 
 from kvfid.records.record import ArmRecord, Comparison, ItemRecord
+from kvfid.states.scale import describe
 
 
 def _short(text: str, width: int = 60) -> str:
@@ -66,8 +67,6 @@ def comparison_lines(comparison: Comparison, arms: dict[str, ArmRecord], codec,
 
 def difference_text(difference) -> str:
     """A difference's kind in words, its scale against the dtype's epsilon, and what settled it."""
-    from kvfid.states.scale import describe
-
     settled = f"; settled by {difference.settled_by}" if difference.settled_by else ""
     return (f"{describe(difference.kind)} (d_rel {difference.d_rel:.3g} = "
             f"{difference.d_rel / difference.epsilon:.3g} x the {difference.dtype} epsilon{settled})")

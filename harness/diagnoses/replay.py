@@ -50,6 +50,15 @@ from kvfid.records.replay_record import LogprobMismatch, ReplayRecord
 from kvfid.stacks.stack import Stack
 from kvfid.inputs.trajectories import (Trajectory, as_row, check_fits,  # noqa: F401
                                        load_trajectories, trajectories_from_rows)
+from kvfid import checks
+from kvfid.diagnoses.subject import check_model_name, check_subject
+from kvfid.engines.check import engine_rollouts
+from kvfid.engines.server import server_rollouts
+from kvfid.inputs import items
+from kvfid.inputs.models import load_model
+from kvfid.outputs import write_files
+from kvfid.protocol.constructions import check_rollback, split_arms
+from kvfid.stacks.ranks import on_ranks
 
 
 
@@ -114,8 +123,6 @@ def replay_unit(model, stack, t: Trajectory, constructions) -> ReplayRecord:
 
 def _replay_ranked(model_name: str, stack, trajectories, constructions) -> dict:
     """One rank's part of a TP replay: the model loaded here, every trajectory re-scored by all."""
-    from kvfid.inputs.models import load_model
-
     return replay(load_model(model_name), stack, trajectories, constructions)
 
 
@@ -190,8 +197,6 @@ def replay_command(trajectories: str, model_name: str, stack: Stack, constructio
     model, stack, loaded, chosen = checked_replay(trajectories, model_name, stack, constructions)
     try:
         if stack.tp > 1:
-            from kvfid.stacks.ranks import on_ranks
-
             return on_ranks(stack.tp, _replay_ranked, model_name, stack, loaded, chosen,
                             device=stack.device)
         return replay(model, stack, loaded, chosen, progress)
@@ -204,11 +209,7 @@ def checked_replay(trajectories, model_name, stack: Stack, constructions: str):
     (BadInput, exit 2; Unavailable, exit 3). `trajectories`: a JSONL path or rows in memory;
     `model_name`: a preset, `hf:<folder>` or a Model already loaded (the Python API's; at TP
     size 1 only: each rank loads the model by its name)."""
-    from kvfid import checks
-    from kvfid.diagnoses.subject import check_subject
-    from kvfid.protocol.prefix_reuse import check_rollback
-
-    chosen = checks.split_arms(constructions)
+    chosen = split_arms(constructions)
     if any("@" in c for c in chosen):
         raise BadInput(f"--constructions {constructions}: a replay re-scores at the stack's TP "
                        f"size (--tp), not per construction")
@@ -240,23 +241,14 @@ def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, te
     """`kvfid rollouts`: sample on sdpa/fp32 (one thread), with vLLM (`engine="vllm"`, at
     `dtype`; `faithful`: its faithful engine) or from an OpenAI-compatible server, and write the
     JSONL atomically."""
-    from kvfid.inputs import items
-    from kvfid.diagnoses.subject import check_model_name
-    from kvfid.inputs.models import load_model
-    from kvfid.outputs import write_files
-
     check_model_name(model_name)
     if faithful and (engine != "vllm" or server is not None):
         raise BadInput("--faithful is for --engine vllm (kvfid's plugin runs inside vLLM)")
     if tp != 1 and (engine != "vllm" or server is not None):
         raise BadInput("--tp is for --engine vllm (its model sharded over worker processes)")
     if server is not None:
-        from kvfid.engines.server import server_rollouts
-
         rows = server_rollouts(server, model_name, item_set, count, tokens, temperature, seed)
     elif engine == "vllm":
-        from kvfid.engines.check import engine_rollouts
-
         rows = engine_rollouts(model_name, item_set, count, tokens, temperature, seed, dtype, faithful,
                                tp)
     else:
@@ -287,8 +279,9 @@ def sample_trajectories(model, stack, prompts: list[tuple[str, list[int]]], toke
         runner = Runner(module)
         for index, (item_id, prompt) in enumerate(prompts):
             generator = torch.Generator().manual_seed(seed * 100003 + index)
-            cache, out, logprobs = new_cache(module), [], []
-            logits = runner.forward(as_batch(prompt), cache)[0]
+            out, logprobs = [], []
+            logits, cached = runner.forward(as_batch(prompt), new_cache(module))
+            logits = logits[0]
             while len(out) < tokens:
                 probs = torch.softmax(logits.double() / temperature, -1).cpu()
                 token = int(torch.multinomial(probs, 1, generator=generator))
@@ -297,7 +290,8 @@ def sample_trajectories(model, stack, prompts: list[tuple[str, list[int]]], toke
                 logprobs.append(float(picked_logprobs(logits[None], torch.tensor([token]))[0]))
                 if token in model.codec.eos_ids or len(out) == tokens:
                     break
-                logits = runner.forward(as_batch([token]), cache)[0]
+                logits, cached = runner.forward(as_batch([token]), cached)
+                logits = logits[0]
             rows.append(as_row(Trajectory(item_id, tuple(prompt), tuple(out), tuple(logprobs)),
                                model=model.name, stack=stack.label, temperature=temperature,
                                seed=seed))

@@ -13,15 +13,28 @@ program, `repro_program` checks and measures its layout the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 from kvfid import checks
 from kvfid.diagnoses.subject import check_subject, plan_world
-from kvfid.protocol.prefix_reuse import check_rollback
+from kvfid.protocol.constructions import Construction, TransplantSpec, check_rollback
 from kvfid.stacks.stack import Stack, check_supports
-from kvfid.errors import BadInput
+from kvfid.errors import BadInput, KvfidError
 from kvfid.names import BIT_EXACT, DIVERGES
-from kvfid.protocol.protocol import ItemPlan, parse_transplant
+from kvfid.protocol.protocol import ItemPlan, run_crossing, run_item
+from kvfid.diagnoses import render
+from kvfid.diagnoses.render import program_text
+from kvfid.environment import envinfo
+from kvfid.inputs.items import match_answer
+from kvfid.inputs.models import load_model
+from kvfid.records.plain import as_plain
+from kvfid.records.record import to_dict
+from kvfid.stacks.ranks import on_ranks
+from kvfid.stages import checks as stages_checks, program as stages
+from kvfid.stages.crossing import run_program_crossing
+from kvfid.states import scale
+from kvfid.states.scale import describe
 
 
 @dataclass
@@ -37,21 +50,34 @@ class Repro:
     world: int = 1           # ranks the item runs on: the largest TP size of the stack and arms
 
 
+def typed(values, kind: type, name: str) -> tuple:
+    """`values` as a tuple, each one a `kind` (TypeError otherwise: a comma string is parsed at
+    the edge, kvfid.protocol.constructions.parse_constructions)."""
+    if isinstance(values, str) or not all(isinstance(v, kind) for v in values):
+        raise TypeError(f"{name}: a sequence of {kind.__name__}, not {values!r}")
+    return tuple(values)
+
+
 def prepare(model_name, stack: Stack, prompt: str | None, item_set: str | None,
-            item_index: int | None, boundary: int, suffix: int, constructions: str,
-            replicas: str, transplants, cross, ignore_eos: bool = False) -> Repro:
+            item_index: int | None, boundary: int, suffix: int,
+            constructions: Sequence[Construction], replicas: Sequence[Construction] = (),
+            transplants: Sequence[TransplantSpec] = (), cross: Sequence[str] = (),
+            ignore_eos: bool = False) -> Repro:
     """Check every option, then load the model and check what needs it (layers, context).
     `model_name`: a preset, `hf:<folder>`, or a Model already loaded (the Python API's; at TP
-    size 1 only: each rank loads the model by its name)."""
+    size 1 only: each rank loads the model by its name); `cross`: dtype names."""
+    constructions = typed(constructions, Construction, "constructions")
+    replicas = typed(replicas, Construction, "replicas")
+    transplants = typed(transplants, TransplantSpec, "transplants")
+    cross = typed(cross, str, "cross")
     try:
-        plan = ItemPlan(boundary, suffix, checks.split_arms(constructions),
-                        checks.split_arms(replicas),
-                        tuple(parse_transplant(t) for t in transplants), ignore_eos=ignore_eos)
-        cross_stacks = [stack.with_dtype(d) for d in cross.split(",")] if cross else []
+        plan = ItemPlan(boundary, suffix, constructions, replicas, transplants,
+                        ignore_eos=ignore_eos)
+        cross_stacks = [stack.with_dtype(d) for d in cross]
     except ValueError as err:
         raise BadInput(str(err)) from None
     for arm in plan.arms:
-        checks.require(checks.construction_reason(arm), "--constructions", arm)
+        checks.require(plan.construction(arm).reason(), "--constructions", arm)
     subject = check_subject(model_name, stack, prompt, item_set, item_index,
                             world=plan_world(stack, plan.arms, "--constructions"))
     model, prompt_length = subject.model, len(subject.prompt_ids)
@@ -68,14 +94,7 @@ def prepare(model_name, stack: Stack, prompt: str | None, item_set: str | None,
 
 def measure(repro: Repro):
     """Run the checked repro: the item's ItemRecord, with its crossing when asked for."""
-    from dataclasses import replace
-
-    from kvfid.inputs.items import match_answer
-    from kvfid.protocol.protocol import run_crossing, run_item
-
     if repro.world > 1:
-        from kvfid.stacks.ranks import on_ranks
-
         return on_ranks(repro.world, _measure_ranked, repro.model_name, repro.stack, repro.item,
                         repro.plan, repro.cross_stacks, device=repro.stack.device)
     record = run_item(repro.model, repro.stack, repro.item, repro.plan, matcher=match_answer)
@@ -92,12 +111,6 @@ def settle_in_fp32(repro: Repro, record):
     settled by the same comparison on the same stack in fp32: rounding where fp32 agrees to fp32
     rounding, functional where it differs far above it. Unchanged where nothing is unsettled, or
     where the fp32 stack cannot serve the model (the kinds stay unsettled)."""
-    from dataclasses import replace
-
-    from kvfid.errors import KvfidError
-    from kvfid.protocol.protocol import ItemPlan, run_item
-    from kvfid.states import scale
-
     unsettled = [c for c in record.comparisons
                  if c.difference is not None and c.difference.kind == scale.UNSETTLED]
     if not unsettled:
@@ -129,8 +142,6 @@ def settle_in_fp32(repro: Repro, record):
 
 def _measure_ranked(model_name: str, stack: Stack, item, plan: ItemPlan, cross_stacks):
     """One rank's part of a TP repro: the model loaded here, the item measured by every rank."""
-    from kvfid.inputs.models import load_model
-
     repro = Repro(load_model(model_name), stack, item, plan, list(cross_stacks), model_name)
     return measure(repro)
 
@@ -148,8 +159,6 @@ def verdict(record) -> str | None:
 def difference_kind(record) -> str | None:
     """The gravest kind among the differences of the arms compared with live (functional, then
     unsettled, then rounding; kvfid.states.scale), None where none differs."""
-    from kvfid.states import scale
-
     kinds = {c.difference.kind for c in record.comparisons
              if c.kind in ("arm", "bridge") and c.difference is not None}
     return next((k for k in (scale.FUNCTIONAL, scale.UNSETTLED, scale.ROUNDING) if k in kinds), None)
@@ -172,19 +181,11 @@ class ReproOutcome:
         return expect is None or self.verdict == expect
 
     def to_json(self) -> dict:
-        from dataclasses import replace
-
-        from kvfid.records.record import to_dict
-
         return {**to_dict(replace(self.record, environment=self.environment)),
                 "verdict": self.verdict, "difference": difference_kind(self.record),
                 "environment_key": self.environment_key}
 
     def text(self) -> str:
-        from kvfid.diagnoses import render
-
-        from kvfid.states.scale import describe
-
         shown = self.verdict or "none (nothing was compared with live)"
         kind = difference_kind(self.record)
         if kind is not None:
@@ -212,8 +213,6 @@ class ProgramOutcome:
         return expect is None or self.verdict == expect
 
     def to_json(self) -> dict:
-        from kvfid.records.plain import as_plain
-
         layout = {k: getattr(self.layout, k) for k in ("tokens", "segments", "positions")}
         crossed = {} if self.crossing is None else {"crossing": as_plain(self.crossing)}
         return {**as_plain(self.run), "stack": self.stack, "layout": layout, **crossed,
@@ -221,31 +220,28 @@ class ProgramOutcome:
                 "environment_key": self.environment_key}
 
     def text(self) -> str:
-        from kvfid.diagnoses.render import program_text
-
         return program_text(self.run, self.stack["label"], self.crossing, self.verdict)
 
 
 def repro_program(program: str, model_name: str, stack: Stack, prompt, item_set, item_index,
-                  boundary: int, suffix: int, constructions: str, replicas: str, transplants,
-                  cross, ignore_eos: bool = False) -> ProgramOutcome:
+                  boundary: int, suffix: int, constructions: Sequence[Construction],
+                  replicas: Sequence[Construction] = (), transplants: Sequence[str] = (),
+                  cross: Sequence[str] = (), ignore_eos: bool = False) -> ProgramOutcome:
     """`kvfid repro` over a stage program's layout (kvfid.stages.program): every option and
     the program checked before any compute (exit 2 in one line; the set-up is
     kvfid.diagnoses.subject's), the arms measured at its merge boundary, its verdict against
     live. `boundary` is the program's merge boundary, not an option's."""
-    from kvfid.environment import envinfo
-    from kvfid.stages import checks as stages_checks, program as stages
-
     spec = stages.parse_program(program)
     if suffix < 1:
         raise BadInput(f"-S = {suffix}: a stage program needs a suffix of at least 1 token")
     if stack.tp != 1:
         raise BadInput(f"--tp {stack.tp}: a stage program runs at TP size 1 only")
     try:
-        crossed = [stack.with_dtype(d) for d in cross.split(",")] if cross else []
+        crossed = [stack.with_dtype(d) for d in typed(cross, str, "cross")]
     except ValueError as err:
-        raise BadInput(f"--cross {cross}: {err}") from None
-    chosen, again = (tuple(a for a in text.split(",") if a) for text in (constructions, replicas))
+        raise BadInput(f"--cross {','.join(cross)}: {err}") from None
+    chosen, again = (tuple(c.label for c in typed(given, Construction, name))
+                     for given, name in ((constructions, "constructions"), (replicas, "replicas")))
     stages_checks.check_plan(chosen, again)
     subject = check_subject(model_name, stack, prompt, item_set, item_index)
     model, prompt_length = subject.model, len(subject.prompt_ids)
@@ -255,10 +251,8 @@ def repro_program(program: str, model_name: str, stack: Stack, prompt, item_set,
                               again, moves)
     crossing = None
     if crossed:
-        from kvfid.stages.crossing import run_crossing
-
         eos = frozenset() if ignore_eos else model.codec.eos_ids
-        crossing = run_crossing(model, measured, stack.label, crossed, suffix, eos)
+        crossing = run_program_crossing(model, measured, stack.label, crossed, suffix, eos)
     environment = envinfo.collect()
     return ProgramOutcome(measured.run, stack.describe(), measured.layout, crossing, environment,
                           envinfo.environment_key(environment))
@@ -267,9 +261,8 @@ def repro_program(program: str, model_name: str, stack: Stack, prompt, item_set,
 def repro(program: str | None = None, **options) -> ReproOutcome | ProgramOutcome:
     """`kvfid repro`: every option checked (exit 2 / 3), the item measured (one stream, or over
     a stage program's layout: `repro_program`), the verdict and the environment it was measured
-    in."""
-    from kvfid.environment import envinfo
-
+    in. The options are `prepare`'s, typed: Constructions, TransplantSpecs, dtype names (the
+    command line parses its comma lists once, kvfid.commands.options.repro_arguments)."""
     if program:
         return repro_program(program, **options)
     checked = prepare(**options)

@@ -23,60 +23,49 @@ from __future__ import annotations
 
 import torch
 
-from kvfid.protocol import prefix_reuse
-from kvfid.protocol.constructions import parse_construction
+from kvfid.protocol.constructions import Construction, kinds, parse_construction
 from kvfid.protocol.decode import Runner, as_batch, new_cache
 from kvfid.inputs.trajectories import Trajectory
 
-CONSTRUCTIONS = ("prefill", "chunked", "batched", "cached", "spec", "spec-tree")
+
+def _rescoring() -> tuple[str, ...]:
+    return tuple(k.kind for k in kinds() if k.rescores and k.kind)
+
+
+# The kinds a trainer or an engine re-scores by (each Construction says: `rescores`).
+CONSTRUCTIONS = _rescoring()
 ALLOWED = "prefill, chunked:N, batched:N, cached:K, spec:k, spec:tree:WxD"
 
 
 def reference_logits(runner: Runner, t: Trajectory) -> torch.Tensor:
     """The generator's next-token logits for each continuation token: [len(tokens), V]."""
-    cache = new_cache(runner.module)
-    rows = [runner.forward(as_batch(t.prompt_ids), cache)[0]]
+    logits, cached = runner.forward(as_batch(t.prompt_ids), new_cache(runner.module))
+    rows = [logits[0]]
     for token in t.tokens[:-1]:
-        rows.append(runner.forward(as_batch([token]), cache)[0])
+        logits, cached = runner.forward(as_batch([token]), cached)
+        rows.append(logits[0])
     return torch.stack(rows)
 
 
-def rescored_logits(runner: Runner, t: Trajectory, construction: str
+def rescored_logits(runner: Runner, t: Trajectory, construction: "Construction | str"
                     ) -> tuple[torch.Tensor, tuple[int, ...] | None]:
     """Each continuation token's logits under `construction`, [len(tokens), V], and for
     `spec:k` the accepted draft count of each verification step."""
     c = parse_construction(construction)
-    check_constructions([construction])
+    check_constructions([c])
     ids = list(t.prompt_ids + t.tokens)
     first = len(t.prompt_ids) - 1  # position whose logits predict the first continuation token
-    if c.kind in prefix_reuse.REUSE_KINDS:
-        vocab_size = runner.module.config.get_text_config().vocab_size
-        k = cached_length(c, t) if c.kind == "cached" else None
-        return prefix_reuse.feed_rows(runner, new_cache(runner.module), c, len(t.prompt_ids),
-                                     ids[:-1], vocab_size, first, cached_length=k)
-    if c.kind == "chunked":
-        cache, parts, start = new_cache(runner.module), [], 0
-        for size in c.chunk_sizes(len(t.prompt_ids), len(ids)):
-            parts.append(runner.forward_all(as_batch(ids[start:start + size]), cache)[0])
-            start += size
-        logits = torch.cat(parts)  # [T, V]
-    else:
-        rows = c.n if c.kind == "batched" else 1
-        logits = runner.forward_all(as_batch(ids, rows), None)[0]
-    return logits[first:first + len(t.tokens)], None
+    return c.rescore(runner, ids, len(t.prompt_ids), first, len(t.tokens),
+                     runner.module.config.get_text_config().vocab_size, cached_length(c, t))
 
 
-def cached_length(c, t: Trajectory) -> int:
-    """How many leading tokens of the trajectory `cached:K` takes from the earlier request;
-    ValueError (exit 2 at the command) when K passes the prompt's last position."""
+def cached_length(c: Construction, t: Trajectory) -> int | None:
+    """How many leading tokens of the trajectory a prefix-cache hit takes from the earlier
+    request (None: a construction that takes none); ValueError (exit 2 at the command) when K
+    passes the prompt's last position."""
+    k = c.trajectory_length(len(t.prompt_ids), len(t.prompt_ids) + len(t.tokens))
     last = len(t.prompt_ids) - 1
-    if c.variant == "prompt":
-        k = last
-    elif c.variant is not None:   # a fraction of the whole trajectory
-        k = int(float(c.variant) * (len(t.prompt_ids) + len(t.tokens)))
-    else:
-        k = c.n
-    if not 1 <= k <= last:
+    if k is not None and not 1 <= k <= last:
         raise ValueError(f"{c.label} on trajectory {t.id!r}: K={k} must be at least 1 and at "
                          f"most {last}, the prompt's last position, whose logits predict the "
                          f"first continuation token (prompt {len(t.prompt_ids)} tokens)")
@@ -88,7 +77,7 @@ def check_constructions(constructions, trajectories=()) -> None:
     cobatched), and a `cached:K` whose K passes a trajectory's prompt (ValueError)."""
     for construction in constructions:
         c = parse_construction(construction)
-        if c.kind not in CONSTRUCTIONS:
-            raise ValueError(f"replay re-scores by {ALLOWED}; got {construction!r}")
-        for t in trajectories if c.kind == "cached" else ():
+        if not c.rescores:
+            raise ValueError(f"replay re-scores by {ALLOWED}; got {c.label!r}")
+        for t in trajectories:
             cached_length(c, t)

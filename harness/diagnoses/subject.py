@@ -20,6 +20,8 @@ from kvfid.inputs.items import Item
 from kvfid.inputs.models import Model, load_model
 from kvfid.names import MODEL_NAMES, PRESET_NAMES
 from kvfid.stacks.stack import Stack, check_supports, parse_stack
+from kvfid.inputs import items
+from kvfid.protocol.constructions import parse_construction
 
 # The separate options that name a part of a stack's label, by the Stack field each sets.
 STACK_PARTS = {"backend": "--backend", "dtype": "--dtype", "batch_invariant": "--batch-invariant",
@@ -73,8 +75,6 @@ def check_model_name(model_name: str) -> None:
 def plan_world(stack: Stack, constructions, option: str) -> int:
     """How many ranks an item needs: the largest TP size of the stack and its constructions
     (`@tpN`); one item runs TP size 1 and one other size only (exit 2 otherwise)."""
-    from kvfid.protocol.constructions import parse_construction
-
     sizes = {stack.tp} | {int(c.at[2:]) for c in map(parse_construction, constructions) if c.at}
     world = max(sizes)
     if not sizes <= {1, world}:
@@ -85,8 +85,6 @@ def plan_world(stack: Stack, constructions, option: str) -> int:
 
 def pick_item(prompt: str | None, item_set: str | None, item_index: int | None) -> Item:
     """The item of `--prompt`, or of `--item-set` and `--item`."""
-    from kvfid.inputs import items
-
     if (prompt is None) == (item_set is None):
         raise BadInput("give exactly one of --prompt or --item-set/--item")
     if prompt is not None:

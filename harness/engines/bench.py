@@ -25,8 +25,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from kvfid.engines import engine as vllm_engine
+from kvfid.engines import engine as vllm_engine, load
 from kvfid.engines.engine import EngineConfig
+from kvfid.engines.load_plan import plan_load
+from kvfid.errors import BadInput
+from kvfid.inputs.trajectories import items_and_codec
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,6 @@ def engine_bench(model_name: str, dtype: str, count: int, tokens: int, item_set:
                  tp: int = 1) -> dict:
     """Stock and faithful vLLM on the same prompts: tokens/s per phase and faithful / stock;
     `tp`: both engines sharded over that many worker processes."""
-    from kvfid.errors import BadInput
-    from kvfid.inputs.trajectories import items_and_codec
-
     if tokens < 2:
         raise BadInput(f"--tokens {tokens}: at least 2 (decode is timed after the first token)")
     vllm_engine.require_vllm()
@@ -107,9 +107,6 @@ def load_bench(model_name: str, dtype: str, shape, seed: int = 0, kv_blocks: int
     """Stock and faithful vLLM under the same load (kvfid.engines.load's plan, clients and KV
     budget; vLLM's own scheduler, no recording): generated tokens/s of each repeat (the prefix
     cache emptied before each), their median per engine and stock / faithful."""
-    from kvfid.engines import load
-    from kvfid.engines.load_plan import plan_load
-
     vllm_engine.require_vllm()
     folder = vllm_engine.model_folder(model_name)
     plan = plan_load(shape, seed)

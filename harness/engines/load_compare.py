@@ -15,7 +15,11 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from kvfid.records.engine_load import LoadRequest, StateDiff
+from kvfid.engines.kv import trimmed
+from kvfid.states.cache import BoundaryState, compare_states, sha_cache
 
 
 @dataclass(frozen=True)
@@ -44,9 +48,6 @@ def load_state(folder: Path, name: str | None):
     """A state file the recording scheduler wrote, as a BoundaryState (None if there is none)."""
     if not name:
         return None
-    import torch
-
-    from kvfid.states.cache import BoundaryState
 
     saved = torch.load(folder / name, weights_only=True)
     return BoundaryState(list(saved["tokens"]), keys=saved["keys"], values=saved["values"])
@@ -54,9 +55,6 @@ def load_state(folder: Path, name: str | None):
 
 def state_diff(a, b, positions: int) -> StateDiff:
     """Two states compared bitwise over their first `positions` positions."""
-    from kvfid.engines.kv import trimmed
-    from kvfid.states.cache import compare_states
-
     return StateDiff.of(compare_states(trimmed(a, positions), trimmed(b, positions)), positions)
 
 
@@ -70,8 +68,6 @@ def compare_request(planned, load: Served, alone: Served, load_folder: Path,
     kv, resumed, sha = None, (), None
     live = load_state(load_folder, seen.get("final_state"))
     if live is not None:
-        from kvfid.states.cache import sha_cache
-
         sha = sha_cache(live)
     reference = load_state(alone_folder, alone.seen.get("final_state"))
     if live is not None and reference is not None:

@@ -9,7 +9,7 @@ import os
 import time
 from dataclasses import replace
 
-from kvfid.engines import engine as vllm_engine
+from kvfid.engines import engine as vllm_engine, load, load_server, load_sweep
 from kvfid.engines.load_plan import LoadShape, plan_load
 from kvfid.records.engine_load import EngineLoadRecord
 
@@ -21,8 +21,6 @@ def engine_load(model_name: str, dtype: str, shape: LoadShape, seed: int = 0, kv
     """The load run's record (kvfid.engines.load's docstring): `server`, vLLM's own OpenAI
     server started here (kvfid.engines.load_server); `sweep` a SweepShape to run after it;
     `faults` (server only) the failures to inject (load_server.Faults)."""
-    from kvfid.engines import load
-
     say = progress or (lambda _: None)
     plan = plan_load(shape, seed)                      # refusals before any engine starts
     load.engine_config(plan, faithful, chunk, kv_blocks, prefix_caching)
@@ -34,8 +32,6 @@ def engine_load(model_name: str, dtype: str, shape: LoadShape, seed: int = 0, kv
     start = time.perf_counter()
     served_by = None
     if server:
-        from kvfid.engines import load_server
-
         served_by = load_server.serving(folder, dtype, threads, faults, say)
     before = os.environ.get("VLLM_BATCH_INVARIANT")
     os.environ["VLLM_BATCH_INVARIANT"] = "0"     # stock is stock: vLLM's own switch stays off
@@ -52,8 +48,6 @@ def engine_load(model_name: str, dtype: str, shape: LoadShape, seed: int = 0, kv
                               shape.tokens, kv_blocks, chunk, prefix_caching, threads=threads,
                               folder=folder, greedy_share=shape.greedy_share, **parts)
     if sweep is not None:
-        from kvfid.engines import load_sweep
-
         record = replace(record, sweep=load_sweep.run_sweep(folder, dtype, sweep, faithful, threads, say))
     incomplete = bool(record.missing)
     return replace(record, wall_s=time.perf_counter() - start, status="incomplete" if incomplete else "ok")

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from kvfid.engines.kv import layers_of, read_blocks
+
 DIR_ENV = "KVFID_LOAD_DIR"
 STATES_ENV = "KVFID_LOAD_STATES"       # "0": no engine states read (the sweep counts only)
 SCHEDULER = f"{__name__}.RecordingScheduler"
@@ -90,8 +92,6 @@ class RecordingScheduler(Scheduler):
 
     def _save_state(self, request, tag: str) -> str | None:
         """The request's K and V over its computed positions, saved; the file's name or None."""
-        from kvfid.engines.kv import layers_of, read_blocks
-
         length = request.num_computed_tokens
         if length == 0 or os.environ.get(STATES_ENV) == "0":
             return None

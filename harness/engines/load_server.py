@@ -35,6 +35,8 @@ from pathlib import Path
 
 from kvfid.engines import engine as vllm_engine
 from kvfid.errors import Unavailable
+from kvfid.engines.faithful import COMPILATION
+from kvfid.engines.load import request_id
 
 START_LIMIT_S = 600
 SERVED_NAME = "kvfid-load"
@@ -57,7 +59,7 @@ def _free_port() -> int:
 
 def server_command(folder: str, dtype: str, config, max_len: int, port: int) -> list[str]:
     """vLLM's server with the load run's engine configuration (engine.engine's, as flags)."""
-    from kvfid.engines.load_scheduler import SCHEDULER
+    from kvfid.engines.load_scheduler import SCHEDULER   # lazy: vLLM is optional (.venv-vllm only)
 
     budget = config.chunk or max(max_len, 2048)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
@@ -71,8 +73,6 @@ def server_command(folder: str, dtype: str, config, max_len: int, port: int) -> 
     if config.kv_blocks is not None:
         command += ["--num-gpu-blocks-override", str(config.kv_blocks)]
     if config.faithful:
-        from kvfid.engines.faithful import COMPILATION
-
         command += ["--compilation-config", json.dumps(COMPILATION)]
     return command
 
@@ -80,7 +80,7 @@ def server_command(folder: str, dtype: str, config, max_len: int, port: int) -> 
 @contextlib.contextmanager
 def server(folder: str, dtype: str, config, max_len: int, into: Path, threads: int):
     """vLLM's server running the configuration, its base URL and process; stopped on exit."""
-    from kvfid.engines.load_scheduler import DIR_ENV
+    from kvfid.engines.load_scheduler import DIR_ENV   # lazy: vLLM is optional (.venv-vllm only)
 
     into.mkdir(parents=True, exist_ok=True)
     port, log = _free_port(), into / "server.log"
@@ -131,8 +131,6 @@ def _tail(log: Path) -> str:
 
 def ask(url: str, planned, timeout: float) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """One planned request over HTTP: its tokens and their logprobs (errors raised as they come)."""
-    from kvfid.engines.load import request_id
-
     body = {"model": SERVED_NAME, "prompt": list(planned.prompt), "max_tokens": planned.tokens,
             "temperature": planned.temperature, "logprobs": 0, "return_token_ids": True,
             "return_tokens_as_token_ids": True, "ignore_eos": True, "skip_special_tokens": False,

@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+import json
+import os
+import tempfile
+from pathlib import Path
 
 from kvfid.engines import engine as vllm_engine
 from kvfid.engines.engine import EngineConfig
 from kvfid.engines.load_compare import bits, common
 from kvfid.records.engine_load import SweepPoint
+from kvfid.engines.load import _output, recording_into
 
 
 @dataclass(frozen=True)
@@ -57,17 +62,13 @@ def _differs(a: tuple, b: tuple) -> tuple[bool, int | None]:
 def run_sweep(folder: str, dtype: str, shape: SweepShape, faithful: bool = False,
               threads: int | None = None, say=lambda _: None) -> tuple[SweepPoint, ...]:
     """Every (prompt length, co-resident count) point of the grid."""
-    from kvfid.engines.load import _output
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import SamplingParams   # lazy: vLLM is optional (.venv-vllm only)
+    from vllm.inputs import TokensPrompt   # lazy: vLLM is optional (.venv-vllm only)
 
     params = SamplingParams(temperature=0.0, max_tokens=shape.tokens, logprobs=0, detokenize=False,
                             ignore_eos=True)
-    import os
-    import tempfile
-    from pathlib import Path
 
-    from kvfid.engines.load import recording_into
+    # lazy: vLLM is optional (.venv-vllm only)
     from kvfid.engines.load_scheduler import REQUESTS, STATES_ENV
 
     longest = max(shape.prompt_lengths()) + shape.tokens + 1
@@ -103,8 +104,6 @@ def run_sweep(folder: str, dtype: str, shape: SweepShape, faithful: bool = False
 
 def _observed(lines, requests: set[str]) -> int:
     """The most co-resident sequences the recording scheduler saw for these requests."""
-    import json
-
     most = 0
     for line in lines.read_text().splitlines() if lines.is_file() else ():
         data = json.loads(line)

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 
 from kvfid.errors import BadInput, Unavailable
+from kvfid.inputs.trajectories import Trajectory, as_row, items_and_codec
 
 
 def _call(url: str, body: dict | None = None, timeout: float = 300.0) -> dict:
@@ -69,8 +70,6 @@ def _token_id(token: str, base: str) -> int:
 def server_rollouts(server: str, model_name: str, item_set: str, count: int, tokens: int,
                     temperature: float, seed: int, served: str | None = None) -> list[dict]:
     """The rows of `kvfid rollouts --server URL`: one completion per item, logprobs kept."""
-    from kvfid.inputs.trajectories import Trajectory, as_row, items_and_codec
-
     base = server.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise BadInput(f"--server {server!r}: an http:// or https:// URL")

@@ -23,6 +23,11 @@ import time
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
+import importlib
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 from kvfid.environment.compile_plan import Target
 from kvfid.environment.roofline import Work, roofline
@@ -41,8 +46,6 @@ _RES_USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 def triton_tool(name: str) -> str:
     """A tool of Triton's NVIDIA backend (`cuobjdump`, `ptxas`), else one on PATH."""
-    import triton
-
     shipped = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
     return str(shipped) if shipped.exists() else (shutil.which(name) or name)
 
@@ -68,12 +71,6 @@ def resource_usage(text: str) -> dict:
 
 def _compile_one(target: dict, out_dir: Path) -> dict:
     """Compile one target (in a worker) and read its cubin."""
-    import importlib
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     module, name = target["function"].split(":")
     fn = getattr(importlib.import_module(module), name)
     signature, constexprs, attrs = {}, dict(target["constexprs"]), {}
@@ -181,8 +178,6 @@ def problems(target: Target, record: dict) -> list[str]:
 def compile_targets(targets: list[Target], out: str | Path | None = None, jobs: int | None = None,
                     python_path: tuple[str, ...] = ()) -> dict:
     """Compile and judge every target; `out` keeps the cubins. Returns the report (JSON-able)."""
-    import triton
-
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(targets) or 1))
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvfid-compile-") as scratch:

@@ -76,7 +76,7 @@ def _collect_gpus(nvml) -> tuple[list[dict], str | None]:
     """(one record per visible GPU, None) or ([], why NVML is unavailable)."""
     if nvml is None:
         try:
-            import pynvml as nvml
+            import pynvml as nvml   # lazy: guarded: absent where the except below applies
         except ImportError as e:
             return [], f"nvidia-ml-py not importable: {e}"
     try:

@@ -18,8 +18,13 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvfid.stacks import twins
+from kvfid.kernels.attention.kernel import attention
+from kvfid.kernels.invariant.matmul import matmul
+from kvfid.kernels.invariant.norm import rms_norm
+from kvfid.kernels.invariant.softmax import log_softmax, softmax
 
 OPS = ("attention-decode", "attention-prefill", "matmul", "rms-norm", "softmax", "log-softmax")
 ATTENTION_OPS = OPS[:2]
@@ -59,8 +64,6 @@ def _causal(q_len: int, kv_len: int, device) -> torch.Tensor:
 def attention_sdpa(q, k, v) -> torch.Tensor:
     """transformers' `sdpa` with the mask its mask function gives: none for a decode step or a
     full prefill (is_causal), a boolean mask for a chunk over a longer cache."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     q_len, kv_len = q.shape[2], k.shape[2]
     mask = None if q_len in (1, kv_len) else _causal(q_len, kv_len, q.device)
     return _transformers_attention(sdpa_attention_forward, q, k, v, mask)
@@ -68,6 +71,7 @@ def attention_sdpa(q, k, v) -> torch.Tensor:
 
 def attention_eager(q, k, v) -> torch.Tensor:
     """transformers' `eager` (matmul, softmax in fp32, matmul) with its additive float mask."""
+    # lazy: loads tokenizers and a model family: only here
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     allowed = _causal(q.shape[2], k.shape[2], q.device)
@@ -77,12 +81,11 @@ def attention_eager(q, k, v) -> torch.Tensor:
 
 
 def attention_triton(q, k, v) -> torch.Tensor:
-    from kvfid.kernels.attention.kernel import attention
-
     return attention(q, k, v)
 
 
 def attention_native(q, k, v) -> torch.Tensor:
+    # lazy: `attention` is also this module's name
     from kvfid.kernels.attention.native import attention
 
     return attention(q, k, v)
@@ -93,8 +96,6 @@ def matmul_stock(x, weight) -> torch.Tensor:
 
 
 def matmul_triton(x, weight) -> torch.Tensor:
-    from kvfid.kernels.invariant.matmul import matmul
-
     rows = x.reshape(-1, x.shape[-1])
     return matmul(rows, weight.t()).reshape(*x.shape[:-1], weight.shape[0])
 
@@ -102,26 +103,21 @@ def matmul_triton(x, weight) -> torch.Tensor:
 def rms_norm_stock(x, weight, eps) -> torch.Tensor:
     """transformers' LlamaRMSNorm.forward (fp32 variance by `mean`, weight applied in x's dtype),
     called on the weight directly, so no module is built per call."""
+    # lazy: loads tokenizers and a model family: only here
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     return LlamaRMSNorm.forward(SimpleNamespace(weight=weight, variance_epsilon=eps), x)
 
 
 def rms_norm_triton(x, weight, eps) -> torch.Tensor:
-    from kvfid.kernels.invariant.norm import rms_norm
-
     return rms_norm(x, weight, eps)
 
 
 def softmax_triton(x) -> torch.Tensor:
-    from kvfid.kernels.invariant.softmax import softmax
-
     return softmax(x, -1)
 
 
 def log_softmax_triton(x) -> torch.Tensor:
-    from kvfid.kernels.invariant.softmax import log_softmax
-
     return log_softmax(x, -1)
 
 

@@ -43,6 +43,10 @@ from kvfid.environment.implementations import (  # noqa: F401 (re-exported)
     ATTENTION_OPS, IMPLEMENTATIONS, OPS, Implementation, attention_eager, attention_sdpa,
     attention_triton, log_softmax_triton, matmul_stock, matmul_triton, rms_norm_stock,
     rms_norm_triton, softmax_triton)
+from kvfid import kernels
+from kvfid.environment.invariance_jobs import in_processes
+from kvfid.kernels.invariant import tiled as mode_tiled
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
 # quick: tile edges (7/8, 16/17), two tiles (33) and the size where stock fp32 mm differs (7).
 QUICK_BATCH_SIZES = (2, 3, 7, 8, 16, 17, 33)
@@ -224,9 +228,6 @@ def measure_rows(pairs, device: str, shapes: Shapes, batch_sizes: Sequence[int],
                  progress: Callable[[str], None] | None = None) -> tuple[list[dict], list[dict]]:
     """Each (op, implementation name, dtype) of `pairs` through `_run_one`, in order; the rows and
     the tiled-mode call shapes probed in this process on the way (kvfid.kernels.invariant.tiled)."""
-    from kvfid.kernels.invariant import tiled as mode_tiled
-    from kvfid.kernels.invariant.mode import set_batch_invariant_mode
-
     rows = []
     for op, name, dtype in pairs:
         impl = IMPLEMENTATIONS[op, name]
@@ -252,8 +253,6 @@ def _row_in_a_process(pair, device, shapes, batch_sizes, seed, threads):
 def _rows_in_processes(pairs, device, shapes, batch_sizes, seed, threads, jobs, progress):
     """`measure_rows` over `jobs` processes: the same rows in the same order, and the union of
     the processes' tiled-mode probes (each call shape once). The Triton rows go first."""
-    from kvfid.environment.invariance_jobs import in_processes
-
     def done(pair, result):
         if progress:
             progress(f"{' / '.join(pair)} ({result[0]['seconds']:.1f} s)")
@@ -280,8 +279,6 @@ def compare_kernels(dtypes: Sequence[str] = ("bf16", "fp32"), device: str = "cpu
     `tiled_routes`: the tiled mode's tile and dtype route per dtype on this machine (kvfid.kernels.invariant.route).
     `jobs` > 1: the rows measured in that many processes (kvfid.environment.invariance_jobs).
     """
-    from kvfid import kernels
-
     names = {name for _, name in IMPLEMENTATIONS}
     checks = (("dtypes", dtypes, DTYPES), ("ops", ops, OPS), ("implementations", impls, names))
     for what, given, valid in checks:

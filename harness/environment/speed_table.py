@@ -26,6 +26,18 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import kvfid
+from kvfid.environment.roofline import GPUS, Work, floor_us
+from kvfid.kernels import gpu_arch
+from kvfid.kernels.attention.config import AttentionConfig
+from kvfid.kernels.attention.kernel import attention, attention_into, config_for, unsplit
+from kvfid.kernels.invariant import matmul as mm
+
 RATIO_GOAL = 1.3          # kvfid within 1.3x of stock (issue 49)
 FLOOR_GOAL = 3.0          # the split decode within 3x of its floor
 
@@ -77,8 +89,6 @@ def _time_us(fn, cuda: bool, graph: bool = False) -> float | None:
             fn()
             times.append(time.perf_counter() - start)
         return statistics.median(times) * 1e6
-    import torch
-    import triton.testing
 
     if not graph:
         return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
@@ -90,8 +100,6 @@ def _time_us(fn, cuda: bool, graph: bool = False) -> float | None:
 
 
 def _floor_us(row: Row, size: int, device_name: str) -> float | None:
-    from kvfid.environment.roofline import GPUS, Work, floor_us
-
     gpu = next((g for g in GPUS if g.name in device_name), None)
     if gpu is None:
         return None
@@ -111,17 +119,11 @@ def _round(x):
 
 def attention_row(row: Row, device, dtype, cuda: bool) -> dict:
     """kvfid's attention against sdpa's best backend; the construction check on every position."""
-    import torch
-    import torch.nn.functional as F
-
-    from kvfid.kernels.attention.kernel import attention, attention_into, config_for, unsplit
-
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(row.batch, h, n, row.head_dim, generator=gen).to(device, dtype)
                for h, n in ((row.n_q, row.q_len), (row.n_kv, row.kv_len), (row.n_kv, row.kv_len)))
     config = config_for(device, dtype, row.head_dim)
     if not cuda:  # the dry run: the interpreter with a small split path
-        from kvfid.kernels.attention.config import AttentionConfig
 
         config = AttentionConfig(block_n=32, max_tile_rows=64, num_warps=4, num_stages=1,
                                  use_dot=False, segment=64)
@@ -134,8 +136,6 @@ def attention_row(row: Row, device, dtype, cuda: bool) -> dict:
     causal = row.q_len == row.kv_len and row.q_len > 1   # a decode query sees every key
     stock, backend = None, None
     for name in SDPA_BACKENDS if cuda else ("MATH",):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         def sdpa(name=name):
             with sdpa_kernel(getattr(SDPBackend, name)):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
@@ -166,11 +166,6 @@ def attention_row(row: Row, device, dtype, cuda: bool) -> dict:
 
 def matmul_row(row: Row, device, dtype, cuda: bool) -> dict:
     """kvfid's matmul (today's config and the M bucket's) against cuBLAS; every row against M=1."""
-    import torch
-
-    from kvfid.kernels import gpu_arch
-    from kvfid.kernels.invariant import matmul as mm
-
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(row.m, row.width, generator=gen).to(device, dtype)
     w = (torch.randn(row.width, row.width, generator=gen) * row.width ** -0.5).to(device, dtype)
@@ -207,8 +202,6 @@ def matmul_row(row: Row, device, dtype, cuda: bool) -> dict:
 
 def measure(row: Row, cuda: bool) -> dict:
     """One row of the table: times, ratios, floor, bits."""
-    import torch
-
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     found = (matmul_row if row.op == "matmul" else attention_row)(row, device, dtype, cuda)
@@ -231,8 +224,6 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="interpreter, toy sizes")
     args = parser.parse_args(argv)
-    import kvfid  # noqa: F401  (the package selects the interpreter before triton loads)
-    import torch
 
     cuda = torch.cuda.is_available() and not args.dry_run
     rows, ok = [], True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvfid.kernels import DTYPES
+from kvfid.kernels.invariant import route as mode_route
 
 
 def union_probes(*lists: list[dict]) -> list[dict]:
@@ -17,8 +18,6 @@ def union_probes(*lists: list[dict]) -> list[dict]:
 def tiled_routes(ran_tiled: bool, dtypes, device: torch.device) -> dict[str, dict]:
     """The tiled mode's route per dtype at this thread count (kvfid.kernels.invariant.route: kept for this
     machine, so every process of a run takes the same), where tiled rows ran on a CPU."""
-    from kvfid.kernels.invariant import route as mode_route
-
     if device.type != "cpu" or not ran_tiled:
         return {}
     for dtype in dtypes:
@@ -32,8 +31,6 @@ def choose_routes(stacks) -> None:
     take, at its thread count, for its dtype and fp32, before a run's environment record is
     taken: the first run on a fresh machine then records the routes its units use (the record
     reads kvfid.kernels.invariant.route's store; a route is timed once per machine and kept)."""
-    from kvfid.kernels.invariant import route as mode_route
-
     for stack in stacks:
         if stack.batch_invariant_impl != "tiled" or not stack.device.startswith("cpu"):
             continue

@@ -20,8 +20,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+import copy
 
 import torch
+import transformers
+from transformers.utils import logging as hf_logging
 
 from kvfid.errors import Unavailable
 from kvfid.inputs.codecs import ByteCodec, ChatCodec
@@ -76,11 +79,7 @@ def loaded_at(master: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     included), buffers it computes itself computed by it. `module.to(dtype)` is not that model:
     it also rounds the rotary `inv_freq` buffers to bf16, which transformers (and vLLM) keep in
     fp32; every layer's rotated keys then differ."""
-    from transformers.utils import logging as hf_logging
-
     if dtype == torch.float32:
-        import copy
-
         return copy.deepcopy(master)
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()   # a copy in memory: no loading messages, no progress bar
@@ -109,8 +108,6 @@ class Preset:
 
 def _random_model(name: str, family: str, config_kwargs: dict, seed: int = 0) -> Model:
     """Build a random-weight model from a seed without touching the global RNG."""
-    import transformers
-
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                   "mistral": transformers.MistralConfig}[family]
     model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
@@ -172,6 +169,7 @@ def smollm2_gguf_path() -> Path | None:
 
 
 def _load_smollm2() -> Model:
+    # lazy: loads tokenizers and a model family: only here
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf_path()
@@ -200,6 +198,7 @@ def converted_folder(gguf: Path) -> Path:
 
 def _convert_gguf(gguf: Path, folder: Path) -> None:
     """Dequantize the GGUF file once and store a standard fp32 folder + tokenizer."""
+    # lazy: loads tokenizers and a model family: only here
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with _one_gguf_read():
@@ -228,7 +227,7 @@ def _one_gguf_read():
     this, one read serves all three (the same files, byte for byte; the time saved:
     docs/environment.md). The reader maps the file read-only, so sharing it changes nothing read
     from it."""
-    import gguf as gguf_py
+    import gguf as gguf_py   # lazy: gguf is needed for a GGUF file only
 
     reader, name_map = gguf_py.GGUFReader, gguf_py.get_tensor_name_map
     readers: dict = {}
@@ -257,7 +256,7 @@ def save_standard_folder(module: torch.nn.Module, tokenizer, folder: Path) -> No
     quantization config, fp32, weights stored as transformers saves them (a tied head once, as
     the input embedding, with `tie_word_embeddings` saying so). A GGUF-loaded module refuses
     `save_pretrained`, hence the state dict written here."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file   # lazy: safetensors is needed for saving only
 
     config = module.config.to_dict()
     config.pop("quantization_config", None)
@@ -277,6 +276,7 @@ def save_standard_folder(module: torch.nn.Module, tokenizer, folder: Path) -> No
 
 
 def _load_hf_folder(folder: str) -> Model:
+    # lazy: loads tokenizers and a model family: only here
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(folder)
@@ -303,8 +303,6 @@ def from_module(module: torch.nn.Module, tokenizer=None, name: str | None = None
     is its master, from which each stack's copy is made as transformers loads that dtype (a bf16
     model's weights come back bit for bit); the tokenizer's chat template is its codec, bytes
     without one (a random-weight model of at least 260 ids)."""
-    import copy
-
     config = getattr(module, "config", None)
     if config is None or not hasattr(module, "generate"):
         raise ValueError(f"not a transformers causal LM: {type(module).__name__} (it needs a "

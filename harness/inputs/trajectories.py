@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfid.errors import BadInput
+from kvfid.inputs import items
+from kvfid.inputs.models import load_model
 
 
 @dataclass(frozen=True)
@@ -130,9 +132,6 @@ def as_row(t: Trajectory, **extra) -> dict:
 def items_and_codec(model_name: str, item_set: str, count: int):
     """The first `count` items of `item_set` (BadInput naming --item-set) and the model's codec:
     what every engine-side sampler starts from."""
-    from kvfid.inputs import items
-    from kvfid.inputs.models import load_model
-
     try:
         chosen = items.load_item_set(item_set, count)
     except ValueError as err:

@@ -21,7 +21,8 @@ from typing import Sequence
 
 import torch
 
-from kvfid.protocol.decode import Feed, Runner
+from kvfid.protocol.decode import Cached, Feeder, Runner
+from kvfid.inputs.items import arith_items
 
 PAD_ID = 0  # the token id at pad positions (masked; any id would do)
 
@@ -52,8 +53,6 @@ class CoBatch:
 def default_pool(n: int = 16) -> list:
     """Neighbours for an item that comes without an item set (a single prompt): the built-in
     arith set."""
-    from kvfid.inputs.items import arith_items
-
     return arith_items(n)
 
 
@@ -99,14 +98,17 @@ def padded(batch: CoBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, mask, positions
 
 
-def prefill(runner: Runner, cache, batch: CoBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward call over the padded co-batch; (last logits [N, V], attention mask [N, W])."""
+def prefill(runner: Runner, at: Cached, batch: CoBatch
+            ) -> tuple[torch.Tensor, torch.Tensor, Cached]:
+    """One forward call over the padded co-batch; (last logits [N, V], attention mask [N, W],
+    the cache after it)."""
     ids, mask, positions = padded(batch)
-    return runner.forward(ids, cache, attention_mask=mask, position_ids=positions), mask
+    logits, at = runner.forward(ids, at, attention_mask=mask, position_ids=positions)
+    return logits, mask, at
 
 
-def in_batch(runner: Runner, cache, batch: CoBatch, logits: torch.Tensor,
-             mask: torch.Tensor) -> Feed:
+def in_batch(runner: Runner, at: Cached, batch: CoBatch, logits: torch.Tensor,
+             mask: torch.Tensor) -> Feeder:
     """The greedy loop's feed (kvfid.protocol.decode.greedy) for the item's row decoding with
     every row in the same batch: each step feeds the item's token and every other row's own
     argmax, one position further; it gives the item's row of the logits. `logits` [N, V] and
@@ -114,13 +116,13 @@ def in_batch(runner: Runner, cache, batch: CoBatch, logits: torch.Tensor,
     rows = {"logits": logits, "mask": mask,
             "positions": torch.tensor([[len(r) - 1] for r in batch.rows], dtype=torch.long)}
 
-    def feed(token: int) -> torch.Tensor:
+    def step(at: Cached, token: int) -> tuple[torch.Tensor, Cached]:
         fed = rows["logits"].float().argmax(-1, keepdim=True).cpu()  # [N, 1]
         fed[batch.row, 0] = token
         rows["mask"] = torch.cat([rows["mask"], torch.ones_like(rows["mask"][:, :1])], dim=1)
         rows["positions"] = rows["positions"] + 1
-        rows["logits"] = runner.forward(fed, cache, attention_mask=rows["mask"],
-                                        position_ids=rows["positions"])
-        return rows["logits"][batch.row]
+        rows["logits"], at = runner.forward(fed, at, attention_mask=rows["mask"],
+                                            position_ids=rows["positions"])
+        return rows["logits"][batch.row], at
 
-    return feed
+    return Feeder(at, step)

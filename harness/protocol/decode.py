@@ -24,23 +24,38 @@ overhead. Nothing here knows which attention backend or precision runs.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import time
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
+import transformers
+from packaging.version import Version
 
 from kvfid.errors import Unavailable
 from kvfid.states.cache import check_written_once, top2
+from kvfid.states.layers import empty_cache
 from kvfid.kernels import KernelRefusal
 
-# cache -> the positions it covers (the length of generate's attention mask for it)
-_COVERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# caches whose first call was checked for a layer written more than once per token
-_CHECKED: "weakref.WeakSet" = weakref.WeakSet()
+
+@dataclass(frozen=True)
+class Cached:
+    """A model's cache and the positions it covers (the length of `generate`'s attention mask for
+    it). The cache object itself is the model's and grows in place; this value does not: every
+    forward, cut and gather returns the `Cached` that holds after it."""
+
+    cache: object
+    positions: int
+    checked: bool = False   # its first call was checked for a layer written twice per token
+
+    def after(self, tokens: int) -> "Cached":
+        """This cache once `tokens` more positions are fed."""
+        return replace(self, positions=self.positions + tokens)
+
+    def covering(self, positions: int) -> "Cached":
+        """This cache after a cut or a gather left it covering `positions` positions."""
+        return replace(self, positions=positions)
 
 
 def cache_keyword(module: torch.nn.Module) -> str:
@@ -50,43 +65,21 @@ def cache_keyword(module: torch.nn.Module) -> str:
     return next((name for name in ("cache", "cache_params") if name in params), "past_key_values")
 
 
-@functools.cache
-def generate_keeps_full_mask() -> bool:
-    """Whether this transformers' `generate` passes an unpadded batch's all-ones attention mask on
-    to the model: 5.17 does; 5.18 on drops it (`generation_config._mask_length`)."""
-    import transformers
-    from packaging.version import Version
-
-    return Version(transformers.__version__) < Version("5.18")
+# Whether this transformers' `generate` passes an unpadded batch's all-ones attention mask on to
+# the model: 5.17 does; 5.18 on drops it (`generation_config._mask_length`).
+GENERATE_KEEPS_FULL_MASK = Version(transformers.__version__) < Version("5.18")
 
 
-def new_cache(module: torch.nn.Module):
+def new_cache(module: torch.nn.Module) -> Cached:
     """An empty cache for this model: a dynamic cache with its layer classes, or the cache class
     the model brings (kvfid.states.layers.empty_cache). It covers no position yet."""
-    from kvfid.states.layers import empty_cache
-
-    return covering(empty_cache(module), 0)
+    return Cached(empty_cache(module), 0)
 
 
-def resume(state, module: torch.nn.Module):
+def resume(state, module: torch.nn.Module) -> Cached:
     """A cache holding boundary state `state` (kvfid.states.cache.BoundaryState), covering its
     prefix: the next token fed is at position len(prefix)."""
-    return covering(state.to_cache(module), len(state.prefix))
-
-
-def covering(cache, positions: int):
-    """Declare that `cache` covers `positions` positions (after a cut or a gather); returns it."""
-    _COVERED[cache] = positions
-    return cache
-
-
-def covered(cache) -> int:
-    """The positions `cache` covers, as kvfid fed them."""
-    try:
-        return _COVERED[cache]
-    except (KeyError, TypeError):
-        raise RuntimeError(f"a {type(cache).__name__} kvfid did not make: its positions are "
-                           f"unknown (make caches with new_cache or resume)") from None
+    return Cached(state.to_cache(module), len(state.prefix))
 
 
 @dataclass
@@ -105,8 +98,8 @@ class Runner:
         self._takes = {name for name in ("position_ids", "attention_mask", "logits_to_keep")
                        if name in params}
 
-    def _counted(self, **kwargs) -> torch.Tensor:
-        """One timed, counted forward call; the model's logits."""
+    def _counted(self, at: Cached | None, **kwargs) -> tuple[torch.Tensor, Cached | None]:
+        """One timed, counted forward call; the model's logits and `at` after it."""
         start = time.perf_counter()
         with refusals_as_unavailable():
             logits = self.module(**kwargs).logits
@@ -114,30 +107,29 @@ class Runner:
             torch.cuda.synchronize(logits.device)
         self.seconds += time.perf_counter() - start
         self.calls += 1
-        cache = kwargs.get(self._keyword)
-        if cache is not None and cache in _COVERED and cache not in _CHECKED:
+        if at is not None and not at.checked:
             # a model that writes a layer twice per token does so in its first call; refused
             # there, as the next call's mask would not fit (transformers 5.17: a size error)
-            check_written_once(cache, _COVERED[cache])
-            _CHECKED.add(cache)
-        return logits
+            check_written_once(at.cache, at.positions)
+            at = replace(at, checked=True)
+        return logits, at
 
-    def _inputs(self, ids: torch.Tensor, cache, attention_mask, position_ids, keep) -> dict:
-        """The keyword arguments `generate` would pass for feeding `ids` [B, T] after `cache`
+    def _inputs(self, ids: torch.Tensor, at: Cached | None, attention_mask, position_ids,
+                keep) -> tuple[dict, Cached | None]:
+        """The keyword arguments `generate` would pass for feeding `ids` [B, T] after `at`
         (None: no cache, as a trainer scores): positions after what the cache covers, or those
-        given (a padded batch's, a draft tree's, a stage program's), with their mask."""
+        given (a padded batch's, a draft tree's, a stage program's), with their mask; and `at`
+        once the call has fed them."""
         rows, length = ids.shape
-        past = None if cache is None else _COVERED.get(cache)   # None: explicit positions only
+        past = None if at is None else at.positions
         if position_ids is None:   # [B, T]: what generate's all-ones mask counts
-            start = 0 if cache is None else covered(cache)
+            start = past or 0
             position_ids = torch.arange(start, start + length).expand(rows, length).contiguous()
-            if generate_keeps_full_mask():
+            if GENERATE_KEEPS_FULL_MASK:
                 attention_mask = torch.ones((rows, start + length), dtype=torch.long)
-        if past is not None:
-            _COVERED[cache] = past + length
-        given = {"use_cache": cache is not None}
-        if cache is not None:
-            given[self._keyword] = cache
+        given = {"use_cache": at is not None}
+        if at is not None:
+            given[self._keyword] = at.cache
         if "position_ids" in self._takes:
             given["position_ids"] = position_ids.to(self._device)
         if attention_mask is not None and "attention_mask" in self._takes:
@@ -154,38 +146,43 @@ class Runner:
             text = (str(err).strip().splitlines() or [""])[0][:160]
             raise Unavailable(f"{type(self.module).__name__} cannot prepare plain token ids as its "
                               f"generate does ({type(err).__name__}: {text})") from None
-        if cache is not None:   # kvfid reads the state from its own cache, whatever is prepared
-            kwargs[self._keyword] = cache
+        if at is not None:   # kvfid reads the state from its own cache, whatever is prepared
+            kwargs[self._keyword] = at.cache
         if "logits_to_keep" in self._takes:   # the rows kvfid asked for (a trainer's: all)
             kwargs.pop("logits_to_keep", None)
             if keep is not None:
                 kwargs["logits_to_keep"] = keep
-        return kwargs
+        return kwargs, None if at is None else at.after(length)
 
-    def forward(self, ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed `ids` [B, T] after what `cache` holds; return last-position logits [B, V].
-        A padded batch also passes its attention mask [B, cached + T] and position ids [B, T]."""
-        kwargs = self._inputs(ids, cache, attention_mask, position_ids, keep=1)
-        return self._counted(**kwargs)[:, -1, :]
+    def forward(self, ids: torch.Tensor, at: Cached, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, Cached]:
+        """Feed `ids` [B, T] after what `at` holds; last-position logits [B, V] and the cache
+        after the call. A padded batch also passes its attention mask [B, cached + T] and
+        position ids [B, T]."""
+        kwargs, after = self._inputs(ids, at, attention_mask, position_ids, keep=1)
+        logits, after = self._counted(after, **kwargs)
+        return logits[:, -1, :], after
 
-    def forward_kept(self, ids: torch.Tensor, cache, rows: int,
+    def forward_kept(self, ids: torch.Tensor, at: Cached, rows: int,
                      attention_mask: torch.Tensor | None = None,
-                     position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed `ids` [B, T] after what `cache` holds; the logits of the last `rows` positions
-        [B, rows, V] (a verification pass keeps every row, a prefix-cache hit only the last). A
-        draft tree also passes its 4-D mask and position ids."""
-        kwargs = self._inputs(ids, cache, attention_mask, position_ids, keep=rows)
-        return self._counted(**kwargs)[:, -rows:, :]
+                     position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, Cached]:
+        """Feed `ids` [B, T] after what `at` holds; the logits of the last `rows` positions
+        [B, rows, V] (a verification pass keeps every row, a prefix-cache hit only the last) and
+        the cache after the call. A draft tree also passes its 4-D mask and position ids."""
+        kwargs, after = self._inputs(ids, at, attention_mask, position_ids, keep=rows)
+        logits, after = self._counted(after, **kwargs)
+        return logits[:, -rows:, :], after
 
-    def forward_all(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        """Feed `ids` [B, T] after what `cache` holds (no cache when None), as a trainer scores a
-        sequence: logits at every position [B, T, V]."""
-        return self._counted(**self._inputs(ids, cache, None, None, keep=None))
+    def forward_all(self, ids: torch.Tensor, at: Cached | None
+                    ) -> tuple[torch.Tensor, Cached | None]:
+        """Feed `ids` [B, T] after what `at` holds (no cache when None), as a trainer scores a
+        sequence: logits at every position [B, T, V], and the cache after the call."""
+        kwargs, after = self._inputs(ids, at, None, None, keep=None)
+        return self._counted(after, **kwargs)
 
     def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """No-cache forward over all of `ids` [B, T]; logits at every position [B, T, V]."""
-        kwargs = self._inputs(ids, None, None, None, keep=None)
+        kwargs, _ = self._inputs(ids, None, None, None, keep=None)
         with refusals_as_unavailable():
             out = self.module(**kwargs)
         return out.logits
@@ -206,17 +203,19 @@ def as_batch(ids, rows: int = 1) -> torch.Tensor:
     return torch.tensor([list(ids)] * rows, dtype=torch.long)
 
 
-def feed_chunks(runner: Runner, cache, ids, sizes, rows: int = 1, chunk=None) -> torch.Tensor:
-    """Teacher-force `ids` in consecutive chunks of the given sizes; last logits [rows, V].
-    `chunk(start, end)` feeds ids start..end-1 its own way (a stage program's layout: its mask
-    and positions); by default each chunk is plain token ids, `rows` identical rows."""
-    chunk = chunk or (lambda start, end: runner.forward(as_batch(ids[start:end], rows), cache))
+def feed_chunks(runner: Runner, at: Cached, ids, sizes, rows: int = 1, chunk=None
+                ) -> tuple[torch.Tensor, Cached]:
+    """Teacher-force `ids` in consecutive chunks of the given sizes; last logits [rows, V] and
+    the cache after them. `chunk(at, start, end)` feeds ids start..end-1 its own way (a stage
+    program's layout: its mask and positions); by default each chunk is plain token ids, `rows`
+    identical rows."""
+    chunk = chunk or (lambda at, start, end: runner.forward(as_batch(ids[start:end], rows), at))
     logits, start = None, 0
     for size in sizes:
-        logits = chunk(start, start + size)
+        logits, at = chunk(at, start, start + size)
         start += size
     assert start == len(ids), "chunk sizes must cover the ids exactly"
-    return logits
+    return logits, at
 
 
 @dataclass
@@ -233,12 +232,29 @@ class Greedy:
 # stage program feeds the token at its layout's position under its visibility (kvfid.stages).
 Feed = Callable[[int], torch.Tensor]
 # How a boundary state's suffix is fed: (runner, the cache resumed from the state) -> its Feed.
-Feeding = Callable[[Runner, object], Feed]
+Feeding = Callable[[Runner, Cached], Feed]
 
 
-def next_token(runner: Runner, cache) -> Feed:
-    """Plain decoding's feed: the token alone, after what `cache` holds."""
-    return lambda token: runner.forward(as_batch([token]), cache)[0]
+class Feeder:
+    """A feed that carries its cache from step to step: `step(at, token)` feeds one token after
+    `at` and gives the logits [V] and the cache after it; `cached` is the cache after the last
+    step (a live run snapshots it)."""
+
+    def __init__(self, at: Cached, step: Callable[[Cached, int], tuple[torch.Tensor, Cached]]):
+        self.cached, self._step = at, step
+
+    def __call__(self, token: int) -> torch.Tensor:
+        logits, self.cached = self._step(self.cached, token)
+        return logits
+
+
+def next_token(runner: Runner, at: Cached) -> Feeder:
+    """Plain decoding's feed: the token alone, after what `at` holds."""
+    def step(at: Cached, token: int) -> tuple[torch.Tensor, Cached]:
+        logits, at = runner.forward(as_batch([token]), at)
+        return logits[0], at
+
+    return Feeder(at, step)
 
 
 def top2_without(logits: torch.Tensor, eos_ids) -> tuple[int, float]:

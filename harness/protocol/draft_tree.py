@@ -15,7 +15,7 @@ with probability R, so a step may stop early), every other node a wrong token. N
 what P has left are pruned, so the last step ends at |P|. The mask is the one visibility-mask
 path every stack serves (a 4-D float mask, 0 where a query sees a key); a model whose layers do
 not attend through the mask alone (sliding-window, chunked, recurrent, latent) is refused
-(prefix_reuse.check_rollback).
+(constructions.check_rollback).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import re
 
 import torch
 
-from kvfid.protocol.decode import Runner, as_batch, covering
+from kvfid.protocol.decode import Cached, Runner, as_batch
 
 MAX_NODES = 64
 _SPELLING = re.compile(r"spec:tree:(?:(\d+)x(\d+)|(\d+(?:,\d+)*))(?:\+rate(0?\.\d+))?")
@@ -119,15 +119,16 @@ def _drafts(parents, truth: list[int], rate, rng: random.Random, vocab_size: int
     return tokens[1:], path
 
 
-def verify(runner: Runner, cache, construction, prompt_length: int, prefix: list[int],
-           vocab_size: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+def verify(runner: Runner, at: Cached, construction, prompt_length: int, prefix: list[int],
+           vocab_size: int) -> tuple[torch.Tensor, tuple[int, ...], Cached]:
     """The prompt, then tree verification steps; the logits of positions prompt_length-1 ..
     |P|-1 (the prompt's last, then each step's root and accepted path) and the accepted count of
-    each step."""
+    each step, and the cache after the last step."""
     parents, rate = construction.tree, construction.variant.partition("+rate")[2] or None
     dtype = next(runner.module.parameters()).dtype
     rng = random.Random(hashlib.sha256(repr((prefix, construction.label)).encode()).digest())
-    kept = [runner.forward(as_batch(prefix[:prompt_length]), cache)]   # [1, V]
+    first, at = runner.forward(as_batch(prefix[:prompt_length]), at)
+    kept = [first]   # [1, V]
     i, acceptance = prompt_length, []   # the cache covers prefix[:i]; prefix[i] is pending
     while i < len(prefix):
         truth = prefix[i + 1:]
@@ -135,22 +136,23 @@ def verify(runner: Runner, cache, construction, prompt_length: int, prefix: list
         drafts, path = _drafts(tree, truth, rate, rng, vocab_size)
         level = depths(tree)
         step = [prefix[i]] + drafts
-        rows = runner.forward_kept(as_batch(step), cache, len(step),
-                                   attention_mask=ancestor_mask(tree, i, dtype),
-                                   position_ids=torch.tensor([[i + d for d in level]]))[0]
-        kept.append(rows[[0, *path]])
-        _keep_path(cache, i, path)
+        rows, at = runner.forward_kept(as_batch(step), at, len(step),
+                                       attention_mask=ancestor_mask(tree, i, dtype),
+                                       position_ids=torch.tensor([[i + d for d in level]]))
+        kept.append(rows[0][[0, *path]])
+        at = keep_path(at, i, path)
         acceptance.append(len(path))
         i += 1 + len(path)
-    return torch.cat(kept), tuple(acceptance)
+    return torch.cat(kept), tuple(acceptance), at
 
 
-def _keep_path(cache, root: int, path: list[int]) -> None:
-    """Cut the cache back to the root (slot `root`) and gather the accepted nodes after it."""
+def keep_path(at: Cached, root: int, path: list[int]) -> Cached:
+    """Cut the cache back to the root (slot `root`) and gather the accepted nodes after it; the
+    cache after the gather."""
     slots = torch.tensor([root + j for j in path], dtype=torch.long)
-    for layer in cache.layers:
+    for layer in at.cache.layers:
         for name in ("keys", "values"):
             held = getattr(layer, name)
             setattr(layer, name, torch.cat([held[:, :, :root + 1],
                                             held.index_select(2, slots.to(held.device))], dim=2))
-    covering(cache, root + 1 + len(path))
+    return at.covering(root + 1 + len(path))

@@ -33,10 +33,8 @@ import random
 import torch
 
 from kvfid.errors import Unavailable
-from kvfid.protocol import draft_tree
-from kvfid.protocol.decode import Runner, as_batch, covered, covering
+from kvfid.protocol.decode import Cached, Runner, as_batch
 
-REUSE_KINDS = ("cached", "spec", "spec-tree")
 _NGRAM = 2           # the n of prompt-lookup drafting
 _EXTRA_OTHER = 3     # how much longer than P the earlier request of `cached:K` is
 
@@ -45,100 +43,67 @@ class RollbackError(Unavailable):
     """The model's cache cannot be cut back without a trace (exit 3)."""
 
 
-def check_rollback(model, arms) -> None:
-    """Refuse, before any compute, a prefix-cache hit or a speculative arm on a model with a
-    recurrent layer state, which a cut cannot put back (RollbackError, exit 3)."""
-    from kvfid.protocol.constructions import parse_construction
-    from kvfid.stacks.serving import describe_layers
-
-    serving_arms = [a for a in arms if parse_construction(a).kind in REUSE_KINDS]
-    if not serving_arms:
-        return
-    _check_tree(describe_layers(model), [a for a in serving_arms
-                                         if parse_construction(a).kind == "spec-tree"])
-    recurrent = [info for info in describe_layers(model) if "recurrent" in info.mechanisms]
-    if recurrent:
-        raise RollbackError(f"{', '.join(serving_arms)}: a prefix-cache hit or a speculative "
-                            f"rollback cuts the cache back, which layer {recurrent[0].index} "
-                            f"({recurrent[0].layer_type}, a recurrent state) cannot take")
+def feed(runner: Runner, at: Cached, construction, prompt_length: int, prefix: list[int],
+         vocab_size: int) -> tuple[torch.Tensor, tuple[int, ...] | None, Cached]:
+    """Feed `prefix` into the empty cache `at` the engine's way; the boundary logits [1, V] (the
+    last row `feed_rows` keeps), for `spec:k` the accepted draft count of each step, and the
+    cache covering P."""
+    rows, acceptance, at = feed_rows(runner, at, construction, prompt_length, prefix,
+                                     vocab_size, first=len(prefix) - 1)
+    return rows[-1:], acceptance, at
 
 
-def _check_tree(layers, trees: list[str]) -> None:
-    """A tree arm needs layers that attend through the mask alone (the ancestor mask reaches
-    every layer as it is) and plain keys and values (to gather the accepted path): exit 3."""
-    for info in layers if trees else ():
-        other = set(info.mechanisms) & {"sliding_window", "chunked_attention", "recurrent"}
-        if other or info.kind != "full":
-            what = sorted(other)[0] if other else f"a {info.kind} state"
-            raise RollbackError(f"{trees[0]}: layer {info.index} is {what}; tree verification "
-                                f"serves models whose layers attend through the mask only")
-
-
-def feed(runner: Runner, cache, construction, prompt_length: int, prefix: list[int],
-         vocab_size: int) -> tuple[torch.Tensor, tuple[int, ...] | None]:
-    """Feed `prefix` into the empty `cache` the engine's way; the boundary logits [1, V] (the
-    last row `feed_rows` keeps) and, for `spec:k`, the accepted draft count of each step."""
-    rows, acceptance = feed_rows(runner, cache, construction, prompt_length, prefix, vocab_size,
-                                 first=len(prefix) - 1)
-    return rows[-1:], acceptance
-
-
-def feed_rows(runner: Runner, cache, construction, prompt_length: int, prefix: list[int],
+def feed_rows(runner: Runner, at: Cached, construction, prompt_length: int, prefix: list[int],
               vocab_size: int, first: int, cached_length: int | None = None
-              ) -> tuple[torch.Tensor, tuple[int, ...] | None]:
-    """Feed `prefix` into the empty `cache` the engine's way, keeping the next-token logits of
+              ) -> tuple[torch.Tensor, tuple[int, ...] | None, Cached]:
+    """Feed `prefix` into the empty cache `at` the engine's way, keeping the next-token logits of
     positions `first` .. |P|-1, [|P| - first, V] (a trainer re-scoring a trajectory keeps them
-    all; the boundary is the last), and, for `spec:k`, the acceptance pattern. `first` must not
-    precede what the engine computes logits for: K for `cached:K` (`cached_length` overrides the
-    construction's K), the prompt's last position for `spec:k`."""
-    if hasattr(cache, "activate_past_recording"):   # window layers keep what a rollback needs
-        cache.activate_past_recording()
-    if construction.kind == "cached":
-        k = (construction.cached_length(prompt_length, len(prefix)) if cached_length is None
-             else cached_length)
-        assert k <= first, f"{construction.label}: no logits before position K={k}"
-        rows = _cached(runner, cache, k, prefix, vocab_size, len(prefix) - first)
-        acceptance = None
-    else:
-        assert prompt_length - 1 <= first, f"{construction.label}: no logits inside the prompt"
-        verify = draft_tree.verify if construction.kind == "spec-tree" else _spec
-        rows, acceptance = verify(runner, cache, construction, prompt_length, prefix, vocab_size)
-        rows = rows[first - (prompt_length - 1):]
-    _rollback(cache, 0)   # layers that kept past states for the rollback drop what they no longer need
-    return rows, acceptance
+    all; the boundary is the last), for `spec:k` the acceptance pattern, and the cache covering
+    P. `first` must not precede what the engine computes logits for: K for `cached:K`
+    (`cached_length` overrides the construction's K), the prompt's last position for `spec:k`."""
+    if hasattr(at.cache, "activate_past_recording"):   # window layers keep what a rollback needs
+        at.cache.activate_past_recording()
+    rows, acceptance, at = construction.reuse(runner, at, prompt_length, prefix, vocab_size,
+                                              first, cached_length)
+    at = rollback(at, 0)   # layers that kept past states for the rollback drop what they no longer need
+    return rows, acceptance, at
 
 
-def _rollback(cache, tokens: int) -> None:
-    """Cut the last `tokens` positions out of the cache (0: only trim what is kept for rollback)."""
+def rollback(at: Cached, tokens: int) -> Cached:
+    """Cut the last `tokens` positions out of the cache (0: only trim what is kept for rollback);
+    the cache after the cut."""
+    cache = at.cache
     if not getattr(cache, "is_croppable", True):
         kinds = sorted({type(layer).__name__ for layer in cache.layers
                         if not getattr(layer, "is_croppable", True)})
         raise RollbackError(f"a prefix-cache hit or a speculative rollback needs a cache that can "
                             f"be cut back; {', '.join(kinds)} keeps a recurrent state that cannot")
     cache.crop(-tokens)
-    covering(cache, covered(cache) - tokens)
+    return at.covering(at.positions - tokens)
 
 
-def _cached(runner: Runner, cache, k: int, prefix: list[int], vocab_size: int,
-            rows: int) -> torch.Tensor:
+def prefix_hit(runner: Runner, at: Cached, k: int, prefix: list[int], vocab_size: int,
+            rows: int) -> tuple[torch.Tensor, Cached]:
     """The earlier request, the cut back to K, then P[K:] in one call; its last `rows` logits."""
     later = prefix[k:]
     other = [(t + 1) % vocab_size for t in later] + [(later[-1] + 2 + i) % vocab_size
                                                       for i in range(_EXTRA_OTHER)]
-    runner.forward(as_batch(prefix[:k] + other), cache)   # the earlier, different request
-    _rollback(cache, len(other))
-    return runner.forward_kept(as_batch(later), cache, rows)[0]
+    _, at = runner.forward(as_batch(prefix[:k] + other), at)   # the earlier, different request
+    at = rollback(at, len(other))
+    logits, at = runner.forward_kept(as_batch(later), at, rows)
+    return logits[0], at
 
 
-def _spec(runner: Runner, cache, construction, prompt_length: int, prefix: list[int],
-          vocab_size: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+def speculate(runner: Runner, at: Cached, construction, prompt_length: int, prefix: list[int],
+          vocab_size: int) -> tuple[torch.Tensor, tuple[int, ...], Cached]:
     """The prompt, then verification steps; the logits of positions prompt_length-1 .. |P|-1:
     the prompt's last, then each step's pending token's and its accepted drafts' rows."""
     k, pattern = construction.n, construction.variant
     rng = random.Random(hashlib.sha256(repr((prefix, construction.label)).encode()).digest())
     rate = float(pattern[len("rate"):]) if pattern.startswith("rate") else None
-    kept = [runner.forward(as_batch(prefix[:prompt_length]), cache)]   # [1, V]
-    _rollback(cache, 0)   # a window layer keeps only its window again (its masks expect that)
+    first, at = runner.forward(as_batch(prefix[:prompt_length]), at)
+    kept = [first]   # [1, V]
+    at = rollback(at, 0)   # a window layer keeps only its window again (its masks expect that)
     i, acceptance = prompt_length, []   # the cache covers prefix[:i]; prefix[i] is pending
     while i < len(prefix):
         truth = prefix[i + 1:i + 1 + k]              # what the drafts should be (fewer at the end)
@@ -147,12 +112,13 @@ def _spec(runner: Runner, cache, construction, prompt_length: int, prefix: list[
         while accepted < len(drafts) and drafts[accepted] == truth[accepted]:
             accepted += 1
         step = [prefix[i]] + drafts
-        kept.append(runner.forward_kept(as_batch(step), cache, len(step))[0, :1 + accepted])
-        _rollback(cache, len(drafts) - accepted)
+        rows, at = runner.forward_kept(as_batch(step), at, len(step))
+        kept.append(rows[0, :1 + accepted])
+        at = rollback(at, len(drafts) - accepted)
         acceptance.append(accepted)
         i += 1 + accepted
     # The last step ends at |P| only with all its drafts kept, so its last row is the boundary's.
-    return torch.cat(kept), tuple(acceptance)
+    return torch.cat(kept), tuple(acceptance), at
 
 
 def _drafts(pattern: str, rate: float | None, rng: random.Random, context: list[int],

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvfid.states import cache as kv
-from kvfid.protocol import cobatch, prefix_reuse
+from kvfid.protocol import cobatch
 from kvfid.states import scale, surgery
 from kvfid.records import record as rec
 from kvfid.protocol.constructions import (CONSTRUCTION_HELP, Construction, ProtocolError,  # noqa: F401
                                    TransplantSpec, parse_construction, parse_transplant)
 from kvfid.states.cache import top2
-from kvfid.protocol.decode import (Feeding, Greedy, Runner, as_batch, feed_chunks, greedy,
+from kvfid.protocol.decode import (Feeding, Greedy, Runner, as_batch, greedy,
                                    new_cache, next_token, resume)
 
 # --------------------------------------------------------------------------- arms
@@ -64,8 +64,7 @@ def decode_suffix(runner: Runner, state: kv.BoundaryState, steps: int, eos_ids,
                   feeding: Feeding = next_token) -> Greedy:
     """`steps` greedy tokens from a boundary state, by the batch-1 suffix decoder; `feeding`
     gives the feed of the cache resumed from it (a stage program's: at its layout's positions)."""
-    cache = resume(state, runner.module)
-    suffix, _ = greedy(state.logits, steps, eos_ids, feeding(runner, cache))
+    suffix, _ = greedy(state.logits, steps, eos_ids, feeding(runner, resume(state, runner.module)))
     return suffix
 
 
@@ -75,13 +74,15 @@ def run_live(module, prompt: list[int], B: int, S: int, eos_ids) -> Arm:
     The live run's own continuation is its suffix: nothing is decoded twice. If EOS comes among
     the B tokens the arm has no state (the item is `short`).
     """
-    start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
-    logits, feed = runner.forward(as_batch(prompt), cache)[0], next_token(runner, cache)
-    generated, logits = greedy(logits, B, eos_ids, feed, feed_last=True)
+    start, runner = time.perf_counter(), Runner(module)
+    logits, cached = runner.forward(as_batch(prompt), new_cache(module))
+    feed = next_token(runner, cached)
+    generated, logits = greedy(logits[0], B, eos_ids, feed, feed_last=True)
     if generated.eos:
         return Arm("live", None, Greedy(), time.perf_counter() - start, runner.calls,
                    runner.seconds, generated=generated)
-    state = kv.snapshot(cache, prompt + generated.tokens, logits[None], config=module.config)
+    state = kv.snapshot(feed.cached.cache, prompt + generated.tokens, logits[None],
+                        config=module.config)
     suffix, _ = greedy(logits, S, eos_ids, feed)
     return Arm("live", state, suffix, time.perf_counter() - start, runner.calls, runner.seconds,
                generated=generated)
@@ -93,19 +94,13 @@ def run_construction(module, construction: Construction, prompt_length: int,
     stage program's (kvfid.stages.program.Layout, over `prefix`), whose `chunk` feeds each chunk
     under its visibility at its positions and whose `suffix_feed` decodes in its last stage;
     None: one plain stream."""
-    start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
-    rows = construction.n if construction.kind == "batched" else 1
-    acceptance = None
-    if construction.kind in prefix_reuse.REUSE_KINDS:
-        logits, acceptance = prefix_reuse.feed(runner, cache, construction, prompt_length, prefix,
-                                          module.config.get_text_config().vocab_size)
-    else:
-        sizes = construction.chunk_sizes(prompt_length, len(prefix))
-        chunk = layout.chunk(runner, cache) if layout is not None else None
-        logits = feed_chunks(runner, cache, prefix, sizes, rows, chunk)      # [rows, V]
-    state = kv.snapshot(cache, prefix, logits, config=module.config)
-    rows_identical = kv.rows_identical(cache, logits) if rows > 1 else None
-    del cache
+    start, runner = time.perf_counter(), Runner(module)
+    logits, acceptance, cached = construction.build(                            # [rows, V]
+        runner, new_cache(module), prompt_length, prefix,
+        module.config.get_text_config().vocab_size, layout)
+    state = kv.snapshot(cached.cache, prefix, logits, config=module.config)
+    rows_identical = kv.rows_identical(cached.cache, logits) if construction.rows > 1 else None
+    del cached
     suffix = decode_suffix(runner, state, S, eos_ids,
                            next_token if layout is None else layout.suffix_feed)
     return Arm(construction.label, state, suffix, time.perf_counter() - start, runner.calls,
@@ -126,17 +121,17 @@ def run_cobatched(module, construction: Construction, prefix: list[int], S: int,
                   neighbours: Neighbours) -> Arm:
     """P built in one left-padded batch with other items; the item's row (padding dropped) is the
     state. `+decode`: the suffix is decoded in the same co-batch, else by the batch-1 decoder."""
-    start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
+    start, runner = time.perf_counter(), Runner(module)
     batch = cobatch.choose(prefix, neighbours.item_id, neighbours.pool, construction.n,
                            neighbours.max_length)
-    logits, mask = cobatch.prefill(runner, cache, batch)             # [N, V], [N, W]
-    state = kv.snapshot(cache, prefix, logits, batch.row, batch.pads[batch.row],
+    logits, mask, cached = cobatch.prefill(runner, new_cache(module), batch)   # [N, V], [N, W]
+    state = kv.snapshot(cached.cache, prefix, logits, batch.row, batch.pads[batch.row],
                         config=module.config)
     if construction.decode_in_batch:
         suffix, _ = greedy(logits[batch.row], S, eos_ids,
-                           cobatch.in_batch(runner, cache, batch, logits, mask))
+                           cobatch.in_batch(runner, cached, batch, logits, mask))
     else:
-        del cache
+        del cached
         suffix = decode_suffix(runner, state, S, eos_ids)
     return Arm(construction.label, state, suffix, time.perf_counter() - start, runner.calls,
                runner.seconds, cobatch=batch.describe())
@@ -145,9 +140,9 @@ def run_cobatched(module, construction: Construction, prefix: list[int], S: int,
 def build_arm(module, construction: Construction, prompt: list[int], prefix: list[int], S: int,
               eos_ids, neighbours: Neighbours | None = None) -> Arm:
     """`live` regenerates P itself; every other construction is built over the given P."""
-    if construction.kind == "live":
+    if construction.regenerates:
         return run_live(module, prompt, len(prefix) - len(prompt), S, eos_ids)
-    if construction.kind == "cobatched":
+    if construction.needs_neighbours:
         return run_cobatched(module, construction, prefix, S, eos_ids, neighbours)
     return run_construction(module, construction, len(prompt), prefix, S, eos_ids)
 
@@ -192,7 +187,9 @@ def run_transplant(module, spec: TransplantSpec, arms: dict[str, Arm], prompt_le
 
 @dataclass(frozen=True)
 class ItemPlan:
-    """What to measure on one item: B, S, arms, replicas, transplants (all validated)."""
+    """What to measure on one item: B, S, arms, replicas, transplants (all validated). Arms and
+    replicas are given as Constructions (or their labels, parsed here) and kept as labels;
+    `construction(label)` is each one's Construction."""
 
     B: int
     S: int
@@ -207,12 +204,20 @@ class ItemPlan:
             raise ProtocolError(f"B and S must be positive (got B={self.B}, S={self.S})")
         if self.transplant_rows not in ("all", "divergent"):
             raise ProtocolError(f"transplant_rows {self.transplant_rows!r}; valid: all, divergent")
-        arms = [parse_construction(a).label for a in self.arms]
+        built = [parse_construction(a) for a in self.arms]
         for spec in self.transplants:
-            arms += [spec.recipient, spec.donor]
-        arms += [parse_construction(r).label for r in self.replicas]
-        ordered = ["live"] + [a for a in dict.fromkeys(arms) if a != "live"]
-        object.__setattr__(self, "arms", tuple(ordered))
+            built += [parse_construction(spec.recipient), parse_construction(spec.donor)]
+        again = tuple(parse_construction(r) for r in self.replicas)
+        built += again
+        live = parse_construction("live")
+        chosen = {c.label: c for c in [live, *built]}
+        object.__setattr__(self, "arms", tuple(chosen))
+        object.__setattr__(self, "replicas", tuple(c.label for c in again))
+        object.__setattr__(self, "_constructions", chosen)
+
+    def construction(self, label: str) -> Construction:
+        """The Construction of one of the plan's arms or replicas."""
+        return self._constructions[label]
 
     def check_fits(self, prompt_length: int, context_length: int) -> None:
         """Refuse before any compute when prompt + B + S exceeds the model's context."""
@@ -220,10 +225,8 @@ class ItemPlan:
         if need > context_length:
             raise ProtocolError(f"prompt ({prompt_length} tokens) + B ({self.B}) + S ({self.S}) "
                                 f"= {need} exceeds the model's context of {context_length}")
-        for label in self.arms:   # a prefix-cache hit must leave something to extend
-            construction = parse_construction(label)
-            if construction.kind == "cached":
-                construction.cached_length(prompt_length, prompt_length + self.B)
+        for label in self.arms:   # e.g. a prefix-cache hit must leave something to extend
+            self.construction(label).check_fits(prompt_length, prompt_length + self.B)
 
 
 def run_item(model, stack, item, plan: ItemPlan, matcher=None,
@@ -236,7 +239,7 @@ def run_item(model, stack, item, plan: ItemPlan, matcher=None,
     plan.check_fits(len(prompt), model.context_length)
     matcher = matcher or (lambda text, answer: None)
     others = None
-    if any(label.startswith("cobatched") for label in plan.arms):
+    if any(plan.construction(label).needs_neighbours for label in plan.arms):
         pool = neighbours or cobatch.default_pool()
         others = Neighbours(item.id, tuple((i.id, codec.prompt_ids(i.prompt)) for i in pool),
                             model.context_length - plan.S)
@@ -260,7 +263,7 @@ def run_item(model, stack, item, plan: ItemPlan, matcher=None,
         prefix = list(live.state.prefix)
         arms = {"live": live}
         for label in plan.arms[1:]:
-            construction = parse_construction(label)
+            construction = plan.construction(label)
             with stack.arm(module, construction.at):   # the stack's business (e.g. a TP size)
                 arms[label] = build_arm(module, construction, prompt, prefix, plan.S, eos,
                                         others)
@@ -269,7 +272,7 @@ def run_item(model, stack, item, plan: ItemPlan, matcher=None,
                             for label in plan.arms[1:])
         spent, replicas, transplants = list(arms.values()), [], []
         for label in plan.replicas:
-            construction = parse_construction(label)
+            construction = plan.construction(label)
             with stack.arm(module, construction.at):
                 again = build_arm(module, construction, prompt, prefix, plan.S, eos, others)
             replicas.append(rec.Replica(label, again.fingerprints(),
@@ -292,9 +295,9 @@ def run_item(model, stack, item, plan: ItemPlan, matcher=None,
 def warm_up(module, prompt: list[int]) -> float:
     """One untimed forward over the prompt and one decode step, so that no arm's wall time pays
     for lazy initialization (kernel selection, allocator growth, Triton compiles); its seconds."""
-    start, runner, cache = time.perf_counter(), Runner(module), new_cache(module)
-    logits = runner.forward(as_batch(prompt), cache)[0]
-    runner.forward(as_batch([top2(logits)[0]]), cache)
+    start, runner = time.perf_counter(), Runner(module)
+    logits, cached = runner.forward(as_batch(prompt), new_cache(module))
+    runner.forward(as_batch([top2(logits[0])[0]]), cached)
     return time.perf_counter() - start
 
 
@@ -326,9 +329,9 @@ def run_crossing(model, item, reference, stacks, B: int, S: int,
     for stack in stacks:
         with stack.activate(model) as module:
             warm_up(module, prompt)
-            built = {name: run_construction(module, parse_construction(name), len(prompt),
-                                            prefix, S, eos) for name in constructions}
-        first, second = (built[c] for c in constructions[:2])
+            built = {c.label: run_construction(module, c, len(prompt), prefix, S, eos)
+                     for c in map(parse_construction, constructions)}
+        first, second = list(built.values())[:2]
         within.append(rec.StackComparison(stack.label, compare_arms(first, second, "crossing")))
         cells += [rec.CrossingCell(stack.label, name, arm.fingerprints(), tuple(arm.suffix.tokens),
                                    arm.suffix.tokens == live.suffix.tokens, arm.forward_calls,

@@ -20,6 +20,7 @@ from kvfid.environment.envinfo import describe as describe_environment
 from kvfid.outputs import write_files
 from kvfid.reports.document import Cell, markdown, number, to_html
 from kvfid.reports.figures import svg_lines
+from kvfid.records.record import to_json
 
 EXACT, DIFFERS = "bit-exact", "diverges"
 LOGPROB_HEAD = ["constructions", "tokens differ", "max |Δ logprob|", "items exact", "note"]
@@ -146,8 +147,6 @@ def write_report(stored, root: str | Path = "reports") -> dict[str, Path]:
 def write_files_of(stored, doc: list, record_name: str, root: str | Path) -> dict[str, Path]:
     """A stored engine record's report (Markdown, HTML) and its record as JSON (`record_name`)
     under <root>/<environment key>/<id>/."""
-    from kvfid.records.record import to_json
-
     folder = Path(root) / stored.environment_key / stored.id
     return write_files({"markdown": (folder / "report.md", markdown(doc)),
                         "html": (folder / "report.html", to_html(doc)),

@@ -21,6 +21,8 @@ from kvfid.reports.document import markdown, to_html
 from kvfid.reports.index_page import index_document
 from kvfid.runs.aggregate import aggregate
 from kvfid.ledger.store import Ledger, LedgerError
+from kvfid.records.engine_load import EngineLoadRecord
+from kvfid.records.read import from_json
 
 
 def update_index(reports_dir="reports", ledgers=()) -> Path:
@@ -73,9 +75,6 @@ def collect_entries(root: Path, ledgers=()) -> list[dict]:
 def load_entries(root: Path) -> list[dict]:
     """The newest engine load run per (environment key, engine label) whose report is under
     `root`: its record and the links to its report."""
-    from kvfid.records.engine_load import EngineLoadRecord
-    from kvfid.records.read import from_json
-
     best: dict[tuple[str, str], dict] = {}
     for path in sorted(Path(root).rglob("engine-load.json")):
         try:

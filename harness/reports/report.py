@@ -24,6 +24,7 @@ from kvfid.reports.document import (interval_text, markdown, number, percent,  #
                                       text_table, to_html)
 from kvfid.runs.summary import (ConstructionAggregate, CrossingAggregate, RunSummary, Spread,
                                 StackAggregate)
+from kvfid.runs.case import stored_case
 
 
 def headline_rows(summary: RunSummary) -> tuple[list[str], list[list[str]]]:
@@ -298,8 +299,6 @@ def write_report(ledger, run_id: str, root: str | Path = "reports", *, units=Non
                  summary: RunSummary | None = None) -> dict[str, Path]:
     """Write report.md, report.html and summary.json to <root>/<environment key>/<run id>/;
     `units` and `summary`, when the caller has them, are the run's stored units and aggregates."""
-    from kvfid.runs.case import stored_case
-
     run = ledger.run(run_id)
     units = ledger.units(run.id) if units is None else units
     case = stored_case(run)

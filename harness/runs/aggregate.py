@@ -29,6 +29,7 @@ from kvfid.runs.program_aggregate import program_stack
 from kvfid.runs.summary import (ConstructionAggregate, CrossingAggregate, Divergence, Rate,
                                 ReplicaFloor, RunSummary, Spread, StackAggregate,
                                 TransplantOutcomes, WithinStack, finite)
+from kvfid.states import scale
 
 OUTCOMES = ("donor", "recipient", "third", "boundary")
 ROLES = ("divergent", "control", "unsampled")
@@ -100,8 +101,6 @@ def _difference_kinds(stack: str, group: list, in_fp32: dict) -> dict[str, dict[
     """Per construction compared with live: how many items differ by rounding, functionally, or
     unsettled (kvfid.states.scale), a below-fp32 stack's unsettled ones settled by the same item
     and construction on its fp32 twin in the same run (where it built the same P)."""
-    from kvfid.states import scale
-
     out: dict[str, Counter] = defaultdict(Counter)
     for unit in (u for u in group if u.record.ok):
         for c in unit.record.comparisons:

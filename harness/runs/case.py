@@ -27,9 +27,10 @@ from kvfid.stacks.stack import Stack, parse_stack
 from kvfid.runs.case_fields import CaseError, Validator
 from kvfid.runs.case_program import KEYS as PROGRAM_KEYS, ProgramCase, read_program
 from kvfid.runs.case_stacks import stack_groups, stack_tables
-from kvfid.checks import construction_reason, count_reason
+from kvfid.checks import count_reason
+from kvfid.protocol.constructions import construction_reason, parse_construction
 from kvfid.inputs.items import item_set_reason, load_item_set
-from kvfid.diagnoses.rescore import ALLOWED as REPLAY_ALLOWED, CONSTRUCTIONS as REPLAY_CONSTRUCTIONS
+from kvfid.diagnoses.rescore import ALLOWED as REPLAY_ALLOWED
 from kvfid.inputs.models import PRESETS, model_names
 from kvfid.protocol.protocol import (CONSTRUCTION_HELP, ItemPlan, ProtocolError, TransplantSpec,
                               parse_transplant)
@@ -154,8 +155,6 @@ class Case:
     def world(self) -> int:
         """How many ranks the case runs on: the largest TP size of its stacks and arms
         (`@tpN`), the crossing's stacks included."""
-        from kvfid.protocol.constructions import parse_construction
-
         crossing = self.crossing.stacks if self.crossing else ()
         arms = [parse_construction(a).at for a in self.constructions]
         return max([s.tp for s in (*self.stacks, *crossing)] + [int(a[2:]) for a in arms if a])
@@ -269,7 +268,7 @@ def _replay_case(v: "Validator", data: dict, text: str, source: str, model: str,
         v.fail("replay", "trajectories", path, "the path of a JSONL file of trajectories")
     constructions = v.constructions(t, "replay", "constructions", ["prefill"])
     for c in constructions:
-        if c.partition(":")[0] not in REPLAY_CONSTRUCTIONS:
+        if not parse_construction(c).rescores:
             v.fail("replay", "constructions", c, REPLAY_ALLOWED)
     n = stored if stored is not None else _count_lines(v, path)
     stacks, stack_items = stack_groups(v, data)
@@ -316,7 +315,9 @@ def _crossing(v: "Validator", t: dict, like: Stack) -> Crossing:
         v.fail("crossing", "reference", text, f"BACKEND/DTYPE[+bi] with BACKEND in "
                f"{', '.join(backend_names())} and DTYPE in {', '.join(DTYPES)} ({err})")
     constructions = v.constructions(t, "crossing", "constructions", ["incremental", "prefill"])
-    if len(constructions) != 2 or any(c == "live" or c.startswith("cobatched") for c in constructions):
+    if len(constructions) != 2 or any(parse_construction(c).regenerates
+                                      or parse_construction(c).needs_neighbours
+                                      for c in constructions):
         v.fail("crossing", "constructions", list(constructions),
                'exactly two constructions other than live and cobatched, e.g. ["incremental", "prefill"]')
     return Crossing(reference, v.choices(t, "crossing", "dtypes", list(DTYPES), None),

@@ -3,7 +3,7 @@ what is allowed (`CaseError`, exit 2)."""
 
 from __future__ import annotations
 
-from kvfid.checks import construction_reason
+from kvfid.protocol.constructions import construction_reason
 from kvfid.errors import BadInput
 from kvfid.protocol.protocol import CONSTRUCTION_HELP, ProtocolError, parse_construction
 

@@ -13,6 +13,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
+from kvfid.ledger.store import Ledger, new_run_id
+from kvfid.runs import matrix, shards
+from kvfid.stacks.ranks import backend_for
+
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -35,11 +42,6 @@ def torchrun_rank() -> RankInfo | None:
 def in_group(info: RankInfo, device: str, fn, *args, **kwargs):
     """fn(*args, **kwargs) on this torchrun rank inside one process group of all of them (a TP
     case: the ranks share each unit's model; kvfid.stacks.tp)."""
-    import torch
-    import torch.distributed as dist
-
-    from kvfid.stacks.ranks import backend_for
-
     if device.startswith("cuda") and torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
     dist.init_process_group(backend_for(device, info.world))
@@ -52,12 +54,6 @@ def in_group(info: RankInfo, device: str, fn, *args, **kwargs):
 def run_ranked(case, db, info: RankInfo, *, items=None, run_id=None, progress=True):
     """Run this rank's shard of `case` into the shared run; rank 0 returns the closed run's
     result, other ranks return their own shard's result."""
-    import torch
-    import torch.distributed as dist
-
-    from kvfid.runs import matrix, shards
-    from kvfid.ledger.store import Ledger, new_run_id
-
     if torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank)   # "cuda" in the case means this rank's GPU
     dist.init_process_group("gloo")

@@ -27,7 +27,7 @@ from kvfid.checks import check_cuda, selection_reason
 from kvfid.errors import DiskFull, Unavailable
 from kvfid.stacks.ranks import shared
 from kvfid.stacks.stack import check_supports
-from kvfid.protocol.prefix_reuse import check_rollback
+from kvfid.protocol.constructions import check_rollback
 from kvfid.inputs.items import load_item_set, match_answer
 from kvfid.ledger.store import Ledger, LedgerError, new_run_id
 from kvfid.ledger.opening import probe
@@ -343,7 +343,7 @@ def _check_continues(run, case: Case, key: str) -> None:
 
 def progress_bar(total: int, name: str, enabled: bool):
     """A tqdm bar on stderr (disabled when `enabled` is false)."""
-    from tqdm import tqdm
+    from tqdm import tqdm   # lazy: a progress bar on a terminal only
 
     return tqdm(total=total, desc=name, unit="unit", file=sys.stderr, disable=not enabled,
                 dynamic_ncols=True)

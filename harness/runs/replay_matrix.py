@@ -7,7 +7,7 @@ kvfid.diagnoses.replay (the code `kvfid replay` runs), into a ReplayRecord the l
 from __future__ import annotations
 
 from kvfid.stacks.stack import check_supports
-from kvfid.protocol.prefix_reuse import check_rollback
+from kvfid.protocol.constructions import check_rollback
 from kvfid.diagnoses.replay import check_fits, load_trajectories
 from kvfid.diagnoses.rescore import check_constructions
 from kvfid.runs.case_fields import CaseError

@@ -11,9 +11,15 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
 from kvfid.names import BACKENDS, DTYPE_NAMES
 
 from kvfid.kernels import DTYPES  # noqa: E402  (re-exported: the stack's dtype names)
+from kvfid.kernels import hf, hf_native   # triton waits for a kernel call (kvfid.kernels.hf)
+from kvfid.kernels.hf import COMPILE_BREAKS
+from kvfid.stacks import twins
 
 if tuple(DTYPES) != DTYPE_NAMES:      # the command line offers kvfid.names' spelling
     raise ImportError(f"kvfid.kernels.DTYPES {tuple(DTYPES)} != kvfid.names.DTYPE_NAMES {DTYPE_NAMES}")
@@ -55,9 +61,6 @@ def backend_names() -> list[str]:
 
 def _user_implementation(spec: str, function: Callable) -> Callable[[], str]:
     def register() -> str:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
         AttentionInterface.register(spec, function)
         AttentionMaskInterface.register(spec, sdpa_mask)  # else the causal/padding mask is dropped
         return spec
@@ -81,7 +84,6 @@ def attention_backend(name: str) -> AttentionBackend:
         if not callable(function):
             raise ValueError(f"backend {name!r}: {attribute} is not callable")
         return AttentionBackend(name, f"user attention function {name}", _user_implementation(name, function))
-    from transformers import AttentionInterface
 
     if name in AttentionInterface().valid_keys() and "|" not in name:
         return AttentionBackend(name, f"transformers' {name}", lambda: name)
@@ -90,20 +92,14 @@ def attention_backend(name: str) -> AttentionBackend:
 
 
 def _triton_implementation() -> str:
-    from kvfid.kernels import hf  # imported late: sets TRITON_INTERPRET on CPU before triton loads
-
     return hf.register()
 
 
 def _native_implementation() -> str:
-    from kvfid.kernels import hf_native
-
     return hf_native.register()
 
 
 def _twin_implementation() -> str:
-    from kvfid.stacks import twins
-
     return twins.register_hf()
 
 
@@ -160,8 +156,6 @@ def _triton_compile_refusal() -> str | None:
 
 
 def _native_compile_refusal() -> str:
-    from kvfid.kernels.hf import COMPILE_BREAKS
-
     return f"the native kernel cannot be compiled whole: {COMPILE_BREAKS}"
 
 

@@ -49,6 +49,8 @@ import shutil
 from typing import Iterator
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+from torch.utils._pytree import tree_flatten
 
 from kvfid.errors import Unavailable
 
@@ -103,8 +105,6 @@ def capability_cache() -> Iterator[str]:
     `<inductor's default folder>/cpu-AVX2` (yielded), unless TORCHINDUCTOR_CACHE_DIR names
     another folder than that default (inductor writes the default there once it has used it):
     a folder the user chose is kept (and yielded). The variable as it was after the block."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
     before, default = os.environ.get("TORCHINDUCTOR_CACHE_DIR"), default_cache_dir()
     if before is not None and os.path.abspath(before) != os.path.abspath(default):
         yield before
@@ -198,8 +198,6 @@ def trace_units(module: torch.nn.Module, run, on_op) -> None:
 
 
 def _reporter(name: str, on_call):
-    from torch.utils._pytree import tree_flatten
-
     def floats(values) -> list[torch.Tensor]:
         return [v.detach().cpu().clone() for v in tree_flatten(values)[0]
                 if isinstance(v, torch.Tensor) and v.is_floating_point()]

@@ -14,8 +14,14 @@ import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
+import datetime
+import multiprocessing
+import socket
+import tempfile
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 SIZE_ENV = "KVFID_TP_BACKEND"
 PRELOAD = ["torch", "torch.distributed", "transformers.modeling_utils",
@@ -33,8 +39,6 @@ class Ranks:
 
 def ranks() -> Ranks:
     """This process's place: torch.distributed's default group, or rank 0 of 1."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return Ranks(dist.get_world_size(), dist.get_rank())
     return Ranks(1, 0)
@@ -42,8 +46,6 @@ def ranks() -> Ranks:
 
 def shared(value):
     """Rank 0's `value` on every rank (the value itself on one rank)."""
-    import torch.distributed as dist
-
     if ranks().size == 1:
         return value
     box = [value]
@@ -65,11 +67,6 @@ def backend_for(device: str, size: int) -> str:
 def on_ranks(size: int, fn, *args, device: str = "cpu"):
     """Run fn(*args) on `size` ranks spawned on this machine (one process group); rank 0's result.
     A rank's exception is raised here as it was raised there."""
-    import socket
-    import tempfile
-
-    import torch.multiprocessing as mp
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -77,7 +74,6 @@ def on_ranks(size: int, fn, *args, device: str = "cpu"):
         # Forked from a server that imported torch, transformers and kvfid and ran nothing (no
         # thread pool to inherit): a rank starts in a fraction of a fresh interpreter's time,
         # and later calls in this process reuse the server.
-        import multiprocessing
 
         multiprocessing.set_forkserver_preload(PRELOAD)
         try:
@@ -92,10 +88,6 @@ def on_ranks(size: int, fn, *args, device: str = "cpu"):
 
 
 def _rank_main(rank: int, size: int, port: int, folder: str, device: str, fn, args) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(size), LOCAL_RANK=str(rank))
     if device.startswith("cuda") and torch.cuda.is_available():

@@ -20,9 +20,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
 
 from kvfid.states.layers import UnknownLayer, cache_layers, layer_kind
 from kvfid.states.layers_held import mechanisms as held_mechanisms
+from kvfid.inputs.models import ModelUnavailable, load_model
 
 MECHANISMS = ("sliding_window", "chunked_attention", "softcap", "sinks", "split_head_dims",
               "recurrent", "sparse_indexer", "compressed_kv", "bidirectional")
@@ -49,6 +55,7 @@ def text_config(model_or_config):
 
 def _layer_types(config) -> list[str]:
     try:
+        # lazy: guarded: absent where the except below applies
         from transformers.cache_utils import get_layer_types_and_kwargs
         return list(get_layer_types_and_kwargs(config)[0])
     except ImportError:   # older transformers: the config's own list, else one kind for all
@@ -68,7 +75,7 @@ def split_head_dims(config) -> bool:
 
 def skeleton(config):
     """The model's modules on the meta device (no weights, no memory): what its layers hold."""
-    import torch
+    # lazy: the auto classes load every model's mapping: only here
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -173,6 +180,7 @@ def module_class(model_or_config, module=None):
     master = getattr(model_or_config, "master", None)
     if master is not None:
         return type(master)
+    # lazy: the auto classes load every model's mapping: only here
     from transformers import AutoModelForCausalLM
 
     try:
@@ -187,12 +195,6 @@ def load_config(name: str):
     """A model's config without its weights: `hf:<folder>` reads config.json; a preset is
     loaded (tiny presets build in a second)."""
     if name.startswith("hf:"):
-        from pathlib import Path
-
-        from transformers import AutoConfig
-
-        from kvfid.inputs.models import ModelUnavailable
-
         if not (Path(name[3:]) / "config.json").is_file():
             raise ModelUnavailable(f"{name}: no config.json in that folder")
         try:
@@ -201,7 +203,6 @@ def load_config(name: str):
             first = (str(err).splitlines() or [""])[0][:200]
             raise ModelUnavailable(f"{name}: not a readable config ({type(err).__name__}: "
                                    f"{first})") from None
-    from kvfid.inputs.models import load_model
 
     return load_model(name).config
 
@@ -243,8 +244,6 @@ def _ranges(indices: list[int]) -> str:
 
 def describe_serving(name: str, backends: list, fmt: str = "text", length: int | None = None) -> str:
     """`kvfid models MODEL`: the serving table (columns: `backends`) as text or JSON."""
-    import json
-
     table = serving_table(name, backends, length)
     if fmt == "json":
         return json.dumps(table, indent=2)

@@ -22,6 +22,12 @@ from kvfid.checks import check_cuda
 from kvfid.errors import Unavailable
 from kvfid.stacks.backends import attention_backend
 from kvfid.kernels import DTYPES
+from kvfid.kernels.invariant.complex_products import makes_complex
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
+from kvfid.kernels.recurrence import faithful_recurrence
+from kvfid.stacks import serving, tp
+from kvfid.stacks.compiled import compiled_forward, unavailable_reason
+from kvfid.states.selection import recorded_selections
 
 
 class StackUnavailable(Unavailable, EnvironmentError):
@@ -134,28 +140,19 @@ class Stack:
                 raise StackUnavailable(f"backend {self.backend} is not available here: {first_line}") from err
             restore.callback(module.set_attn_implementation, previous_impl)
             if self.batch_invariant:
-                from kvfid.kernels.invariant.complex_products import makes_complex
-                from kvfid.kernels.invariant.mode import set_batch_invariant_mode
-
                 # a model without complex products keeps every real product off Python
                 restore.enter_context(set_batch_invariant_mode(
                     True, impl=self.batch_invariant_impl, complex_products=makes_complex(module)))
             if self.faithful_recurrence:
-                from kvfid.kernels.recurrence import faithful_recurrence
-
                 restore.enter_context(faithful_recurrence(module))
             restore.enter_context(torch.inference_mode())
             if not self.compiled:   # a hook would be traced into the compiled graph
-                from kvfid.states.selection import recorded_selections
 
                 restore.enter_context(recorded_selections(module))   # sparse attention's choices
-            from kvfid.stacks import tp
 
             if self.tp_named or tp.ranks().size > 1:
                 restore.enter_context(tp.parallel_model(module, self.tp, self.tp_invariant))
             if self.compiled:
-                from kvfid.stacks.compiled import compiled_forward
-
                 restore.enter_context(compiled_forward(module, self.label,
                                                        attention_backend(self.backend)))
             yield module
@@ -165,7 +162,6 @@ class Stack:
         stack's ranks; None: this stack as it is)."""
         if at is None:
             return contextlib.nullcontext()
-        from kvfid.stacks import tp
 
         if not (at.startswith("tp") and at[2:].isdigit()):
             raise ValueError(f"unknown arm option @{at}; valid: @tpN")
@@ -209,12 +205,8 @@ def check_supports(stack: Stack, model_or_config, length: int | None = None) -> 
     the model's context) covers every key, so it needs no window support. Padding the triton kernel cannot take
     (right padding, custom masks) never comes from a config: kvfid's constructions pad on the
     left."""
-    from kvfid.stacks import serving
-
     backend = attention_backend(stack.backend)
     if stack.compiled:
-        from kvfid.stacks.compiled import unavailable_reason
-
         reason = unavailable_reason(backend, stack.device)
         if reason:
             raise StackUnavailable(f"stack {stack.label} cannot run here: {reason}")
@@ -239,8 +231,6 @@ def check_supports(stack: Stack, model_or_config, length: int | None = None) -> 
 
 def tp_reason(stack: Stack, model_or_config, infos) -> str | None:
     """Why this model cannot be sharded at the stack's TP size, or None (kvfid.stacks.tp)."""
-    from kvfid.stacks import serving, tp
-
     if stack.compiled:
         return "+compile does not run tensor parallel"
     unserved = next((i for i in infos if i.kind not in ("full", "window")), None)

@@ -31,11 +31,13 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
 
 from kvfid.errors import Unavailable
 from kvfid.kernels.invariant import parallel
 from kvfid.stacks.ranks import Ranks, backend_for, on_ranks, ranks, shared  # noqa: F401
 from kvfid.states import heads
+from kvfid.kernels.invariant.mode import batch_invariant_mode
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
@@ -150,7 +152,6 @@ class ParallelLinear(torch.nn.Module):
         if size == 1 and not self.invariant:
             self.current = None           # the unsharded layer
             return
-        from kvfid.kernels.invariant.mode import batch_invariant_mode
 
         # What the pieces' probe depends on is part of the key: the threads and the mode.
         key = (size, weight._version, torch.get_num_threads(), batch_invariant_mode())
@@ -206,15 +207,11 @@ class ParallelLinear(torch.nn.Module):
 
 
 def _all_reduce(t: torch.Tensor) -> None:
-    import torch.distributed as dist
-
     dist.all_reduce(t)
 
 
 def gather(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Every rank's `t`, concatenated along `dim` in rank order."""
-    import torch.distributed as dist
-
     t = t.contiguous()
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, t)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 
 import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 HF_NAME = "kvfid_twin"
 
@@ -130,9 +132,6 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
 def register_hf() -> str:
     """Register the attention twin with transformers (with the stock sdpa mask function, so a
     padding mask still arrives); returns its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register(HF_NAME, _hf_attention)
     AttentionMaskInterface.register(HF_NAME, sdpa_mask)
     return HF_NAME

@@ -49,19 +49,19 @@ def run_branches(module, layout, program, prompt: list[int], openers: list[list[
                  eos_ids):
     """Decode every branch as a row of one batch; extend `layout` with the branches (in order)
     and return (the composed cache, the generated margins, the runner)."""
-    runner, cache, n = Runner(module), new_cache(module), program.branches
+    runner, n = Runner(module), program.branches
     rows = [prompt + openers[i] for i in range(n)]
-    logits = runner.forward(torch.tensor(rows), cache)  # [N, V]: positions 0.., plain causal
+    logits, cached = runner.forward(torch.tensor(rows), new_cache(module))  # [N, V]: positions 0..
     branches, margins = [[] for _ in range(n)], []
     for _ in range(program.branch_tokens):
         for i in range(n):
             token, margin = choose(logits[i], eos_ids)
             branches[i].append(token)
             margins.append(margin)
-        logits = runner.forward(torch.tensor([[b[-1]] for b in branches]), cache)
-    states = [kv.snapshot(cache, rows[i] + branches[i], logits, row=i, config=module.config)
+        logits, cached = runner.forward(torch.tensor([[b[-1]] for b in branches]), cached)
+    states = [kv.snapshot(cached.cache, rows[i] + branches[i], logits, row=i, config=module.config)
               for i in range(n)]
-    del cache
+    del cached
     for i in range(n):
         layout.extend(openers[i] + branches[i], i + 1)
     composed = compose(states, len(prompt), layout.tokens)

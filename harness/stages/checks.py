@@ -27,8 +27,8 @@ def check_program_fits(prompt_length: int, program, opener_lengths: list[int], S
 def check_arms(arms: tuple[str, ...]) -> None:
     """Refuse before compute an arm a stage program cannot be rebuilt by."""
     for label in arms:
-        kind = parse_construction(label).kind
-        if label != "live" and kind not in ("prefill", "incremental", "chunked"):
+        construction = parse_construction(label)
+        if not (construction.regenerates or construction.rebuilds_stages):
             raise ProtocolError(f"--constructions {label}: a stage program is rebuilt by live, "
                                 f"{', '.join(ARMS)}")
 

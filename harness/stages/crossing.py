@@ -43,7 +43,7 @@ class ProgramCrossing:
     within: tuple[CrossedStack, ...]
 
 
-def run_crossing(model, measured: Measured, reference: str, stacks, S: int,
+def run_program_crossing(model, measured: Measured, reference: str, stacks, S: int,
                  eos_ids) -> ProgramCrossing:
     """Per crossed stack: both constructions' suffixes against the reference live suffix (the
     program `measured` on the stack labelled `reference`), and whether the two constructions'

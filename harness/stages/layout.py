@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfid.protocol.decode import Feed, Runner
+from kvfid.protocol.decode import Cached, Feeder, Runner
 from kvfid.records.program import Segment
+from kvfid.kernels.attention.reference import segment_mask
 
 
 @dataclass
@@ -50,39 +51,39 @@ class Layout:
 
     def mask(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """[1, 1, end - start, end] float: the rows of positions start..end-1 over keys 0..end-1."""
-        from kvfid.kernels.attention.reference import segment_mask
-
         seg = torch.tensor(self.segments[:end])[None]
         visible = segment_mask(seg, self.sees, q_len=end - start)  # [1, q, end]
         return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[:, None]
 
-    def forward(self, runner: Runner, cache, start: int, end: int) -> torch.Tensor:
-        """Feed tokens start..end-1 after `cache` (which holds 0..start-1) under their rows of the
-        mask at their position ids; last logits [1, V]."""
+    def forward(self, runner: Runner, at: Cached, start: int, end: int
+                ) -> tuple[torch.Tensor, Cached]:
+        """Feed tokens start..end-1 after `at` (which holds 0..start-1) under their rows of the
+        mask at their position ids; last logits [1, V] and the cache after them."""
         dtype = next(runner.module.parameters()).dtype
-        return runner.forward(torch.tensor([self.tokens[start:end]]), cache,
+        return runner.forward(torch.tensor([self.tokens[start:end]]), at,
                               attention_mask=self.mask(start, end, dtype),
                               position_ids=torch.tensor([self.positions[start:end]]))
 
-    def chunk(self, runner: Runner, cache):
+    def chunk(self, runner: Runner):
         """A construction's chunk feed (kvfid.protocol.decode.feed_chunks) over this layout."""
-        return functools.partial(self.forward, runner, cache)
+        return functools.partial(self.forward, runner)
 
-    def stage_feed(self, runner: Runner, cache, segment: int) -> Feed:
+    def stage_feed(self, runner: Runner, at: Cached, segment: int) -> Feeder:
         """The greedy loop's feed inside stage `segment`: the token appended to the stage (the
         layout grows) and fed at its position under its visibility; its logits [V]."""
-        def feed(token: int) -> torch.Tensor:
+        def step(at: Cached, token: int) -> tuple[torch.Tensor, Cached]:
             self.extend([token], segment)
-            return self.forward(runner, cache, len(self.tokens) - 1, len(self.tokens))[0]
+            logits, at = self.forward(runner, at, len(self.tokens) - 1, len(self.tokens))
+            return logits[0], at
 
-        return feed
+        return Feeder(at, step)
 
-    def suffix_feed(self, runner: Runner, cache) -> Feed:
+    def suffix_feed(self, runner: Runner, at: Cached) -> Feeder:
         """A suffix's feed (kvfid.protocol.decode.Feeding): in the merge of a copy of this layout,
         which stays the boundary's."""
         grown = Layout(self.sees, self.positions_mode, list(self.tokens), list(self.segments),
                        list(self.positions))
-        return grown.stage_feed(runner, cache, len(self.sees) - 1)
+        return grown.stage_feed(runner, at, len(self.sees) - 1)
 
     def segment_records(self) -> tuple[Segment, ...]:
         """Each stage's tokens, position ids and the stages it sees, as the record keeps them."""

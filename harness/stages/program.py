@@ -134,23 +134,24 @@ def live_program(module, program: Program, prompt: list[int], openers: list[list
     stages = [(i + 1, program.branch_tokens) for i in range(program.branches)]
     stages.append((program.branches + 1, program.merge_tokens))
     if program.layout == "batched":  # the branches as rows, composed (stages_batched)
-        cache, margins, runner = stages_batched.run_branches(module, layout, program, prompt,
-                                                             openers, top2_without, eos_ids)
+        cached, margins, runner = stages_batched.run_branches(module, layout, program, prompt,
+                                                              openers, top2_without, eos_ids)
         stages, openers = stages[-1:], openers[-1:]
     else:
-        runner, cache, margins = Runner(module), new_cache(module), []
-        layout.forward(runner, cache, 0, len(prompt))
+        runner, margins = Runner(module), []
+        _, cached = layout.forward(runner, new_cache(module), 0, len(prompt))
     choose = functools.partial(top2_without, eos_ids=eos_ids)
     for (segment, length), opener in zip(stages, openers):
         start = len(layout.tokens)
         layout.extend(opener, segment)
-        logits = layout.forward(runner, cache, start, len(layout.tokens))[0]
-        generated, logits = greedy(logits, length, frozenset(),
-                                   layout.stage_feed(runner, cache, segment), feed_last=True,
+        logits, cached = layout.forward(runner, cached, start, len(layout.tokens))
+        feed = layout.stage_feed(runner, cached, segment)
+        generated, logits = greedy(logits[0], length, frozenset(), feed, feed_last=True,
                                    choose=choose)
+        cached = feed.cached
         margins += generated.margins
-    state = kv.snapshot(cache, layout.tokens, logits[None], config=module.config)
-    del cache
+    state = kv.snapshot(cached.cache, layout.tokens, logits[None], config=module.config)
+    del cached, feed
     suffix = decode_suffix(runner, state, S, suffix_eos, layout.suffix_feed)
     return layout, Arm("live", state, suffix, time.perf_counter() - started, runner.calls,
                        runner.seconds, generated=Greedy(margins=margins))  # the run keeps margins

@@ -26,6 +26,8 @@ import copy
 from dataclasses import dataclass, field
 
 import torch
+import transformers
+from transformers import DynamicCache, cache_utils as cu
 
 from kvfid.errors import Unavailable
 from kvfid.states import heads, layers_held, selection
@@ -73,8 +75,6 @@ class LayerState:
 # --------------------------------------------------------------------------- known cache classes
 
 def _classes():
-    from transformers import cache_utils as cu
-
     attention = {cu.DynamicLayer: "full", cu.DynamicSlidingWindowLayer: "window"}
     recurrent = {cu.LinearAttentionLayer: None,
                  cu.LinearAttentionAndFullAttentionLayer: "full",
@@ -83,8 +83,6 @@ def _classes():
 
 
 def _stateless_class():
-    from transformers import cache_utils as cu
-
     return getattr(cu, "DummyLayer", None)   # transformers >= 5.2x: a layer without a state
 
 
@@ -139,9 +137,6 @@ def layer_kind(layer, config, index: int | None = None) -> str:
 
 def cache_layers(config) -> list:
     """The cache layers transformers builds for this config (no weights, no compute)."""
-    import transformers
-    from transformers import DynamicCache
-
     try:
         return list(DynamicCache(config=config).layers)
     except KeyError as err:   # a layer type this transformers builds no cache layer for
@@ -300,8 +295,6 @@ def empty_cache(module):
     model that says it cannot use one (`_supports_default_dynamic_cache()`, as `generate` asks),
     a fresh instance of the cache class the model's own forward prepares (learned once per model
     class from a one-token call whose output is discarded)."""
-    from transformers import DynamicCache
-
     supports = getattr(module, "_supports_default_dynamic_cache", None)
     if supports is None or supports():
         return DynamicCache(config=module.config)

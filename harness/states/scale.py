@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from kvfid.records.record import Difference
+
 ROUNDING = "rounding"
 FUNCTIONAL = "functional"
 UNSETTLED = "unsettled"
@@ -59,8 +61,6 @@ def describe(kind: str) -> str:
 def difference(cache, logits, dtype: torch.dtype):
     """The `Difference` of a compared pair (kvfid.records.record.CacheDiff and LogitsDiff, the
     latter None where absent) whose states are `dtype`; None where nothing measured differs."""
-    from kvfid.records.record import Difference
-
     d_rel = max(cache.d_rel if cache is not None else 0.0,
                 logits.d_rel if logits is not None else 0.0)
     if d_rel == 0.0:

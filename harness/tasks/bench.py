@@ -15,6 +15,21 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+import json
+import tempfile
+
+from kvfid.environment import envinfo, invariance
+from kvfid.environment.invariance import union_probes
+from kvfid.kernels.invariant import route as mode_route, tiled as mode_tiled
+from kvfid.kernels.invariant.route import Route
+from kvfid.reports import benchreport
+from kvfid.reports.invariance_table import write_result
+from kvfid.reports.model_steps import model_steps
+from kvfid.runs.case import load_case
+from kvfid.stacks.stack import parse_stack
+from kvfid.tasks.launch import resolve_case
+from kvfid.tasks.local_shards import child_env, default_jobs
+from kvfid.tasks.publish import publish
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,13 +57,6 @@ def run_bench(reports: str | Path = "reports", db: str | Path | None = None,
               case: str = "default", *, kernels_quick: bool = False, speed: bool = True,
               items: int | None = None, jobs: int | None = None) -> BenchOutcome:
     """Run every `make bench` step; return the headline and the files written."""
-    from kvfid.environment import envinfo, invariance
-    from kvfid.runs.case import load_case
-    from kvfid.tasks.launch import resolve_case
-    from kvfid.reports.invariance_table import write_result
-    from kvfid.tasks.local_shards import default_jobs
-    from kvfid.tasks.publish import publish
-
     chosen = load_case(resolve_case(case))      # a bad case is refused before any compute
     if items is not None:
         chosen.with_item_count(items)
@@ -130,8 +138,6 @@ def item_seconds(case, steps: list[dict]) -> float | None:
     divergent and control rows are transplanted); per item, its share of the crossing's arms at
     each crossed stack's cost. A prefill is costed as the headline's (64 tokens; a case's prompts
     are shorter). None when a stack has no measured step."""
-    from kvfid.stacks.stack import parse_stack
-
     length = min((s["context"] for s in steps if s["context"] is not None), default=None)
     medians = {(parse_stack(s["stack"], threads=1).label, s["phase"]): s["median_s"]
                for s in steps if s["context"] == length and not s["interpreter"]}
@@ -190,9 +196,6 @@ def _tiled_line(kernel_probes: list[dict], kernel_routes: dict[str, dict]) -> st
     """What the tiled batch-invariant mode's probes found: those of the kernel table (its
     processes) and of this one (kvfid.kernels.invariant.tiled), each call shape once; and the route each
     dtype takes on this machine (kvfid.kernels.invariant.route)."""
-    from kvfid.environment.invariance import union_probes
-    from kvfid.kernels.invariant import route as mode_route, tiled as mode_tiled
-
     probes = union_probes(kernel_probes, mode_tiled.verdicts())
     kernel_routes = {**kernel_routes, **mode_route.routes()}
     failed = [p for p in probes if p["failed"]]
@@ -206,7 +209,6 @@ def route_text(routes: dict[str, dict]) -> str:
     """The tiled mode's routes (kvfid.kernels.invariant.route.routes(), e.g. of the kernel table) in words."""
     if not routes:
         return "routes: none chosen (no tiled call on this CPU)"
-    from kvfid.kernels.invariant.route import Route
 
     return "routes: " + ", ".join(f"{name} {Route(**r['route']).text()}" for name, r in sorted(routes.items()))
 
@@ -240,11 +242,6 @@ NO_TESTS = 5    # pytest's exit status when every test was deselected (a part wi
 def _run_parts(raw: Path, parts) -> tuple[int, str]:
     """Run the bench suite's parts side by side, each into its own JSON, and merge them into `raw`
     (the first part's machine record, every part's benchmarks): (exit status, last output line)."""
-    import json
-    import tempfile
-
-    from kvfid.tasks.local_shards import child_env
-
     with tempfile.TemporaryDirectory() as scratch:
         paths = [Path(scratch) / f"{part or 'all'}.json" for part in parts]
         running = [subprocess.Popen(bench_command(path, part=part),
@@ -274,10 +271,6 @@ def _speed(reports: Path, out: BenchOutcome) -> tuple[str, list[dict]]:
     reports/<environment key>/bench/ (the one store of bench results; nothing in .benchmarks/),
     and compare it with the previous result of this key: (the headline line, the model steps
     measured, which size the fidelity step)."""
-    from kvfid.environment import envinfo
-    from kvfid.reports import benchreport
-    from kvfid.reports.model_steps import model_steps
-
     environment = envinfo.collect()
     key = envinfo.environment_key(environment)
     raw = benchreport.new_result_path(reports, key).resolve()  # pytest runs from ROOT

@@ -5,28 +5,25 @@ equals its alone run, 1 some request differs, 3 some request is missing (no verd
 from __future__ import annotations
 
 from kvfid.errors import EXIT_ENVIRONMENT, EXIT_OK, EXIT_VERDICT, BadInput
+from kvfid.engines.load_plan import LoadShape
+from kvfid.engines.load_server import Faults
+from kvfid.engines.load_sweep import SweepShape
+from kvfid.tasks.engine_store import load_and_store
 
 
 def run_engine_load(fmt: str, db, report: bool, out, options: dict, progress=None) -> tuple[str, dict, int]:
     """The command's text, what it wrote, and its exit code."""
-    from kvfid.engines.load_plan import LoadShape
-    from kvfid.tasks.engine_store import load_and_store
-
     options = dict(options)
     shape = LoadShape(requests=options.pop("requests"), clients=options.pop("clients"),
                       tokens=options.pop("tokens"), greedy_share=options.pop("greedy_share"))
     timeout, kill_after = options.pop("client_timeout"), options.pop("kill_server_after")
     faults = None
     if options.get("server"):
-        from kvfid.engines.load_server import Faults
-
         faults = Faults(client_timeout_s=timeout, kill_after=kill_after)
     elif kill_after is not None:
         raise BadInput("--kill-server-after needs --server")
     sweep = None
     if options.pop("sweep"):
-        from kvfid.engines.load_sweep import SweepShape
-
         sweep = SweepShape(chunk=options.get("chunk") or SweepShape().chunk)
     text, written, stored = load_and_store(fmt, db, report, out, progress, shape=shape,
                                            faults=faults, sweep=sweep, **options)

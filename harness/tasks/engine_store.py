@@ -15,6 +15,19 @@ import json
 from pathlib import Path
 
 from kvfid.ledger.store import Ledger
+from kvfid.engines import check as engine_check
+from kvfid.engines.load_run import engine_load
+from kvfid.environment import envinfo
+from kvfid.ledger.engine_checks import check, checks, write_check
+from kvfid.ledger.opening import probe
+from kvfid.records.engine import from_result
+from kvfid.records.engine_load import EngineLoadRecord
+from kvfid.records.record import to_json
+from kvfid.reports.document import text_table
+from kvfid.reports.engine_load_report import text
+from kvfid.reports.engine_report import write_report
+from kvfid.reports.index import update_index
+from kvfid.tasks.ledger_views import db_path
 
 
 def check_and_store(fmt: str = "text", db: str | Path | None = None, report: bool = False,
@@ -22,10 +35,6 @@ def check_and_store(fmt: str = "text", db: str | Path | None = None, report: boo
     """Measure an engine check (kvfid.engines.check); with `db` or `report`, store it
     (in `db`, else the default ledger) and with `report` write its report under `out`. Returns
     what to print and {name: path} of what was written (`ledger`, `id`, the report's files)."""
-    from kvfid.engines import check as engine_check
-    from kvfid.ledger.opening import probe
-    from kvfid.tasks.ledger_views import db_path
-
     store = db is not None or report
     path = db_path(db)
     if store:
@@ -37,8 +46,6 @@ def check_and_store(fmt: str = "text", db: str | Path | None = None, report: boo
     stored = store_result(path, result)
     written = {"ledger": path, "id": stored.id}
     if report:
-        from kvfid.reports.engine_report import write_report
-
         written.update(write_report(stored, out))
     return text, written
 
@@ -49,18 +56,14 @@ def load_and_store(fmt: str = "text", db: str | Path | None = None, report: bool
     ledger; an incomplete run is stored as incomplete, never with a verdict); with `report`,
     write its report under `out` and update the index there. Returns what to print,
     {name: path} of what was written, and the stored run."""
-    from kvfid.engines.load_run import engine_load
-    from kvfid.ledger.opening import probe
-    from kvfid.tasks.ledger_views import db_path
-
     path = db_path(db)
     probe(path)                             # refused (read-only, not a ledger) before compute
     record = engine_load(progress=progress, **options)
     stored = store_result(path, record)
     written = {"ledger": path, "id": stored.id}
     if report:
+        # lazy: two modules' write_report, one per branch
         from kvfid.reports.engine_load_report import write_report
-        from kvfid.reports.index import update_index
 
         written.update(write_report(stored, out))
         written["index"] = update_index(out)
@@ -69,16 +72,10 @@ def load_and_store(fmt: str = "text", db: str | Path | None = None, report: bool
 
 def _shown(stored, fmt: str) -> str:
     """A stored check or load run as `fmt` (its record as JSON, or its table as text)."""
-    from kvfid.records.engine_load import EngineLoadRecord
-    from kvfid.records.record import to_json
-
     if fmt == "json":
         return to_json(stored.record, indent=1)
     if isinstance(stored.record, EngineLoadRecord):
-        from kvfid.reports.engine_load_report import text
-
         return text(stored)
-    from kvfid.engines import check as engine_check
 
     return (f"engine check {stored.id} ({stored.written}, {stored.environment_key})\n"
             + engine_check.render(stored.record.as_result()))
@@ -87,10 +84,6 @@ def _shown(stored, fmt: str) -> str:
 def store_result(db: str | Path, result, environment: dict | None = None):
     """Store engine_check's `result` (as an EngineCheckRecord), or an EngineLoadRecord, under
     this environment's key."""
-    from kvfid.environment import envinfo
-    from kvfid.records.engine import from_result
-    from kvfid.ledger.engine_checks import write_check
-
     environment = envinfo.collect() if environment is None else environment
     record = from_result(result) if isinstance(result, dict) else result
     with Ledger(db) as ledger:
@@ -100,9 +93,6 @@ def store_result(db: str | Path, result, environment: dict | None = None):
 
 def list_checks(db: str | Path | None) -> list[dict]:
     """Every stored engine check, oldest first."""
-    from kvfid.ledger.engine_checks import checks
-    from kvfid.tasks.ledger_views import db_path
-
     with Ledger(db_path(db), readonly=True) as ledger:
         return [{"id": s.id, "kind": s.record.KIND, "engine": s.record.label, "model": s.record.model,
                  "rows": len(s.record.requests if s.record.KIND == "engine-load" else s.record.rows), "exact": s.record.exact,
@@ -113,8 +103,6 @@ def list_checks(db: str | Path | None) -> list[dict]:
 
 def checks_text(rows: list[dict]) -> str:
     """`kvfid engine-report` with no id: the stored checks as a table."""
-    from kvfid.reports.document import text_table
-
     return text_table(["engine check", "engine", "model", "verdict", "written", "environment"],
                       [[r["id"], r["engine"], r["model"],
                         ("no verdict (incomplete)" if not r.get("complete", True) else
@@ -128,14 +116,12 @@ def report_check(db: str | Path | None, check_id: str, out: str | Path = "report
                  fmt: str = "text") -> tuple[str, dict]:
     """A stored engine check or load run read back: its table as the command printed it (or its
     record as JSON) and its report files written under `out`."""
-    from kvfid.records.engine_load import EngineLoadRecord
-    from kvfid.ledger.engine_checks import check
-    from kvfid.tasks.ledger_views import db_path
-
     with Ledger(db_path(db), readonly=True) as ledger:
         stored = check(ledger, check_id)
     if isinstance(stored.record, EngineLoadRecord):
+        # lazy: two modules' write_report, one per branch
         from kvfid.reports.engine_load_report import write_report
     else:
+        # lazy: two modules' write_report, one per branch
         from kvfid.reports.engine_report import write_report
     return _shown(stored, fmt), write_report(stored, out)

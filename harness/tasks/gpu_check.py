@@ -34,7 +34,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from kvfid.tasks.local_shards import child_env
+from kvfid.environment import envinfo
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -182,14 +185,12 @@ def main(argv=None) -> int:
         parser.error(f"--budget must exceed {REPORT_RESERVE_S} s (the report's share)")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    import torch
 
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu-check: no CUDA device here; use --dry-run to rehearse on CPU", file=sys.stderr)
         return 3
     started = time.perf_counter()
     results = []
-    from kvfid.environment import envinfo
 
     environment = envinfo.collect()
 

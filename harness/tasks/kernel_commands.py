@@ -7,6 +7,11 @@ command line maps one error hierarchy and nothing else.
 from __future__ import annotations
 
 from kvfid.errors import BadInput
+from kvfid import checks
+from kvfid.environment import invariance
+from kvfid.environment.compile import compile_targets
+from kvfid.environment.compile_plan import plan
+from kvfid.reports.invariance_table import write_result
 
 
 def _split(text: str | None) -> tuple[str, ...] | None:
@@ -17,10 +22,6 @@ def kernel_verdicts(dtypes: str, device: str | None, quick: bool, threads: int, 
                     progress=None, jobs: int = 1) -> tuple[dict, object]:
     """The batch-invariance and prefill-vs-decode verdicts (`invariance.compare_kernels`) and,
     with `out`, the file they were written to."""
-    from kvfid.environment import invariance
-    from kvfid import checks
-    from kvfid.reports.invariance_table import write_result
-
     device = checks.device_and_threads(device, threads)
     try:
         result = invariance.compare_kernels(_split(dtypes) or (), device, quick, threads=threads,
@@ -33,9 +34,6 @@ def kernel_verdicts(dtypes: str, device: str | None, quick: bool, threads: int, 
 def compile_report(archs: str, dtypes: str, kernels: str | None, quick: bool, jobs: int | None,
                    out=None) -> dict:
     """Compile every planned kernel config for the archs and judge the cubins."""
-    from kvfid.environment.compile import compile_targets
-    from kvfid.environment.compile_plan import plan
-
     try:
         targets = plan(_split(archs), _split(dtypes), _split(kernels), quick)
     except ValueError as err:

@@ -14,13 +14,15 @@ from pathlib import Path
 
 from kvfid.errors import BadInput, Interrupted
 from kvfid.names import CASES, case_names
+from kvfid.runs import distributed, matrix, shards
+from kvfid.runs.case import load_case
+from kvfid.stacks.ranks import on_ranks, ranks
+from kvfid.tasks.ledger_views import db_path, publish_result, run_and_publish
 
 
 def resolve_case(name: str) -> Path:
     """`default` (the GPU case with CUDA, else the CPU one), a name in cases/ (no `/`, no
     `.toml`), or a path; an unknown name is refused naming the cases there (exit 2)."""
-    from kvfid.runs import matrix
-
     if name == "default":
         return matrix.default_case_path()
     if "/" in name or name.endswith(".toml"):
@@ -45,10 +47,6 @@ def launch(case_name: str, item_count: int | None = None, db=None, resume: str |
            run_id: str | None = None, shard: str = "0/1", write_report: bool = False,
            quiet: bool = False, jobs: int = 1) -> Launched:
     """Run the case into the ledger (see the module docstring)."""
-    from kvfid.runs import distributed, matrix, shards
-    from kvfid.runs.case import load_case
-    from kvfid.tasks.ledger_views import db_path, publish_result, run_and_publish
-
     case = load_case(resolve_case(case_name))
     if item_count is not None:
         case.with_item_count(item_count)        # refuse a bad count before anything runs
@@ -63,8 +61,6 @@ def launch(case_name: str, item_count: int | None = None, db=None, resume: str |
                        "--shard/--resume/--jobs")
     try:
         if case.world > 1 and not ranked:
-            from kvfid.stacks.ranks import on_ranks
-
             return on_ranks(case.world, _tp_rank, case_name, item_count, path, resume, run_id,
                             write_report, quiet, device=case.stacks[0].device)
         if ranked and case.world > 1:
@@ -98,11 +94,6 @@ def _launched(published) -> Launched:
 def _tp_rank(case_name: str, item_count, path, resume, run_id, write_report: bool, quiet: bool,
              world: int | None = None) -> Launched | None:
     """One rank of a TP case's run: rank 0 runs and publishes it, the others measure with it."""
-    from kvfid.runs import matrix
-    from kvfid.runs.case import load_case
-    from kvfid.stacks.ranks import ranks
-    from kvfid.tasks.ledger_views import run_and_publish
-
     case = load_case(resolve_case(case_name))
     if world is not None and world != case.world:
         raise BadInput(f"{case.source} runs at TP size {case.world}; torchrun started {world} "

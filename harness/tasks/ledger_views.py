@@ -10,6 +10,11 @@ from pathlib import Path
 from kvfid.errors import BadInput
 from kvfid.ledger.lease import shown_status
 from kvfid.ledger.store import Ledger, default_db_path
+from kvfid.reports import report
+from kvfid.reports.document import text_table
+from kvfid.reports.index import update_index
+from kvfid.runs.case import stored_case
+from kvfid.tasks.publish import publish, publish_run
 
 
 def db_path(db: str | Path | None) -> Path:
@@ -29,8 +34,6 @@ def list_runs(db: str | Path | None) -> list[dict]:
 
 def runs_text(rows: list[dict]) -> str:
     """`kvfid runs` as a table."""
-    from kvfid.reports.document import text_table
-
     return text_table(["run", "case", "status", "units", "started", "environment"],
                       [[r["id"], r["case"], r["status"], f"{r['units']}/{r['planned']}",
                         r["started"], r["environment"]] for r in rows])
@@ -38,8 +41,6 @@ def runs_text(rows: list[dict]) -> str:
 
 def headline(db: str | Path | None, run_id: str) -> str:
     """The headline table of a run (what `kvfid run` prints when it ends)."""
-    from kvfid.reports import report
-
     with Ledger(db_path(db), readonly=True) as ledger:
         stored = ledger.run(run_id)
         return report.headline(report.aggregate(ledger.units(stored.id), stored.design))
@@ -47,9 +48,6 @@ def headline(db: str | Path | None, run_id: str) -> str:
 
 def show_run(db: str | Path | None, run_id: str, fmt: str = "text") -> str:
     """A run's aggregates: JSON, or the Markdown document `kvfid show` prints."""
-    from kvfid.reports import report
-    from kvfid.runs.case import stored_case
-
     with Ledger(db_path(db), readonly=True) as ledger:
         stored = ledger.run(run_id)
         units = ledger.units(stored.id)
@@ -71,9 +69,6 @@ def merge_runs(db: str | Path | None, run_ids: list[str], into: str | None):
 
 def report_run(db: str | Path | None, run_id: str, out: str | Path = "reports") -> dict[str, Path]:
     """Write a run's report files and the reports index; {name: path}."""
-    from kvfid.reports import report
-    from kvfid.reports.index import update_index
-
     with Ledger(db_path(db), readonly=True) as ledger:
         paths = report.write_report(ledger, ledger.run(run_id).id, out)
     return {**paths, "index": update_index(out)}
@@ -84,8 +79,6 @@ def run_and_publish(case, db: str | Path | None, *, report: bool = False,
     """`kvfid run CASE [--report]`: the case run into the ledger (opened once), aggregated once,
     and with `report` its report and the index written (kvfid.tasks.publish.Published: `.result`,
     `.headline()`, `.files`). `options`: items, run_id, resume, shard, model, progress."""
-    from kvfid.tasks.publish import publish
-
     return publish(case, db_path(db), reports=out, report=report, **options)
 
 
@@ -93,7 +86,5 @@ def publish_result(db: str | Path | None, result, *, report: bool = False,
                    out: str | Path = "reports"):
     """Rank 0 of a torchrun launch: the run the ranks measured (`result`, a RunResult),
     aggregated once and, with `report`, reported and indexed, on one open ledger."""
-    from kvfid.tasks.publish import publish_run
-
     with Ledger(db_path(db)) as ledger:
         return publish_run(ledger, result, reports=out, report=report)

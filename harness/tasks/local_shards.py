@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvfid.errors import Unavailable
+from kvfid.runs import matrix, shards
 
 
 
@@ -52,8 +53,6 @@ def shard_command(case, db: Path, run_id: str, index: int, jobs: int) -> list[st
 def measure(prepared, ledger, jobs: int, progress: bool = True):
     """Measure every unit of the prepared case over `jobs` processes into `ledger`; the closed
     run's RunResult (counts over all shards)."""
-    from kvfid.runs import matrix, shards
-
     jobs = min(jobs, prepared.case.items.n)      # a process with no item would only start up
     if jobs <= 1:
         return matrix.measure(prepared, ledger, shards.Shard(), progress)

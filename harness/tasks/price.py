@@ -23,10 +23,19 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from kvfid.errors import BadInput, Interrupted
+import torch
+
+from kvfid.errors import BadInput, Interrupted, Unavailable
 from kvfid.records.plain import as_plain
 from kvfid.records.price import FAITHFUL, TP_PRODUCTS, STOCK, Floor, PriceRow, PriceTable
-from kvfid.tasks import price_work
+from kvfid.tasks import price_work, price_engine
+from kvfid.api import load_model
+from kvfid.diagnoses.subject import check_model_name
+from kvfid.environment import envinfo
+from kvfid.kernels.invariant import route as mode_route
+from kvfid.kernels.invariant.route import Route
+from kvfid.reports.price_table import new_price_path, write_table
+from kvfid.stacks.stack import check_supports, parse_stack
 
 MODELS = ("smollm2-135m", "qwen2.5-0.5b-shape", "llama-3.2-1b-shape")
 
@@ -62,8 +71,6 @@ class PricePlan:
 
 def parse_route(text: str):
     """`[widen:][whole:]F` -> kvfid.kernels.invariant.route.Route (exit 2 on anything else)."""
-    from kvfid.kernels.invariant.route import Route
-
     try:
         return Route.from_spec(text)
     except ValueError:
@@ -73,9 +80,6 @@ def parse_route(text: str):
 
 def check_plan(plan: PricePlan) -> None:
     """Refuse a plan that cannot run, before any loading (exit 2)."""
-    from kvfid.diagnoses.subject import check_model_name
-    from kvfid.stacks.stack import parse_stack
-
     for name in plan.models:
         check_model_name(name)
     sizes = [*plan.prefill, *plan.sequences, *plan.keys, plan.context, plan.threads]
@@ -115,9 +119,6 @@ class PriceRun:
     """One `kvfid price` run: the plan, its budget, its rows so far and where they are written."""
 
     def __init__(self, plan: PricePlan, reports, say):
-        from kvfid.environment import envinfo
-        from kvfid.reports.price_table import new_price_path
-
         self.plan, self.say = plan, say
         self.start = time.monotonic()
         environment = envinfo.collect()
@@ -137,15 +138,11 @@ class PriceRun:
 
     def write(self) -> None:
         if self.path is not None:
-            from kvfid.reports.price_table import write_table
-
             write_table(self.table, self.path)
 
     def finish(self, status: str) -> PriceTable:
         """The table closed: its status, when, and the tiled routes kept now (a route the run's
         faithful stack chose is kept once it is timed; the rest of the record is the start's)."""
-        from kvfid.kernels.invariant import route as mode_route
-
         routes = {name: r["route"] for name, r in mode_route.kept().items()}
         self.table = replace(self.table, status=status, finished=_now(),
                              environment={**self.table.environment, "tiled_routes": routes})
@@ -159,10 +156,6 @@ def _now() -> str:
 
 def _model_rows(run: PriceRun, name: str) -> None:
     """Every row of one model, cheapest first, each measured or skipped."""
-    from kvfid.api import load_model
-    from kvfid.errors import Unavailable
-    from kvfid.stacks.stack import check_supports, parse_stack
-
     plan = run.plan
     stock, faithful = (parse_stack(s, threads=plan.threads) for s in (plan.stock, plan.faithful))
     works = plan.works()
@@ -236,10 +229,6 @@ def _floor(run: PriceRun, model, faithful, rows: int) -> Floor:
 def route_of(plan: PricePlan, dtype) -> tuple[object, str]:
     """The floor's route and where it came from: the plan's, else this machine's for `dtype` at
     the plan's threads (pinned, kept, or timed as the faithful stack would time it)."""
-    import torch
-
-    from kvfid.kernels.invariant import route as mode_route
-
     if plan.floor_route is not None:
         return parse_route(plan.floor_route), "given (--floor-route)"
     before = torch.get_num_threads()
@@ -279,8 +268,6 @@ def price(plan: PricePlan = PricePlan(), reports: str | Path | None = "reports",
     """Measure the plan's rows (rows over the budget shown skipped) and write the table under
     `reports`/<environment key>/price/ after each row: the table and its JSON path. Ctrl-C
     keeps the rows measured (Interrupted, exit 130)."""
-    from kvfid.tasks import price_engine
-
     check_plan(plan)
     say = progress or (lambda _: None)
     run = PriceRun(plan, reports, say)

@@ -28,6 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from kvfid.records.price import ArmTimes
+from kvfid.kernels.invariant import whole as whole_calls
+from kvfid.kernels.invariant.route import in_tiles
+from kvfid.protocol.decode import cache_keyword, new_cache
 
 Session = Callable[[], ContextManager[Callable[[], object]]]
 
@@ -110,14 +113,12 @@ def token_ids(rows: int, length: int, seed: int = 0) -> torch.Tensor:
 
 def prefill(model, stack, tokens: int) -> Session:
     """A session of the stack: `tokens` token ids into a fresh cache, one forward."""
-    from kvfid.protocol.decode import cache_keyword, new_cache
-
     ids = token_ids(1, tokens)
 
     @contextlib.contextmanager
     def session():
         with stack.activate(model) as module:
-            given = {cache_keyword(module): new_cache(module)}
+            given = {cache_keyword(module): new_cache(module).cache}
             yield lambda: module(input_ids=ids, use_cache=True, logits_to_keep=1, **given)
     return session
 
@@ -125,8 +126,6 @@ def prefill(model, stack, tokens: int) -> Session:
 def filled_cache(module, sequences: int, keys: int, seed: int = 1):
     """A cache of `keys` positions for each of `sequences` rows, every full-attention layer's keys
     and values seeded random in the module's dtype; refused (ValueError) for other layers."""
-    from kvfid.protocol.decode import new_cache
-
     config = module.config.get_text_config()
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
@@ -136,7 +135,7 @@ def filled_cache(module, sequences: int, keys: int, seed: int = 1):
     dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     dtype = next(module.parameters()).dtype
     gen = torch.Generator().manual_seed(seed)
-    cache = new_cache(module)
+    cache = new_cache(module).cache
     for layer in range(int(config.num_hidden_layers)):
         k, v = (torch.randn(sequences, kv, keys, dim, generator=gen).to(dtype) for _ in range(2))
         cache.update(k, v, layer)             # [B, H_kv, T, D]
@@ -146,8 +145,6 @@ def filled_cache(module, sequences: int, keys: int, seed: int = 1):
 def decode(model, stack, sequences: int, keys: int) -> Session:
     """A session of the stack: one decode step of `sequences` rows after `keys` cached positions
     each (the cache made once, in the session's first use; cropped back after each call)."""
-    from kvfid.protocol.decode import cache_keyword
-
     ids, made = token_ids(sequences, 1, seed=2), {}
 
     @contextlib.contextmanager
@@ -185,9 +182,6 @@ def products(layers: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int,
     one call (`tile` None), or by the route's calls: of `tile` rows (zero rows padding the last),
     or under a whole-call route (`whole`) one call padded to `tile` rows below it; in fp32 from
     `wide`'s weights where the route widens; rounded back to the model's dtype."""
-    from kvfid.kernels.invariant import whole as whole_calls
-    from kvfid.kernels.invariant.route import in_tiles
-
     by_route = in_tiles
     if whole and tile is not None:      # one call from the floor up, as kvfid.kernels.invariant.whole.call
         span = whole_calls.Span(tile, max(rows, tile), max(rows, tile), "the route's floor")

@@ -15,6 +15,10 @@ from kvfid.errors import BadInput
 from kvfid.runs import matrix, shards
 from kvfid.runs.summary import RunSummary
 from kvfid.ledger.store import Ledger
+from kvfid.reports import report as run_report
+from kvfid.reports.index import update_index
+from kvfid.reports.report import headline
+from kvfid.tasks import local_shards
 
 
 @dataclass
@@ -26,8 +30,6 @@ class Published:
     files: dict[str, Path] = field(default_factory=dict)
 
     def headline(self) -> str:
-        from kvfid.reports.report import headline
-
         return headline(self.summary)
 
 
@@ -39,8 +41,6 @@ def publish(case, db: str | Path, *, reports: str | Path = "reports", report: bo
     under `reports` and update the index; `index_ledger` also lists the ledger's runs that have
     no report in the index (what `kvfid bench` does). `jobs` > 1: over that many processes of
     this machine (kvfid.tasks.local_shards; not with a `shard` of its own)."""
-    from kvfid.tasks import local_shards
-
     if jobs > 1 and shard != shards.Shard():
         raise BadInput("--jobs splits the items itself; drop --shard")
     check = lambda ledger: matrix.prepare(case, ledger, items=items, run_id=run_id,
@@ -55,9 +55,6 @@ def publish(case, db: str | Path, *, reports: str | Path = "reports", report: bo
 def publish_run(ledger: Ledger, result: matrix.RunResult, *, reports: str | Path = "reports",
                 report: bool = True, index_ledger: bool = False) -> Published:
     """Aggregate a measured run once; with `report`, write its report and update the index."""
-    from kvfid.reports import report as run_report
-    from kvfid.reports.index import update_index
-
     run = ledger.run(result.run_id)
     units = ledger.units(run.id)
     summary = run_report.aggregate(units, run.design)

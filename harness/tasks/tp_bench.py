@@ -16,6 +16,14 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
+
+from kvfid.environment import envinfo
+from kvfid.inputs.models import load_model
+from kvfid.protocol.decode import Runner, as_batch, new_cache
+from kvfid.stacks.ranks import on_ranks, ranks
+from kvfid.stacks.stack import parse_stack
+
 
 @dataclass(frozen=True)
 class TPBench:
@@ -33,13 +41,6 @@ class TPBench:
 
 def _timed(label: str, bench: TPBench) -> dict:
     """On every rank: one stack's prefill and decode walls (rank 0's figures come back)."""
-    import torch
-
-    from kvfid.inputs.models import load_model
-    from kvfid.protocol.decode import Runner, as_batch, new_cache
-    from kvfid.stacks.stack import parse_stack
-    from kvfid.stacks.ranks import ranks
-
     model, stack = load_model(bench.model), parse_stack(label)
     ids = [(7 * i + 3) % 250 for i in range(bench.prompt)]
     prefill, decode = [], []
@@ -51,14 +52,14 @@ def _timed(label: str, bench: TPBench) -> dict:
                 torch.distributed.barrier()
 
         for repeat in range(bench.repeats + 1):       # the first: an untimed warm-up
-            cache = new_cache(module)
+            cached = new_cache(module)
             barrier()
             start = time.perf_counter()
-            logits = runner.forward(as_batch(ids), cache)
+            logits, cached = runner.forward(as_batch(ids), cached)
             barrier()
             middle = time.perf_counter()
             for _ in range(bench.decode):
-                logits = runner.forward(as_batch([int(logits[0].argmax())]), cache)
+                logits, cached = runner.forward(as_batch([int(logits[0].argmax())]), cached)
             barrier()
             if repeat:
                 prefill.append(middle - start)
@@ -71,9 +72,6 @@ def _timed(label: str, bench: TPBench) -> dict:
 def tp_bench(bench: TPBench = TPBench(), progress=None) -> dict:
     """Every stack at every TP size, then faithful / stock per size and phase (how many times
     slower the TP-invariant stack is)."""
-    from kvfid.environment import envinfo
-    from kvfid.stacks.ranks import on_ranks
-
     say = progress or (lambda _: None)
     measured = {}
     for size in bench.sizes:

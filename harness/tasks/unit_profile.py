@@ -21,6 +21,17 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import kvfid
+from kvfid.inputs.items import load_item_set
+from kvfid.inputs.models import load_model
+from kvfid.protocol.decode import Runner, as_batch, new_cache
+from kvfid.runs.case import load_case
+from kvfid.stacks.stack import parse_stack
+from kvfid.states import cache as kv
+
 CASE = "cases/gpu-qwen2.5-shape.toml"
 PARTS = ("prefill", "decode step", "token to host", "state read", "fingerprint", "compare")
 REPEATS = 3
@@ -61,12 +72,6 @@ def _self_device_us(event) -> float:
 
 def profile_stack(model, stack, prefix: list[int], cuda: bool) -> StackProfile:
     """Warm up, time each part REPEATS times, then profile one pass of the parts on `stack`."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from kvfid.protocol.decode import Runner, as_batch, new_cache
-    from kvfid.states import cache as kv
-
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize()
@@ -86,8 +91,8 @@ def profile_stack(model, stack, prefix: list[int], cuda: bool) -> StackProfile:
                 seconds[name] = time.perf_counter() - start
                 return value
 
-            logits = part("prefill", lambda: runner.forward(as_batch(prefix), cache))
-            state = part("state read", lambda: kv.snapshot(cache, prefix, logits,
+            logits, cache = part("prefill", lambda: runner.forward(as_batch(prefix), cache))
+            state = part("state read", lambda: kv.snapshot(cache.cache, prefix, logits,
                                                              config=module.config))
             part("fingerprint", lambda: (kv.sha_cache(state), kv.sha_tensor(state.logits)))
             part("compare", lambda: kv.compare_states(state, state))
@@ -136,14 +141,6 @@ class _Null:
 def profile_case(case_path: str, dry_run: bool) -> list[StackProfile]:
     """Every distinct bf16 stack of the case (the dry run: the smoke case's model on the CPU,
     one stock and the headline stack), over the first item's prompt plus B tokens."""
-    import torch
-
-    import kvfid  # noqa: F401  (the package selects the interpreter before triton loads)
-    from kvfid.inputs.items import load_item_set
-    from kvfid.inputs.models import load_model
-    from kvfid.runs.case import load_case
-    from kvfid.stacks.stack import parse_stack
-
     cuda = torch.cuda.is_available() and not dry_run
     case = load_case(case_path)
     if dry_run:

@@ -21,6 +21,8 @@ from collections import Counter
 
 import torch
 
+from kvfid.kernels.recurrence import PRIMING, is_stepped, step_of
+
 DIFFER = ("culprit", "inherited", "unverified")  # the op kinds whose boundary slice differs
 SKIP = None  # the tag of an op that belongs to another position's step
 # Ops that only move or copy bits: one side running an extra one is not another computation.
@@ -32,8 +34,6 @@ class Tagger:
     """The alignment tag of each op of one traced call over positions [start, end)."""
 
     def __init__(self, module: torch.nn.Module, span: tuple[int, int], position: int):
-        from kvfid.kernels.recurrence import is_stepped
-
         self._span, self._position = span, position
         self._stepped = {name: m for name, m in module.named_modules() if name and is_stepped(m)}
         self._seen: Counter = Counter()
@@ -46,8 +46,6 @@ class Tagger:
 
     def key(self, where: str, op: str):
         """(module path, tag, op, occurrence) of this op, or None when it is not compared."""
-        from kvfid.kernels.recurrence import PRIMING, step_of
-
         owner = self._owner(where)
         if owner is None:
             tag = 0

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from kvfid.stacks import tp
 from kvfid.stacks.compiled import units
+from kvfid.states.cache import bits_equal
 
 
 def _floats(values) -> list[torch.Tensor]:
@@ -101,6 +102,5 @@ def _rank_sum(layer: tp.ParallelLinear) -> bool | None:
     total = parts[0]
     for part in parts[1:]:
         total = total + part
-    from kvfid.states.cache import bits_equal
 
     return bits_equal(total, reduced)

@@ -15,6 +15,7 @@ import json
 import os
 import platform
 from pathlib import Path
+import fcntl
 
 import torch
 
@@ -58,8 +59,6 @@ def write_json(path: Path, store: dict) -> None:
 @contextlib.contextmanager
 def locked(path: Path):
     """One process at a time finds and writes what `path` keeps (the others then read it)."""
-    import fcntl
-
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -34,6 +34,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from kvfid.kernels.invariant.mode import batch_invariant_mode
 from kvfid.kernels.invariant.whole import revealing_rows, stand_in
 
 SEGMENTS = 8   # fixed segments of a reduction axis, or pieces of an output axis (TP sizes 1, 2, 4, 8)
@@ -117,8 +118,6 @@ def pieces_agree(pieces: list[torch.Tensor], dtype: torch.dtype, bias: bool) -> 
     alone, on random rows and weights and on revealing rows over stand-in weights
     (kvfid.kernels.invariant.whole, "What a probe feeds"); probed once per shapes, dtype, bias,
     thread count and mode."""
-    from kvfid.kernels.invariant.mode import batch_invariant_mode
-
     key = (tuple(tuple(p.shape) for p in pieces), dtype, bias, torch.get_num_threads(),
            batch_invariant_mode())
     with _lock:

@@ -94,7 +94,7 @@ def _ids(context: int) -> torch.Tensor:
 
 def _prefill(module, ids: torch.Tensor):
     """The ids into a fresh cache: (the cache, the last position's logits)."""
-    cache = new_cache(module)
+    cache = new_cache(module).cache
     logits = module(input_ids=ids, use_cache=True, logits_to_keep=1,
                     **{cache_keyword(module): cache}).logits
     return cache, logits
@@ -128,7 +128,7 @@ def _fp32(built, model, ids, device) -> dict:
     key = ("fp32", ids.shape[1])
     if key not in built:
         with parse_stack("sdpa/fp32", device=device).activate(model) as module:
-            keyword, cache = cache_keyword(module), new_cache(module)
+            keyword, cache = cache_keyword(module), new_cache(module).cache
             step = lambda x: module(input_ids=x, use_cache=True, logits_to_keep=1,  # noqa: E731
                                     **{keyword: cache}).logits[0, -1].float()
             built[key] = {"prefill": step(ids), "decode": step(ids[:, -1:])}

@@ -32,12 +32,15 @@ def folders(tmp_path_factory):
 def _repro(folder, backend, dtype="bf16", batch_invariant=False, b=B, s=S,
            arms="live,prefill", transplants=(), faithful_recurrence=None):
     from kvfid.diagnoses import repro
+    from kvfid.protocol.constructions import parse_constructions, parse_transplant
 
     from kvfid.stacks.stack import Stack
 
     stack = Stack(backend, dtype, batch_invariant, faithful_recurrence=faithful_recurrence)
-    prepared = repro.prepare(f"hf:{folder}", stack, PROMPT, None, None, b, s, arms, "",
-                             list(transplants), "", ignore_eos=True)
+    prepared = repro.prepare(f"hf:{folder}", stack, PROMPT, None, None, b, s,
+                             parse_constructions(arms),
+                             transplants=tuple(map(parse_transplant, transplants)),
+                             ignore_eos=True)
     return repro.measure(prepared)
 
 

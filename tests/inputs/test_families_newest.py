@@ -58,10 +58,11 @@ def _folder(folders, family):
 def _repro(folder, stack: str, arms="live,prefill"):
     from kvfid.stacks.stack import parse_stack
     from kvfid.diagnoses import repro
+    from kvfid.protocol.constructions import parse_constructions
 
     parsed = parse_stack(stack)
-    prepared = repro.prepare(f"hf:{folder}", parsed, PROMPT, None, None, B, S, arms, "", [], "",
-                             ignore_eos=True)
+    prepared = repro.prepare(f"hf:{folder}", parsed, PROMPT, None, None, B, S,
+                             parse_constructions(arms), ignore_eos=True)
     assert prepared.stack.label == stack
     return repro.measure(prepared)
 

@@ -72,3 +72,28 @@ def test_links_resolve_inside_the_repository(page):
         assert path.is_relative_to(ROOT) and path.exists(), f"{page.name}: broken link {target}"
     for outside in ("../shared", "DESIGN.md", "STYLE.md", "/work/"):
         assert outside not in text, f"{page.name} refers to {outside}, outside the repository"
+
+
+def module_purposes(root: Path) -> dict[str, str | None]:
+    """Each module of harness/ and kernels/ and the first line of what it says it holds."""
+    import ast
+
+    return {str(p.relative_to(root)): (ast.get_docstring(ast.parse(p.read_text())) or "").strip()
+            .split("\n")[0] or None
+            for folder in ("harness", "kernels") for p in sorted((root / folder).rglob("*.py"))}
+
+
+def test_every_module_opens_with_what_it_holds():
+    """docs/architecture.md is the map (floors, rooms, where a change goes); each file's purpose
+    is its own docstring, so it cannot drift from a copy."""
+    silent = [path for path, said in module_purposes(ROOT).items() if said is None]
+    assert not silent, silent
+
+
+def test_control_a_module_without_a_docstring_is_named(tmp_path):
+    (tmp_path / "harness").mkdir()
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "harness" / "said.py").write_text('"""What it holds."""\n')
+    (tmp_path / "harness" / "silent.py").write_text("x = 1\n")
+    assert module_purposes(tmp_path) == {"harness/said.py": "What it holds.",
+                                         "harness/silent.py": None}

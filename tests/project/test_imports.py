@@ -199,3 +199,47 @@ def test_no_protocol_code_tests_a_backend_name(tmp_path):
     assert backend_name_tests(ROOT) == []
     planted = _tree(tmp_path, {"harness/protocol/x.py": 'def f(b):\n    return b in ("eager", "x")\n'})
     assert backend_name_tests(planted) == ["harness/protocol/x.py:2"]   # the check can fail
+
+
+# Imports stand at the top of a module, where the graph shows them; one inside a function stays
+# only with a comment saying why (an optional dependency, a module's own import cost, a guarded
+# import), on its line or the line above. The command line, cli.py and the package `__init__`s
+# keep theirs: they are what keeps `kvfid --help` and `import kvfid` free of torch.
+MAX_LOCAL_IMPORTS = 60
+
+
+def local_imports(root: Path) -> list[tuple[str, int, bool]]:
+    """(file, line, commented) for every import inside a function below the command line."""
+    found = []
+    for folder in FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel.startswith("harness/commands/") or rel == "harness/cli.py" \
+                    or path.name == "__init__.py":
+                continue
+            text = path.read_text(encoding="utf-8")
+            lines = text.splitlines()
+            for function in ast.walk(ast.parse(text)):
+                if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(function):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)):
+                        said = "#" in lines[node.lineno - 1] or \
+                            lines[node.lineno - 2].strip().startswith("#")
+                        found.append((rel, node.lineno, said))
+    return sorted(set(found))
+
+
+def test_imports_inside_functions_are_few_and_each_says_why():
+    found = local_imports(ROOT)
+    silent = [f"{file}:{line}" for file, line, said in found if not said]
+    assert not silent, "an import inside a function without a comment saying why:\n" + \
+        "\n".join(silent)
+    assert len(found) <= MAX_LOCAL_IMPORTS, len(found)
+
+
+def test_control_the_count_finds_a_silent_import_inside_a_function(tmp_path):
+    root = _tree(tmp_path, {**BASE, "harness/low/c.py": "def f():\n    import json\n",
+                            "harness/low/d.py": "def g():\n    import json   # lazy: why\n",
+                            "harness/commands/e.py": "def h():\n    import json\n"})
+    assert local_imports(root) == [("harness/low/c.py", 2, False), ("harness/low/d.py", 2, True)]

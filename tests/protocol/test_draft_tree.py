@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvfid.checks import split_arms
+from kvfid.protocol.constructions import split_arms
 from kvfid.cli import main
 from kvfid.protocol import draft_tree
 from kvfid.stacks.stack import Stack
@@ -60,10 +60,13 @@ def test_the_ancestor_mask_shows_each_node_its_ancestors_only():
 def test_the_accepted_path_is_gathered_after_the_root_in_order():
     from transformers import DynamicCache
 
+    from kvfid.protocol.decode import Cached
+
     cache = DynamicCache()
     keys = torch.arange(7.0).view(1, 1, 7, 1)      # slot s holds s
     cache.update(keys, keys + 100, 0)
-    draft_tree._keep_path(cache, 2, [1, 4])        # root at slot 2, path nodes 1 and 4
+    kept = draft_tree.keep_path(Cached(cache, 7), 2, [1, 4])   # root at slot 2, path nodes 1 and 4
+    assert kept.cache is cache and kept.positions == 5
     assert cache.layers[0].keys.flatten().tolist() == [0, 1, 2, 3, 6]
     assert cache.layers[0].values.flatten().tolist() == [100, 101, 102, 103, 106]
     drafts, path = draft_tree._drafts((0, 0, 1, 1), [10, 11], None, random.Random(0), 50)
@@ -118,7 +121,7 @@ def test_replay_rescores_by_a_tree_bit_identically_on_the_faithful_stack():
 
 
 def test_a_tree_on_a_model_with_window_layers_is_refused_before_compute():
-    from kvfid.protocol.prefix_reuse import RollbackError, _check_tree
+    from kvfid.protocol.constructions import RollbackError, _check_tree
     from kvfid.stacks.serving import LayerInfo
 
     layers = [LayerInfo(0, "full_attention", "DynamicLayer", "full", ()),

@@ -25,11 +25,12 @@ def bamba(tmp_path_factory):
 
 def _repro(folder, stack: str):
     from kvfid.diagnoses import repro
+    from kvfid.protocol.constructions import parse_constructions
     from kvfid.stacks.stack import parse_stack
 
     parsed = parse_stack(stack)
-    prepared = repro.prepare(f"hf:{folder}", parsed, "Hi there", None, None, B, S, "live,prefill",
-                             "", [], "", ignore_eos=True)
+    prepared = repro.prepare(f"hf:{folder}", parsed, "Hi there", None, None, B, S,
+                             parse_constructions("live,prefill"), ignore_eos=True)
     return repro.measure(prepared)
 
 
@@ -51,7 +52,7 @@ def _last_logits(module, ids, **step) -> tuple[torch.Tensor, torch.Tensor]:
     """(a prefill over `ids`, a prefill over ids[:-1] then one step with `step`'s keywords)."""
     with torch.no_grad():
         whole = module(input_ids=ids).logits[0, -1]
-        cache = decode.new_cache(module)
+        cache = decode.new_cache(module).cache
         module(input_ids=ids[:, :-1], use_cache=True, **{decode.cache_keyword(module): cache})
         stepped = module(input_ids=ids[:, -1:], use_cache=True,
                          **{decode.cache_keyword(module): cache}, **step).logits[0, -1]
@@ -75,10 +76,10 @@ def test_control_kvfid_without_positions_reports_a_functional_difference(bamba, 
     inputs = decode.Runner._inputs
 
     def without_positions(self, ids, cache, attention_mask, position_ids, keep):
-        kwargs = inputs(self, ids, cache, attention_mask, position_ids, keep)
+        kwargs, after = inputs(self, ids, cache, attention_mask, position_ids, keep)
         if position_ids is None:
             kwargs.pop("position_ids", None)
-        return kwargs
+        return kwargs, after
 
     monkeypatch.setattr(decode.Runner, "_inputs", without_positions)
     comparison = _repro(bamba, "native/fp32+bi").against_live("prefill")

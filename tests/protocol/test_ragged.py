@@ -44,8 +44,8 @@ def generate(module, rows) -> list[tuple[list[int], torch.Tensor]]:
     """Greedy STEPS tokens for every row of a left-padded batch, all rows decoding together;
     per row (tokens, log-probabilities of the chosen tokens [STEPS], fp32)."""
     batch = cobatch.CoBatch(tuple(rows), 0, ())
-    runner, cache = Runner(module), new_cache(module)
-    logits, mask = cobatch.prefill(runner, cache, batch)  # [N, V], [N, W]
+    runner = Runner(module)
+    logits, mask, cached = cobatch.prefill(runner, new_cache(module), batch)  # [N, V], [N, W]
     positions = torch.tensor([[len(r) - 1] for r in rows])  # [N, 1]
     tokens, logprobs = [], []
     for step in range(STEPS):
@@ -56,7 +56,8 @@ def generate(module, rows) -> list[tuple[list[int], torch.Tensor]]:
         if step < STEPS - 1:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions + 1
-            logits = runner.forward(chosen.cpu(), cache, attention_mask=mask, position_ids=positions)
+            logits, cached = runner.forward(chosen.cpu(), cached, attention_mask=mask,
+                                            position_ids=positions)
     return [([t[i] for t in tokens], torch.stack([lp[i] for lp in logprobs])) for i in range(len(rows))]
 
 

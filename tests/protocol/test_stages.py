@@ -167,11 +167,11 @@ def test_segment_transplants_move_one_stage_of_the_donor():
 
 
 def test_the_crossing_freezes_the_program_from_the_reference_live_run():
-    from kvfid.stages.crossing import run_crossing
+    from kvfid.stages.crossing import run_program_crossing
 
     spec, stack = stages.parse_program(PROGRAM), Stack("native", "bf16", True)
     measured = stages.measure(tiny(), stack, "2+3=", spec, 3, ("live", "prefill"))
-    crossing = run_crossing(tiny(), measured, stack.label, [stack.with_dtype("fp32"), stack], 3,
+    crossing = run_program_crossing(tiny(), measured, stack.label, [stack.with_dtype("fp32"), stack], 3,
                             frozenset())
     assert [(c.stack, c.arm) for c in crossing.cells] == [
         ("native/fp32+bi", "incremental"), ("native/fp32+bi", "prefill"),

@@ -145,8 +145,8 @@ def _units_traced(monkeypatch, limits=None) -> list[str]:
         runner, cache = Runner(module), new_cache(module)
 
         def run():
-            logits = runner.forward(as_batch(prompt), cache)
-            runner.forward(as_batch([int(logits[0, -1].argmax())]), cache)
+            logits, cached = runner.forward(as_batch(prompt), cache)
+            runner.forward(as_batch([int(logits[0].argmax())]), cached)
 
         compiled.trace_units(module, run, lambda name, *_: seen.append(name))
     return seen
@@ -189,13 +189,14 @@ def _graphs_compiled(monkeypatch) -> int:
     model = small(layers=1)
     prompt = model.codec.prompt_ids(PROMPT.prompt)
     with Stack("eager", "bf16", True, threads=1, compiled=True).activate(model) as module:
-        runner, cache = Runner(module), new_cache(module)
-        token = int(runner.forward(as_batch(prompt), cache)[0].argmax())
-        token = int(runner.forward(as_batch([token]), cache)[0].argmax())
-        (layer,) = cache.layers
+        runner, cached = Runner(module), new_cache(module)
+        logits, cached = runner.forward(as_batch(prompt), cached)
+        logits, cached = runner.forward(as_batch([int(logits[0].argmax())]), cached)
+        token = int(logits[0].argmax())
+        (layer,) = cached.cache.layers
         for copy in (projected, default):
             layer.keys, layer.values = copy(layer.keys), copy(layer.values)
-            runner.forward(as_batch([token]), cache)
+            _, cached = runner.forward(as_batch([token]), cached)
     return len(graphs)
 
 

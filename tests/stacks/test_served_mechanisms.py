@@ -157,12 +157,14 @@ def test_each_call_sees_the_keys_its_indexer_chose_and_matches_the_reference(dty
 
 def _repro(folder, stack: str, arms: str, boundary: int = 8):
     from kvfid.diagnoses import repro
+    from kvfid.protocol.constructions import parse_constructions
     from kvfid.stacks.stack import Stack, parse_stack
 
     parsed = parse_stack(stack)
     prepared = repro.prepare(f"hf:{folder}", Stack(parsed.backend, parsed.dtype,
                                                    parsed.batch_invariant),
-                             "Hi there", None, None, boundary, 1, arms, "", [], "", ignore_eos=True)
+                             "Hi there", None, None, boundary, 1, parse_constructions(arms),
+                             ignore_eos=True)
     return repro.measure(prepared)
 
 
