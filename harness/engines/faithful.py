@@ -172,20 +172,15 @@ def in_workers():
     processes (TP>1): each worker's plugin installs it for its life (KVFID_FAITHFUL=1 and the
     mode's implementation in their environment); the variables are restored on exit."""
     global _parent
-    saved = {name: os.environ.get(name) for name in (ENV, IMPL_ENV, TP_ENV)}
-    os.environ[IMPL_ENV] = mode_impl()
-    os.environ[ENV] = "1"
-    os.environ[TP_ENV] = "1"               # workers exist only at TP>1
-    _parent = os.getpid()                  # this process's own plugin call stays a no-op
-    try:
-        yield
-    finally:
-        _parent = None
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    from kvfid.engines.seam import variables
+
+    # workers exist only at TP>1: TP_ENV on
+    with variables(**{IMPL_ENV: mode_impl(), ENV: "1", TP_ENV: "1"}):
+        _parent = os.getpid()                  # this process's own plugin call stays a no-op
+        try:
+            yield
+        finally:
+            _parent = None
 
 
 @contextlib.contextmanager
@@ -195,20 +190,16 @@ def installed(tp_invariant: bool = False):
     registry, the GEMM dispatch, RMSNorm, the mode, the variables)."""
     from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 
-    before = {name: os.environ.get(name) for name in (ENV, TP_ENV)}
-    os.environ[ENV] = "in-process"           # the plugin, loaded by each engine, then does nothing
-    os.environ[TP_ENV] = "1" if tp_invariant else "0"
-    remove = _install()
-    try:
-        with set_batch_invariant_mode(impl=mode_impl(), complex_products=COMPLEX_PRODUCTS):
-            yield
-    finally:
-        remove()
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    from kvfid.engines.seam import variables
+
+    # ENV "in-process": the plugin, loaded by each engine, then does nothing
+    with variables(**{ENV: "in-process", TP_ENV: "1" if tp_invariant else "0"}):
+        remove = _install()
+        try:
+            with set_batch_invariant_mode(impl=mode_impl(), complex_products=COMPLEX_PRODUCTS):
+                yield
+        finally:
+            remove()
 
 
 def register() -> None:

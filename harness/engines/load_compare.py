@@ -54,7 +54,7 @@ def load_state(folder: Path, name: str | None):
 
 def state_diff(a, b, positions: int) -> StateDiff:
     """Two states compared bitwise over their first `positions` positions."""
-    from kvfid.engines.kv import trimmed
+    from kvfid.engines.bits import trimmed
     from kvfid.states.cache import compare_states
 
     return StateDiff.of(compare_states(trimmed(a, positions), trimmed(b, positions)), positions)

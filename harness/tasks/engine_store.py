@@ -31,7 +31,7 @@ def check_and_store(fmt: str = "text", db: str | Path | None = None, report: boo
     if store:
         probe(path)                         # refused (read-only, not a ledger) before compute
     result = engine_check.engine_check(progress=progress, **options)
-    text = json.dumps(result, indent=1) if fmt == "json" else engine_check.render(result)
+    text = result.to_json(indent=1) if fmt == "json" else engine_check.render(result)
     if not store:
         return text, {}
     stored = store_result(path, result)
@@ -49,13 +49,18 @@ def load_and_store(fmt: str = "text", db: str | Path | None = None, report: bool
     ledger; an incomplete run is stored as incomplete, never with a verdict); with `report`,
     write its report under `out` and update the index there. Returns what to print,
     {name: path} of what was written, and the stored run."""
-    from kvfid.engines.load_run import engine_load
     from kvfid.ledger.opening import probe
     from kvfid.tasks.ledger_views import db_path
 
+    from kvfid.engines.registry import engine_for
+
     path = db_path(db)
     probe(path)                             # refused (read-only, not a ledger) before compute
-    record = engine_load(progress=progress, **options)
+    engine = engine_for(options.pop("engine", "vllm"))
+    load = engine.door("load")
+    if options.get("server"):
+        engine.door("serve_load")
+    record = load(progress=progress, **options)
     stored = store_result(path, record)
     written = {"ledger": path, "id": stored.id}
     if report:
@@ -65,6 +70,24 @@ def load_and_store(fmt: str = "text", db: str | Path | None = None, report: bool
         written.update(write_report(stored, out))
         written["index"] = update_index(out)
     return _shown(stored, fmt), written, stored
+
+
+def bench(fmt: str, clients: int | None, kv_blocks: int, progress=None, **options) -> str:
+    """`kvfid engine-bench`: the engine's price (its `bench` door), or under load with `clients`
+    (its `load_bench` door), as `fmt`."""
+    from kvfid.engines.registry import engine_for
+
+    engine = engine_for(options.pop("engine"))
+    if clients is None:
+        result, render = engine.door("bench")(progress=progress, **options)
+    else:
+        from kvfid.engines.load_plan import LoadShape
+
+        shape = LoadShape(requests=options["count"], clients=clients, tokens=options["tokens"])
+        result, render = engine.door("load_bench")(options["model_name"], options["dtype"], shape,
+                                                   kv_blocks=kv_blocks, threads=options["threads"],
+                                                   progress=progress)
+    return json.dumps(result, indent=1) if fmt == "json" else render(result)
 
 
 def _shown(stored, fmt: str) -> str:
@@ -81,7 +104,7 @@ def _shown(stored, fmt: str) -> str:
     from kvfid.engines import check as engine_check
 
     return (f"engine check {stored.id} ({stored.written}, {stored.environment_key})\n"
-            + engine_check.render(stored.record.as_result()))
+            + engine_check.render(stored.record))
 
 
 def store_result(db: str | Path, result, environment: dict | None = None):

@@ -1,5 +1,6 @@
-"""vLLM as an engine kvfid drives: generation with the engine's own sampling logprobs, and the
-requests the in-engine check (check.py) sends.
+"""vLLM's `LLM` as kvfid starts it: settings from an EngineConfig (the one translation), the
+engine started and shut down, generation with the engine's own sampling logprobs, prefill
+re-scoring (`prompt_logprobs`). kvfid.engines.vllm_engine is the engine behind the seam.
 
 vLLM is imported here only, and only inside functions: kvfid installs and runs without it, and
 every command that needs it is refused before compute (`Unavailable`, exit 3) with the one line
@@ -18,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from dataclasses import dataclass
 
+from kvfid.engines.seam import EngineConfig, variables
 from kvfid.errors import BadInput, Unavailable
 
 INSTALL = "vLLM is not installed in this environment; build its venv with `make install-vllm` " \
@@ -88,30 +89,6 @@ def batch_invariant_refusal() -> str | None:
             "platform: its batch-invariant kernels are installed by the GPU worker only")
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """One engine: what the in-engine check varies between engines (not between requests)."""
-
-    prefix_caching: bool = False
-    chunk: int | None = None          # max tokens per scheduler step; None: no prompt is split
-    faithful: bool = False            # kvfid's attention and batch-invariant mode inside (engine_faithful)
-    tp: int = 1                       # tensor-parallel size: the model on this many worker processes
-    # Faithful at TP=1 with the TP-invariant products (kvfid.kernels.invariant.parallel), as every
-    # faithful engine at TP>1 computes them: the TP=1 side of a TP comparison (`@tp1`'s products).
-    tp_invariant: bool = False
-    kv_blocks: int | None = None      # the paged cache's size in blocks (None: what the KV space holds)
-    recording: bool = False           # the recording scheduler (load_scheduler), synchronous steps
-    max_seqs: int = 64                # the most sequences one step may hold
-    split_prompts: bool = True        # chunked prefill on: a prompt may be split across steps
-    block_size: int | None = BLOCK    # the paged cache's block in tokens (None: vLLM's own default)
-
-    def label(self) -> str:
-        return (f"prefix cache {'on' if self.prefix_caching else 'off'}, "
-                + (f"chunked prefill by {self.chunk}" if self.chunk else "no chunking")
-                + (", faithful" if self.faithful else "") + (f", TP={self.tp}" if self.tp > 1 else "")
-                + (", TP-invariant products" if self.faithful and self.tp_invariant and self.tp == 1 else ""))
-
-
 def threads_bind(tp: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for `tp` workers: this process's cores split in equal runs, one
     per worker (`0|1` on two cores)."""
@@ -125,46 +102,60 @@ def threads_bind(tp: int) -> str:
     return "|".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
-@contextlib.contextmanager
-def engine(folder: str, dtype: str, config: EngineConfig = EngineConfig(), max_len: int = 1024,
-           seed: int = 0):
-    """A vLLM engine on `folder` (eager, in this process), shut down on exit; a faithful one
-    (`config.faithful`) with kvfid's plugin installed for its life."""
-    vllm = require_vllm()
-    if dtype not in DTYPES:
-        raise BadInput(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
+def settings(config: EngineConfig, folder: str) -> dict:
+    """`config` as vLLM's engine arguments (`vllm.LLM(**settings)`; the server's flags are the
+    same names, kvfid.engines.load_server.server_command): the one translation of a config into
+    vLLM's settings, the step's token budget among them."""
     import json
     from pathlib import Path
 
     limit = json.loads((Path(folder) / "config.json").read_text()).get("max_position_embeddings")
-    max_len = min(max_len, int(limit)) if limit else max_len
+    max_len = min(config.max_len, int(limit)) if limit else config.max_len
     budget = config.chunk or max(max_len, 2048)
+    made = dict(model=folder, dtype=DTYPES[config.dtype], enforce_eager=True, seed=config.seed,
+                max_model_len=max_len, max_num_batched_tokens=budget,
+                max_num_seqs=min(budget, config.max_seqs), enable_prefix_caching=config.prefix_caching,
+                enable_chunked_prefill=config.split_prompts)
+    if config.tp > 1:   # workers: one process per rank, each on its own cores
+        made.update(tensor_parallel_size=config.tp, distributed_executor_backend="mp")
+    if config.faithful:
+        from kvfid.engines.faithful import COMPILATION
+
+        made["compilation_config"] = COMPILATION
+    if config.recording:
+        from kvfid.engines.load_scheduler import SCHEDULER
+
+        made.update(scheduler_cls=SCHEDULER, async_scheduling=False, generation_config="vllm")
+    if config.kv_blocks is not None:
+        made["num_gpu_blocks_override"] = config.kv_blocks
+    if config.block_size is not None:
+        made["block_size"] = config.block_size
+    return made
+
+
+@contextlib.contextmanager
+def engine(config: EngineConfig):
+    """A vLLM engine on `config.model` (eager, in this process), shut down on exit; a faithful one
+    (`config.faithful`) with kvfid's plugin installed for its life; VLLM_BATCH_INVARIANT as
+    `config.batch_invariant` says, restored after."""
+    vllm = require_vllm()
+    if config.dtype not in DTYPES:
+        raise BadInput(f"--dtype {config.dtype!r}: one of {', '.join(DTYPES)}")
+    folder = model_folder(config.model)
+    made = settings(config, folder)
     with contextlib.ExitStack() as stack:
-        extra = {}
-        if config.tp > 1:   # workers: one process per rank, each on its own cores
-            stack.enter_context(_environment(VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
+        stack.enter_context(variables(VLLM_BATCH_INVARIANT="1" if config.batch_invariant else "0"))
+        if config.tp > 1:
+            stack.enter_context(variables(VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
                 "VLLM_CPU_OMP_THREADS_BIND") or threads_bind(config.tp)))
-            extra.update(tensor_parallel_size=config.tp, distributed_executor_backend="mp")
         if config.faithful:
             from kvfid.engines import faithful as engine_faithful
 
             claims = config.tp > 1 or config.tp_invariant
             stack.enter_context(engine_faithful.installed(claims) if config.tp == 1
                                 else engine_faithful.in_workers())
-            extra["compilation_config"] = engine_faithful.COMPILATION
-        if config.recording:
-            from kvfid.engines.load_scheduler import SCHEDULER
-
-            extra.update(scheduler_cls=SCHEDULER, async_scheduling=False, generation_config="vllm")
-        if config.kv_blocks is not None:
-            extra["num_gpu_blocks_override"] = config.kv_blocks
-        if config.block_size is not None:
-            extra["block_size"] = config.block_size
         try:
-            llm = vllm.LLM(model=folder, dtype=DTYPES[dtype], enforce_eager=True, seed=seed,
-                           max_model_len=max_len, max_num_batched_tokens=budget,
-                           max_num_seqs=min(budget, config.max_seqs), enable_prefix_caching=config.prefix_caching,
-                           enable_chunked_prefill=config.split_prompts, **extra)
+            llm = vllm.LLM(**made)
         except Exception as err:   # vLLM raises ValueError, pydantic errors, RuntimeError, ... here
             first = (str(err).splitlines() or [""])[0][:240]
             raise Unavailable(f"vLLM did not start on {folder} ({type(err).__name__}: {first})") from None
@@ -175,21 +166,6 @@ def engine(folder: str, dtype: str, config: EngineConfig = EngineConfig(), max_l
                 llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
-
-
-@contextlib.contextmanager
-def _environment(**variables):
-    """Environment variables set within the block (vLLM's workers read them), restored after."""
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _prompts(ids_list):
