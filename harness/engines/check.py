@@ -76,23 +76,25 @@ def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: in
         pre_batched, kv_pre_batched = _rescore(running, sequences, starts, kv)
     decoded = [g.logprobs for g in alone]
     scored = [r.logprobs for r in pre_alone]
-    rows = [(compare_logprobs("decode vs prefill re-scoring", decoded, scored), (kv_alone, kv_pre, None))]
+    rows = [(compare_logprobs("decode vs prefill re-scoring", decoded, scored,
+                              **_diverged(pre_alone)), (kv_alone, kv_pre, None))]
     rows.append(_decode_row("decode alone vs batched", prompts, alone, batched, (kv_alone, kv_batched)))
-    rows.append((compare_logprobs("prefill alone vs batched", scored, [r.logprobs for r in pre_batched]),
-                 (kv_pre, kv_pre_batched, None)))
+    rows.append((compare_logprobs("prefill alone vs batched", scored, [r.logprobs for r in pre_batched],
+                                  **_diverged(pre_alone, pre_batched)), (kv_pre, kv_pre_batched, None)))
     if CHUNKED in offers:
         say(f"{name(CHUNKED)} by {chunk}")
         with started(chosen_engine, base.with_(chunk=chunk)) as running:
             chunked, kv_chunked = _alone(_rescore, running, sequences, starts, kv)
         rows.append((compare_logprobs(f"{name(CHUNKED)} off vs on ({chunk})", scored,
-                                      [r.logprobs for r in chunked]), (kv_pre, kv_chunked, None)))
+                                      [r.logprobs for r in chunked], **_diverged(pre_alone, chunked)),
+                     (kv_pre, kv_chunked, None)))
     if PREFIX_CACHE in offers:
         say(f"{name(PREFIX_CACHE)}, cold then warm")
         with started(chosen_engine, base.with_(prefix_caching=True)) as running:
             cold, kv_cold = _alone(_rescore, running, sequences, starts, kv)
             warm, kv_warm = _alone(_rescore, running, sequences, starts, kv, True)
         rows.append((compare_logprobs(f"{name(PREFIX_CACHE)} cold vs warm", [r.logprobs for r in cold],
-                                      [r.logprobs for r in warm],
+                                      [r.logprobs for r in warm], **_diverged(cold, warm),
                                       served_tokens=sum(r.served for r in warm)),
                      (kv_cold, kv_warm, None)))
     if tp > 1:
@@ -107,6 +109,13 @@ def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: in
         item_set=item_set, batch_invariant=batch_invariant, batch_invariant_note=note,
         faithful=faithful, kv=kv, wall_s=time.perf_counter() - start, threads=threads,
         block_size=block, tp=tp, attention=attention or "")
+
+
+def _diverged(*sides) -> dict:
+    """`diverged`: the items some side re-scored only up to where the engine's own token parted
+    from the sequence (an engine without prompt logprobs re-scores by generating), where any did."""
+    count = sum(any(r.diverged for r in items) for items in zip(*sides))
+    return {"diverged": count} if count else {}
 
 
 def _with_kv(row, kv):

@@ -13,6 +13,7 @@ from kvfid.errors import BadInput
 # name -> "module:attribute" of its Engine
 ENGINES: dict[str, str] = {
     "vllm": "kvfid.engines.vllm_engine:ENGINE",
+    "transformers": "kvfid.engines.transformers_engine:ENGINE",
 }
 
 _REGISTERED: dict[str, Engine] = {}

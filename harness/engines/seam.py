@@ -79,6 +79,7 @@ class Rescored:
     logprobs: list[float | None]
     served: int = 0
     request: str = ""
+    diverged: bool = False        # re-scored only up to where the engine's own token parts from the sequence
 
 
 class Running(Protocol):
