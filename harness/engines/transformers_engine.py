@@ -55,8 +55,8 @@ def _refusal(config: EngineConfig) -> str | None:
     if (config.attention or "paged|sdpa") not in ATTENTION:
         return (f"--attention {config.attention}: its continuous batching runs "
                 f"{' or '.join(ATTENTION)} on a CPU")
-    if config.faithful:
-        return "--faithful: kvfid's attention is not registered as a paged implementation here yet"
+    if config.faithful and config.attention not in (None, "paged|sdpa"):
+        return f"--attention {config.attention} with --faithful: the faithful attention replaces paged|sdpa"
     if config.batch_invariant:
         return "--batch-invariant: this engine has no batch-invariant switch of its own"
     if config.tp > 1:
@@ -230,9 +230,9 @@ def _processor(manager):
 
 @contextlib.contextmanager
 def _start(config: EngineConfig):
-    """A continuous batching manager on a fresh copy of the model at the config's dtype, started
-    for the block and stopped after (the torch threads restored)."""
-    import torch
+    """A continuous batching manager on a fresh copy of the model at the config's dtype (the
+    faithful engine's attention and mode installed around it with `config.faithful`), started
+    for the block and stopped after."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -240,6 +240,12 @@ def _start(config: EngineConfig):
     from kvfid.kernels import DTYPES
 
     model = loaded_at(load_model(config.model).master, DTYPES[config.dtype]).eval()
+    if config.faithful:
+        from kvfid.engines import transformers_faithful
+
+        why = transformers_faithful.unserved(model.config)
+        if why:
+            raise BadInput(f"--faithful on {config.model}: {why}")
     model.set_attn_implementation(ATTENTION[config.attention or "paged|sdpa"])
     page = config.block_size or 256
     longest = config.max_len + 1
@@ -251,6 +257,19 @@ def _start(config: EngineConfig):
         seed=config.seed, max_blocks_per_request=0)
     generation = GenerationConfig(do_sample=False, max_new_tokens=1, eos_token_id=-1,
                                   pad_token_id=model.config.pad_token_id or 0)
+    with contextlib.ExitStack() as faithful:
+        if config.faithful:
+            from kvfid.engines import transformers_faithful
+
+            faithful.enter_context(transformers_faithful.installed(model, config.dtype))
+        yield from _managed(model, config, generation, batching)
+
+
+def _managed(model, config, generation, batching):
+    """The manager started at the config's torch threads, a _Running over it yielded, the
+    manager stopped and the threads restored."""
+    import torch
+
     before = torch.get_num_threads()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -277,3 +296,5 @@ ENGINE = Engine(
     require=_require, version=_version, start=_start, refusal=_refusal,
     offers=frozenset({CHUNKED, PREFIX_CACHE, KV}),
     constructions={CHUNKED: "token budget", PREFIX_CACHE: "block sharing"})
+# What `--faithful` runs: kvfid.engines.transformers_faithful (kvfid's attention per request under
+# the batch-invariant mode, inside the same manager).

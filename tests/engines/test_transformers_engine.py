@@ -59,6 +59,25 @@ def test_alone_vs_batched_differs_in_bf16_here(checked):
     assert batched.differ > 0 and batched.max_abs > 0 and not record.exact, batched
 
 
+def test_the_faithful_engine_is_exact_in_every_construction(tmp_path):
+    """kvfid's attention per request and the batch-invariant mode inside the same manager: every
+    row of the table 0 differing logprobs and K/V bit-exact, where the stock engine's alone vs
+    batched differs (the control above); the attention interface is restored after."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    before = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
+    shown = CliRunner().invoke(main, ["engine-check", "--engine", "transformers", "--faithful",
+                                      "--model", "tiny-llama", "-n", "2", "--tokens", "6", "--kv",
+                                      "--block-size", "8", "--chunk", "16", "--threads", "1",
+                                      "--format", "json"])
+    assert shown.exit_code == 0, shown.output
+    record = from_json(shown.stdout)
+    assert record.faithful and len(record.rows) == 5 and record.rows[-1].served_tokens >= 16
+    for row in record.rows:
+        assert row.tokens > 0 and row.differ == 0 and row.kv.exact and row.kv.positions > 0, row
+    assert record.exact and ALL_ATTENTION_FUNCTIONS._local_mapping == before
+
+
 @pytest.fixture(scope="module")
 def fp32_engine():
     engine = engine_for("transformers")
@@ -103,7 +122,7 @@ def test_the_same_request_twice_gives_the_same_bits(fp32_engine):
 
 
 @pytest.mark.parametrize("args, said", [
-    (["--faithful"], "--faithful: kvfid's attention is not registered"),
+    (["--faithful", "--attention", "paged|eager"], "the faithful attention replaces paged|sdpa"),
     (["--attention", "flash_attention_2"], "runs paged|sdpa or paged|eager"),
     (["--tp", "2"], "--tp is not offered by this engine"),
     (["--batch-invariant"], "no batch-invariant switch of its own")])
