@@ -108,7 +108,7 @@ def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: in
         tokens=tokens, chunk=chunk, rows=made, folder=getattr(running, "folder", ""),
         item_set=item_set, batch_invariant=batch_invariant, batch_invariant_note=note,
         faithful=faithful, kv=kv, wall_s=time.perf_counter() - start, threads=threads,
-        block_size=block, tp=tp, attention=attention or "")
+        block_size=block, tp=tp, attention=attention or "", engine_name=chosen_engine.name)
 
 
 def _diverged(*sides) -> dict:

@@ -1,10 +1,10 @@
 """The record of one `kvfid engine-check`: the ledger stores it like a run's unit, typed and frozen.
 
 One `EngineCheckRecord` holds what was measured (the engine and its version, model, dtype,
-prompts x tokens, the chunk, faithful or stock, VLLM_BATCH_INVARIANT and the note on it) and one
+prompts x tokens, the chunk, faithful or stock, the engine's batch-invariant switch and the note on it) and one
 `EngineRow` per pair of the engine's constructions: continuation tokens compared, those whose
 fp32 logprob bits differ, max |delta logprob|, items exact, and with `--kv` its `EngineKV` (the
-engine states read from vLLM's paged cache: first bad layer and position, elements, max |diff|,
+engine states read from the engine's paged cache: first bad layer and position, elements, max |diff|,
 max ULP, d_rel, d_rel per layer). Its own module because record.py is full; it registers its
 kind in record.RECORD_KINDS, and kvfid.records.read imports it, so a stored engine check reads back
 wherever records are read (`to_json` / `read.from_json`, like every record).
@@ -86,6 +86,7 @@ class EngineCheckRecord:
     threads: int | None = None                # the engines' torch threads (None: the engine's own)
     block_size: int = 32                      # the KV block in tokens the engines ran with
     tp: int = 1                               # the TP size compared with TP=1 (1: no TP rows)
+    engine_name: str = "vllm"                 # the engine's name in kvfid.engines.registry
     attention: str = ""                       # the engine's attention implementation ("": its default)
 
     @property
@@ -95,9 +96,9 @@ class EngineCheckRecord:
 
     @property
     def label(self) -> str:
-        """The engine as a stack label: `vllm 0.32.0/bf16`, `+faithful`, `+VLLM_BATCH_INVARIANT`."""
+        """The engine as a stack label: `vllm 0.32.0/bf16`, `+faithful`, `+batch-invariant` (its switch)."""
         return (f"{self.engine}/{self.dtype}" + ("+faithful" if self.faithful else "")
-                + ("+VLLM_BATCH_INVARIANT" if self.batch_invariant else ""))
+                + ("+batch-invariant" if self.batch_invariant else ""))
 
     def to_json(self, indent: int | None = None) -> str:
         return to_json(self, indent)

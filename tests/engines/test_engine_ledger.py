@@ -119,7 +119,7 @@ def test_the_report_holds_both_tables_and_colours_the_verdicts(tmp_path):
     assert "| prefix cache cold vs warm | 2/2 | - | - | 0 | 0 | 0 | 0 |" in text
     assert "32 positions served by the prefix cache" in text and "1 items' greedy" in text
     assert "| 3 | 0.001 | 0 | 0 |" in text                         # d_rel per layer, numbers
-    assert "kvfid engine-check --model smollm2-135m --dtype bf16 -n 2 --item-set arith " \
+    assert "kvfid engine-check --engine vllm --model smollm2-135m --dtype bf16 -n 2 --item-set arith " \
            "--tokens 8 --chunk 32 --kv" in text
     page = files["html"].read_text()
     assert 'class="v-diverges">5/16' in page and 'class="v-bit-exact">0/13' in page
