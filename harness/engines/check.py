@@ -64,7 +64,7 @@ def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: in
     base = base.with_(max_len=max(len(p) for p in prompts) + tokens + 1)
     name = chosen_engine.name_of
     with started(chosen_engine, base) as running:
-        block = running.block_size
+        block, folder = running.block_size, getattr(running, "folder", "")
         say("decode, one request at a time")
         alone, kv_alone = _alone(_decode, running, prompts, tokens, kv)
         say("decode, every prompt in one batch")
@@ -105,7 +105,7 @@ def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: in
     made = tuple(row if not kv else _with_kv(row, compare_rows(*states)) for row, states in rows)
     return EngineCheckRecord(
         model=model_name, dtype=dtype, engine=chosen_engine.version(), prompts=len(prompts),
-        tokens=tokens, chunk=chunk, rows=made, folder=getattr(running, "folder", ""),
+        tokens=tokens, chunk=chunk, rows=made, folder=folder,
         item_set=item_set, batch_invariant=batch_invariant, batch_invariant_note=note,
         faithful=faithful, kv=kv, wall_s=time.perf_counter() - start, threads=threads,
         block_size=block, tp=tp, attention=attention or "", engine_name=chosen_engine.name)

@@ -17,20 +17,18 @@ from kvfid.engines.vllm_llm import (BLOCK, batch_invariant_refusal, block_size, 
 class _Running:
     """A started vLLM engine as kvfid.engines.seam.Running."""
 
-    def __init__(self, llm, threads: int | None, folder: str):
-        self.llm, self.threads, self.folder = llm, threads, folder
+    def __init__(self, llm, folder: str):
+        self.llm, self.folder = llm, folder
         self.block_size = block_size(llm)
 
     def generate(self, prompts, tokens, temperature=0.0, seed=None, stop_ids=(), ignore_eos=False):
         requests: list = []
-        with torch_threads(self.threads):
-            made = generate(self.llm, prompts, tokens, temperature, seed, stop_ids, ignore_eos, requests)
+        made = generate(self.llm, prompts, tokens, temperature, seed, stop_ids, ignore_eos, requests)
         return [Generation(ids, lp, r) for (ids, lp), r in zip(made, requests)]
 
     def rescore(self, sequences, starts, read_cache=False):
         requests: list = []
-        with torch_threads(self.threads):
-            made = rescore(self.llm, sequences, starts, read_cache, requests)
+        made = rescore(self.llm, sequences, starts, read_cache, requests)
         return [Rescored(lp, served, r) for (lp, served), r in zip(made, requests)]
 
     def read_states(self, requests, sequences):
@@ -41,8 +39,9 @@ class _Running:
 
 @contextlib.contextmanager
 def _start(config: EngineConfig):
-    with engine(config) as llm:
-        yield _Running(llm, config.threads, model_folder(config.model))
+    """vLLM started, its calls at the config's torch threads for its life (restored after)."""
+    with engine(config) as llm, torch_threads(config.threads):
+        yield _Running(llm, model_folder(config.model))
 
 
 def _refusal(config: EngineConfig) -> str | None:
