@@ -130,8 +130,9 @@ def _mm_dtype(impl: str, original) -> Callable:
         if _triton(impl, a):
             return _matmul.matmul(a, b, out_dtype=out_dtype)
         if impl == "tiled":
+            call = lambda t, w: original.call_boxed(keys, t, w, out_dtype)   # noqa: E731
             return _tiled.by_tiles(_key("mm.dtype", a.shape[1], b, a.dtype, out_dtype),
-                                   lambda t: original.call_boxed(keys, t, b, out_dtype), a)
+                                   lambda t: call(t, b), a, probe=lambda: _tiled.on_stand_in(call, b))
         return torch.cat([original.call_boxed(keys, _fresh(a[i:i + 1]), b, out_dtype)
                           for i in range(a.shape[0])])
     return mm_dtype
@@ -220,7 +221,7 @@ def _softmax_like(log: bool) -> Callable:
                 name = "_log_softmax" if log else "_softmax"
                 out = _tiled.by_tiles(_key(name, flat.shape[1], None, x.dtype, out_dtype),
                                       lambda t: original.call_boxed(keys, t, -1, False), flat,
-                                      scale=3.0).reshape(moved.shape)
+                                      scale=3.0, reveal=False).reshape(moved.shape)
             else:
                 out = _rows_alone(moved, lambda row: original.call_boxed(keys, row, -1, False))
             return out.movedim(-1, dim).contiguous()  # the stock op's layout

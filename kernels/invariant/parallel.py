@@ -34,6 +34,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from kvfid.kernels.invariant.whole import revealing_rows, stand_in
+
 SEGMENTS = 8   # fixed segments of a reduction axis, or pieces of an output axis (TP sizes 1, 2, 4, 8)
 
 
@@ -111,8 +113,10 @@ _agree: dict[tuple, bool] = {}
 
 
 def pieces_agree(pieces: list[torch.Tensor], dtype: torch.dtype, bias: bool) -> bool:
-    """Whether one F.linear over the concatenated pieces gives, on random rows, the bits of each
-    piece's F.linear alone (probed once per shapes, dtype, bias, thread count and mode)."""
+    """Whether one F.linear over the concatenated pieces gives the bits of each piece's F.linear
+    alone, on random rows and weights and on revealing rows over stand-in weights
+    (kvfid.kernels.invariant.whole, "What a probe feeds"); probed once per shapes, dtype, bias,
+    thread count and mode."""
     from kvfid.kernels.invariant.mode import batch_invariant_mode
 
     key = (tuple(tuple(p.shape) for p in pieces), dtype, bias, torch.get_num_threads(),
@@ -124,12 +128,20 @@ def pieces_agree(pieces: list[torch.Tensor], dtype: torch.dtype, bias: bool) -> 
     x = torch.randn(3, pieces[0].shape[1], generator=gen).to(dtype)
     weights = [torch.randn(p.shape, generator=gen).to(dtype) for p in pieces]
     biases = [torch.randn(p.shape[0], generator=gen).to(dtype) if bias else None for p in pieces]
-    whole = F.linear(x, torch.cat(weights), torch.cat(biases) if bias else None)
-    alone = torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], -1)
-    same = bool((whole.contiguous().view(torch.uint8) == alone.contiguous().view(torch.uint8)).all())
+    revealing = revealing_rows(3, pieces[0].shape[1], dtype, torch.device("cpu"), seed=0)
+    stand_ins = [stand_in(w.t()).t() for w in weights]   # [n_i, K]: pairs equal along K
+    zeros = [torch.zeros_like(b) if bias else None for b in biases]
+    same = _concatenated_agrees(x, weights, biases) and _concatenated_agrees(revealing, stand_ins, zeros)
     with _lock:
         _agree[key] = same
     return same
+
+
+def _concatenated_agrees(x: torch.Tensor, weights: list[torch.Tensor], biases: list) -> bool:
+    """One F.linear of x over the concatenated weights against each weight's alone, bitwise."""
+    joined = F.linear(x, torch.cat(weights), torch.cat(biases) if biases[0] is not None else None)
+    alone = torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], -1)
+    return bool((joined.contiguous().view(torch.uint8) == alone.contiguous().view(torch.uint8)).all())
 
 
 def column_product(x: torch.Tensor, pieces: list[torch.Tensor], whole: torch.Tensor,

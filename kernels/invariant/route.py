@@ -65,7 +65,7 @@ ROUNDS = 11                 # interleaved timing rounds (a candidate's score: it
 MORE = 3                    # at most this many times ROUNDS while a score is near the margin
 # The selection rule's version, part of machine_key: a route kept under an earlier rule (other
 # candidates, another margin) is timed again, not reused beside fresh choices under one key.
-RULE = 4
+RULE = 5
 BAND = 1.15                 # "near the margin": within this factor of best * NEAR
 PIN_ENV = "KVFID_TILED_ROUTE"
 NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -161,9 +161,14 @@ def measure(dtype: torch.dtype) -> dict:
     """This machine's route for `dtype` (run under kvfid.kernels.invariant.mode's stock block, so
     torch.mm is the stock kernel): the timed product's floors, stock and widened; where the
     stock floor is one row, the stock call itself (`whole:1`, untimed); else `timed`'s choice."""
-    _, _, rows, products = _timed_product(dtype)
+    w, _, rows, products = _timed_product(dtype)
     half = dtype in (torch.bfloat16, torch.float16)
-    floors = {widen: whole.floor_of(products[widen], WIDTH, dtype, rows.device)
+    stand = whole.stand_in(w)   # what a revealing probe multiplies (whole, "What a probe feeds")
+    wide_stand = stand.float()
+    probes = {False: lambda t: torch.mm(t, stand),
+              True: lambda t: torch.mm(t.float(), wide_stand).to(dtype)}
+    floors = {widen: whole.floor_of(products[widen], WIDTH, dtype, rows.device,
+                                    probe=lambda widen=widen: probes[widen])
               for widen in ((False, True) if half else (False,))}
     if floors[False] == 1:
         return {"route": asdict(Route(1, whole=True)), "floors": _floor_names(floors),

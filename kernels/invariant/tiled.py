@@ -43,15 +43,19 @@ def _fresh(t: torch.Tensor) -> torch.Tensor:
 
 def trusted(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], width: int,
             dtype: torch.dtype, device: torch.device, scale: float = 1.0,
-            route: Route | None = None) -> bool:
+            route: Route | None = None, probe: Callable[[], Callable] | None = None,
+            reveal: bool = True) -> bool:
     """Whether tiles of `fn` at this key and route passed their probe (probed on first use, then
-    cached); the route defaults to this machine's for `dtype`."""
+    cached); the route defaults to this machine's for `dtype`. The probe: `fn` on random rows of
+    `scale`, and, where `reveal`, `probe()` (a product's stock call on a stand-in operand), else
+    `fn`, on revealing rows (kvfid.kernels.invariant.whole, "What a probe feeds")."""
     route = route or mode_route.route(dtype, device)
     key = (key, torch.get_num_threads(), route)
     with _lock:
         if key in _verdicts:
             return _verdicts[key] is None
-    verdict = whole.place_probe(fn, route.tile, width, dtype, device, scale)
+    verdict = whole.place_probe(whole.parts(fn, scale, probe, reveal), route.tile, width, dtype,
+                                device)
     with _lock:
         _verdicts[key] = verdict
     return verdict is None
@@ -70,29 +74,31 @@ def _stock_call_serves(key: Hashable, rows: torch.Tensor, route: Route) -> bool:
 
 
 def by_tiles(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor,
-             scale: float = 1.0, route: Route | None = None) -> torch.Tensor:
+             scale: float = 1.0, route: Route | None = None,
+             probe: Callable[[], Callable] | None = None, reveal: bool = True) -> torch.Tensor:
     """fn over rows [M, K] -> [M, N], the route's tile of rows per call (zero rows pad the last
-    tile); row by row where the probe for `key` failed."""
+    tile); row by row where the probe for `key` failed. `scale`, `probe`, `reveal`: what the
+    probe feeds (`trusted`)."""
     route = route or mode_route.route(rows.dtype, rows.device)
     if _stock_call_serves(key, rows, route):
         return fn(rows)
     m, width = rows.shape
-    served = _whole_span(key, fn, rows, scale, route)
+    served = _whole_span(key, fn, rows, scale, route, probe, reveal)
     if served is not None:
         return whole.call(fn, rows, served)
-    if not trusted(key, fn, width, rows.dtype, rows.device, scale, route):
+    if not trusted(key, fn, width, rows.dtype, rows.device, scale, route, probe, reveal):
         return torch.cat([fn(_fresh(rows[i:i + 1])) for i in range(m)])
     return whole.in_tiles(fn, rows, route.tile)
 
 
-def _whole_span(key: Hashable, fn: Callable, rows: torch.Tensor, scale: float,
-                route: Route) -> whole.Span | None:
+def _whole_span(key: Hashable, fn: Callable, rows: torch.Tensor, scale: float, route: Route,
+                probe: Callable[[], Callable] | None = None, reveal: bool = True) -> whole.Span | None:
     """The whole-call span serving `key` where the route takes one call per product and the
     key's probe found a floor (kvfid.kernels.invariant.whole); else None (the tiles serve)."""
     if not route.whole or rows.device.type != "cpu":
         return None
     served = whole.span(key, fn, rows.shape[0], rows.shape[1], rows.dtype, rows.device, scale,
-                        route.widen)
+                        route.widen, probe, reveal)
     return served if served.floor is not None else None
 
 
@@ -100,22 +106,40 @@ def product(key: Hashable, call: Callable, a: torch.Tensor, b: torch.Tensor,
             *extra: torch.Tensor) -> torch.Tensor:
     """`call(tile, b, *extra)` (a stock product of a tile of a's rows) over a [M, K] by tiles, in
     the route of a's dtype: widened, the tile, b and extra (a bias) go in as exact fp32 copies
-    (a weight's kept per version, kvfid.kernels.invariant.route.widened) and the product is rounded back."""
+    (a weight's kept per version, kvfid.kernels.invariant.route.widened) and the product is rounded back.
+    Its revealing probes call the stock product on a stand-in of b (zero for extra)."""
     route = mode_route.route(a.dtype, a.device)
     if not route.widen:
-        return by_tiles(key, lambda t: call(t, b, *extra), a, route=route)
+        return by_tiles(key, lambda t: call(t, b, *extra), a, route=route,
+                        probe=lambda: on_stand_in(call, b, extra))
     wide_b, wide_extra = mode_route.widened(b), tuple(mode_route.widened(e) for e in extra)
     fn = lambda t: call(t.float(), wide_b, *wide_extra).to(a.dtype)     # noqa: E731
     wide = lambda t: call(t, wide_b, *wide_extra)                       # noqa: E731
     # Probed on the fp32 products (before rounding back): equal there, equal rounded.
-    served = _whole_span(key, lambda t: wide(t.float()), a, 1.0, route)
+    served = _whole_span(key, lambda t: wide(t.float()), a, 1.0, route,
+                         lambda: _widened(on_stand_in(call, wide_b, wide_extra)))
     if served is not None:      # one call (or its floor's tiles), widened and rounded back once
         return whole.call(wide, a.float(), served).to(a.dtype)
-    if not trusted(key, fn, a.shape[1], a.dtype, a.device, route=route):
-        return by_tiles(key, fn, a, route=route)                        # row by row
+    probe = lambda: _rounded(on_stand_in(call, wide_b, wide_extra), a.dtype)   # noqa: E731
+    if not trusted(key, fn, a.shape[1], a.dtype, a.device, route=route, probe=probe):
+        return by_tiles(key, fn, a, route=route, probe=probe)          # row by row
     # The same tiles' products, each widened and rounded back once for all rows (both exact and
     # element-wise: the bits of calling `fn` tile by tile, at a fraction of the copies).
     return whole.in_tiles(wide, a.float(), route.tile).to(a.dtype)
+
+
+def on_stand_in(call: Callable, b: torch.Tensor, extra: tuple = ()) -> Callable:
+    """The stock product on a stand-in of b and zero extras: what a product's probe calls."""
+    stand_b, zeros = whole.stand_in(b), tuple(torch.zeros_like(e) for e in extra)
+    return lambda t: call(t, stand_b, *zeros)
+
+
+def _widened(fn: Callable) -> Callable:
+    return lambda t: fn(t.float())
+
+
+def _rounded(fn: Callable, dtype: torch.dtype) -> Callable:
+    return lambda t: fn(t.float()).to(dtype)
 
 
 def describe(key: Hashable, route: Route | None = None) -> str:

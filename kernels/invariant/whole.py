@@ -30,6 +30,23 @@ sample is not every count: it catches a kernel that switches path above some M (
 count above the switch fails) and the small-M paths and remainder rows near the floor (every count
 checked), not a path taken for a narrow band of counts between two samples alone.
 
+**What a probe feeds.** A half-precision product rounds its fp32 sum once: two calls that add a
+row's terms in different orders give sums a few fp32 ulps apart, and the rounded results differ
+only where a sum lies within those ulps of a rounding midpoint: random rows of normal values
+show an order change at a few outputs in a hundred thousand, and a probe on them alone passes a
+kernel that gives a model's row other bits (docs/hazards.md, "A probe on random rows"). So a
+probe also feeds **revealing**
+rows (`revealing_rows`): small terms of one magnitude, and a few pairs of big terms that cancel,
+each big enough that a small term added while it is open is lost in fp32. The exact sum is the
+small terms', and which of them a call keeps depends on the order it adds in, so any change of
+order changes the result by whole small terms, far above its rounding. A product's own operand
+would not cancel the pairs: its probe calls the stock kernel on a **stand-in** (`stand_in`) of the
+operand's shape, strides and dtype, whose two rows of each pair are equal, so that the pair's
+products cancel in every column (the kernel's path is chosen from shapes, strides, dtype and
+threads, never from the values). Every check holds on both (`parts`): random rows, whose fp32
+sums show any change of order, and revealing ones. A softmax's exponentials would overflow on
+revealing rows: it probes on random rows of a given scale only.
+
 A verdict is kept per machine, in `$KVFID_CACHE/whole-calls.json` under
 kvfid.kernels.invariant.machine.machine_key() (CPU model, dispatch capability, ISA variables, torch
 version, threads, the probe's RULE), so a later process reads the floor and ceiling back instead of
@@ -55,7 +72,9 @@ MAX_CEILING = 1 << 16               # no probe beyond this: tiles of F rows serv
 STORE = "whole-calls.json"
 # The probe's version, part of the machine key its spans are kept under (a span found by an
 # earlier probe is probed again, not reused).
-RULE = "whole 1"
+RULE = "whole 2"
+BIG = 2.0 ** 13     # a revealing row's big terms; its small terms are 1 / BIG: lost next to BIG in fp32
+PAIRS = 4           # pairs of cancelling big terms per revealing row
 
 
 @dataclass(frozen=True)
@@ -95,8 +114,55 @@ def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _random_rows(count: int, width: int, dtype: torch.dtype, device: torch.device, scale: float,
-                 seed: int) -> torch.Tensor:
+def pair_slots(width: int) -> torch.Tensor:
+    """The columns of a row of `width` that hold the cancelling big pairs [pairs, 2]: fixed per
+    width (a stand-in operand's equal rows sit at the same places), spread over the row."""
+    gen = torch.Generator().manual_seed(width)
+    pairs = min(PAIRS, width // 2)
+    return torch.randperm(width, generator=gen)[:2 * pairs].reshape(pairs, 2)
+
+
+def _signs(*shape: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 2, shape, generator=generator).float() * 2 - 1
+
+
+def revealing_rows(count: int, width: int, dtype: torch.dtype, device: torch.device,
+                   seed: int) -> torch.Tensor:
+    """[count, width] rows whose sums reveal the order of their terms: +-1/BIG everywhere but
+    at `pair_slots`, where each pair holds +BIG and -BIG (its sign drawn per row). Exact in
+    bf16, fp16 and fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = _signs(count, width, generator=gen) / BIG   # [count, width]
+    slots = pair_slots(width)
+    if len(slots):
+        sign = _signs(count, len(slots), generator=gen) * BIG   # [count, pairs]
+        rows[:, slots[:, 0]] = sign
+        rows[:, slots[:, 1]] = -sign
+    return rows.to(device, dtype)
+
+
+def stand_in(operand: torch.Tensor) -> torch.Tensor:
+    """A product's other operand [..., K, N] replaced for a probe: +-1 in its shape, strides,
+    dtype and device, the two rows of each of K's `pair_slots` equal, so that a revealing row's
+    big terms cancel in every column. An operand whose strides overlap (an expanded one) is
+    returned as it is."""
+    if any(st == 0 and n > 1 for st, n in zip(operand.stride(), operand.shape)):
+        return operand
+    gen = torch.Generator().manual_seed(1)
+    values = _signs(*operand.shape, generator=gen)   # [..., K, N]
+    slots = pair_slots(operand.shape[-2])
+    if len(slots):
+        values[..., slots[:, 1], :] = values[..., slots[:, 0], :]
+    out = torch.empty_strided(tuple(operand.shape), operand.stride(), dtype=operand.dtype,
+                              device=operand.device)
+    return out.copy_(values)
+
+
+def _random_rows(count: int, width: int, dtype: torch.dtype, device: torch.device,
+                 scale: float | None, seed: int) -> torch.Tensor:
+    """A probe's rows: revealing (`scale` None), else random normal values times `scale`."""
+    if scale is None:
+        return revealing_rows(count, width, dtype, device, seed)
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(count, width, generator=gen) * scale).to(device, dtype)
 
@@ -117,22 +183,41 @@ def in_tiles(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, til
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def place_probe(fn: Callable[[torch.Tensor], torch.Tensor], tile: int, width: int,
-                dtype: torch.dtype, device: torch.device, scale: float = 1.0) -> str | None:
-    """None when every row of a random [tile, width] tile has the bits it gets alone at place 0
-    of a zero tile; else which places differ."""
-    x = _random_rows(tile, width, dtype, device, scale, seed=0)
-    full = fn(_fresh(x))
-    bad = []
-    for place in range(tile):
-        alone = torch.zeros_like(x)
-        alone[0] = x[place]
-        if not _same_rows(fn(alone)[:1], full[place:place + 1]):
-            bad.append(place)
-    if not bad:
-        return None
-    shown = ", ".join(map(str, bad[:6])) + (", ..." if len(bad) > 6 else "")
-    return f"{len(bad)} of {tile} places ({shown}) differ from place 0"
+# A probe's part: a stock call and the rows it is fed, random normal values of a scale, or
+# revealing rows (None). Every check of a probe holds on every part.
+Part = tuple[Callable[[torch.Tensor], torch.Tensor], float | None]
+
+
+def parts(fn: Callable, scale: float | None = 1.0, probe: Callable[[], Callable] | None = None,
+          reveal: bool = True) -> tuple[Part, ...]:
+    """A key's probe: `fn` on random rows of `scale` (fp32 sums show any change of order), and,
+    where `reveal`, `probe()` (the stock call on a stand-in operand), else `fn`, on revealing
+    rows (a rounded half-precision sum shows it there)."""
+    random = ((fn, scale),) if scale is not None else ()
+    return random + (((probe() if probe else fn, None),) if reveal else ())
+
+
+def place_probe(probed: tuple[Part, ...], tile: int, width: int, dtype: torch.dtype,
+                device: torch.device) -> str | None:
+    """None when, on every part, every row of a [tile, width] tile has the bits it gets alone at
+    place 0 of a zero tile; else which places differ."""
+    for fn, scale in probed:
+        x = _random_rows(tile, width, dtype, device, scale, seed=0)
+        full = fn(_fresh(x))
+        bad = []
+        for place in range(tile):
+            alone = torch.zeros_like(x)
+            alone[0] = x[place]
+            if not _same_rows(fn(alone)[:1], full[place:place + 1]):
+                bad.append(place)
+        if bad:
+            shown = ", ".join(map(str, bad[:6])) + (", ..." if len(bad) > 6 else "")
+            return f"{len(bad)} of {tile} places ({shown}) differ from place 0{_on(scale)}"
+    return None
+
+
+def _on(scale: float | None) -> str:
+    return " on revealing rows" if scale is None else ""
 
 
 def _first_failing(fn: Callable, x: torch.Tensor, canon: torch.Tensor, counts: list[int]) -> int | None:
@@ -140,54 +225,63 @@ def _first_failing(fn: Callable, x: torch.Tensor, canon: torch.Tensor, counts: l
     return next((m for m in counts if not _same_rows(fn(_fresh(x[:m])), canon[:m])), None)
 
 
-def _find(fn: Callable, width: int, dtype: torch.dtype, device: torch.device, scale: float,
+def _find(probed: tuple[Part, ...], width: int, dtype: torch.dtype, device: torch.device,
           ceiling: int) -> Span:
     """Probe a key: its floor (the smallest F of FLOORS that passes the place probe and whose
-    one call gives the F-tile bits at every count from F to F + DENSE), then the sample above up
-    to `ceiling`."""
-    x = _random_rows(FLOORS[-1] + DENSE, width, dtype, device, scale, seed=1)
-    calls: dict[int, torch.Tensor] = {}
+    one call gives the F-tile bits at every count from F to F + DENSE, on every part), then the
+    sample above up to `ceiling`."""
+    xs = [_random_rows(FLOORS[-1] + DENSE, width, dtype, device, scale, seed=1) for _, scale in probed]
+    calls: list[dict[int, torch.Tensor]] = [{} for _ in probed]
     tried = []
     for floor in FLOORS:
-        place = place_probe(fn, floor, width, dtype, device, scale)
+        place = place_probe(probed, floor, width, dtype, device)
         if place is not None:
             tried.append(f"{floor}: {place}")
             continue
-        canon = in_tiles(fn, x[:floor + DENSE], floor)
         bad = None
-        for m in range(floor, floor + DENSE + 1):
-            if m not in calls:
-                calls[m] = fn(_fresh(x[:m]))
-            if not _same_rows(calls[m], canon[:m]):
-                bad = m
+        for (fn, scale), x, memo in zip(probed, xs, calls):
+            canon = in_tiles(fn, x[:floor + DENSE], floor)
+            for m in range(floor, floor + DENSE + 1):
+                if m not in memo:
+                    memo[m] = fn(_fresh(x[:m]))
+                if not _same_rows(memo[m], canon[:m]):
+                    bad = (m, scale)
+                    break
+            if bad is not None:
                 break
         if bad is None:
             found = Span(floor, floor + DENSE, floor + DENSE,
                          f"one call, floor {floor}, checked to {floor + DENSE} rows")
-            return _extend(fn, found, width, dtype, device, scale, max(ceiling, floor + DENSE))
-        tried.append(f"{floor}: one call of {bad} rows differs")
+            return _extend(probed, found, width, dtype, device, max(ceiling, floor + DENSE))
+        tried.append(f"{floor}: one call of {bad[0]} rows differs{_on(bad[1])}")
     return Span(None, 0, FLOORS[-1] + DENSE, f"no floor up to {FLOORS[-1]} rows (floor {tried[0]}; "
                 f"floor {tried[-1]})")
 
 
 def floor_of(fn: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype,
-             device: torch.device) -> int | None:
-    """The floor of a product (its dense counts only: no sample above, nothing kept): what a
-    route's timing weighs a whole call by."""
-    return _find(fn, width, dtype, device, 1.0, 0).floor
+             device: torch.device, probe: Callable[[], Callable] | None = None) -> int | None:
+    """The floor of a product (its dense counts only: no sample above, nothing kept) on random
+    rows and on revealing rows (through `probe()` where given): what a route's timing weighs a
+    whole call by."""
+    return _find(parts(fn, 1.0, probe), width, dtype, device, 0).floor
 
 
-def _extend(fn: Callable, span: Span, width: int, dtype: torch.dtype, device: torch.device,
-            scale: float, high: int) -> Span:
-    """The span's sample from its probed count up to `high`, against tiles of its floor."""
+def _extend(probed: tuple[Part, ...], span: Span, width: int, dtype: torch.dtype,
+            device: torch.device, high: int) -> Span:
+    """The span's sample from its probed count up to `high`, against tiles of its floor, on
+    every part."""
     counts = sample(span.probed, high)
     if not counts:
         return span
-    x = _random_rows(high, width, dtype, device, scale, seed=high)
-    canon = in_tiles(fn, x, span.floor)
-    bad = _first_failing(fn, x, canon, counts)
-    if bad is None:
+    failing = []
+    for fn, scale in probed:
+        x = _random_rows(high, width, dtype, device, scale, seed=high)
+        bad = _first_failing(fn, x, in_tiles(fn, x, span.floor), counts)
+        if bad is not None:
+            failing.append(bad)
+    if not failing:
         return Span(span.floor, high, high, f"one call, floor {span.floor}, checked to {high} rows")
+    bad = min(failing)
     passed = max([span.ceiling] + [m for m in counts if m < bad])
     return Span(span.floor, passed, high,
                 f"one call from {span.floor} to {passed} rows; {bad} rows differ, tiles of {span.floor} above")
@@ -226,10 +320,12 @@ def probed(key: Hashable, widen: bool) -> Span | None:
 
 
 def span(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], rows: int, width: int,
-         dtype: torch.dtype, device: torch.device, scale: float, widen: bool) -> Span:
+         dtype: torch.dtype, device: torch.device, scale: float | None, widen: bool,
+         probe: Callable[[], Callable] | None = None, reveal: bool = True) -> Span:
     """The span of `key` at this thread count, covering a call of `rows` rows where it can:
     this process's, else the machine's kept one, else probed now (and kept); extended when `rows`
-    is above what was probed. One process probes a key at a time (the others then read it)."""
+    is above what was probed. One process probes a key at a time (the others then read it). The
+    probe's parts: `parts(fn, scale, probe, reveal)`."""
     name = (key, widen, torch.get_num_threads())
     found = _spans.get(name)       # the common case: one dictionary read, no words made
     if found is not None and not _wants_more(found, rows):
@@ -249,7 +345,8 @@ def span(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], rows: int, w
                 if found is None and kept is not None:
                     found = Span(**kept)
                 if found is None or _wants_more(found, rows):
-                    found = _probe(found, fn, width, dtype, device, scale, rows)
+                    found = _probe(found, parts(fn, scale, probe, reveal), width, dtype,
+                                   device, rows)
                     if store is not None:
                         store.setdefault(key_of_machine, {})[text] = asdict(found)
                         with contextlib.suppress(OSError):
@@ -258,10 +355,10 @@ def span(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], rows: int, w
     return found
 
 
-def _probe(found: Span | None, fn, width, dtype, device, scale, rows) -> Span:
+def _probe(found: Span | None, probed: tuple[Part, ...], width, dtype, device, rows) -> Span:
     if found is None:
-        return _find(fn, width, dtype, device, scale, _ceiling_for(rows))
-    return _extend(fn, found, width, dtype, device, scale, _ceiling_for(rows))
+        return _find(probed, width, dtype, device, _ceiling_for(rows))
+    return _extend(probed, found, width, dtype, device, _ceiling_for(rows))
 
 
 def call(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, served: Span) -> torch.Tensor:

@@ -98,7 +98,7 @@ def test_a_stock_floor_of_one_row_is_the_route_untimed_and_any_other_is_timed(mo
                         {"route": {"tile": 4, "widen": False, "whole": False}})
     for stock, chosen in ((1, Route(1, whole=True)), (4, Route(4)), (None, Route(4))):
         monkeypatch.setattr(mode_route.whole, "floor_of",
-                            lambda fn, width, dtype, device, stock=stock: stock)
+                            lambda fn, width, dtype, device, probe=None, stock=stock: stock)
         record = mode_route.measure(torch.float32)
         assert Route(**record["route"]) == chosen
         assert (stock == 1) == ("untimed" in record.get("rule", ""))

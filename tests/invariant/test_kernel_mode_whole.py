@@ -192,3 +192,39 @@ def test_a_span_of_floor_one_is_the_stock_call_itself_and_any_other_floor_goes_t
         assert chained == through
         if floor == 1:
             assert_bitwise_equal(out, stock, "the stock call's bits")
+
+
+def ordered_product(t: torch.Tensor, w: torch.Tensor, reverse: bool) -> torch.Tensor:
+    """t @ w [M, N] with each output's terms added in fp32 one by one, first to last or last to
+    first, and rounded once to t's dtype: the same function, two orders (exact in IEEE fp32 on
+    any machine: an element-wise multiply and add per term)."""
+    acc = torch.zeros(t.shape[0], w.shape[1])
+    for k in (reversed(range(t.shape[1])) if reverse else range(t.shape[1])):
+        acc = acc + t[:, k:k + 1].float() * w[k].float()
+    return acc.to(t.dtype)
+
+
+def test_a_probe_reveals_a_change_of_summation_order_that_random_rows_hide():
+    # A kernel that adds a row's terms in another order when it has company: bf16 rounds the two
+    # fp32 sums alike almost always, so random rows pass it; revealing rows on a stand-in operand
+    # change by whole small terms and fail it at one row.
+    w = randn(WIDTH, OUT, seed=7, on="cpu").bfloat16()
+    order_by_count = lambda t, b: ordered_product(t, b, reverse=t.shape[0] > 1)   # noqa: E731
+    one_order = lambda t, b: ordered_product(t, b, reverse=False)                  # noqa: E731
+    on_random_rows = whole.parts(lambda t: order_by_count(t, w), 1.0, reveal=False)
+    assert whole._find(on_random_rows, WIDTH, torch.bfloat16, CPU, 0).floor == 1
+    revealed = whole.floor_of(lambda t: order_by_count(t, w), WIDTH, torch.bfloat16, CPU,
+                              probe=lambda: mode_tiled.on_stand_in(order_by_count, w))
+    assert revealed == 2     # a one-row call takes the other order; from two rows on, one order
+    assert whole.floor_of(lambda t: one_order(t, w), WIDTH, torch.bfloat16, CPU,
+                          probe=lambda: mode_tiled.on_stand_in(one_order, w)) == 1
+
+
+def test_revealing_rows_cancel_on_a_stand_in_and_keep_every_small_term_in_exact_arithmetic():
+    rows = whole.revealing_rows(8, WIDTH, torch.bfloat16, CPU, seed=3)   # [8, WIDTH]
+    operand = whole.stand_in(torch.empty(OUT, WIDTH, dtype=torch.bfloat16).t())   # [WIDTH, OUT]
+    assert operand.stride() == (1, WIDTH)   # the operand's layout, kept
+    exact = rows.double() @ operand.double()   # [8, OUT]: the big pairs cancel in every column
+    small = rows.double().abs() < 1
+    assert (rows.double().abs()[~small] == whole.BIG).all() and (~small).sum(1).eq(2 * whole.PAIRS).all()
+    assert torch.equal(exact, (rows.double() * small) @ operand.double())
