@@ -1,5 +1,5 @@
 """Commands that look closely at one item or one set of trajectories: `repro`, `blame`, `replay`,
-`rollouts`; and inside vLLM: `engine-check`, `engine-load`, `engine-bench`."""
+`rollouts`; and inside a serving engine: `engine-check`, `engine-load`, `engine-bench`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 
 import click
 
-from kvfid.commands.options import (constructions_option, db_option, exit_with, fmt_option,
-                                    item_options, repro_arguments, stack_options, take_stack)
+from kvfid.commands.options import (constructions_option, db_option, engine_options, exit_with,
+                                    fmt_option, item_options, repro_arguments, stack_options,
+                                    take_stack)
 from kvfid.names import BIT_EXACT, CONSTRUCTION_HELP, DIVERGES, VERDICT_HELP
 
 
@@ -92,8 +93,7 @@ def replay(fmt, expect_exact, **options) -> None:
 
 
 @click.command()
-@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
-              help="A preset (see `kvfid models`) or hf:<folder>.")
+@engine_options(engine=None)
 @click.option("--item-set", default="arith", show_default=True,
               help="Prompts: arith | arith-easy | jsonl:<path>.")
 @click.option("-n", "count", type=click.IntRange(1, 10000), default=8, show_default=True,
@@ -105,14 +105,6 @@ def replay(fmt, expect_exact, **options) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="The sampler's seed.")
 @click.option("--out", type=click.Path(dir_okay=False), required=True,
               help="The JSONL file to write.")
-@click.option("--engine", type=click.Choice(["transformers", "vllm"]), default="transformers",
-              show_default=True, help="Who samples: transformers (sdpa/fp32, one thread) or vLLM "
-                                      "(installed by `make install-vllm`).")
-@click.option("--dtype", default="bf16", show_default=True, help="vLLM's precision (--engine vllm).")
-@click.option("--faithful", is_flag=True,
-              help="--engine vllm with kvfid's batch-invariant attention and mode (its plugin).")
-@click.option("--tp", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="vLLM's tensor-parallel size (worker processes, each on its own cores).")
 @click.option("--server", help="Sample from an OpenAI-compatible completions server at this URL "
                                "(e.g. http://127.0.0.1:8000) instead.")
 def rollouts(**options) -> None:
@@ -126,9 +118,7 @@ def rollouts(**options) -> None:
 
 
 @click.command("engine-check")
-@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
-              help="smollm2-135m or hf:<folder> (vLLM loads folders).")
-@click.option("--dtype", default="bf16", show_default=True, help="bf16, fp16 or fp32.")
+@engine_options()
 @click.option("-n", "count", type=click.IntRange(1, 1000), default=8, show_default=True,
               help="Prompts (the first n items of --item-set).")
 @click.option("--item-set", default="arith", show_default=True,
@@ -136,19 +126,17 @@ def rollouts(**options) -> None:
 @click.option("--tokens", type=click.IntRange(1, 4096), default=48, show_default=True,
               help="Greedy tokens per prompt (end-of-turn ignored).")
 @click.option("--chunk", type=click.IntRange(1, 1 << 20), default=32, show_default=True,
-              help="The chunked-prefill budget (tokens per step; a multiple of 32).")
+              help="The step's token budget that splits a prefill into chunks (vLLM: a multiple of 32).")
 @click.option("--batch-invariant", is_flag=True,
-              help="Set VLLM_BATCH_INVARIANT=1 (the output says where vLLM does not apply it).")
+              help="The engine's own batch-invariant switch (vLLM: VLLM_BATCH_INVARIANT=1; the "
+                   "output says where the engine does not apply it).")
 @click.option("--kv", is_flag=True,
-              help="Also read each layer's K and V out of vLLM's paged cache and compare them bitwise.")
-@click.option("--faithful", is_flag=True,
-              help="Run vLLM with kvfid's batch-invariant attention and mode (its plugin).")
-@click.option("--threads", type=click.IntRange(1, 512), default=None,
-              help="The engines' calls at N torch threads (default: vLLM-CPU's own, one per core).")
-@click.option("--tp", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Also run the decode and the re-scoring on vLLM at this TP size and compare them with TP=1.")
-@click.option("--block-size", default="32", show_default=True, metavar="N|vllm",
-              help="The paged cache's KV block in tokens; `vllm`: vLLM's own default.")
+              help="Also read each layer's K and V out of the engine's paged cache and compare them bitwise.")
+@click.option("--block-size", default="32", show_default=True, metavar="N|default",
+              help="The paged cache's KV block in tokens; `default`: the engine's own.")
+@click.option("--attention", default=None, metavar="IMPL",
+              help="The engine's attention implementation where it has several (transformers: "
+                   "paged|sdpa, paged|eager).")
 @click.option("--db", type=click.Path(), default=None,
               help="Store the result in this ledger (with --report and no --db: $KVFID_DB, else "
                    "reports/ledger.sqlite).")
@@ -158,15 +146,17 @@ def rollouts(**options) -> None:
               help="The reports folder (with --report).")
 @fmt_option
 def engine_check(fmt, block_size, **options) -> None:
-    """vLLM's own constructions on the same tokens, bitwise: decode vs prefill re-scoring,
-    prefix cache cold vs warm, chunked prefill off vs on, alone vs batched."""
+    """An engine's own constructions on the same tokens, bitwise: decode vs prefill re-scoring,
+    alone vs batched, and where the engine offers them chunked prefill off vs on, prefix cache
+    cold vs warm, TP=1 vs TP=N."""
     from kvfid.tasks.engine_store import check_and_store
 
-    if block_size != "vllm" and not (block_size.isdigit() and int(block_size) > 0):
-        raise click.BadParameter(f"{block_size!r}: a positive number of tokens or `vllm`",
+    default = block_size == "default"
+    if not default and not (block_size.isdigit() and int(block_size) > 0):
+        raise click.BadParameter(f"{block_size!r}: a positive number of tokens or `default`",
                                  param_hint="--block-size")
     text, written = check_and_store(fmt, progress=lambda s: click.echo(f"engine-check: {s}", err=True),
-                                    block_size=None if block_size == "vllm" else int(block_size), **options)
+                                    block_size=None if default else int(block_size), **options)
     click.echo(text)
     for name, path in written.items():
         click.echo(f"{name}: {path}", err=True)
@@ -195,19 +185,13 @@ def engine_report(check_id, db, out, fmt) -> None:
 
 
 @click.command("engine-bench")
-@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
-              help="smollm2-135m or hf:<folder> (vLLM loads folders).")
-@click.option("--dtype", default="bf16", show_default=True, help="bf16, fp16 or fp32.")
+@engine_options(faithful=False)
 @click.option("-n", "count", type=click.IntRange(1, 1000), default=4, show_default=True,
               help="Prompts, all in one generate call (the first n items of --item-set).")
 @click.option("--item-set", default="arith", show_default=True,
               help="Prompts: arith | arith-easy | jsonl:<path>.")
 @click.option("--tokens", type=click.IntRange(2, 4096), default=32, show_default=True,
               help="Greedy tokens per prompt in the decode call.")
-@click.option("--threads", type=click.IntRange(1, 1024),
-              help="Both engines' calls at this many torch threads (default: vLLM-CPU's binding).")
-@click.option("--tp", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Both engines at this TP size (worker processes, each on its own cores).")
 @click.option("--load", "clients", type=click.IntRange(1, 1024), default=None,
               help="Under load instead: -n requests of engine-load's plan from this many clients, "
                    "generated tokens/s (median of 3).")
@@ -215,31 +199,19 @@ def engine_report(check_id, db, out, fmt) -> None:
               help="With --load: the paged cache's size in blocks of 32 tokens.")
 @fmt_option
 def engine_bench(fmt, clients, kv_blocks, **options) -> None:
-    """The faithful engine's price: stock and faithful vLLM on the same requests, prefill and
-    decode tokens per second (medians of 3) and how many times slower faithful is; with --load,
-    generated tokens per second under engine-load's load."""
-    from kvfid.engines import bench
+    """The faithful engine's price: the stock and faithful engine on the same requests, prefill
+    and decode tokens per second (medians of 3) and how many times slower faithful is; with
+    --load, generated tokens per second under engine-load's load."""
+    from kvfid.tasks.engine_store import bench
 
     say = lambda s: click.echo(f"engine-bench: {s}", err=True)  # noqa: E731
-    if clients is not None:
-        from kvfid.engines.load_plan import LoadShape
-
-        if options["tp"] != 1:
-            raise click.UsageError("--load runs the engine at TP 1; drop --tp or --load")
-
-        shape = LoadShape(requests=options["count"], clients=clients, tokens=options["tokens"])
-        result = bench.load_bench(options["model_name"], options["dtype"], shape, kv_blocks=kv_blocks,
-                                  threads=options["threads"], progress=say)
-        click.echo(json.dumps(result, indent=1) if fmt == "json" else bench.render_load(result))
-        return
-    result = bench.engine_bench(progress=say, **options)
-    click.echo(json.dumps(result, indent=1) if fmt == "json" else bench.render(result))
+    if clients is not None and options["tp"] != 1:
+        raise click.UsageError("--load runs the engine at TP 1; drop --tp or --load")
+    click.echo(bench(fmt, clients, kv_blocks, progress=say, **options))
 
 
 @click.command("engine-load")
-@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
-              help="smollm2-135m or hf:<folder> (vLLM loads folders).")
-@click.option("--dtype", default="bf16", show_default=True, help="bf16, fp16 or fp32.")
+@engine_options(tp=False)
 @click.option("-n", "requests", type=click.IntRange(1, 10000), default=64, show_default=True,
               help="Requests in the plan.")
 @click.option("--clients", type=click.IntRange(1, 1024), default=8, show_default=True,
@@ -256,9 +228,7 @@ def engine_bench(fmt, clients, kv_blocks, **options) -> None:
               help="Chunked prefill by this many tokens per step (greedy plans only; default: off).")
 @click.option("--no-prefix-cache", "prefix_caching", flag_value=False, default=True,
               help="Run the engines without the prefix cache.")
-@click.option("--faithful", is_flag=True,
-              help="Run vLLM with kvfid's batch-invariant attention and mode (its plugin).")
-@click.option("--server", is_flag=True, help="Serve the load by vLLM's own OpenAI server, "
+@click.option("--server", is_flag=True, help="Serve the load by the engine's own OpenAI server, "
                                              "started here on 127.0.0.1 and stopped at the end.")
 @click.option("--client-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0,
               show_default=True, help="--server: seconds a client waits for one answer.")
@@ -266,9 +236,6 @@ def engine_bench(fmt, clients, kv_blocks, **options) -> None:
               help="--server: kill the server after this many answers (what a dead server leaves).")
 @click.option("--sweep", is_flag=True, help="Also sweep co-resident sequences (1..64) and prompt "
                                             "lengths across 256 and the chunk size.")
-@click.option("--threads", type=click.IntRange(1, 512), default=None,
-              help="The engines' calls at N torch threads (default: vLLM-CPU's own; with --server "
-                   "1: its worker bound to N cores).")
 @db_option
 @click.option("--report", is_flag=True, help="Also write its report under OUT/<environment "
                                              "key>/<id>/ and update OUT/index.md.")
@@ -276,7 +243,7 @@ def engine_bench(fmt, clients, kv_blocks, **options) -> None:
               help="The reports folder (with --report).")
 @fmt_option
 def engine_load(fmt, db, report, out, **options) -> None:
-    """vLLM under load (concurrent clients, a small KV cache that forces preemption, shared
+    """An engine under load (concurrent clients, a small KV cache that forces preemption, shared
     prefixes, greedy and seeded sampling), each request bit for bit against itself run alone;
     stored in the ledger (exit 1 when a request differs, 3 when some are missing)."""
     from kvfid.tasks.engine_load_command import run_engine_load

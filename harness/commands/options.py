@@ -126,3 +126,30 @@ def exit_with(ok: bool) -> None:
     from kvfid.errors import EXIT_OK, EXIT_VERDICT
 
     raise SystemExit(EXIT_OK if ok else EXIT_VERDICT)
+
+
+# --engine, --model, --dtype, --threads, --faithful, --tp: one engine, as every engine command
+# starts one (kvfid.engines.registry names the engines; an unknown one is refused there, exit 2).
+def engine_options(tp: bool = True, faithful: bool = True, engine: str | None = "vllm"):
+    """The engine commands' shared options (`tp`, `faithful`: whether the command takes them;
+    `engine`: the default, None for a command that runs without one unless told)."""
+    shared = [
+        click.option("--engine", default=engine, show_default=engine is not None, metavar="NAME",
+                     help="The serving engine: vllm (`make install-vllm`) or transformers "
+                          "(its continuous batching, paged attention, on CPU)"
+                          + ("." if engine else "; default: none, kvfid samples on sdpa/fp32, "
+                             "one thread.")),
+        click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+                     help="smollm2-135m or hf:<folder> (the engines load folders)."),
+        click.option("--dtype", default="bf16", show_default=True, help="bf16, fp16 or fp32."),
+        click.option("--threads", type=click.IntRange(1, 1024), default=None,
+                     help="The engine's calls at N torch threads (default: the engine's own).")]
+    if faithful:
+        shared.append(click.option("--faithful", is_flag=True,
+                                   help="Run the engine with kvfid's batch-invariant attention "
+                                        "and mode inside it."))
+    if tp:
+        shared.append(click.option("--tp", type=click.IntRange(1, 64), default=1, show_default=True,
+                                   help="Tensor-parallel size (worker processes, each on its own "
+                                        "cores), where the engine offers it."))
+    return options(*shared)

@@ -50,7 +50,7 @@ from kvfid.records.replay_record import LogprobMismatch, ReplayRecord
 from kvfid.stacks.stack import Stack
 from kvfid.inputs.trajectories import (Trajectory, as_row, check_fits,  # noqa: F401
                                        load_trajectories, trajectories_from_rows)
-from kvfid import checks
+
 from kvfid.diagnoses.subject import check_model_name, check_subject
 from kvfid.engines.check import engine_rollouts
 from kvfid.engines.server import server_rollouts
@@ -235,22 +235,25 @@ def checked_replay(trajectories, model_name, stack: Stack, constructions: str):
 
 
 def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, temperature: float,
-                     seed: int, out: str, engine: str = "transformers", server: str | None = None,
-                     dtype: str = "bf16", faithful: bool = False,
-                     tp: int = 1) -> tuple[list[dict], str]:
-    """`kvfid rollouts`: sample on sdpa/fp32 (one thread), with vLLM (`engine="vllm"`, at
-    `dtype`; `faithful`: its faithful engine) or from an OpenAI-compatible server, and write the
-    JSONL atomically."""
+                     seed: int, out: str, engine: str | None = None, server: str | None = None,
+                     dtype: str = "bf16", faithful: bool = False, tp: int = 1,
+                     threads: int | None = None) -> tuple[list[dict], str]:
+    """`kvfid rollouts`: sample on sdpa/fp32 (one thread), with a serving engine (`engine`, a
+    name in kvfid.engines.registry, at `dtype`; `faithful`: its faithful mode) or from an
+    OpenAI-compatible server, and write the JSONL atomically."""
     check_model_name(model_name)
-    if faithful and (engine != "vllm" or server is not None):
-        raise BadInput("--faithful is for --engine vllm (kvfid's plugin runs inside vLLM)")
-    if tp != 1 and (engine != "vllm" or server is not None):
-        raise BadInput("--tp is for --engine vllm (its model sharded over worker processes)")
+    engine_only = [name for name, given in (("--faithful", faithful), (f"--tp {tp}", tp != 1),
+                                            (f"--threads {threads}", threads is not None)) if given]
+    if engine_only and (engine is None or server is not None):
+        raise BadInput(f"{engine_only[0]} is for a serving engine (--engine NAME), which runs "
+                       "the model itself")
+    if server is not None and engine is not None:
+        raise BadInput("--server and --engine: one sampler, a server or an engine")
     if server is not None:
         rows = server_rollouts(server, model_name, item_set, count, tokens, temperature, seed)
-    elif engine == "vllm":
-        rows = engine_rollouts(model_name, item_set, count, tokens, temperature, seed, dtype, faithful,
-                               tp)
+    elif engine is not None:
+        rows = engine_rollouts(engine, model_name, item_set, count, tokens, temperature, seed, dtype,
+                               faithful, tp, threads)
     else:
         try:
             chosen = items.load_item_set(item_set, count)

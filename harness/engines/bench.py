@@ -25,9 +25,9 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from kvfid.engines import engine as vllm_engine, load
-from kvfid.engines.engine import EngineConfig
+from kvfid.engines import load, vllm_llm
 from kvfid.engines.load_plan import plan_load
+from kvfid.engines.seam import EngineConfig
 from kvfid.errors import BadInput
 from kvfid.inputs.trajectories import items_and_codec
 
@@ -48,9 +48,9 @@ def _wall(call) -> float:
 
 
 def _measure(llm, prompts, tokens: int, repeats: int) -> dict:
-    vllm_engine.generate(llm, prompts, 2, ignore_eos=True)              # warm-up, not timed
+    vllm_llm.generate(llm, prompts, 2, ignore_eos=True)              # warm-up, not timed
     def timed(n: int) -> list[float]:
-        return [_wall(lambda: vllm_engine.generate(llm, prompts, n, ignore_eos=True)) for _ in range(repeats)]
+        return [_wall(lambda: vllm_llm.generate(llm, prompts, n, ignore_eos=True)) for _ in range(repeats)]
 
     prefill, full = timed(1), timed(tokens)
     prompt_tokens, decoded = sum(len(p) for p in prompts), len(prompts) * (tokens - 1)
@@ -65,10 +65,11 @@ def engine_bench(model_name: str, dtype: str, count: int, tokens: int, item_set:
                  tp: int = 1) -> dict:
     """Stock and faithful vLLM on the same prompts: tokens/s per phase and faithful / stock;
     `tp`: both engines sharded over that many worker processes."""
+
     if tokens < 2:
         raise BadInput(f"--tokens {tokens}: at least 2 (decode is timed after the first token)")
-    vllm_engine.require_vllm()
-    folder = vllm_engine.model_folder(model_name)
+    vllm_llm.require_vllm()
+    folder = vllm_llm.model_folder(model_name)
     chosen, codec = items_and_codec(model_name, item_set, count)
     prompts = [codec.prompt_ids(i.prompt) for i in chosen]
     longest = max(len(p) for p in prompts) + tokens + 1
@@ -77,13 +78,13 @@ def engine_bench(model_name: str, dtype: str, count: int, tokens: int, item_set:
     measured = {}
     for name, faithful in bench.engines:
         say(f"{name} engine")
-        with vllm_engine.engine(folder, dtype, EngineConfig(faithful=faithful, tp=tp),
-                                max_len=longest) as llm, \
-                vllm_engine.torch_threads(threads) as used:
+        with vllm_llm.engine(EngineConfig(f"hf:{folder}", dtype, longest, faithful=faithful,
+                                             tp=tp)) as llm, \
+                vllm_llm.torch_threads(threads) as used:
             measured[name] = {**_measure(llm, prompts, tokens, bench.repeats), "threads": used}
     ratio = {phase: measured["stock"][f"{phase}_tok_s"] / measured["faithful"][f"{phase}_tok_s"]
              for phase in ("prefill", "decode")}
-    return {"model": model_name, "dtype": dtype, "engine": f"vllm {vllm_engine.version()}",
+    return {"model": model_name, "dtype": dtype, "engine": f"vllm {vllm_llm.version()}",
             "prompts": len(prompts), "tokens": tokens, "repeats": bench.repeats, "tp": tp,
             "engines": measured, "slowdown": ratio}
 
@@ -107,8 +108,9 @@ def load_bench(model_name: str, dtype: str, shape, seed: int = 0, kv_blocks: int
     """Stock and faithful vLLM under the same load (kvfid.engines.load's plan, clients and KV
     budget; vLLM's own scheduler, no recording): generated tokens/s of each repeat (the prefix
     cache emptied before each), their median per engine and stock / faithful."""
-    vllm_engine.require_vllm()
-    folder = vllm_engine.model_folder(model_name)
+
+    vllm_llm.require_vllm()
+    folder = vllm_llm.model_folder(model_name)
     plan = plan_load(shape, seed)
     max_len = plan.longest + 1
     load.check_budget(plan, kv_blocks, max_len)
@@ -116,18 +118,18 @@ def load_bench(model_name: str, dtype: str, shape, seed: int = 0, kv_blocks: int
     measured = {}
     for name, faithful in EngineBench().engines:
         say(f"{name} engine under load")
-        config = EngineConfig(prefix_caching=True, faithful=faithful, kv_blocks=kv_blocks,
-                              split_prompts=False)
-        with vllm_engine.engine(folder, dtype, config, max_len=max_len) as llm, \
-                vllm_engine.torch_threads(threads) as used:
-            vllm_engine.generate(llm, [list(plan.requests[0].prompt)], 2, ignore_eos=True)   # warm-up
+        config = EngineConfig(f"hf:{folder}", dtype, max_len, prefix_caching=True, faithful=faithful,
+                              kv_blocks=kv_blocks, split_prompts=False)
+        with vllm_llm.engine(config) as llm, \
+                vllm_llm.torch_threads(threads) as used:
+            vllm_llm.generate(llm, [list(plan.requests[0].prompt)], 2, ignore_eos=True)   # warm-up
             rates = []
             for _ in range(repeats):
                 llm.reset_prefix_cache()
                 served, missing, steps, wall = load.drive(llm, plan)
                 rates.append(sum(len(t) for t, _ in served.values()) / wall)
         measured[name] = {"tok_s": statistics.median(rates), "repeats": rates, "threads": used}
-    return {"model": model_name, "dtype": dtype, "engine": f"vllm {vllm_engine.version()}",
+    return {"model": model_name, "dtype": dtype, "engine": f"vllm {vllm_llm.version()}",
             "requests": len(plan.requests), "clients": shape.clients, "tokens": shape.tokens,
             "kv_blocks": kv_blocks, "seed": seed, "engines": measured,
             "slowdown": measured["stock"]["tok_s"] / measured["faithful"]["tok_s"]}

@@ -31,6 +31,7 @@ import os
 
 from kvfid.engines import faithful_tp
 from kvfid.engines.kv import paged_layout
+from kvfid.engines.seam import variables
 from kvfid.kernels.attention.paged import layouts, paged_attention
 from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 from kvfid.stacks.stack import Stack
@@ -47,9 +48,16 @@ COMPLEX_PRODUCTS = False
 
 def _backend_classes():
     """The faithful backend and its implementation (classes built once vLLM imports)."""
-    from vllm.v1.attention.backend import AttentionType   # lazy: vLLM is optional (.venv-vllm only)
     # lazy: vLLM is optional (.venv-vllm only)
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl, _get_attn_isa
+    from vllm.v1.attention.backend import (
+        AttentionType,  # lazy: vLLM is optional (.venv-vllm only)
+    )
+    from vllm.v1.attention.backends.cpu_attn import (  # lazy: vLLM is optional (.venv-vllm only)
+        CPUAttentionBackend,
+        CPUAttentionBackendImpl,
+        _get_attn_isa,
+    )
+
 
     class FaithfulAttentionImpl(CPUAttentionBackendImpl):
         """kvfid's native attention over vLLM's paged cache (kvfid.kernels.attention.paged)."""
@@ -57,7 +65,9 @@ def _backend_classes():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             # lazy: vLLM is optional (.venv-vllm only)
-            from vllm.config import get_current_vllm_config
+            from vllm.config import (
+                get_current_vllm_config,  # lazy: vLLM is optional (.venv-vllm only)
+            )
 
             config = get_current_vllm_config()
             ops = list(config.compilation_config.custom_ops)
@@ -98,6 +108,7 @@ def _backend_classes():
 @functools.lru_cache(maxsize=None)
 def _layout(isa: str, dtype, block: int, head: int) -> tuple:
     """How vLLM's writer lays a block out, as the paged kernel reads it."""
+
     return layouts(*paged_layout(isa, dtype, block, head), block, head)
 
 
@@ -107,9 +118,14 @@ def _linear(layer, remove_weight: bool, stock) -> None:
 
 
 def _rms_norm_class():
-    from vllm.ir.ops.layernorm import rms_norm   # lazy: vLLM is optional (.venv-vllm only)
     # lazy: vLLM is optional (.venv-vllm only)
-    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.ir.ops.layernorm import (
+        rms_norm,  # lazy: vLLM is optional (.venv-vllm only)
+    )
+    # lazy: vLLM is optional (.venv-vllm only)
+    from vllm.model_executor.layers.layernorm import (
+        RMSNorm,  # lazy: vLLM is optional (.venv-vllm only)
+    )
 
     native = rms_norm.impls["native"].impl_fn
 
@@ -131,11 +147,19 @@ def _rms_norm_class():
 
 def _install():
     """Install the overrides; returns the function that removes them."""
-    from vllm.model_executor import custom_op   # lazy: vLLM is optional (.venv-vllm only)
-    from vllm.model_executor.layers import utils   # lazy: vLLM is optional (.venv-vllm only)
-    from vllm.v1.attention import selector   # lazy: vLLM is optional (.venv-vllm only)
     # lazy: vLLM is optional (.venv-vllm only)
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.model_executor import (
+        custom_op,  # lazy: vLLM is optional (.venv-vllm only)
+    )
+    # lazy: vLLM is optional (.venv-vllm only)
+    from vllm.model_executor.layers import (
+        utils,  # lazy: vLLM is optional (.venv-vllm only)
+    )
+    from vllm.v1.attention import selector  # lazy: vLLM is optional (.venv-vllm only)
+    from vllm.v1.attention.backends.registry import (  # lazy: vLLM is optional (.venv-vllm only)
+        AttentionBackendEnum,
+        register_backend,
+    )
 
     member = AttentionBackendEnum.CPU_ATTN
     had_override = member.is_overridden() and member.get_path()
@@ -164,6 +188,7 @@ def _install():
 
 def mode_impl() -> str:
     """The batch-invariant mode's implementation a faithful engine runs (the native stack's)."""
+
     return os.environ.get(IMPL_ENV) or Stack("native", "bf16", batch_invariant=True).batch_invariant_impl
 
 
@@ -173,20 +198,14 @@ def in_workers():
     processes (TP>1): each worker's plugin installs it for its life (KVFID_FAITHFUL=1 and the
     mode's implementation in their environment); the variables are restored on exit."""
     global _parent
-    saved = {name: os.environ.get(name) for name in (ENV, IMPL_ENV, TP_ENV)}
-    os.environ[IMPL_ENV] = mode_impl()
-    os.environ[ENV] = "1"
-    os.environ[TP_ENV] = "1"               # workers exist only at TP>1
-    _parent = os.getpid()                  # this process's own plugin call stays a no-op
-    try:
-        yield
-    finally:
-        _parent = None
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+
+    # workers exist only at TP>1: TP_ENV on
+    with variables(**{IMPL_ENV: mode_impl(), ENV: "1", TP_ENV: "1"}):
+        _parent = os.getpid()                  # this process's own plugin call stays a no-op
+        try:
+            yield
+        finally:
+            _parent = None
 
 
 @contextlib.contextmanager
@@ -194,20 +213,16 @@ def installed(tp_invariant: bool = False):
     """The faithful engine for engines started in this process within the block (with the
     TP-invariant products where `tp_invariant`); everything is restored on exit (the backend
     registry, the GEMM dispatch, RMSNorm, the mode, the variables)."""
-    before = {name: os.environ.get(name) for name in (ENV, TP_ENV)}
-    os.environ[ENV] = "in-process"           # the plugin, loaded by each engine, then does nothing
-    os.environ[TP_ENV] = "1" if tp_invariant else "0"
-    remove = _install()
-    try:
-        with set_batch_invariant_mode(impl=mode_impl(), complex_products=COMPLEX_PRODUCTS):
-            yield
-    finally:
-        remove()
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+
+
+    # ENV "in-process": the plugin, loaded by each engine, then does nothing
+    with variables(**{ENV: "in-process", TP_ENV: "1" if tp_invariant else "0"}):
+        remove = _install()
+        try:
+            with set_batch_invariant_mode(impl=mode_impl(), complex_products=COMPLEX_PRODUCTS):
+                yield
+        finally:
+            remove()
 
 
 def register() -> None:

@@ -19,8 +19,7 @@ import re
 
 import torch
 
-from kvfid.records.engine import EngineKV
-from kvfid.states.cache import BoundaryState, compare_states
+from kvfid.states.cache import BoundaryState
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,32 +101,3 @@ def read_states(llm, requests: list[str], sequences: list[list[int]]) -> list[Bo
     read = {r: tuple([torch.cat(parts, 1) for parts in zip(*(rank[r][i] for rank in ranks))]
                      for i in (0, 1)) for r in requests}
     return [BoundaryState(s, keys=read[r][0], values=read[r][1]) for r, s in zip(requests, sequences)]
-
-
-def trimmed(state: BoundaryState, length: int) -> BoundaryState:
-    """The state over its first `length` positions."""
-    return BoundaryState(state.prefix[:length], keys=[k[:, :, :length] for k in state.keys],
-                         values=[v[:, :, :length] for v in state.values])
-
-
-def compare_rows(a: list[BoundaryState], b: list[BoundaryState],
-                 lengths: list[int] | None = None) -> EngineKV:
-    """One KV row: pairs of engine states compared over their common positions (or `lengths`)."""
-    lengths = lengths or [min(len(x.prefix), len(y.prefix)) for x, y in zip(a, b)]
-    diffs = [compare_states(trimmed(x, n), trimmed(y, n)) for x, y, n in zip(a, b, lengths)]
-    per_layer: dict[int, list[float]] = {}
-    for diff in diffs:
-        for layer in diff.layers:
-            per_layer.setdefault(layer.layer, []).append(max(layer.k.d_rel, layer.v.d_rel))
-    return EngineKV(
-        items=len(a), items_exact=sum(d.bit_exact for d in diffs),
-        first_bad_layer=min((d.first_bad_layer for d in diffs if d.first_bad_layer is not None),
-                            default=None),
-        first_position=min((d.first_position for d in diffs if d.first_position is not None),
-                           default=None),
-        n_diff=sum(d.n_diff for d in diffs), max_abs=max((d.max_abs for d in diffs), default=0.0),
-        max_ulp=max((d.max_ulp for d in diffs), default=0),
-        d_rel=max((d.d_rel for d in diffs), default=0.0), positions=sum(lengths[:len(diffs)]),
-        d_rel_per_layer=tuple(max(per_layer[i]) for i in sorted(per_layer)),
-        d_rel_aggregation="per item over every layer's K and V concatenated, then the worst "
-                          "item; per layer: the worst of K and V, worst item")

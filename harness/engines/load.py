@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import tempfile
 import time
 from pathlib import Path
 
-from kvfid.engines import engine as vllm_engine
-from kvfid.engines.engine import BLOCK, EngineConfig
+from kvfid.engines import vllm_llm
+from kvfid.engines.seam import EngineConfig, variables
+from kvfid.engines.vllm_llm import BLOCK
 from kvfid.engines.load_compare import Served, compare_request, missing_request
 from kvfid.engines.load_plan import LoadPlan, PlannedRequest
 from kvfid.errors import BadInput
@@ -54,15 +54,8 @@ def recording_into(folder: Path):
     """The recording scheduler of engines started in the block writes into `folder`."""
     from kvfid.engines.load_scheduler import DIR_ENV   # lazy: vLLM is optional (.venv-vllm only)
 
-    before = os.environ.get(DIR_ENV)
-    os.environ[DIR_ENV] = str(folder)
-    try:
+    with variables(**{DIR_ENV: str(folder)}):
         yield folder
-    finally:
-        if before is None:
-            os.environ.pop(DIR_ENV, None)
-        else:
-            os.environ[DIR_ENV] = before
 
 
 def seen_lines(folder: Path) -> dict[int, dict]:
@@ -186,10 +179,11 @@ def run_load(folder: str, dtype: str, plan: LoadPlan, kv_blocks: int, chunk: int
         work = Path(work) if work else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvfid-load-")))
         load_dir, alone_dir = work / "load", work / "alone"
         config = engine_config(plan, faithful, chunk, kv_blocks, prefix_caching)
+        at = lambda c: c.with_(model=f"hf:{folder}", dtype=dtype, max_len=max_len)  # noqa: E731
         say(f"load: {len(plan.requests)} requests from {plan.shape.clients} clients, {kv_blocks} KV blocks")
         if served_by is None:
-            with recording_into(load_dir), vllm_engine.engine(folder, dtype, config, max_len=max_len) as llm, \
-                    vllm_engine.torch_threads(threads):
+            with recording_into(load_dir), vllm_llm.engine(at(config)) as llm, \
+                    vllm_llm.torch_threads(threads):
                 served, missing, steps, wall = drive(llm, plan, say)
         else:
             served, missing, steps, wall = served_by(plan, config, max_len, load_dir)
@@ -197,8 +191,8 @@ def run_load(folder: str, dtype: str, plan: LoadPlan, kv_blocks: int, chunk: int
         again = [r for r in plan.requests if r.index not in missing]
         say(f"alone: {len(again)} requests, one at a time")
         alone_config = engine_config(plan, faithful, chunk, None, prefix_caching)
-        with recording_into(alone_dir), vllm_engine.engine(folder, dtype, alone_config, max_len=max_len) as llm, \
-                vllm_engine.torch_threads(threads):
+        with recording_into(alone_dir), vllm_llm.engine(at(alone_config)) as llm, \
+                vllm_llm.torch_threads(threads):
             reference = alone(llm, again, say)
         seen_alone = seen_lines(alone_dir)
         rows = []

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from kvfid.engines.bits import trimmed
 from kvfid.records.engine_load import LoadRequest, StateDiff
-from kvfid.engines.kv import trimmed
 from kvfid.states.cache import BoundaryState, compare_states, sha_cache
 
 
@@ -49,12 +49,14 @@ def load_state(folder: Path, name: str | None):
     if not name:
         return None
 
+
     saved = torch.load(folder / name, weights_only=True)
     return BoundaryState(list(saved["tokens"]), keys=saved["keys"], values=saved["values"])
 
 
 def state_diff(a, b, positions: int) -> StateDiff:
     """Two states compared bitwise over their first `positions` positions."""
+
     return StateDiff.of(compare_states(trimmed(a, positions), trimmed(b, positions)), positions)
 
 
@@ -68,6 +70,7 @@ def compare_request(planned, load: Served, alone: Served, load_folder: Path,
     kv, resumed, sha = None, (), None
     live = load_state(load_folder, seen.get("final_state"))
     if live is not None:
+
         sha = sha_cache(live)
     reference = load_state(alone_folder, alone.seen.get("final_state"))
     if live is not None and reference is not None:

@@ -5,11 +5,10 @@
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 
-from kvfid.engines import engine as vllm_engine, load, load_server, load_sweep
+from kvfid.engines import load, load_server, load_sweep, vllm_llm
 from kvfid.engines.load_plan import LoadShape, plan_load
 from kvfid.records.engine_load import EngineLoadRecord
 
@@ -21,33 +20,29 @@ def engine_load(model_name: str, dtype: str, shape: LoadShape, seed: int = 0, kv
     """The load run's record (kvfid.engines.load's docstring): `server`, vLLM's own OpenAI
     server started here (kvfid.engines.load_server); `sweep` a SweepShape to run after it;
     `faults` (server only) the failures to inject (load_server.Faults)."""
+
     say = progress or (lambda _: None)
     plan = plan_load(shape, seed)                      # refusals before any engine starts
     load.engine_config(plan, faithful, chunk, kv_blocks, prefix_caching)
     load.check_budget(plan, kv_blocks, plan.longest + 1)
     if server and threads is None:
         threads = 1    # the server's worker and the alone runs at one count: the same computation
-    vllm_engine.require_vllm()
-    folder = vllm_engine.model_folder(model_name)
+    vllm_llm.require_vllm()
+    folder = vllm_llm.model_folder(model_name)
     start = time.perf_counter()
     served_by = None
     if server:
+
         served_by = load_server.serving(folder, dtype, threads, faults, say)
-    before = os.environ.get("VLLM_BATCH_INVARIANT")
-    os.environ["VLLM_BATCH_INVARIANT"] = "0"     # stock is stock: vLLM's own switch stays off
-    try:
-        parts = load.run_load(folder, dtype, plan, kv_blocks, chunk, faithful, prefix_caching,
-                              threads, say=say, served_by=served_by)
-    finally:
-        if before is None:
-            os.environ.pop("VLLM_BATCH_INVARIANT", None)
-        else:
-            os.environ["VLLM_BATCH_INVARIANT"] = before
-    record = EngineLoadRecord(model_name, dtype, f"vllm {vllm_engine.version()}", faithful,
+    # stock is stock: vLLM's own switch stays off (EngineConfig.batch_invariant, False here)
+    parts = load.run_load(folder, dtype, plan, kv_blocks, chunk, faithful, prefix_caching,
+                          threads, say=say, served_by=served_by)
+    record = EngineLoadRecord(model_name, dtype, f"vllm {vllm_llm.version()}", faithful,
                               "server" if server else "in-process", seed, shape.clients,
                               shape.tokens, kv_blocks, chunk, prefix_caching, threads=threads,
                               folder=folder, greedy_share=shape.greedy_share, **parts)
     if sweep is not None:
+
         record = replace(record, sweep=load_sweep.run_sweep(folder, dtype, sweep, faithful, threads, say))
     incomplete = bool(record.missing)
     return replace(record, wall_s=time.perf_counter() - start, status="incomplete" if incomplete else "ok")

@@ -33,10 +33,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfid.engines import engine as vllm_engine
-from kvfid.errors import Unavailable
-from kvfid.engines.faithful import COMPILATION
+from kvfid.engines import vllm_llm
 from kvfid.engines.load import request_id
+from kvfid.errors import Unavailable
 
 START_LIMIT_S = 600
 SERVED_NAME = "kvfid-load"
@@ -59,28 +58,26 @@ def _free_port() -> int:
 
 def server_command(folder: str, dtype: str, config, max_len: int, port: int) -> list[str]:
     """vLLM's server with the load run's engine configuration (engine.engine's, as flags)."""
-    from kvfid.engines.load_scheduler import SCHEDULER   # lazy: vLLM is optional (.venv-vllm only)
-
-    budget = config.chunk or max(max_len, 2048)
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", vllm_engine.DTYPES[dtype],
-               "--enforce-eager", "--max-model-len", str(max_len), "--block-size", str(vllm_engine.BLOCK),
-               "--served-model-name", SERVED_NAME, "--seed", "0",
-               "--max-num-batched-tokens", str(budget), "--max-num-seqs", str(min(budget, config.max_seqs)),
-               "--enable-prefix-caching" if config.prefix_caching else "--no-enable-prefix-caching",
-               "--enable-chunked-prefill" if config.split_prompts else "--no-enable-chunked-prefill",
-               "--scheduler-cls", SCHEDULER, "--no-async-scheduling", "--generation-config", "vllm"]
-    if config.kv_blocks is not None:
-        command += ["--num-gpu-blocks-override", str(config.kv_blocks)]
-    if config.faithful:
-        command += ["--compilation-config", json.dumps(COMPILATION)]
+    made = vllm_llm.settings(config.with_(model=f"hf:{folder}", dtype=dtype, max_len=max_len,
+                                             recording=True, block_size=vllm_llm.BLOCK), folder)
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME]
+    for name, value in made.items():       # vLLM's engine arguments are its server's flags
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            command.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            command += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return command
 
 
 @contextlib.contextmanager
 def server(folder: str, dtype: str, config, max_len: int, into: Path, threads: int):
     """vLLM's server running the configuration, its base URL and process; stopped on exit."""
-    from kvfid.engines.load_scheduler import DIR_ENV   # lazy: vLLM is optional (.venv-vllm only)
+    # lazy: vLLM is optional (.venv-vllm only)
+    from kvfid.engines.load_scheduler import (
+        DIR_ENV,  # lazy: vLLM is optional (.venv-vllm only)
+    )
 
     into.mkdir(parents=True, exist_ok=True)
     port, log = _free_port(), into / "server.log"
@@ -131,6 +128,7 @@ def _tail(log: Path) -> str:
 
 def ask(url: str, planned, timeout: float) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """One planned request over HTTP: its tokens and their logprobs (errors raised as they come)."""
+
     body = {"model": SERVED_NAME, "prompt": list(planned.prompt), "max_tokens": planned.tokens,
             "temperature": planned.temperature, "logprobs": 0, "return_token_ids": True,
             "return_tokens_as_token_ids": True, "ignore_eos": True, "skip_special_tokens": False,

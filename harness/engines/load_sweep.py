@@ -15,18 +15,17 @@ would be split (kvfid.engines.load's docstring).
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
 import json
-import os
+import random
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from kvfid.engines import engine as vllm_engine
-from kvfid.engines.engine import EngineConfig
-from kvfid.engines.load_compare import bits, common
-from kvfid.records.engine_load import SweepPoint
+from kvfid.engines import vllm_llm
 from kvfid.engines.load import _output, recording_into
+from kvfid.engines.load_compare import bits, common
+from kvfid.engines.seam import EngineConfig, variables
+from kvfid.records.engine_load import SweepPoint
 
 
 @dataclass(frozen=True)
@@ -62,25 +61,26 @@ def _differs(a: tuple, b: tuple) -> tuple[bool, int | None]:
 def run_sweep(folder: str, dtype: str, shape: SweepShape, faithful: bool = False,
               threads: int | None = None, say=lambda _: None) -> tuple[SweepPoint, ...]:
     """Every (prompt length, co-resident count) point of the grid."""
-    from vllm import SamplingParams   # lazy: vLLM is optional (.venv-vllm only)
-    from vllm.inputs import TokensPrompt   # lazy: vLLM is optional (.venv-vllm only)
+    from vllm import SamplingParams  # lazy: vLLM is optional (.venv-vllm only)
+    from vllm.inputs import TokensPrompt  # lazy: vLLM is optional (.venv-vllm only)
 
     params = SamplingParams(temperature=0.0, max_tokens=shape.tokens, logprobs=0, detokenize=False,
                             ignore_eos=True)
 
-    # lazy: vLLM is optional (.venv-vllm only)
-    from kvfid.engines.load_scheduler import REQUESTS, STATES_ENV
+    from kvfid.engines.load_scheduler import (  # lazy: vLLM is optional (.venv-vllm only)
+        REQUESTS,
+        STATES_ENV,
+    )
 
     longest = max(shape.prompt_lengths()) + shape.tokens + 1
     config = EngineConfig(prefix_caching=False, chunk=shape.chunk, faithful=faithful,
                           max_seqs=max(shape.coresident), recording=True)
     points = []
-    before = os.environ.get(STATES_ENV)
-    os.environ[STATES_ENV] = "0"
-    try:
+    config = config.with_(model=f"hf:{folder}", dtype=dtype, max_len=longest)
+    with variables(**{STATES_ENV: "0"}):
         with tempfile.TemporaryDirectory(prefix="kvfid-sweep-") as work, recording_into(Path(work)), \
-                vllm_engine.engine(folder, dtype, config, max_len=longest) as llm, \
-                vllm_engine.torch_threads(threads):
+                vllm_llm.engine(config) as llm, \
+                vllm_llm.torch_threads(threads):
             for length in shape.prompt_lengths():
                 pool = _prompts(shape, length)
                 say(f"sweep: prompt {length}, {len(pool)} prompts alone")
@@ -94,16 +94,12 @@ def run_sweep(folder: str, dtype: str, shape: SweepShape, faithful: bool = False
                     firsts = [f for d, f in found if d]
                     points.append(SweepPoint(n, length, n, len(firsts), min(firsts, default=None),
                                              _observed(Path(work) / REQUESTS, {o.request_id for o in made})))
-    finally:
-        if before is None:
-            os.environ.pop(STATES_ENV, None)
-        else:
-            os.environ[STATES_ENV] = before
     return tuple(points)
 
 
 def _observed(lines, requests: set[str]) -> int:
     """The most co-resident sequences the recording scheduler saw for these requests."""
+
     most = 0
     for line in lines.read_text().splitlines() if lines.is_file() else ():
         data = json.loads(line)

@@ -1,10 +1,10 @@
 """The record of one `kvfid engine-check`: the ledger stores it like a run's unit, typed and frozen.
 
 One `EngineCheckRecord` holds what was measured (the engine and its version, model, dtype,
-prompts x tokens, the chunk, faithful or stock, VLLM_BATCH_INVARIANT and the note on it) and one
+prompts x tokens, the chunk, faithful or stock, the engine's batch-invariant switch and the note on it) and one
 `EngineRow` per pair of the engine's constructions: continuation tokens compared, those whose
 fp32 logprob bits differ, max |delta logprob|, items exact, and with `--kv` its `EngineKV` (the
-engine states read from vLLM's paged cache: first bad layer and position, elements, max |diff|,
+engine states read from the engine's paged cache: first bad layer and position, elements, max |diff|,
 max ULP, d_rel, d_rel per layer). Its own module because record.py is full; it registers its
 kind in record.RECORD_KINDS, and kvfid.records.read imports it, so a stored engine check reads back
 wherever records are read (`to_json` / `read.from_json`, like every record).
@@ -15,7 +15,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-from kvfid.records.plain import as_plain, from_plain
+from kvfid.records.plain import from_plain
 from kvfid.records.record import RECORD_KINDS, to_json
 
 
@@ -70,7 +70,7 @@ class EngineCheckRecord:
 
     model: str
     dtype: str
-    engine: str                               # "vllm <version>"
+    engine: str                               # the engine and its version: "vllm 0.32.0"
     prompts: int
     tokens: int
     chunk: int
@@ -83,8 +83,11 @@ class EngineCheckRecord:
     kv: bool = False
     wall_s: float = 0.0
     status: str = "ok"
-    threads: int | None = None                # the engines' torch threads (None: vLLM-CPU's own)
+    threads: int | None = None                # the engines' torch threads (None: the engine's own)
     block_size: int = 32                      # the KV block in tokens the engines ran with
+    tp: int = 1                               # the TP size compared with TP=1 (1: no TP rows)
+    engine_name: str = "vllm"                 # the engine's name in kvfid.engines.registry
+    attention: str = ""                       # the engine's attention implementation ("": its default)
 
     @property
     def exact(self) -> bool:
@@ -93,26 +96,16 @@ class EngineCheckRecord:
 
     @property
     def label(self) -> str:
-        """The engine as a stack label: `vllm 0.32.0/bf16`, `+faithful`, `+VLLM_BATCH_INVARIANT`."""
+        """The engine as a stack label: `vllm 0.32.0/bf16`, `+faithful`, `+batch-invariant` (its switch)."""
         return (f"{self.engine}/{self.dtype}" + ("+faithful" if self.faithful else "")
-                + ("+VLLM_BATCH_INVARIANT" if self.batch_invariant else ""))
-
-    def as_result(self) -> dict:
-        """The dict engine_check.engine_check returns (what its `render` prints)."""
-        plain = as_plain(self)
-        del plain["status"]
-        for row in plain["rows"]:
-            for key in ("diverged", "served_tokens", "kv"):
-                if row[key] is None:
-                    del row[key]
-        return plain
+                + ("+batch-invariant" if self.batch_invariant else ""))
 
     def to_json(self, indent: int | None = None) -> str:
         return to_json(self, indent)
 
 
 def from_result(result: dict) -> EngineCheckRecord:
-    """The record of engine_check.engine_check's result (its fields, as that dict spells them)."""
+    """The record of an engine check's plain JSON data (its fields, as the record spells them)."""
     return from_plain(EngineCheckRecord, result)
 
 

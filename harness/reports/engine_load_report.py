@@ -15,7 +15,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from kvfid.engines.engine import BLOCK
+from kvfid.engines.vllm_llm import BLOCK
 from kvfid.records.engine_load import EngineLoadRecord, groups
 from kvfid.reports.document import Cell, plain_text
 from kvfid.reports.engine_report import closing, write_files_of

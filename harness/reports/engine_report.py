@@ -70,12 +70,16 @@ def verdict(record) -> str:
 
 def command(record) -> str:
     """The `kvfid engine-check` command that measures this again."""
-    args = ["kvfid", "engine-check", "--model", record.model, "--dtype", record.dtype,
+    args = ["kvfid", "engine-check", "--engine", record.engine_name, "--model", record.model,
+            "--dtype", record.dtype,
             "-n", str(record.prompts), "--item-set", record.item_set, "--tokens",
             str(record.tokens), "--chunk", str(record.chunk)]
     args += ["--kv"] if record.kv else []
     args += ["--faithful"] if record.faithful else []
     args += ["--batch-invariant"] if record.batch_invariant else []
+    args += ["--threads", str(record.threads)] if record.threads else []
+    args += ["--attention", record.attention] if record.attention else []
+    args += ["--tp", str(record.tp)] if record.tp > 1 else []
     return shlex.join(args)
 
 
@@ -91,7 +95,7 @@ def document(stored, raw_environment: bool = True) -> list:
                ["dtype", r.dtype],
                ["requests", f"{r.prompts} prompts of {r.item_set} x {r.tokens} greedy tokens"],
                ["chunked prefill budget", str(r.chunk)],
-               ["VLLM_BATCH_INVARIANT", "1" if r.batch_invariant else "0"],
+               ["the engine's batch-invariant switch", "on" if r.batch_invariant else "off"],
                ["written", stored.written], ["wall", f"{r.wall_s:.1f} s"],
                ["environment", stored.environment_key],
                ["git revision", stored.git_revision or "none"]])]
@@ -99,9 +103,9 @@ def document(stored, raw_environment: bool = True) -> list:
         doc.append(("p", f"Note: {r.batch_invariant_note}"))
     doc += [("h2", "Logprobs, bitwise"), ("table", LOGPROB_HEAD, logprob_rows(r)),
             ("p", "Each row takes the same tokens' logprobs by two of the engine's constructions "
-                  "and compares their fp32 bits (vLLM returns fp32 logprobs).")]
+                  "and compares their fp32 bits (the engines return fp32 logprobs).")]
     if r.kv:
-        doc += [("h2", "Engine state (K and V from vLLM's paged cache), bitwise"),
+        doc += [("h2", "Engine state (K and V from the engine's paged cache), bitwise"),
                 ("table", KV_HEAD, kv_rows(r)),
                 ("p", "Positions compared: those both states hold over identical tokens. d_rel: "
                       "||a-b||_F/||a||_F of the worst item over every layer's K and V; per layer "

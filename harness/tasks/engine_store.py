@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvfid.ledger.store import Ledger
 from kvfid.engines import check as engine_check
-from kvfid.engines.load_run import engine_load
+from kvfid.engines.load_plan import LoadShape
+from kvfid.engines.registry import engine_for
 from kvfid.environment import envinfo
 from kvfid.ledger.engine_checks import check, checks, write_check
 from kvfid.ledger.opening import probe
+from kvfid.ledger.store import Ledger
 from kvfid.records.engine import from_result
 from kvfid.records.engine_load import EngineLoadRecord
 from kvfid.records.record import to_json
@@ -40,7 +41,7 @@ def check_and_store(fmt: str = "text", db: str | Path | None = None, report: boo
     if store:
         probe(path)                         # refused (read-only, not a ledger) before compute
     result = engine_check.engine_check(progress=progress, **options)
-    text = json.dumps(result, indent=1) if fmt == "json" else engine_check.render(result)
+    text = result.to_json(indent=1) if fmt == "json" else engine_check.render(result)
     if not store:
         return text, {}
     stored = store_result(path, result)
@@ -58,7 +59,11 @@ def load_and_store(fmt: str = "text", db: str | Path | None = None, report: bool
     {name: path} of what was written, and the stored run."""
     path = db_path(db)
     probe(path)                             # refused (read-only, not a ledger) before compute
-    record = engine_load(progress=progress, **options)
+    engine = engine_for(options.pop("engine", "vllm"))
+    load = engine.door("load")
+    if options.get("server"):
+        engine.door("serve_load")
+    record = load(progress=progress, **options)
     stored = store_result(path, record)
     written = {"ledger": path, "id": stored.id}
     if report:
@@ -70,6 +75,20 @@ def load_and_store(fmt: str = "text", db: str | Path | None = None, report: bool
     return _shown(stored, fmt), written, stored
 
 
+def bench(fmt: str, clients: int | None, kv_blocks: int, progress=None, **options) -> str:
+    """`kvfid engine-bench`: the engine's price (its `bench` door), or under load with `clients`
+    (its `load_bench` door), as `fmt`."""
+    engine = engine_for(options.pop("engine"))
+    if clients is None:
+        result, render = engine.door("bench")(progress=progress, **options)
+    else:
+        shape = LoadShape(requests=options["count"], clients=clients, tokens=options["tokens"])
+        result, render = engine.door("load_bench")(options["model_name"], options["dtype"], shape,
+                                                   kv_blocks=kv_blocks, threads=options["threads"],
+                                                   progress=progress)
+    return json.dumps(result, indent=1) if fmt == "json" else render(result)
+
+
 def _shown(stored, fmt: str) -> str:
     """A stored check or load run as `fmt` (its record as JSON, or its table as text)."""
     if fmt == "json":
@@ -78,7 +97,7 @@ def _shown(stored, fmt: str) -> str:
         return text(stored)
 
     return (f"engine check {stored.id} ({stored.written}, {stored.environment_key})\n"
-            + engine_check.render(stored.record.as_result()))
+            + engine_check.render(stored.record))
 
 
 def store_result(db: str | Path, result, environment: dict | None = None):

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvfid.cli import main
-from kvfid.engines.check import _compare
+from kvfid.engines.bits import compare_logprobs
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def no_vllm(monkeypatch):
 
 @pytest.mark.parametrize("args", [["engine-check", "--model", "smollm2-135m"],
                                   ["engine-check", "--kv", "--faithful", "--model", "smollm2-135m"],
-                                  ["engine-check", "--faithful", "--block-size", "vllm"],
+                                  ["engine-check", "--faithful", "--block-size", "default"],
                                   ["engine-check", "--faithful", "--block-size", "128"],
                                   ["engine-bench", "--model", "smollm2-135m"],
                                   ["engine-bench", "--threads", "1", "--model", "smollm2-135m"],
@@ -43,10 +43,10 @@ def test_without_vllm_the_commands_exit_3_saying_how_to_install_it(no_vllm, args
     assert not (tmp_path / "never.jsonl").exists() and not (tmp_path / "never.sqlite").exists()
 
 
-def test_faithful_is_for_the_vllm_engine_only(tmp_path):
+def test_faithful_is_for_the_vllm_llm_only(tmp_path):
     shown = CliRunner().invoke(main, ["rollouts", "--faithful", "--model", "tiny-llama", "-n", "1",
                                       "--out", str(tmp_path / "r.jsonl")])
-    assert shown.exit_code == 2 and "--engine vllm" in shown.output, shown.output
+    assert shown.exit_code == 2 and "--engine NAME" in shown.output, shown.output
     assert not (tmp_path / "r.jsonl").exists()
 
 
@@ -63,19 +63,20 @@ def test_server_refusals(tmp_path):
 
 def test_the_in_engine_comparison_is_bitwise():
     a = [[-1.0, -2.0, -0.5], [-3.0]]
-    same = _compare(a, [list(x) for x in a])
-    assert same["differ"] == 0 and same["items_exact"] == 2 and same["tokens"] == 4
+    same = compare_logprobs("same", a, [list(x) for x in a])
+    assert same.differ == 0 and same.items_exact == 2 and same.tokens == 4 and same.exact
     flipped = [[-1.0, -2.0000002, -0.5], [-3.0]]      # one fp32 ulp at -2
-    other = _compare(a, flipped)
-    assert other["differ"] == 1 and other["items_exact"] == 1 and 0 < other["max_abs"] < 1e-6
-    served = _compare(a, [[None, -2.0000002, -0.5], [-3.0]])   # None: served by the cache
-    assert served["tokens"] == 3 and served["differ"] == 1
+    other = compare_logprobs("flipped", a, flipped)
+    assert other.differ == 1 and other.items_exact == 1 and 0 < other.max_abs < 1e-6
+    assert not other.exact
+    served = compare_logprobs("served", a, [[None, -2.0000002, -0.5], [-3.0]])   # None: served by the cache
+    assert served.tokens == 3 and served.differ == 1
 
 
 def test_the_engines_torch_threads_are_set_and_restored():
     import torch
 
-    from kvfid.engines.engine import torch_threads
+    from kvfid.engines.vllm_llm import torch_threads
 
     before = torch.get_num_threads()
     with torch_threads(1) as used:

@@ -55,8 +55,8 @@ def test_the_record_round_trips_and_gives_back_engine_checks_result():
     record = from_result(RESULT)
     assert record.rows[0].kv == EngineKV(**{**KV, "d_rel_per_layer": tuple(KV["d_rel_per_layer"])})
     assert from_json(record.to_json()) == record
-    assert record.as_result() == RESULT          # what `render` prints, unchanged
-    assert engine_check.render(record.as_result()) == engine_check.render(RESULT)
+    assert json.loads(record.to_json())["rows"][1]["diverged"] == 1
+    assert "decode alone vs batched" in engine_check.render(record)
     assert not record.exact and record.label == "vllm 0.32.0/bf16"
     faithful = from_result({**RESULT, "faithful": True,
                             "rows": [r for r in RESULT["rows"] if r["differ"] == 0]})
@@ -119,7 +119,7 @@ def test_the_report_holds_both_tables_and_colours_the_verdicts(tmp_path):
     assert "| prefix cache cold vs warm | 2/2 | - | - | 0 | 0 | 0 | 0 |" in text
     assert "32 positions served by the prefix cache" in text and "1 items' greedy" in text
     assert "| 3 | 0.001 | 0 | 0 |" in text                         # d_rel per layer, numbers
-    assert "kvfid engine-check --model smollm2-135m --dtype bf16 -n 2 --item-set arith " \
+    assert "kvfid engine-check --engine vllm --model smollm2-135m --dtype bf16 -n 2 --item-set arith " \
            "--tokens 8 --chunk 32 --kv" in text
     page = files["html"].read_text()
     assert 'class="v-diverges">5/16' in page and 'class="v-bit-exact">0/13' in page
@@ -140,7 +140,7 @@ def measured(monkeypatch):
 
     def fake(**options):
         calls.append(options)
-        return copy.deepcopy(RESULT)
+        return from_result(copy.deepcopy(RESULT))
     monkeypatch.setattr(engine_check, "engine_check", fake)
     return calls
 
@@ -161,7 +161,7 @@ def test_engine_check_stores_and_reports_and_engine_report_reads_it_back(measure
                                       str(tmp_path / "again")])
     assert again.exit_code == 0, again.output
     assert f"engine check {stored.id}" in again.output
-    assert engine_check.render(RESULT) in again.output
+    assert engine_check.render(from_result(RESULT)) in again.output
     assert (tmp_path / "again" / stored.environment_key / stored.id / "report.md").is_file()
     missing = CliRunner().invoke(main, ["engine-report", "nope", "--db", str(db)])
     assert missing.exit_code == 2 and "no engine check 'nope'" in missing.output

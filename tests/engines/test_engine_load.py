@@ -211,7 +211,7 @@ def test_without_vllm_this_process_environment_is_left_as_it_was(tmp_path, monke
     import importlib.util
     import os
 
-    from kvfid.engines.engine import require_vllm
+    from kvfid.engines.vllm_llm import require_vllm
     from kvfid.errors import Unavailable
 
     if importlib.util.find_spec("vllm") is not None:
@@ -236,10 +236,10 @@ def test_without_vllm_this_process_environment_is_left_as_it_was(tmp_path, monke
 
 
 def test_an_engine_kv_row_is_the_worst_of_its_items_typed_and_stored_as_before():
-    """engine-check --kv's row over pairs of states (kvfid.engines.kv.compare_rows): an
+    """engine-check --kv's row over pairs of states (kvfid.engines.bits.compare_rows): an
     EngineKV built from each pair's CacheDiff; one K element of item 1's layer 1 changed is found
     there, the other item stays exact, and its plain form has the keys engine-check stored."""
-    from kvfid.engines.kv import compare_rows
+    from kvfid.engines.bits import compare_rows
     from kvfid.records.engine import EngineKV
     from kvfid.records.plain import as_plain
     from kvfid.states.cache import BoundaryState

@@ -243,3 +243,37 @@ def test_control_the_count_finds_a_silent_import_inside_a_function(tmp_path):
                             "harness/low/d.py": "def g():\n    import json   # lazy: why\n",
                             "harness/commands/e.py": "def h():\n    import json\n"})
     assert local_imports(root) == [("harness/low/c.py", 2, False), ("harness/low/d.py", 2, True)]
+
+
+# The modules that are one engine's own (kvfid.engines.registry's modules and what they run):
+# they may name their engine; nothing else in harness/ may test an engine's name.
+ENGINE_MODULES = re.compile(r"harness/engines/(vllm_\w+|transformers_\w+|kv|faithful\w*|load\w*|"
+                            r"bench|registry)\.py$")
+
+
+def engine_name_tests(root: Path) -> list[str]:
+    """`file:line` of every comparison anywhere in harness/ outside an engine's own modules
+    against a registered engine's name (`engine == "vllm"`, `name in ("vllm", "x")`): commands
+    and diagnoses go through the registry, and each engine says what it offers and refuses."""
+    from kvfid.engines.registry import ENGINES
+
+    def named(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in ENGINES
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(map(named, node.elts))
+
+    found = []
+    for path in sorted((root / "harness").rglob("*.py")):
+        if ENGINE_MODULES.search(path.relative_to(root).as_posix()):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare) and any(map(named, [node.left, *node.comparators])):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_no_command_or_diagnosis_tests_an_engine_name(tmp_path):
+    assert engine_name_tests(ROOT) == []
+    planted = _tree(tmp_path, {"harness/commands/x.py": 'def f(engine):\n    return engine == "vllm"\n',
+                               "harness/engines/vllm_engine.py": 'X = "vllm" == "vllm"\n'})
+    assert engine_name_tests(planted) == ["harness/commands/x.py:2"]   # the check can fail

@@ -17,6 +17,8 @@ from kvfid.cli import main  # noqa: E402
 from kvfid.diagnoses import replay  # noqa: E402
 from kvfid.stacks.stack import Stack  # noqa: E402
 from kvfid.engines.check import engine_check, render  # noqa: E402
+from kvfid.records.engine import EngineCheckRecord  # noqa: E402
+from kvfid.records.read import from_json  # noqa: E402
 from kvfid.inputs.models import load_model  # noqa: E402
 from kvfid.diagnoses.replay_gaps import STEP  # noqa: E402
 
@@ -76,33 +78,34 @@ def test_engine_check_measures_every_construction_and_stock_kv_differs(tiny_fold
                             "--out", str(tmp_path / "reports")], capture_output=True, text=True, timeout=600,
                            env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
     assert shown.returncode == 0, shown.stderr[-2000:]
-    result = json.loads(shown.stdout)
-    names = [r["construction"] for r in result["rows"]]
+    result = from_json(shown.stdout)              # the record, as --format json prints it
+    names = [r.construction for r in result.rows]
     assert names == ["decode vs prefill re-scoring", "decode alone vs batched",
                      "prefill alone vs batched", "chunked prefill off vs on (32)",
                      "prefix cache cold vs warm"]
-    assert all(r["tokens"] > 0 and 0 <= r["differ"] <= r["tokens"] for r in result["rows"])
-    assert result["rows"][-1]["served_tokens"] >= 32   # the warm run really read the cache
+    assert all(r.tokens > 0 and 0 <= r.differ <= r.tokens for r in result.rows)
+    assert result.rows[-1].served_tokens >= 32   # the warm run really read the cache
     assert "prefix cache cold vs warm" in render(result) and "engine state" in render(result)
-    decode = result["rows"][0]["kv"]
-    assert decode["items_exact"] < decode["items"] and decode["n_diff"] > 0
-    assert decode["first_bad_layer"] is not None and decode["first_position"] is not None
-    assert decode["max_ulp"] > 0 and decode["d_rel"] > 0
+    decode = result.rows[0].kv
+    assert decode.items_exact < decode.items and decode.n_diff > 0
+    assert decode.first_bad_layer is not None and decode.first_position is not None
+    assert decode.max_ulp > 0 and decode.d_rel > 0
     _stored_as_printed(tmp_path, result)
 
 
 def _stored_as_printed(tmp_path, result):
-    from kvfid.records.engine import from_result
+    from dataclasses import replace
+
     from kvfid.ledger.engine_checks import check
     from kvfid.ledger.store import Ledger
 
     with Ledger(tmp_path / "ledger.sqlite", readonly=True) as ledger:
         stored = check(ledger, "latest")
-    assert stored.record == from_result(result) and stored.engine == result["engine"]
+    assert replace(stored.record, wall_s=result.wall_s) == result and stored.engine == result.engine
     report = (tmp_path / "reports" / stored.environment_key / stored.id / "report.md").read_text()
-    decode = result["rows"][0]["kv"]
-    assert f"| decode vs prefill re-scoring | {decode['items_exact']}/2 | " \
-           f"{decode['first_bad_layer']} | {decode['first_position']} | {decode['n_diff']} |" in report
+    decode = result.rows[0].kv
+    assert f"| decode vs prefill re-scoring | {decode.items_exact}/2 | " \
+           f"{decode.first_bad_layer} | {decode.first_position} | {decode.n_diff} |" in report
 
 
 def test_a_preset_vllm_cannot_load_is_refused():
@@ -115,13 +118,13 @@ def test_batch_invariance_is_said_plainly_where_vllm_does_not_apply_it():
     (vLLM installs its batch-invariant overrides from the GPU worker), and the table says so."""
     from vllm.platforms import current_platform
 
-    from kvfid.engines import engine
+    from kvfid.engines import vllm_llm
 
-    note = engine.batch_invariant_refusal()
+    note = vllm_llm.batch_invariant_refusal()
     if current_platform.is_cuda_alike() or current_platform.is_xpu():
         assert note is None
     else:
         assert "not applied" in note
-        shown = render({"engine": "vllm", "model": "m", "dtype": "bf16", "prompts": 1, "tokens": 1,
-                        "batch_invariant": True, "batch_invariant_note": note, "rows": []})
-        assert f"note: {note}" in shown and "VLLM_BATCH_INVARIANT=1" in shown
+        shown = render(EngineCheckRecord("m", "bf16", "vllm", 1, 1, 32, batch_invariant=True,
+                                         batch_invariant_note=note))
+        assert f"note: {note}" in shown and "batch-invariant switch on" in shown

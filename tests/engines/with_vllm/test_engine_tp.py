@@ -13,8 +13,9 @@ from click.testing import CliRunner
 pytest.importorskip("vllm", reason="vLLM is not installed here; `make install-vllm`, then `make test-vllm`")
 
 from kvfid.cli import main  # noqa: E402
-from kvfid.engines import check, engine as vllm_engine  # noqa: E402
-from kvfid.engines.engine import EngineConfig  # noqa: E402
+from kvfid.engines import check  # noqa: E402
+from kvfid.engines.seam import EngineConfig, started  # noqa: E402
+from kvfid.engines.vllm_engine import ENGINE  # noqa: E402
 
 TOKENS = 8
 
@@ -53,20 +54,18 @@ def _tp_rows(folder, faithful: bool, rollouts=None):
     the two TP rows, each with its engine-state comparison."""
     _, prompts = _prompts(folder)
     longest = max(len(p) for p in prompts) + TOKENS + 1
-    with vllm_engine.engine(str(folder), "fp32", EngineConfig(faithful=faithful, tp_invariant=True),
-                            longest) as llm:
-        one = check.measure_alone(llm, prompts, TOKENS, kv=True)
-    sequences = [p + ids for p, (ids, _) in zip(prompts, one[0])]
-    with vllm_engine.engine(str(folder), "fp32", EngineConfig(faithful=faithful, tp=2), longest,
-                            seed=0) as llm:
-        two = check.measure_alone(llm, prompts, TOKENS, kv=True, sequences=sequences)
-        sampled = vllm_engine.generate(llm, prompts, TOKENS, 1.0, 0, stop_ids=[257]) if rollouts \
-            else None
-    from kvfid.engines.kv import compare_rows
+    config = EngineConfig(f"hf:{folder}", "fp32", longest, faithful=faithful)
+    with started(ENGINE, config.with_(tp_invariant=True)) as running:
+        one = check.measure_alone(running, prompts, TOKENS, kv=True)
+    sequences = [p + g.ids for p, g in zip(prompts, one[0])]
+    with started(ENGINE, config.with_(tp=2)) as running:
+        two = check.measure_alone(running, prompts, TOKENS, kv=True, sequences=sequences)
+        sampled = running.generate(prompts, TOKENS, 1.0, 0, stop_ids=[257]) if rollouts else None
+    from kvfid.engines.bits import compare_rows
     from kvfid.records.plain import as_plain
 
-    rows = {name: {**row, "kv": as_plain(compare_rows(*states))}
-            for name, row, states in check.tp_rows(one, two, prompts, 2)}
+    rows = {row.construction: {**as_plain(row), "kv": as_plain(compare_rows(*states))}
+            for row, states in check.tp_rows(one, two, prompts, 2)}
     return rows, sampled
 
 
@@ -90,7 +89,8 @@ def test_faithful_tp2_rollouts_replay_at_tp1_with_three_gaps_of_exactly_zero(fai
     chosen, prompts = _prompts(tp_folder)
     rows = [as_row(Trajectory(i.id, tuple(p), tuple(ids), tuple(lp)), model=f"hf:{tp_folder}",
                    stack="vllm/fp32+faithful@tp2", temperature=1.0, seed=0)
-            for i, p, (ids, lp) in zip(chosen, prompts, sampled) if ids]
+            for i, p, (ids, lp) in ((i, p, (g.ids, g.logprobs)) for i, p, g in zip(chosen, prompts, sampled))
+            if ids]
     out = tmp_path / "r.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     shown = CliRunner().invoke(main, ["replay", str(out), "--model", f"hf:{tp_folder}", "--stack",

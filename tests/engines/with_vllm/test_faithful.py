@@ -75,11 +75,11 @@ def test_the_plugin_is_an_entry_point_and_restores_what_it_overrides():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_faithful_engine_is_bit_exact_in_every_row(tiny_folder, dtype, tmp_path):
     faithful = engine_check(f"hf:{tiny_folder}", dtype, 2, 8, 32, kv=True, faithful=True)
-    assert [r["construction"] for r in faithful["rows"]][-1] == "prefix cache cold vs warm"
-    for row in faithful["rows"]:
-        assert row["differ"] == 0 and row["tokens"] > 0, row
-        assert row["kv"]["items_exact"] == row["kv"]["items"] == 2 and row["kv"]["n_diff"] == 0, row
-    assert faithful["rows"][-1]["served_tokens"] >= 32
+    assert [r.construction for r in faithful.rows][-1] == "prefix cache cold vs warm"
+    for row in faithful.rows:
+        assert row.differ == 0 and row.tokens > 0, row
+        assert row.kv.items_exact == row.kv.items == 2 and row.kv.n_diff == 0, row
+    assert faithful.rows[-1].served_tokens >= 32
     text = render(faithful)
     assert "engine state" in text and "faithful" in text
     from kvfid.reports.engine_report import write_report
@@ -97,11 +97,11 @@ def test_faithful_engine_is_bit_exact_at_every_block_size_vllm_accepts(tiny_fold
     the prefix cache serves full blocks and chunks cross block and tile edges."""
     result = engine_check(f"hf:{tiny_folder}", "bf16", 2, 140, 32, kv=True, faithful=True, threads=1,
                           block_size=block_size)
-    assert result["block_size"] == (block_size or result["block_size"]) and result["block_size"] % 32 == 0
-    for row in result["rows"]:
-        assert row["differ"] == 0 and row["tokens"] > 0, (block_size, row)
-        assert row["kv"]["items_exact"] == row["kv"]["items"] == 2 and row["kv"]["n_diff"] == 0, (block_size, row)
-    assert result["rows"][-1]["served_tokens"] >= result["block_size"]
+    assert result.block_size == (block_size or result.block_size) and result.block_size % 32 == 0
+    for row in result.rows:
+        assert row.differ == 0 and row.tokens > 0, (block_size, row)
+        assert row.kv.items_exact == row.kv.items == 2 and row.kv.n_diff == 0, (block_size, row)
+    assert result.rows[-1].served_tokens >= result.block_size
 
 
 def test_a_block_size_vllm_refuses_is_refused_as_the_engine_starts(tiny_folder):
@@ -116,11 +116,12 @@ def test_a_block_size_vllm_refuses_is_refused_as_the_engine_starts(tiny_folder):
 
 def test_what_the_faithful_attention_cannot_serve_is_refused_as_the_engine_starts(windowed_folder):
     """A sliding window: refused in one line when the engine starts, before any request."""
-    from kvfid.engines import engine as vllm_engine
+    from kvfid.engines import vllm_llm
+    from kvfid.engines.seam import EngineConfig
     from kvfid.errors import Unavailable
 
     with pytest.raises(Unavailable) as refused:
-        with vllm_engine.engine(str(windowed_folder), "bf16", vllm_engine.EngineConfig(faithful=True)):
+        with vllm_llm.engine(EngineConfig(f"hf:{windowed_folder}", "bf16", faithful=True)):
             pytest.fail("the engine started")
     assert "\n" not in str(refused.value) and "does not serve a sliding window" in str(refused.value)
 

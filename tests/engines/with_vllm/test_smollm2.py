@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; `make install-vllm`, then `make test-vllm`")
 
-from kvfid.engines import engine  # noqa: E402
+from kvfid.engines import vllm_llm as engine  # noqa: E402
+from kvfid.engines.seam import EngineConfig  # noqa: E402
 from kvfid.inputs.models import load_model  # noqa: E402
 
 
@@ -19,10 +20,9 @@ def test_the_converted_smollm2_folder_generates_in_vllm():
     of transformers' (a tolerance: bf16 against fp32, a correctness check, not a fidelity one)."""
     import torch
 
-    folder = engine.model_folder("smollm2-135m")
     model = load_model("smollm2-135m")
     prompt = model.codec.prompt_ids("What is the capital of France?")
-    with engine.engine(folder, "bf16", max_len=len(prompt) + 16) as llm:
+    with engine.engine(EngineConfig("smollm2-135m", "bf16", len(prompt) + 16)) as llm:
         [(ids, logprobs)] = engine.generate(llm, [prompt], 8)
     uniform = -math.log(49152)
     assert len(ids) == len(logprobs) > 0

