@@ -77,7 +77,11 @@ def bench(fmt: str, clients: int | None, kv_blocks: int, progress=None, **option
     (its `load_bench` door), as `fmt`."""
     from kvfid.engines.registry import engine_for
 
+    from kvfid.engines.seam import EngineConfig
+
     engine = engine_for(options.pop("engine"))
+    engine.checked(EngineConfig(options["model_name"], options["dtype"],
+                                kv_cache_dtype=options["kv_cache_dtype"]))   # refused before compute
     if clients is None:
         result, render = engine.door("bench")(progress=progress, **options)
     else:
@@ -86,7 +90,8 @@ def bench(fmt: str, clients: int | None, kv_blocks: int, progress=None, **option
         shape = LoadShape(requests=options["count"], clients=clients, tokens=options["tokens"])
         result, render = engine.door("load_bench")(options["model_name"], options["dtype"], shape,
                                                    kv_blocks=kv_blocks, threads=options["threads"],
-                                                   progress=progress)
+                                                   progress=progress,
+                                                   kv_cache_dtype=options["kv_cache_dtype"])
     return json.dumps(result, indent=1) if fmt == "json" else render(result)
 
 
