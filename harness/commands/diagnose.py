@@ -210,7 +210,7 @@ def engine_bench(fmt, clients, kv_blocks, **options) -> None:
 
 
 @click.command("engine-load")
-@engine_options(tp=False, kv_cache=False)
+@engine_options(tp=False)
 @click.option("-n", "requests", type=click.IntRange(1, 10000), default=64, show_default=True,
               help="Requests in the plan.")
 @click.option("--clients", type=click.IntRange(1, 1024), default=8, show_default=True,

@@ -58,6 +58,13 @@ def load_and_store(fmt: str = "text", db: str | Path | None = None, report: bool
     probe(path)                             # refused (read-only, not a ledger) before compute
     engine = engine_for(options.pop("engine", "vllm"))
     load = engine.door("load")
+    if options.get("kv_cache_dtype", "auto") != "auto":   # refused before compute (exit 2 or 3)
+        from kvfid.engines.seam import EngineConfig
+
+        engine.checked(EngineConfig(options["model_name"], options["dtype"],
+                                    kv_cache_dtype=options["kv_cache_dtype"]))
+    else:
+        options.pop("kv_cache_dtype", None)
     if options.get("server"):
         engine.door("serve_load")
     record = load(progress=progress, **options)

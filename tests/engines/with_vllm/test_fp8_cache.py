@@ -213,6 +213,10 @@ def test_an_fp8_cache_the_cpu_cannot_keep_is_refused_before_compute(tiny_folder,
     line = shown.output.strip()
     assert "\n" not in line and "--kv-cache-dtype fp8_e5m2" in line and "AVX-512" in line
     assert not db.exists()
+    shown, db = _refused(["engine-load", "--model", f"hf:{tiny_folder}", "--kv-cache-dtype",
+                          "fp8_e4m3", "-n", "2"], tmp_path)
+    assert shown.exit_code == 3 and "--kv-cache-dtype fp8_e4m3" in shown.output, shown.output
+    assert not db.exists()
 
 
 def test_an_fp8_cache_an_engine_does_not_offer_is_a_usage_error(tiny_folder, tmp_path):
@@ -224,3 +228,28 @@ def test_an_fp8_cache_an_engine_does_not_offer_is_a_usage_error(tiny_folder, tmp
     shown, _ = _refused(["engine-check", "--model", f"hf:{tiny_folder}", "--kv-cache-dtype", "fp8"],
                         tmp_path)
     assert shown.exit_code == 2 and "fp8_e4m3" in shown.output
+    out = tmp_path / "rollouts.jsonl"
+    shown = CliRunner().invoke(main, ["rollouts", "--model", "tiny-llama", "--kv-cache-dtype",
+                                      "fp8_e4m3", "--out", str(out)])
+    assert shown.exit_code == 2 and "--kv-cache-dtype fp8_e4m3 is for a serving engine" in shown.output
+    assert not out.exists()
+
+
+def test_faithful_engine_load_with_an_fp8_cache_equals_alone(tiny_folder, tmp_path):
+    """engine-load's plan under a KV budget that preempts, faithful with an fp8_e4m3 cache: every
+    request's tokens, logprobs and fp8 K/V (saved as the bytes' fp8 kind) equal its alone run."""
+    from kvfid.engines.load import run_load
+    from kvfid.engines.load_plan import LoadShape, plan_load
+
+    shape = LoadShape(requests=6, clients=4, tokens=12, short=(8, 40), long=(100, 180), prefixes=1,
+                      prefix_length=64, prefix_share=0.5, mean_gap=1.0)
+    plan = plan_load(shape, seed=3)
+    parts = run_load(str(tiny_folder), "bf16", plan, 8, faithful=True, threads=1, work=tmp_path,
+                     kv_cache_dtype="fp8_e4m3")
+    rows = parts["requests"]
+    assert len(rows) == 6 and not any(r.missing for r in rows)
+    assert all(r.kv is not None and r.kv.positions > 0 for r in rows), parts["notes"]
+    assert any(r.preemptions for r in rows), "the KV budget forced no preemption"
+    assert not any(r.differs for r in rows), [(r.index, r.first_logprob_step, r.kv) for r in rows]
+    saved = torch.load(next((tmp_path / "load").glob("*.pt")))
+    assert saved["keys"][0].dtype == torch.float8_e4m3fn
