@@ -253,3 +253,18 @@ def test_faithful_engine_load_with_an_fp8_cache_equals_alone(tiny_folder, tmp_pa
     assert not any(r.differs for r in rows), [(r.index, r.first_logprob_step, r.kv) for r in rows]
     saved = torch.load(next((tmp_path / "load").glob("*.pt")))
     assert saved["keys"][0].dtype == torch.float8_e4m3fn
+
+
+def test_the_fp8_cache_is_one_setting_for_the_engine_and_its_server(tiny_folder):
+    """The config's stored format becomes vLLM's `kv_cache_dtype` in the one translation
+    (vllm_llm.settings), hence the server's `--kv-cache-dtype` flag; `auto` sets nothing."""
+    from kvfid.engines import vllm_llm
+    from kvfid.engines.load_server import server_command
+    from kvfid.engines.seam import EngineConfig
+
+    config = EngineConfig(f"hf:{tiny_folder}", "bf16", kv_cache_dtype="fp8_e5m2")
+    assert vllm_llm.settings(config, str(tiny_folder))["kv_cache_dtype"] == "fp8_e5m2"
+    assert "kv_cache_dtype" not in vllm_llm.settings(config.with_(kv_cache_dtype="auto"), str(tiny_folder))
+    command = server_command(str(tiny_folder), "bf16", config, 128, 8000)
+    assert command[command.index("--kv-cache-dtype") + 1] == "fp8_e5m2"
+    assert "fp8_e5m2 KV cache" in config.label()
