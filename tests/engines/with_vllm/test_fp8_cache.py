@@ -268,3 +268,16 @@ def test_the_fp8_cache_is_one_setting_for_the_engine_and_its_server(tiny_folder)
     command = server_command(str(tiny_folder), "bf16", config, 128, 8000)
     assert command[command.index("--kv-cache-dtype") + 1] == "fp8_e5m2"
     assert "fp8_e5m2 KV cache" in config.label()
+
+
+def test_rollouts_from_an_engine_with_an_fp8_cache_say_so(tiny_folder):
+    """`rollouts --engine vllm --kv-cache-dtype fp8_e4m3`: sampled with the fp8 cache, one logprob
+    per token, the stack label naming the stored format (a replay knows what produced them)."""
+    from kvfid.engines.check import engine_rollouts
+
+    rows = engine_rollouts("vllm", f"hf:{tiny_folder}", "arith", 2, 6, 0.8, 0, "bf16", faithful=True,
+                           threads=1, kv_cache_dtype="fp8_e4m3")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["stack"].endswith("/bf16+faithful+kv:fp8_e4m3"), row["stack"]
+        assert len(row["logprobs"]) == len(row["tokens"]) > 0
