@@ -91,18 +91,20 @@ def _fp8_step(kind, requests, scales, seed=0):
     return cache, table, torch.cat(queries).view(starts[-1], -1), starts, dense
 
 
+@pytest.mark.parametrize("gathered", [False, True], ids=["view", "gathered"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_paged_attention_reads_the_fp8_cache_as_vllm_stores_it(kind):
+def test_paged_attention_reads_the_fp8_cache_as_vllm_stores_it(kind, gathered):
     """Every request of a step (decodes stacked and alone, a prefill, a chunk) has the native
     path's bits over the values the fp8 cache stands for, alone; the control: the same bytes read
-    without their scale give other bits (the scale is applied, not assumed 1)."""
+    without their scale give other bits (the scale is applied, not assumed 1). `gathered`: the
+    layout read by its inverse permutation (how an AMX layout is read) instead of as a view."""
     from types import SimpleNamespace
 
     scales = (0.5, 2.0)                              # powers of two: the dense side holds them exactly
     requests = [(1, 1), (1, 65), (1, 200), (37, 37), (20, 150), (1, 64), (3, 97), (1, 33)]
     cache, table, query, starts, dense = _fp8_step(kind, requests, scales)
     where = engine_kv.paged_layout("vec", torch.uint8, BLOCK, HEAD, kind)
-    layout = paged.layouts(*where, BLOCK, HEAD)
+    layout = tuple(torch.argsort(w) for w in where) if gathered else paged.layouts(*where, BLOCK, HEAD)
     metadata = SimpleNamespace(query_start_loc=torch.tensor(starts, dtype=torch.int32),
                                seq_lens=torch.tensor([n for _, n in requests], dtype=torch.int32),
                                block_table=table)
