@@ -130,9 +130,10 @@ def exit_with(ok: bool) -> None:
 
 # --engine, --model, --dtype, --threads, --faithful, --tp: one engine, as every engine command
 # starts one (kvfid.engines.registry names the engines; an unknown one is refused there, exit 2).
-def engine_options(tp: bool = True, faithful: bool = True, engine: str | None = "vllm"):
-    """The engine commands' shared options (`tp`, `faithful`: whether the command takes them;
-    `engine`: the default, None for a command that runs without one unless told)."""
+def engine_options(tp: bool = True, faithful: bool = True, engine: str | None = "vllm",
+                   kv_cache: bool = True):
+    """The engine commands' shared options (`tp`, `faithful`, `kv_cache`: whether the command
+    takes them; `engine`: the default, None for a command that runs without one unless told)."""
     shared = [
         click.option("--engine", default=engine, show_default=engine is not None, metavar="NAME",
                      help="The serving engine: vllm (`make install-vllm`) or transformers "
@@ -152,4 +153,9 @@ def engine_options(tp: bool = True, faithful: bool = True, engine: str | None = 
         shared.append(click.option("--tp", type=click.IntRange(1, 64), default=1, show_default=True,
                                    help="Tensor-parallel size (worker processes, each on its own "
                                         "cores), where the engine offers it."))
+    if kv_cache:
+        shared.append(click.option("--kv-cache-dtype", default="auto", show_default=True,
+                                   type=click.Choice(["auto", "fp8_e4m3", "fp8_e5m2"]),
+                                   help="The paged cache's stored format: the model's dtype, or fp8 "
+                                        "bytes with a scale per layer, where the engine offers it."))
     return options(*shared)

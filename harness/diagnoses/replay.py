@@ -237,13 +237,15 @@ def checked_replay(trajectories, model_name, stack: Stack, constructions: str):
 def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, temperature: float,
                      seed: int, out: str, engine: str | None = None, server: str | None = None,
                      dtype: str = "bf16", faithful: bool = False, tp: int = 1,
-                     threads: int | None = None) -> tuple[list[dict], str]:
+                     threads: int | None = None, kv_cache_dtype: str = "auto") -> tuple[list[dict], str]:
     """`kvfid rollouts`: sample on sdpa/fp32 (one thread), with a serving engine (`engine`, a
     name in kvfid.engines.registry, at `dtype`; `faithful`: its faithful mode) or from an
     OpenAI-compatible server, and write the JSONL atomically."""
     check_model_name(model_name)
     engine_only = [name for name, given in (("--faithful", faithful), (f"--tp {tp}", tp != 1),
-                                            (f"--threads {threads}", threads is not None)) if given]
+                                            (f"--threads {threads}", threads is not None),
+                                            (f"--kv-cache-dtype {kv_cache_dtype}", kv_cache_dtype != "auto"))
+                   if given]
     if engine_only and (engine is None or server is not None):
         raise BadInput(f"{engine_only[0]} is for a serving engine (--engine NAME), which runs "
                        "the model itself")
@@ -253,7 +255,7 @@ def rollouts_command(model_name: str, item_set: str, count: int, tokens: int, te
         rows = server_rollouts(server, model_name, item_set, count, tokens, temperature, seed)
     elif engine is not None:
         rows = engine_rollouts(engine, model_name, item_set, count, tokens, temperature, seed, dtype,
-                               faithful, tp, threads)
+                               faithful, tp, threads, kv_cache_dtype)
     else:
         try:
             chosen = items.load_item_set(item_set, count)

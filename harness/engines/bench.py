@@ -62,9 +62,10 @@ def _measure(llm, prompts, tokens: int, repeats: int) -> dict:
 
 def engine_bench(model_name: str, dtype: str, count: int, tokens: int, item_set: str = "arith",
                  bench: EngineBench = EngineBench(), progress=None, threads: int | None = None,
-                 tp: int = 1) -> dict:
+                 tp: int = 1, kv_cache_dtype: str = "auto") -> dict:
     """Stock and faithful vLLM on the same prompts: tokens/s per phase and faithful / stock;
-    `tp`: both engines sharded over that many worker processes."""
+    `tp`: both engines sharded over that many worker processes; `kv_cache_dtype`: both engines'
+    paged cache's stored format."""
 
     if tokens < 2:
         raise BadInput(f"--tokens {tokens}: at least 2 (decode is timed after the first token)")
@@ -79,21 +80,22 @@ def engine_bench(model_name: str, dtype: str, count: int, tokens: int, item_set:
     for name, faithful in bench.engines:
         say(f"{name} engine")
         with vllm_llm.engine(EngineConfig(f"hf:{folder}", dtype, longest, faithful=faithful,
-                                             tp=tp)) as llm, \
+                                          tp=tp, kv_cache_dtype=kv_cache_dtype)) as llm, \
                 vllm_llm.torch_threads(threads) as used:
             measured[name] = {**_measure(llm, prompts, tokens, bench.repeats), "threads": used}
     ratio = {phase: measured["stock"][f"{phase}_tok_s"] / measured["faithful"][f"{phase}_tok_s"]
              for phase in ("prefill", "decode")}
     return {"model": model_name, "dtype": dtype, "engine": f"vllm {vllm_llm.version()}",
             "prompts": len(prompts), "tokens": tokens, "repeats": bench.repeats, "tp": tp,
-            "engines": measured, "slowdown": ratio}
+            "kv_cache_dtype": kv_cache_dtype, "engines": measured, "slowdown": ratio}
 
 
 def render(result: dict) -> str:
     """The price table: tokens/s per engine and phase, and how many times slower faithful is."""
     lines = [f"kvfid engine-bench  {result['engine']}  model {result['model']}  {result['dtype']}  "
              f"{result['prompts']} prompts x {result['tokens']} tokens, median of {result['repeats']}"
-             + (f", TP={result['tp']}" if result.get("tp", 1) > 1 else ""),
+             + (f", TP={result['tp']}" if result.get("tp", 1) > 1 else "")
+             + (f", KV cache {result['kv_cache_dtype']}" if result.get("kv_cache_dtype", "auto") != "auto" else ""),
              f"  {'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13} {'threads':>8}"]
     for name, m in result["engines"].items():
         lines.append(f"  {name:<10} {m['prefill_tok_s']:>14.1f} {m['decode_tok_s']:>13.1f} "
@@ -104,7 +106,8 @@ def render(result: dict) -> str:
 
 
 def load_bench(model_name: str, dtype: str, shape, seed: int = 0, kv_blocks: int = 18,
-               repeats: int = 3, threads: int | None = None, progress=None) -> dict:
+               repeats: int = 3, threads: int | None = None, progress=None,
+               kv_cache_dtype: str = "auto") -> dict:
     """Stock and faithful vLLM under the same load (kvfid.engines.load's plan, clients and KV
     budget; vLLM's own scheduler, no recording): generated tokens/s of each repeat (the prefix
     cache emptied before each), their median per engine and stock / faithful."""
@@ -119,7 +122,7 @@ def load_bench(model_name: str, dtype: str, shape, seed: int = 0, kv_blocks: int
     for name, faithful in EngineBench().engines:
         say(f"{name} engine under load")
         config = EngineConfig(f"hf:{folder}", dtype, max_len, prefix_caching=True, faithful=faithful,
-                              kv_blocks=kv_blocks, split_prompts=False)
+                              kv_blocks=kv_blocks, split_prompts=False, kv_cache_dtype=kv_cache_dtype)
         with vllm_llm.engine(config) as llm, \
                 vllm_llm.torch_threads(threads) as used:
             vllm_llm.generate(llm, [list(plan.requests[0].prompt)], 2, ignore_eos=True)   # warm-up
@@ -131,7 +134,7 @@ def load_bench(model_name: str, dtype: str, shape, seed: int = 0, kv_blocks: int
         measured[name] = {"tok_s": statistics.median(rates), "repeats": rates, "threads": used}
     return {"model": model_name, "dtype": dtype, "engine": f"vllm {vllm_llm.version()}",
             "requests": len(plan.requests), "clients": shape.clients, "tokens": shape.tokens,
-            "kv_blocks": kv_blocks, "seed": seed, "engines": measured,
+            "kv_blocks": kv_blocks, "seed": seed, "kv_cache_dtype": kv_cache_dtype, "engines": measured,
             "slowdown": measured["stock"]["tok_s"] / measured["faithful"]["tok_s"]}
 
 

@@ -8,6 +8,7 @@ import torch
 
 from kvfid.records.engine import EngineKV, EngineRow
 from kvfid.states.cache import BoundaryState, compare_states
+from kvfid.states.layers import LayerState
 
 
 def compare_logprobs(construction: str, a: list[list[float | None]], b: list[list[float | None]],
@@ -31,10 +32,33 @@ def compare_logprobs(construction: str, a: list[list[float | None]], b: list[lis
 
 
 def trimmed(state, length: int):
-    """The state over its first `length` positions."""
+    """The state over its first `length` positions (every other part, a scale, kept)."""
 
-    return BoundaryState(state.prefix[:length], keys=[k[:, :, :length] for k in state.keys],
-                         values=[v[:, :, :length] for v in state.values])
+    return BoundaryState(state.prefix[:length], layers=[
+        layer.replace(k=layer.parts["k"][:, :, :length], v=layer.parts["v"][:, :, :length])
+        for layer in state.layers])
+
+
+def dequantized(state):
+    """A state stored as fp8 with scales (parts `k_scale`, `v_scale`) as the values it stands for,
+    fp32(stored) * scale; None for a state stored in the values' own dtype."""
+    if not any("k_scale" in layer.parts for layer in state.layers):
+        return None
+    return BoundaryState(state.prefix, layers=[
+        LayerState(layer.kind, {part: layer.parts[part].float() * layer.parts[f"{part}_scale"]
+                                if f"{part}_scale" in layer.parts else layer.parts[part]
+                                for part in ("k", "v")}, layer.start)
+        for layer in state.layers])
+
+
+def compare_kv(a: list, b: list, lengths: list[int] | None = None) -> tuple:
+    """A row's engine states compared in their stored format (`compare_rows`) and, where they are
+    stored as fp8, dequantized too: (stored, dequantized or None)."""
+    stored = compare_rows(a, b, lengths)
+    values = [dequantized(x) for x in a], [dequantized(y) for y in b]
+    if any(x is None for x in values[0] + values[1]):
+        return stored, None
+    return stored, compare_rows(*values, lengths)
 
 
 def compare_rows(a: list, b: list, lengths: list[int] | None = None) -> EngineKV:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from kvfid.engines.bits import compare_logprobs, compare_rows
+from kvfid.engines.bits import compare_kv, compare_logprobs
 from kvfid.engines.registry import engine_for
 from kvfid.engines.seam import CHUNKED, KV, PREFIX_CACHE, TP, EngineConfig, started
 from kvfid.errors import BadInput
@@ -39,16 +39,19 @@ def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: in
                  item_set: str = "arith", batch_invariant: bool = False, kv: bool = False,
                  faithful: bool = False, progress=None, threads: int | None = None,
                  tp: int = 1, block_size: int | None = 32, engine: str = "vllm",
-                 attention: str | None = None) -> EngineCheckRecord:
+                 attention: str | None = None, kv_cache_dtype: str = "auto") -> EngineCheckRecord:
     """The in-engine table for one model and dtype on `engine` (see the module docstring).
     `batch_invariant`: the engine's own switch; `kv`: each row also compares the engine states;
     `faithful`: the engine runs kvfid's batch-invariant attention and mode; `threads`: the
     engine's calls at that many torch threads (None: its own); `block_size`: the KV block in
-    tokens (None: the engine's default); `attention`: the engine's attention implementation."""
+    tokens (None: the engine's default); `attention`: the engine's attention implementation;
+    `kv_cache_dtype`: the paged cache's stored format (fp8: `kv` compares its bytes and scales,
+    then the values they stand for)."""
 
     chosen_engine = engine_for(engine)
     base = EngineConfig(model_name, dtype, faithful=faithful, batch_invariant=batch_invariant,
                         block_size=block_size, threads=threads, attention=attention,
+                        kv_cache_dtype=kv_cache_dtype,
                         tp_invariant=tp > 1)   # a TP check's TP=1 side computes the TP-invariant products
     offers = chosen_engine.offers
     for wanted, option in ((tp > 1, TP), (kv, KV)):
@@ -103,13 +106,14 @@ def engine_check(model_name: str, dtype: str, count: int, tokens: int, chunk: in
         with started(chosen_engine, base.with_(tp=tp)) as running:
             sharded = measure_alone(running, prompts, tokens, kv, sequences)
         rows += tp_rows((alone, kv_alone, scored, kv_pre), sharded, prompts, tp)
-    made = tuple(row if not kv else _with_kv(row, compare_rows(*states)) for row, states in rows)
+    made = tuple(row if not kv else _with_kv(row, *compare_kv(*states)) for row, states in rows)
     return EngineCheckRecord(
         model=model_name, dtype=dtype, engine=chosen_engine.version(), prompts=len(prompts),
         tokens=tokens, chunk=chunk, rows=made, folder=folder,
         item_set=item_set, batch_invariant=batch_invariant, batch_invariant_note=note,
         faithful=faithful, kv=kv, wall_s=time.perf_counter() - start, threads=threads,
-        block_size=block, tp=tp, attention=attention or "", engine_name=chosen_engine.name)
+        block_size=block, tp=tp, attention=attention or "", engine_name=chosen_engine.name,
+        kv_cache_dtype=kv_cache_dtype)
 
 
 def _diverged(*sides) -> dict:
@@ -119,9 +123,9 @@ def _diverged(*sides) -> dict:
     return {"diverged": count} if count else {}
 
 
-def _with_kv(row, kv):
+def _with_kv(row, kv, kv_dequantized=None):
 
-    return replace(row, kv=kv)
+    return replace(row, kv=kv, kv_dequantized=kv_dequantized)
 
 
 def _decode(running, prompts, tokens, kv):
@@ -193,6 +197,7 @@ def render(record: EngineCheckRecord) -> str:
              + (f"  attention {r.attention}" if r.attention else "")
              + (f"  {r.threads} torch thread(s)" if r.threads else "")
              + f"  KV blocks of {r.block_size}"
+             + (f"  KV cache {r.kv_cache_dtype}" if r.kv_cache_dtype != "auto" else "")
              + (f"  TP=1 against TP={r.tp}" if r.tp > 1 else "")]
     if r.batch_invariant_note:
         lines.append(f"note: {r.batch_invariant_note}")
@@ -204,31 +209,49 @@ def render(record: EngineCheckRecord) -> str:
         lines.append(f"  {row.construction:<34} {row.differ:>7}/{row.tokens:<7} "
                      f"{row.max_abs:>12.4g}  {row.items_exact}/{row.items}{extra}")
     if r.kv:
-        lines += ["", "engine state (each layer's K and V read from the engine's paged cache), bitwise:",
-                  f"  {'constructions':<34} {'KV exact':>8} {'1st bad layer':>13} {'1st pos':>7} "
-                  f"{'elements':>9} {'max |diff|':>10} {'max ULP':>7} {'d_rel':>9}  d_rel per layer"]
-        for row in r.rows:
-            k = row.kv
-            show = lambda v: "-" if v is None else str(v)   # noqa: E731
-            lines.append(f"  {row.construction:<34} {k.items_exact:>4}/{k.items:<3} "
-                         f"{show(k.first_bad_layer):>13} {show(k.first_position):>7} "
-                         f"{k.n_diff:>9} {k.max_abs:>10.3g} {k.max_ulp:>7} {k.d_rel:>9.2e}  "
-                         + " ".join(f"{d:.1e}" for d in k.d_rel_per_layer))
+        stored = r.kv_cache_dtype != "auto"
+        lines += ["", "engine state (each layer's K and V read from the engine's paged cache), bitwise"
+                  + (f", in its stored format ({r.kv_cache_dtype} bytes and their scales):" if stored else ":")]
+        lines += _kv_table(r.rows, lambda row: row.kv)
+        if stored:
+            lines += ["", "the same engine states dequantized (fp32(stored) * scale):"]
+            lines += _kv_table(r.rows, lambda row: row.kv_dequantized)
         lines.append("  (d_rel: the worst item; per layer the worst of K and V; positions compared: "
-                     "those both states hold over identical tokens)")
+                     "those both states hold over identical tokens"
+                     + ("; max ULP in fp8's units stored, fp32's dequantized, counted through zero"
+                        if stored else "") + ")")
     return "\n".join(lines)
+
+
+def _kv_table(rows, part) -> list[str]:
+    """The engine-state table's lines, each row's `part(row)` (an EngineKV or None)."""
+    lines = [f"  {'constructions':<34} {'KV exact':>8} {'1st bad layer':>13} {'1st pos':>7} "
+             f"{'elements':>9} {'max |diff|':>10} {'max ULP':>7} {'d_rel':>9}  d_rel per layer"]
+    show = lambda v: "-" if v is None else str(v)   # noqa: E731
+    for row in rows:
+        k = part(row)
+        if k is None:
+            lines.append(f"  {row.construction:<34} {'-':>8}")
+            continue
+        lines.append(f"  {row.construction:<34} {k.items_exact:>4}/{k.items:<3} "
+                     f"{show(k.first_bad_layer):>13} {show(k.first_position):>7} "
+                     f"{k.n_diff:>9} {k.max_abs:>10.3g} {k.max_ulp:>7} {k.d_rel:>9.2e}  "
+                     + " ".join(f"{d:.1e}" for d in k.d_rel_per_layer))
+    return lines
 
 
 def engine_rollouts(engine: str, model_name: str, item_set: str, count: int, tokens: int,
                     temperature: float, seed: int, dtype: str, faithful: bool = False,
-                    tp: int = 1, threads: int | None = None) -> list[dict]:
+                    tp: int = 1, threads: int | None = None, kv_cache_dtype: str = "auto") -> list[dict]:
     """`kvfid rollouts --engine NAME`: sampled by that engine (seeded per request), its logprobs
-    kept; `faithful`: its faithful mode; `tp`: sharded over that many worker processes."""
+    kept; `faithful`: its faithful mode; `tp`: sharded over that many worker processes;
+    `kv_cache_dtype`: its paged cache's stored format."""
 
     chosen_engine = engine_for(engine)
     if tp > 1 and TP not in chosen_engine.offers:
         raise BadInput(f"--engine {engine}: --tp is not offered by this engine")
-    config = EngineConfig(model_name, dtype, faithful=faithful, tp=tp, seed=seed, threads=threads)
+    config = EngineConfig(model_name, dtype, faithful=faithful, tp=tp, seed=seed, threads=threads,
+                          kv_cache_dtype=kv_cache_dtype)
     chosen_engine.checked(config)
     chosen, codec = items_and_codec(model_name, item_set, count)
     prompts = [codec.prompt_ids(i.prompt) for i in chosen]
@@ -237,7 +260,7 @@ def engine_rollouts(engine: str, model_name: str, item_set: str, count: int, tok
         made = running.generate(prompts, tokens, temperature, seed * 100003,
                                 stop_ids=sorted(codec.eos_ids))
     label = (f"{chosen_engine.version()}/{dtype}" + ("+faithful" if faithful else "")
-             + (f"@tp{tp}" if tp > 1 else ""))
+             + (f"+kv:{kv_cache_dtype}" if kv_cache_dtype != "auto" else "") + (f"@tp{tp}" if tp > 1 else ""))
     return [as_row(Trajectory(i.id, tuple(p), tuple(g.ids), tuple(g.logprobs)), model=model_name,
                    stack=label, temperature=temperature, seed=seed)
             for i, p, g in zip(chosen, prompts, made) if g.ids]

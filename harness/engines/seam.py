@@ -20,10 +20,13 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol
 from kvfid.errors import BadInput
 
 DTYPES = ("bf16", "fp16", "fp32")
+# The paged cache's stored format: the model's dtype (`auto`) or fp8 bytes with a scale per layer.
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 # The constructions engine-check compares (an engine's `offers` names those it has besides the
 # decode and the re-scoring every engine runs).
 CHUNKED, PREFIX_CACHE, TP, KV = "chunked", "prefix-cache", "tp", "kv"
+FP8_KV = "fp8-kv"           # a paged cache stored as fp8 (--kv-cache-dtype fp8_e4m3 | fp8_e5m2)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class EngineConfig:
     block_size: int | None = 32       # the paged cache's block in tokens (None: the engine's default)
     threads: int | None = None        # the engine's torch threads (None: its own choice)
     attention: str | None = None      # the engine's attention implementation (None: its default)
+    kv_cache_dtype: str = "auto"      # the paged cache's stored format (KV_CACHE_DTYPES)
 
     def with_(self, **changes) -> "EngineConfig":
         return replace(self, **changes)
@@ -59,7 +63,8 @@ class EngineConfig:
         return (f"prefix cache {'on' if self.prefix_caching else 'off'}, "
                 + (f"chunked prefill by {self.chunk}" if self.chunk else "no chunking")
                 + (", faithful" if self.faithful else "") + (f", TP={self.tp}" if self.tp > 1 else "")
-                + (", TP-invariant products" if self.faithful and self.tp_invariant and self.tp == 1 else ""))
+                + (", TP-invariant products" if self.faithful and self.tp_invariant and self.tp == 1 else "")
+                + (f", {self.kv_cache_dtype} KV cache" if self.kv_cache_dtype != "auto" else ""))
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,8 @@ class Engine:
     """A serving engine kvfid drives. `start(config)` is a context giving a `Running`;
     `refusal(config)` is why it cannot serve that config (None: it can), checked before compute;
     `require()` raises Unavailable (exit 3) where the engine is not installed; `offers` names the
-    constructions it has besides decode and re-scoring (CHUNKED, PREFIX_CACHE, TP, KV)."""
+    constructions it has besides decode and re-scoring (CHUNKED, PREFIX_CACHE, TP, KV) and
+    whether it stores an fp8 cache (FP8_KV)."""
 
     name: str
     description: str
@@ -129,6 +135,11 @@ class Engine:
         where it is not installed. Nothing is started."""
         if config.dtype not in DTYPES:
             raise BadInput(f"--dtype {config.dtype!r}: one of {', '.join(DTYPES)}")
+        if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise BadInput(f"--kv-cache-dtype {config.kv_cache_dtype!r}: one of {', '.join(KV_CACHE_DTYPES)}")
+        if config.kv_cache_dtype != "auto" and FP8_KV not in self.offers:
+            raise BadInput(f"--engine {self.name}: --kv-cache-dtype {config.kv_cache_dtype} is not "
+                           "offered by this engine (its paged cache is stored in the model's dtype)")
         self.require()
         why = self.refusal(config)
         if why:

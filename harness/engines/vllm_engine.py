@@ -15,6 +15,7 @@ from kvfid.engines.load_run import engine_load
 from kvfid.engines.load_server import serving
 from kvfid.engines.seam import (
     CHUNKED,
+    FP8_KV,
     KV,
     PREFIX_CACHE,
     TP,
@@ -28,6 +29,7 @@ from kvfid.engines.vllm_llm import (
     batch_invariant_refusal,
     block_size,
     engine,
+    fp8_refusal,
     generate,
     model_folder,
     require_vllm,
@@ -35,6 +37,7 @@ from kvfid.engines.vllm_llm import (
     torch_threads,
     version,
 )
+from kvfid.errors import Unavailable
 
 
 class _Running:
@@ -67,7 +70,10 @@ def _start(config: EngineConfig):
 
 
 def _refusal(config: EngineConfig) -> str | None:
-    model_folder(config.model)              # a model vLLM cannot load is refused here (BadInput)
+    folder = model_folder(config.model)     # a model vLLM cannot load is refused here (BadInput)
+    why = fp8_refusal(config, folder)
+    if why:                                 # this machine, not the input: exit 3
+        raise Unavailable(why)
     if config.chunk is not None and (config.chunk < BLOCK or config.chunk % BLOCK):
         return f"--chunk {config.chunk}: a multiple of {BLOCK} (vLLM-CPU's KV block)"
     if config.attention is not None:
@@ -103,7 +109,7 @@ def _require() -> None:
 ENGINE = Engine(
     name="vllm", description="vLLM (CPU build), in this process; `make install-vllm`",
     require=_require, version=lambda: f"vllm {version()}", start=_start, refusal=_refusal,
-    offers=frozenset({CHUNKED, PREFIX_CACHE, TP, KV}),
+    offers=frozenset({CHUNKED, PREFIX_CACHE, TP, KV, FP8_KV}),
     constructions={CHUNKED: "chunked prefill", PREFIX_CACHE: "prefix cache"},
     batch_invariant_note=batch_invariant_refusal,
     load=_load, bench=_bench, load_bench=_load_bench, serve_load=_serve_load)

@@ -138,7 +138,28 @@ def settings(config: EngineConfig, folder: str) -> dict:
         made["num_gpu_blocks_override"] = config.kv_blocks
     if config.block_size is not None:
         made["block_size"] = config.block_size
+    if config.kv_cache_dtype != "auto":      # the paged cache stored as fp8 bytes, a scale per layer
+        made["kv_cache_dtype"] = config.kv_cache_dtype
     return made
+
+
+def fp8_refusal(config: EngineConfig, folder: str) -> str | None:
+    """Why vLLM-CPU cannot keep `config`'s fp8 cache on this machine (None: it can, or the cache
+    is not fp8), in vLLM's own words: its CPU attention picks the ISA (AVX-512 or AMX needed, a
+    head size divisible by 32) before any request."""
+    if config.kv_cache_dtype == "auto":
+        return None
+    # lazy: vLLM is optional (.venv-vllm only)
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    model = json.loads((Path(folder) / "config.json").read_text())
+    head = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+    try:
+        _get_attn_isa(getattr(torch, DTYPES[config.dtype]), config.block_size or BLOCK, head,
+                      config.kv_cache_dtype)
+    except NotImplementedError as err:
+        return f"--kv-cache-dtype {config.kv_cache_dtype}: vLLM-CPU refuses it here ({err})"
+    return None
 
 
 @contextlib.contextmanager

@@ -56,10 +56,14 @@ class EngineRow:
     diverged: int | None = None
     served_tokens: int | None = None
     kv: EngineKV | None = None
+    # An fp8 cache: `kv` compares the stored bytes (as fp8) and the scales; this, the same states
+    # dequantized (fp32(stored) * scale), so a difference is counted in both formats.
+    kv_dequantized: EngineKV | None = None
 
     @property
     def exact(self) -> bool:
-        return self.differ == 0 and (self.kv is None or self.kv.exact)
+        return self.differ == 0 and (self.kv is None or self.kv.exact) and \
+            (self.kv_dequantized is None or self.kv_dequantized.exact)
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class EngineCheckRecord:
     tp: int = 1                               # the TP size compared with TP=1 (1: no TP rows)
     engine_name: str = "vllm"                 # the engine's name in kvfid.engines.registry
     attention: str = ""                       # the engine's attention implementation ("": its default)
+    kv_cache_dtype: str = "auto"              # the paged cache's stored format (auto: the model's dtype)
 
     @property
     def exact(self) -> bool:
@@ -98,7 +103,8 @@ class EngineCheckRecord:
     def label(self) -> str:
         """The engine as a stack label: `vllm 0.32.0/bf16`, `+faithful`, `+batch-invariant` (its switch)."""
         return (f"{self.engine}/{self.dtype}" + ("+faithful" if self.faithful else "")
-                + ("+batch-invariant" if self.batch_invariant else ""))
+                + ("+batch-invariant" if self.batch_invariant else "")
+                + (f"+kv:{self.kv_cache_dtype}" if self.kv_cache_dtype != "auto" else ""))
 
     def to_json(self, indent: int | None = None) -> str:
         return to_json(self, indent)

@@ -130,6 +130,7 @@ class EngineLoadRecord:
     status: str = "ok"                       # "incomplete": some request is missing
     folder: str = ""
     greedy_share: float = 0.5                # the plan's share of greedy requests
+    kv_cache_dtype: str = "auto"             # the paged cache's stored format (auto: the model's dtype)
 
     @property
     def missing(self) -> tuple[LoadRequest, ...]:

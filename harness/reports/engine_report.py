@@ -45,11 +45,12 @@ def logprob_rows(record) -> list[list]:
     return rows
 
 
-def kv_rows(record) -> list[list]:
-    """One row per pair of constructions: the engine states compared bitwise."""
+def kv_rows(record, dequantized: bool = False) -> list[list]:
+    """One row per pair of constructions: the engine states compared bitwise (in the stored
+    format; `dequantized`: an fp8 cache's states as the values they stand for)."""
     rows = []
     for r in record.rows:
-        k = r.kv
+        k = r.kv_dequantized if dequantized else r.kv
         if k is None:
             continue
         rows.append([r.construction, Cell(f"{k.items_exact}/{k.items}",
@@ -80,6 +81,7 @@ def command(record) -> str:
     args += ["--threads", str(record.threads)] if record.threads else []
     args += ["--attention", record.attention] if record.attention else []
     args += ["--tp", str(record.tp)] if record.tp > 1 else []
+    args += ["--kv-cache-dtype", record.kv_cache_dtype] if record.kv_cache_dtype != "auto" else []
     return shlex.join(args)
 
 
@@ -93,6 +95,8 @@ def document(stored, raw_environment: bool = True) -> list:
                                       if r.faithful else " (stock)")],
                ["model", f"{r.model} ({r.folder})" if r.folder else r.model],
                ["dtype", r.dtype],
+               ["KV cache stored as", "the model's dtype" if r.kv_cache_dtype == "auto"
+                else f"{r.kv_cache_dtype} bytes, a scale per layer"],
                ["requests", f"{r.prompts} prompts of {r.item_set} x {r.tokens} greedy tokens"],
                ["chunked prefill budget", str(r.chunk)],
                ["the engine's batch-invariant switch", "on" if r.batch_invariant else "off"],
@@ -105,9 +109,14 @@ def document(stored, raw_environment: bool = True) -> list:
             ("p", "Each row takes the same tokens' logprobs by two of the engine's constructions "
                   "and compares their fp32 bits (the engines return fp32 logprobs).")]
     if r.kv:
-        doc += [("h2", "Engine state (K and V from the engine's paged cache), bitwise"),
-                ("table", KV_HEAD, kv_rows(r)),
-                ("p", "Positions compared: those both states hold over identical tokens. d_rel: "
+        fp8 = r.kv_cache_dtype != "auto"
+        doc += [("h2", "Engine state (K and V from the engine's paged cache), bitwise"
+                 + (f", stored format ({r.kv_cache_dtype} bytes and scales)" if fp8 else "")),
+                ("table", KV_HEAD, kv_rows(r))]
+        if fp8:
+            doc += [("h2", "The same engine states dequantized (fp32(stored) * scale)"),
+                    ("table", KV_HEAD, kv_rows(r, dequantized=True))]
+        doc += [("p", "Positions compared: those both states hold over identical tokens. d_rel: "
                       "||a-b||_F/||a||_F of the worst item over every layer's K and V; per layer "
                       "below, the worst of K and V.")]
         doc += _per_layer(r)

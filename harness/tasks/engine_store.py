@@ -17,6 +17,7 @@ from pathlib import Path
 from kvfid.engines import check as engine_check
 from kvfid.engines.load_plan import LoadShape
 from kvfid.engines.registry import engine_for
+from kvfid.engines.seam import EngineConfig
 from kvfid.environment import envinfo
 from kvfid.ledger.engine_checks import check, checks, write_check
 from kvfid.ledger.opening import probe
@@ -61,6 +62,11 @@ def load_and_store(fmt: str = "text", db: str | Path | None = None, report: bool
     probe(path)                             # refused (read-only, not a ledger) before compute
     engine = engine_for(options.pop("engine", "vllm"))
     load = engine.door("load")
+    if options.get("kv_cache_dtype", "auto") != "auto":   # refused before compute (exit 2 or 3)
+        engine.checked(EngineConfig(options["model_name"], options["dtype"],
+                                    kv_cache_dtype=options["kv_cache_dtype"]))
+    else:
+        options.pop("kv_cache_dtype", None)
     if options.get("server"):
         engine.door("serve_load")
     record = load(progress=progress, **options)
@@ -79,13 +85,16 @@ def bench(fmt: str, clients: int | None, kv_blocks: int, progress=None, **option
     """`kvfid engine-bench`: the engine's price (its `bench` door), or under load with `clients`
     (its `load_bench` door), as `fmt`."""
     engine = engine_for(options.pop("engine"))
+    engine.checked(EngineConfig(options["model_name"], options["dtype"],
+                                kv_cache_dtype=options["kv_cache_dtype"]))   # refused before compute
     if clients is None:
         result, render = engine.door("bench")(progress=progress, **options)
     else:
         shape = LoadShape(requests=options["count"], clients=clients, tokens=options["tokens"])
         result, render = engine.door("load_bench")(options["model_name"], options["dtype"], shape,
                                                    kv_blocks=kv_blocks, threads=options["threads"],
-                                                   progress=progress)
+                                                   progress=progress,
+                                                   kv_cache_dtype=options["kv_cache_dtype"])
     return json.dumps(result, indent=1) if fmt == "json" else render(result)
 
 

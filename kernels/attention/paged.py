@@ -9,7 +9,9 @@ known here: the engine side measures it (kvfid.engines.kv.paged_layout writes in
 with the engine's own writer) and hands `layouts(...)` of it in, so this module never imports
 the engine. A request's keys are gathered by its block table from the blocks that cover the key
 range its tiles read, read in the writer's layout (a view where the layout is the plain or the
-transposed block, a gather by its inverse otherwise) into fp32, absent positions zero. Key tiles
+transposed block, a gather by its inverse otherwise) into fp32, absent positions zero; an fp8
+cache (bytes, as vLLM-CPU keeps them) is read as the fp8 kind it stores and dequantized there,
+fp32(stored) * the layer's scale, so a prefill reads the very values a decode step reads. Key tiles
 and spans are fixed by absolute positions, never by blocks, so every block size gives the same
 bits. The plan of a step (each request's tiles and blocks) is made once for all its layers.
 """
@@ -113,6 +115,26 @@ def step_plan(starts: list[int], lengths: list[int], table: list[list[int]], blo
     return Step(tuple(alone), tuple(stacks))
 
 
+@dataclass(frozen=True)
+class Memory:
+    """A layer's paged cache [blocks, Hkv, 2, block * D] as stored, and how to read its values."""
+
+    blocks: torch.Tensor
+    stored: torch.dtype | None          # the fp8 kind of a byte cache (None: values as they are)
+    scales: tuple[float, float]         # (k, v): value = fp32(stored) * scale
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """The blocks `ids`, in the stored kind (an fp8 cache's bytes as fp8)."""
+        chosen = torch.index_select(self.blocks, 0, ids)
+        return chosen if self.stored is None else chosen.view(self.stored)
+
+    def dequantized(self, buffer: torch.Tensor, which: int) -> torch.Tensor:
+        """An fp32 buffer read from part `which` (0: k, 1: v), times its scale (in place)."""
+        if self.stored is not None and self.scales[which] != 1.0:
+            buffer.mul_(self.scales[which])
+        return buffer
+
+
 _STEP: dict = {}        # the last step's metadata, what it said, its plan (every layer reads one step)
 
 
@@ -132,15 +154,17 @@ def planned(metadata, block: int, config: NativeConfig) -> Step:
 
 
 def paged_attention(output: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, layout: tuple,
-                    metadata, num_heads: int, scale: float, config: NativeConfig = DEFAULT_CONFIG) -> torch.Tensor:
+                    metadata, num_heads: int, scale: float, config: NativeConfig = DEFAULT_CONFIG,
+                    stored: torch.dtype | None = None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Causal attention of every request of a step over the paged cache, into `output`
     [T, Hq * D]: request r's queries are query[starts[r]:starts[r+1]] ([T, Hq * D]), the last
     positions of its `seq_lens[r]` keys, held in the blocks `block_table[r]`; `layout` is
-    `layouts(...)` of the cache's writer."""
+    `layouts(...)` of the cache's writer. `stored`: the fp8 kind of a byte cache, whose keys and
+    values are fp32(stored) * `kv_scales` (k, v); None: the cache holds the values themselves."""
     blocks, heads, block, width = kv_cache.shape
     head = width // 2
     group = num_heads // heads
-    memory = kv_cache.view(blocks, heads, 2, block * head)
+    memory = Memory(kv_cache.view(blocks, heads, 2, block * head), stored, tuple(kv_scales))
     queries = query.view(query.shape[0], heads, group, head)
     written = output.view(output.shape[0], heads, group, head)
     factor = query_scale(scale, None)
@@ -158,8 +182,8 @@ def paged_attention(output: torch.Tensor, query: torch.Tensor, kv_cache: torch.T
 def _alone(request: Request, queries, written, memory, layout, factor, block: int, head: int,
            config: NativeConfig) -> None:
     """One request: its blocks gathered, its tiles computed (native_tiles.run_tiles)."""
-    stored = torch.index_select(memory, 0, request.ids)                  # [nb, Hkv, 2, block * D]
-    keys, values = (_keys(stored.select(2, which), part, request, block, head)
+    stored = memory.gather(request.ids)                                  # [nb, Hkv, 2, block * D]
+    keys, values = (memory.dequantized(_keys(stored.select(2, which), part, request, block, head), which)
                     for which, part in enumerate(layout))
     run_tiles(queries.narrow(0, request.first, request.count).transpose(0, 1), factor, keys, values,
               request.work, config, written.narrow(0, request.first, request.count).transpose(0, 1))
@@ -170,8 +194,8 @@ def _stacked(stack: Stack, queries, written, memory, layout, factor, block: int,
     """A stack of decode steps in one call (native_tiles.run_stacked); False where the machine's
     probe refuses it."""
     count, first = len(stack.requests), stack.requests[0]
-    spans, heads = first.spans, memory.shape[1]
-    stored = torch.index_select(memory, 0, stack.ids).view(count, spans, heads, 2, -1)
+    spans, heads = first.spans, memory.blocks.shape[1]
+    stored = memory.gather(stack.ids).view(count, spans, heads, 2, -1)
     width, used = first.work.stop - first.work.start, first.offset + first.work.stop - first.work.start
     parts = []
     for which, part in enumerate(layout):                  # [S, Hkv, used, D] fp32, absent zero
@@ -179,7 +203,7 @@ def _stacked(stack: Stack, queries, written, memory, layout, factor, block: int,
         buffer = torch.empty(count, heads, spans, block, head)
         if spans == 1 and used < block:                    # a block longer than the keys read
             buffer, shaped = buffer.narrow(3, 0, used), shaped.narrow(3, 0, used)
-        buffer.copy_(shaped.transpose(1, 2))
+        memory.dequantized(buffer.copy_(shaped.transpose(1, 2)), which)
         buffer = buffer.view(count, heads, -1, head)
         for i, request in enumerate(stack.requests):
             if request.zeros < buffer.shape[2]:

@@ -133,6 +133,33 @@ def test_the_report_holds_both_tables_and_colours_the_verdicts(tmp_path):
            in text and "0 at every layer, in every row" in text
 
 
+def test_an_fp8_cache_check_is_stored_and_reported_in_both_formats(tmp_path):
+    """An engine check of an fp8 cache: its format in the record, the label and the command to
+    measure again; the report holds the stored-format table and the dequantized one, and a row
+    whose stored bytes agree but whose dequantized values would not is not exact."""
+    fp8_kv = {**KV, "max_abs": 0.25, "max_ulp": 3}
+    values = {**KV, "max_abs": 0.25, "max_ulp": 8388608}
+    rows = [{**r, "kv_dequantized": values if r["kv"] is KV else EXACT_KV,
+             "kv": fp8_kv if r["kv"] is KV else EXACT_KV} for r in RESULT["rows"]]
+    stored = store_result(tmp_path / "ledger.sqlite", {**RESULT, "rows": rows,
+                                                       "kv_cache_dtype": "fp8_e4m3"}, ENVIRONMENT)
+    record = stored.record
+    assert record.kv_cache_dtype == "fp8_e4m3" and record.label.endswith("+kv:fp8_e4m3")
+    assert record.rows[0].kv_dequantized.max_ulp == 8388608
+    text = engine_report.write_report(stored, tmp_path / "reports")["markdown"].read_text()
+    assert "stored format (fp8_e4m3 bytes and scales)" in text
+    assert "The same engine states dequantized (fp32(stored) * scale)" in text
+    assert "| decode vs prefill re-scoring | 1/2 | 3 | 17 | 40 | 0.25 | 3 | 0.00125 |" in text
+    assert "| decode vs prefill re-scoring | 1/2 | 3 | 17 | 40 | 0.25 | 8388608 | 0.00125 |" in text
+    assert "--kv-cache-dtype fp8_e4m3" in text and "fp8_e4m3 bytes, a scale per layer" in text
+    rendered = engine_check.render(record)
+    assert "in its stored format (fp8_e4m3 bytes and their scales)" in rendered
+    assert "dequantized (fp32(stored) * scale)" in rendered
+    odd = from_result({**RESULT, "kv_cache_dtype": "fp8_e4m3", "rows": [
+        {**RESULT["rows"][1], "kv": EXACT_KV, "kv_dequantized": KV}]})
+    assert not odd.exact                      # the dequantized verdict counts in the record's
+
+
 @pytest.fixture
 def measured(monkeypatch):
     """engine_check.engine_check answering RESULT (what vLLM would have measured)."""
