@@ -27,6 +27,7 @@ The model is the preset's fp32 master loaded at the dtype as transformers loads 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import time
 
@@ -56,7 +57,6 @@ RESULT_TIMEOUT_S = 600.0
 
 def _require() -> None:
     try:
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: F401
         # guarded: which transformers has continuous batching
         from transformers.generation.continuous_batching import (
             ContinuousBatchingManager,  # noqa: F401
@@ -64,6 +64,10 @@ def _require() -> None:
     except ImportError as err:
         raise Unavailable("transformers' continuous batching is not importable here "
                           f"({err}); it needs transformers 5.x") from None
+    if "page_size" not in inspect.signature(ContinuousBatchingConfig.__init__).parameters:
+        raise Unavailable(f"transformers {transformers.__version__}'s continuous batching predates "
+                          "what kvfid's engine reads (its page size and block allocators, as in "
+                          "5.25); install a newer transformers")
 
 
 def _version() -> str:
