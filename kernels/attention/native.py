@@ -80,7 +80,7 @@ def _row(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     row's own positions (absolute minus `pad`)."""
     n_q, q_len, dim = q.shape
     n_kv, kv_len, _ = k.shape
-    group, tm = n_q // n_kv, config.tile_m
+    group = n_q // n_kv
     key_first = max(key_start - pad, 0)      # own position of the first valid key held
     end = key_start + kv_len - pad           # own positions of the keys end here
     q_first = end - q_len                    # own position of query 0
