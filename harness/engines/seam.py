@@ -163,18 +163,19 @@ def variables(**values: str | None) -> Iterator[None]:
     process had, as it had it (an engine's workers read them when they start)."""
     saved = {name: os.environ.get(name) for name in values}
     try:
-        for name, value in values.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _put(values)
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _put(saved)
+
+
+def _put(values: dict[str, str | None]) -> None:
+    """Set each variable (None: unset it)."""
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def started(engine: Engine, config: EngineConfig) -> ContextManager[Running]:

@@ -160,14 +160,8 @@ class IncrementalOne(Construction):
         return [1] * prefix_length
 
 
-@dataclass(frozen=True, kw_only=True)
-class Chunked(Construction):
-    """P fed in chunks of `n` tokens."""
-
-    n: int
-    kind: ClassVar[str] = "chunked"
-    rebuilds_stages: ClassVar[bool] = True
-    rescores: ClassVar[bool] = True
+class _Counted:
+    """A construction spelled `KIND:N` with N >= 1 (its field `n`)."""
 
     @classmethod
     def read(cls, text: str) -> "Construction | None":
@@ -177,6 +171,16 @@ class Chunked(Construction):
     @property
     def base_label(self) -> str:
         return f"{self.kind}:{self.n}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Chunked(_Counted, Construction):
+    """P fed in chunks of `n` tokens."""
+
+    n: int
+    kind: ClassVar[str] = "chunked"
+    rebuilds_stages: ClassVar[bool] = True
+    rescores: ClassVar[bool] = True
 
     def chunk_sizes(self, prompt_length: int, prefix_length: int) -> list[int]:
         full, rest = divmod(prefix_length, self.n)
@@ -192,21 +196,12 @@ class Chunked(Construction):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Batched(Prefill):
+class Batched(_Counted, Prefill):
     """The prefill with the item in a batch of `n` identical rows."""
 
     n: int
     kind: ClassVar[str] = "batched"
     rebuilds_stages: ClassVar[bool] = False
-
-    @classmethod
-    def read(cls, text: str) -> "Construction | None":
-        match = re.fullmatch(rf"{cls.kind}:(\d+)", text)
-        return cls(n=int(match[1])) if match and int(match[1]) >= 1 else None
-
-    @property
-    def base_label(self) -> str:
-        return f"{self.kind}:{self.n}"
 
     @property
     def rows(self) -> int:
