@@ -52,7 +52,8 @@ class Floor:
     """A decode step's matrix products (the model's linear layers, one call each) at the step's
     rows and at the rows the faithful route pads them to, stock kernels, one interleaved run."""
 
-    route: str               # `[widen:]F` as KVFID_TILED_ROUTE writes a route
+    route: str               # `[widen:]F` as KVFID_TILED_ROUTE writes a route, or "spans" (each
+                             # product by its own key's span: kvfid.tasks.price.floor)
     source: str              # where that route came from
     rows: int                # the step's rows (its sequences)
     padded_rows: int         # the rows the route computes: F-row calls covering `rows`

@@ -44,6 +44,10 @@ def _floor(row: PriceRow) -> str:
     f = row.floor
     if f is None:
         return "-"
+    if f.route == "spans":      # each product by its own key's span (kvfid.tasks.price.floor)
+        return (f"{_x(f.ratio)}: {f.products} products by the faithful mode's calls (each "
+                f"product's span) {seconds(f.padded.median_s)}, against one stock call of {f.rows} "
+                f"row(s) {seconds(f.own.median_s)}; {f.rounds} round(s)")
     tile = f.route.split(":")[-1]
     calls = "one call" if "whole:" in f.route else f"calls of {tile}"
     return (f"{_x(f.ratio)}: {f.products} products by route {f.route} ({f.padded_rows} rows in "

@@ -226,6 +226,16 @@ def _floor(run: PriceRun, model, faithful, rows: int) -> Floor:
     return run.floors[key]
 
 
+class _Spans(str):
+    """The floor's route where each product takes its own key's span (the faithful mode's calls)."""
+
+    def text(self) -> str:
+        return "the faithful mode's calls"
+
+
+SPANS = _Spans("spans")
+
+
 def route_of(plan: PricePlan, dtype) -> tuple[object, str]:
     """The floor's route and where it came from: the plan's, else this machine's for `dtype` at
     the plan's threads (pinned, kept, or timed as the faithful stack would time it)."""
@@ -254,13 +264,18 @@ def floor(model, faithful, rows: int, plan: PricePlan, left_s: float) -> Floor:
         wide = [(master[n].weight.detach(), None if master[n].bias is None else master[n].bias.detach())
                 for n, _ in named]
     padded = max(rows, route.tile) if route.whole else math.ceil(rows / route.tile) * route.tile
+    by_route = price_work.products(layers, rows, route.tile, wide, plan.threads, route.whole)
+    if route.whole and not route.widen and plan.floor_route is None:
+        # each product by its own key's span (kvfid.kernels.invariant.whole), as the faithful
+        # stack makes it: a span may serve a few rows unpadded, or tile a band, not the route's F
+        by_route = price_work.products(layers, rows, threads=plan.threads, mode=True)
+        route, source, padded = SPANS, "each product's kept span on this machine", rows
     arms = [price_work.Arm("own rows", f"{rows} row(s), one stock call",
                            price_work.products(layers, rows, threads=plan.threads)),
-            price_work.Arm("route", f"{route.text()}: {padded} row(s)",
-                           price_work.products(layers, rows, route.tile, wide, plan.threads,
-                                               route.whole))]
+            price_work.Arm("route", f"{route.text()}: {padded} row(s)", by_route)]
     times, rounds = price_work.interleaved(arms, lambda s: price_work.rounds_for(s, left_s))
-    return Floor(route.spec(), source, rows, padded, len(layers), times[0], times[1], rounds)
+    spec = route if route == SPANS else route.spec()
+    return Floor(spec, source, rows, padded, len(layers), times[0], times[1], rounds)
 
 
 def price(plan: PricePlan = PricePlan(), reports: str | Path | None = "reports",

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from kvfid.records.price import ArmTimes
 from kvfid.kernels.invariant import whole as whole_calls
+from kvfid.kernels.invariant.mode import set_batch_invariant_mode
 from kvfid.kernels.invariant.route import in_tiles
 from kvfid.protocol.decode import cache_keyword, new_cache
 
@@ -177,11 +178,12 @@ def linear_weights(module: torch.nn.Module) -> int:
 
 def products(layers: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int,
              tile: int | None = None, wide: list | None = None, threads: int = 1,
-             whole: bool = False) -> Session:
+             whole: bool = False, mode: bool = False) -> Session:
     """A session of every product once: x [rows, K] times each weight [N, K] (with its bias), in
     one call (`tile` None), or by the route's calls: of `tile` rows (zero rows padding the last),
     or under a whole-call route (`whole`) one call padded to `tile` rows below it; in fp32 from
-    `wide`'s weights where the route widens; rounded back to the model's dtype."""
+    `wide`'s weights where the route widens; rounded back to the model's dtype. `mode`: each
+    one call under the tiled batch-invariant mode (each product by its own key's span)."""
     by_route = in_tiles
     if whole and tile is not None:      # one call from the floor up, as kvfid.kernels.invariant.whole.call
         span = whole_calls.Span(tile, max(rows, tile), max(rows, tile), "the route's floor")
@@ -206,7 +208,8 @@ def products(layers: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int,
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), (set_batch_invariant_mode(impl="tiled") if mode
+                                          else contextlib.nullcontext()):
                 yield lambda: [call() for call in calls]
         finally:
             torch.set_num_threads(before)

@@ -63,14 +63,14 @@ def trusted(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], width: in
 
 def _stock_call_serves(key: Hashable, rows: torch.Tensor, route: Route) -> bool:
     """Whether `whole.call` would make one call of `fn` on `rows` [M, K] as they are: a stock
-    whole-call route whose span for `key` (already probed) has a floor of one row and covers M,
+    whole-call route whose span for `key` (already probed) makes a call of M rows as they are,
     the rows plain (contiguous from their storage's start). The common case of every decode step,
     decided in a few lookups."""
     if not route.whole or route.widen or rows.device.type != "cpu" or not rows.is_contiguous() \
             or rows.storage_offset():
         return False
     found = whole.probed(key, False)
-    return found is not None and found.floor == 1 and rows.shape[0] <= found.ceiling
+    return found is not None and found.floor is not None and found.as_they_are(rows.shape[0])
 
 
 def by_tiles(key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor,

@@ -23,6 +23,12 @@ and a product of M rows is then one call: padded with zero rows to F below F, al
 to C, and tiles of F rows above C (an F-row call: the same bits). Every row has the bits of
 itself alone at place 0 of an F-row call in a decode step, a prefill, a chunk and a batch.
 
+Below a floor F > 1, the **small** counts S < F: every count from 1 to S also gives every row
+those bits (each count checked), so a call of up to S rows is made as it is, unpadded. A kernel
+may take one path for a few rows and another from some M on that agrees with it (on an AMX CPU,
+oneDNN's bf16 product agrees with its own AMX tiles at 1 to 16 rows for some shapes and parts
+from them at 32): a decode step then costs a one-row call, not an F-row one.
+
 The ceiling follows the calls: the first probe of a key checks up to FIRST_CEILING rows or the
 call's own count (the next power of two), and a later call above it extends the probe to its
 next power of two (up to MAX_CEILING); a count that fails there stops the ceiling below it. A
@@ -47,6 +53,16 @@ threads, never from the values). Every check holds on both (`parts`): random row
 sums show any change of order, and revealing ones. A softmax's exponentials would overflow on
 revealing rows: it probes on random rows of a given scale only.
 
+**A band below the full floor.** A kernel may give a row one set of bits in a call of up to B
+rows and another from B + 1 on, consistent above (oneDNN's bf16 product on an AMX CPU: its AVX-512
+path up to 32 rows, its AMX tiles above). A floor F whose dense counts fail at B + 1 > 2F is then
+kept as a **band**: one call from F to B rows, tiles of B rows above (each a B-row call: the same
+bits). The first full floor serves a decode step by an F'-row call and a prefill by one call;
+the band serves a decode step unpadded and a prefill in B-row tiles. Which costs less is the
+machine's: both are timed on the key's own product (`_cheaper`), per token of a mix of one
+decode row and one row of a FIRST_CEILING-row prefill, and the cheaper one is kept (the other's
+time said in `why`). Either gives every row one set of bits in every construction.
+
 A verdict is kept per machine, in `$KVFID_CACHE/whole-calls.json` under
 kvfid.kernels.invariant.machine.machine_key() (CPU model, dispatch capability, ISA variables, torch
 version, threads, the probe's RULE), so a later process reads the floor and ceiling back instead of
@@ -58,8 +74,9 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable, Hashable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -72,20 +89,28 @@ MAX_CEILING = 1 << 16               # no probe beyond this: tiles of F rows serv
 STORE = "whole-calls.json"
 # The probe's version, part of the machine key its spans are kept under (a span found by an
 # earlier probe is probed again, not reused).
-RULE = "whole 2"
+RULE = "whole 3"
+TIMED = 5           # calls per candidate's timing (the fastest counts)
 BIG = 2.0 ** 13     # a revealing row's big terms; its small terms are 1 / BIG: lost next to BIG in fp32
 PAIRS = 4           # pairs of cancelling big terms per revealing row
 
 
 @dataclass(frozen=True)
 class Span:
-    """Where one call serves a key: from `floor` rows (fewer are padded to it) up to `ceiling`
-    rows (more run in tiles of `floor` rows); `probed`: the counts checked so far reach here."""
+    """Where one call serves a key: from `floor` rows (fewer are padded to it, but for 1 to
+    `small` rows) up to `ceiling` rows (more run in tiles of `floor` rows); `probed`: the counts
+    checked so far reach here."""
 
     floor: int | None           # None: no floor found, the tiled route serves every count
     ceiling: int = 0
     probed: int = 0
     why: str = ""
+    small: int = 0              # 1 to `small` rows: one call as they are (each count checked)
+    tile: int = 0               # rows per call above the ceiling (0: the floor's)
+
+    def as_they_are(self, rows: int) -> bool:
+        """Whether a call of `rows` rows is made on them as they are (no padding, no tiles)."""
+        return rows <= self.ceiling and (rows >= self.floor or rows <= self.small)
 
 
 def sample(low: int, high: int) -> list[int]:
@@ -99,6 +124,11 @@ def sample(low: int, high: int) -> list[int]:
             counts |= {p + 1, p + p // 2 + 3, 2 * p - 1, 2 * p}
         p *= 2
     return sorted(c for c in counts if low < c <= high)
+
+
+def tile_of(span: Span) -> int:
+    """The rows of each call above a span's ceiling."""
+    return span.tile or span.floor
 
 
 def _ceiling_for(rows: int) -> int:
@@ -233,29 +263,79 @@ def _find(probed: tuple[Part, ...], width: int, dtype: torch.dtype, device: torc
     xs = [_random_rows(FLOORS[-1] + DENSE, width, dtype, device, scale, seed=1) for _, scale in probed]
     calls: list[dict[int, torch.Tensor]] = [{} for _ in probed]
     tried = []
+    band = None         # the smallest floor whose dense counts hold up to a band (see above)
     for floor in FLOORS:
         place = place_probe(probed, floor, width, dtype, device)
         if place is not None:
             tried.append(f"{floor}: {place}")
             continue
-        bad = None
+        failing = []        # each part's first failing count (all parts: a band needs the least)
         for (fn, scale), x, memo in zip(probed, xs, calls):
             canon = in_tiles(fn, x[:floor + DENSE], floor)
             for m in range(floor, floor + DENSE + 1):
                 if m not in memo:
                     memo[m] = fn(_fresh(x[:m]))
                 if not _same_rows(memo[m], canon[:m]):
-                    bad = (m, scale)
+                    failing.append((m, _on(scale)))
                     break
-            if bad is not None:
-                break
+        bad = min(failing, default=None)      # (count, " on revealing rows" or "")
         if bad is None:
+            small = _small(probed, xs, calls, floor)
+            below = f" (1 to {small} rows as they are)" if small else ""
             found = Span(floor, floor + DENSE, floor + DENSE,
-                         f"one call, floor {floor}, checked to {floor + DENSE} rows")
-            return _extend(probed, found, width, dtype, device, max(ceiling, floor + DENSE))
-        tried.append(f"{floor}: one call of {bad[0]} rows differs{_on(bad[1])}")
+                         f"one call, floor {floor}{below}, checked to {floor + DENSE} rows", small)
+            found = _extend(probed, found, width, dtype, device, max(ceiling, floor + DENSE))
+            return found if band is None else _cheaper(probed[0][0], band, found, width, dtype, device)
+        tried.append(f"{floor}: one call of {bad[0]} rows differs{bad[1]}")
+        if band is None and bad[0] - 1 > 2 * floor:
+            band = Span(floor, bad[0] - 1, bad[0], f"one call from {floor} to {bad[0] - 1} rows, "
+                        f"tiles of {bad[0] - 1} above ({bad[0]} rows differ{bad[1]})",
+                        tile=bad[0] - 1)
+    if band is not None:
+        return band
     return Span(None, 0, FLOORS[-1] + DENSE, f"no floor up to {FLOORS[-1]} rows (floor {tried[0]}; "
                 f"floor {tried[-1]})")
+
+
+def _cost_ms(fn: Callable, served: Span, width: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Milliseconds a token of the mix costs `served`: one decode row, and a FIRST_CEILING-row
+    prefill over its rows (each the fastest of TIMED calls, after a warm-up)."""
+    rows = _random_rows(FIRST_CEILING, width, dtype, device, 1.0, seed=2)
+    times = []
+    for part in (rows[:1], rows):
+        call(fn, part, served)
+        best = float("inf")
+        for _ in range(TIMED):
+            start = time.perf_counter()
+            call(fn, part, served)
+            best = min(best, time.perf_counter() - start)
+        times.append(best * 1e3)
+    return times[0] + times[1] / FIRST_CEILING
+
+
+def _cheaper(fn: Callable, band: Span, full: Span, width: int, dtype: torch.dtype,
+             device: torch.device) -> Span:
+    """The band or the full floor, whichever costs less a token of the mix (`_cost_ms`), its
+    `why` saying both costs."""
+    costs = [_cost_ms(fn, each, width, dtype, device) for each in (band, full)]
+    kept, other = (band, full) if costs[0] <= costs[1] else (full, band)
+    said = f"{min(costs):.3g} ms a token of the mix; floor {other.floor}"
+    said += f" with tiles of {tile_of(other)}" if other.tile else ""
+    return replace(kept, why=f"{kept.why}; {said}: {max(costs):.3g} ms")
+
+
+def _small(probed: tuple[Part, ...], xs: list[torch.Tensor], calls: list[dict[int, torch.Tensor]],
+           floor: int) -> int:
+    """The largest S < floor such that a call of every count from 1 to S gives each of its rows
+    the bits of that row at place 0 of a `floor`-row call, on every part (0: none)."""
+    canons = [in_tiles(fn, x[:floor], floor) for (fn, _), x in zip(probed, xs)]
+    for m in range(1, floor):
+        for (fn, _), x, memo, canon in zip(probed, xs, calls, canons):
+            if m not in memo:
+                memo[m] = fn(_fresh(x[:m]))
+            if not _same_rows(memo[m], canon[:m]):
+                return m - 1
+    return floor - 1
 
 
 def floor_of(fn: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype,
@@ -279,12 +359,14 @@ def _extend(probed: tuple[Part, ...], span: Span, width: int, dtype: torch.dtype
         bad = _first_failing(fn, x, in_tiles(fn, x, span.floor), counts)
         if bad is not None:
             failing.append(bad)
+    below = f" (1 to {span.small} rows as they are)" if span.small else ""
     if not failing:
-        return Span(span.floor, high, high, f"one call, floor {span.floor}, checked to {high} rows")
+        return Span(span.floor, high, high,
+                    f"one call, floor {span.floor}{below}, checked to {high} rows", span.small)
     bad = min(failing)
     passed = max([span.ceiling] + [m for m in counts if m < bad])
-    return Span(span.floor, passed, high,
-                f"one call from {span.floor} to {passed} rows; {bad} rows differ, tiles of {span.floor} above")
+    return Span(span.floor, passed, high, f"one call from {span.floor} to {passed} rows{below}; "
+                f"{bad} rows differ, tiles of {span.floor} above", span.small)
 
 
 # ---- where verdicts are kept ------------------------------------------------------------------
@@ -362,12 +444,12 @@ def _probe(found: Span | None, probed: tuple[Part, ...], width, dtype, device, r
 
 
 def call(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, served: Span) -> torch.Tensor:
-    """fn over rows [M, K] as the span serves it: padded to the floor, one call, or tiles of the
-    floor above the ceiling."""
+    """fn over rows [M, K] as the span serves it: padded to the floor (but for its small
+    counts), one call, or tiles above the ceiling (`tile_of`)."""
     m = rows.shape[0]
     if m > served.ceiling:
-        return in_tiles(fn, rows, served.floor)
-    if m < served.floor:
+        return in_tiles(fn, rows, tile_of(served))
+    if m < served.floor and m > served.small:
         block = rows.new_zeros(served.floor, rows.shape[1])
         block[:m] = rows
         return fn(block)[:m]

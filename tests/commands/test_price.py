@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvfid.cli import main
-from kvfid.records.price import (FAITHFUL, TP_PRODUCTS, STOCK, ArmTimes, PriceRow, PriceTable,
+from kvfid.records.price import (FAITHFUL, TP_PRODUCTS, STOCK, ArmTimes, Floor, PriceRow, PriceTable,
                                  from_json, to_json)
 from kvfid.tasks import price, price_engine, price_work
 
@@ -116,8 +116,11 @@ def test_the_table_on_tiny_llama_has_every_row_and_its_arithmetic(tiny_table):
         assert (row.floor is None) == (row.phase == "prefill")
     floors = {r.sequences: r.floor for r in table.rows if r.floor}
     for rows, floor in floors.items():
-        tile = int(floor.route.split(":")[-1])
-        padded = max(rows, tile) if "whole:" in floor.route else math.ceil(rows / tile) * tile
+        if floor.route == "spans":      # a whole-call route: each product by its own key's span
+            padded = rows
+        else:
+            tile = int(floor.route.split(":")[-1])
+            padded = max(rows, tile) if "whole:" in floor.route else math.ceil(rows / tile) * tile
         assert floor.rows == rows and floor.padded_rows == padded
         assert floor.products == 4 * 7 + 1        # tiny-llama: 4 layers of q, k, v, o, gate, up, down; the head
         assert floor.ratio == floor.padded.median_s / floor.own.median_s
@@ -230,3 +233,8 @@ def test_render_shows_skipped_rows_and_the_floor():
     text = render_markdown(table)
     assert "| m | prefill 64 tokens | 2 s | 4 s | 2.00x | - |" in text      # no CPU times given
     assert "skipped: about 99 s" in text
+    spans = Floor("spans", "kept", 1, 1, 29, ArmTimes("own rows", "o", (1.0,)),
+                  ArmTimes("route", "r", (1.5,)), 1)
+    decode = PriceRow("m", "decode", 64, 1, "a step", "interleaved", arms, 2, floor=spans)
+    text = render_markdown(replace(table, rows=(decode,)))
+    assert "1.50x: 29 products by the faithful mode's calls (each product's span) 1.5 s" in text

@@ -85,10 +85,63 @@ def test_the_sample_takes_both_sides_of_each_power_of_two_and_the_ceiling():
 def test_a_kernel_with_another_path_below_five_rows_gets_floor_eight(fresh_spans):
     fn = path_below(5)
     served = _span("below-five", fn, 100)
-    assert (served.floor, served.ceiling, served.probed) == (8, 256, 256), served
+    assert (served.floor, served.ceiling, served.probed, served.small) == (8, 256, 256, 0), served
     rows = randn(40, WIDTH, on="cpu")
     for m in (1, 3, 8, 13, 40):      # padded to 8, one call, a row alone at place 0: one set of bits
         assert_bitwise_equal(whole.call(fn, rows[:m], served), _alone(fn, rows[:m], 8), f"{m} rows")
+
+
+def test_a_kernel_with_another_path_for_17_to_48_rows_serves_1_to_16_rows_as_they_are(fresh_spans):
+    """The AMX shape of a kernel: one path for a few rows and from 49 on (the same bits), another
+    between: floor 64, and 1 to 16 rows one call unpadded; 20 rows padded to 64."""
+    w = _weight()
+    seen = []
+    def fn(t):
+        seen.append(t.shape[0])
+        return split_product(t, w, 2) if 17 <= t.shape[0] <= 48 else by_rows(t, w)
+    served = _span("band", fn, 100)
+    assert (served.floor, served.small) == (64, 16), served
+    assert "1 to 16 rows as they are" in served.why
+    rows = randn(40, WIDTH, on="cpu")
+    for m, calls in ((1, [1]), (16, [16]), (17, [64]), (40, [64])):
+        seen.clear()
+        out = whole.call(fn, rows[:m], served)
+        assert seen == calls, (m, seen)
+        assert_bitwise_equal(out, _alone(fn, rows[:m], 64), f"{m} rows")
+    assert not torch.equal(fn(rows[:20]), _alone(fn, rows[:20], 64))   # the control: the band differs
+
+
+@pytest.mark.parametrize("band_cheaper", [True, False])
+def test_a_kernel_with_one_path_to_32_rows_and_another_above_keeps_the_cheaper_of_band_and_floor(
+        fresh_spans, monkeypatch, band_cheaper):
+    """The AMX shape of a kernel: one path up to 32 rows, another from 33 on (each consistent):
+    the band (one call to 32 rows, tiles of 32 above) or floor 64 (the other path), whichever
+    the timing says costs less (stood in for here); either gives every row one set of bits."""
+    w = _weight()
+    seen = []
+    def fn(t):
+        seen.append(t.shape[0])
+        return by_rows(t, w) if t.shape[0] <= 32 else split_product(t, w, 2)
+    costs = iter([1.0, 2.0] if band_cheaper else [2.0, 1.0])
+    monkeypatch.setattr(whole, "_cost_ms", lambda *a: next(costs))
+    served = _span("two paths", fn, 100)
+    rows = randn(100, WIDTH, on="cpu")
+    if band_cheaper:
+        assert (served.floor, served.ceiling, served.tile) == (1, 32, 32), served
+        assert "floor 64: 2 ms" in served.why
+        expect = {1: [1], 32: [32], 100: [32, 32, 32, 32]}
+        alone = _alone(fn, rows, 1)
+    else:
+        assert (served.floor, served.tile) == (64, 0) and served.ceiling >= 256, served
+        assert "floor 1 with tiles of 32: 2 ms" in served.why
+        expect = {1: [64], 32: [64], 100: [100]}
+        alone = _alone(fn, rows, 64)
+    for m, calls in expect.items():
+        seen.clear()
+        out = whole.call(fn, rows[:m], served)
+        assert seen == calls, (m, seen)
+        assert_bitwise_equal(out, alone[:m], f"{m} rows")
+    assert not torch.equal(fn(rows), _alone(fn, rows, 1))    # the control: the two paths differ
 
 
 def test_control_a_split_chosen_from_every_row_count_has_no_floor_and_runs_in_tiles(fresh_spans):
@@ -120,7 +173,7 @@ def test_a_span_is_kept_per_machine_and_read_back_by_another_process(fresh_spans
     kept = json.loads((fresh_spans / whole.STORE).read_text())
     (record,) = kept.values()
     assert record == {f"kept [M, {WIDTH}] float32": {"floor": 4, "ceiling": 256, "probed": 256,
-                                                       "why": served.why}}
+                                                       "why": served.why, "small": 0, "tile": 0}}
     monkeypatch.setattr(whole, "_spans", {})
     monkeypatch.setattr(whole, "_find", lambda *a: pytest.fail("probed again"))
     assert _span("kept", fn, 200) == served
