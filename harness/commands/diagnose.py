@@ -220,8 +220,9 @@ def engine_bench(fmt, clients, kv_blocks, **options) -> None:
               help="New tokens per request (end-of-turn ignored).")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="The plan's seed: prompts, sampling seeds, clients, arrival gaps.")
-@click.option("--greedy-share", type=click.FloatRange(0, 1), default=0.5, show_default=True,
-              help="The share of greedy requests (the rest sample with their own seeds).")
+@click.option("--greedy-share", type=click.FloatRange(0, 1), default=None,
+              help="The share of greedy requests (the rest sample with their own seeds); default "
+                   "0.5, or 1 for an engine that samples greedily only (transformers).")
 @click.option("--kv-blocks", type=click.IntRange(2, 1 << 24), default=40, show_default=True,
               help="The paged cache's size in blocks of 32 tokens (small: the scheduler preempts).")
 @click.option("--chunk", type=click.IntRange(32, 1 << 20), default=None,

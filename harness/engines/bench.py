@@ -1,5 +1,7 @@
 """`kvfid engine-bench`: the faithful engine's price, stock against faithful vLLM on the same
 requests, tokens per second for prefill and for decode (medians of the repeats, and their ratio).
+The timing (`measure`, `slowdown`) and the tables (`render`, `render_load`) are every engine's:
+kvfid.engines.transformers_bench times transformers' engine with them.
 
 One engine of each kind (prefix cache off, so every prefill is computed), every prompt in one
 generate call. Prefill: the prompts' tokens over the wall of a call generating one token. Decode:
@@ -47,10 +49,14 @@ def _wall(call) -> float:
     return time.perf_counter() - start
 
 
-def _measure(llm, prompts, tokens: int, repeats: int) -> dict:
-    vllm_llm.generate(llm, prompts, 2, ignore_eos=True)              # warm-up, not timed
+def measure(generate, prompts, tokens: int, repeats: int) -> dict:
+    """Prefill and decode tokens/s of one engine: `generate(prompts, n)` is one call generating
+    n tokens for every prompt (end-of-turn ignored); engine-neutral, each engine's bench passes its
+    own call."""
+    generate(prompts, 2)              # warm-up, not timed
+
     def timed(n: int) -> list[float]:
-        return [_wall(lambda: vllm_llm.generate(llm, prompts, n, ignore_eos=True)) for _ in range(repeats)]
+        return [_wall(lambda: generate(prompts, n)) for _ in range(repeats)]
 
     prefill, full = timed(1), timed(tokens)
     prompt_tokens, decoded = sum(len(p) for p in prompts), len(prompts) * (tokens - 1)
@@ -58,6 +64,12 @@ def _measure(llm, prompts, tokens: int, repeats: int) -> dict:
     return {"prefill_tok_s": prompt_tokens / p_wall, "decode_tok_s": decoded / max(f_wall - p_wall, 1e-9),
             "prefill_wall_s": prefill, "full_wall_s": full, "prompt_tokens": prompt_tokens,
             "decoded_tokens": decoded}
+
+
+def slowdown(measured: dict) -> dict:
+    """Stock / faithful tokens/s per phase."""
+    return {phase: measured["stock"][f"{phase}_tok_s"] / measured["faithful"][f"{phase}_tok_s"]
+            for phase in ("prefill", "decode")}
 
 
 def engine_bench(model_name: str, dtype: str, count: int, tokens: int, item_set: str = "arith",
@@ -82,9 +94,9 @@ def engine_bench(model_name: str, dtype: str, count: int, tokens: int, item_set:
         with vllm_llm.engine(EngineConfig(f"hf:{folder}", dtype, longest, faithful=faithful,
                                           tp=tp, kv_cache_dtype=kv_cache_dtype)) as llm, \
                 vllm_llm.torch_threads(threads) as used:
-            measured[name] = {**_measure(llm, prompts, tokens, bench.repeats), "threads": used}
-    ratio = {phase: measured["stock"][f"{phase}_tok_s"] / measured["faithful"][f"{phase}_tok_s"]
-             for phase in ("prefill", "decode")}
+            generate = lambda p, n: vllm_llm.generate(llm, p, n, ignore_eos=True)  # noqa: E731
+            measured[name] = {**measure(generate, prompts, tokens, bench.repeats), "threads": used}
+    ratio = slowdown(measured)
     return {"model": model_name, "dtype": dtype, "engine": f"vllm {vllm_llm.version()}",
             "prompts": len(prompts), "tokens": tokens, "repeats": bench.repeats, "tp": tp,
             "kv_cache_dtype": kv_cache_dtype, "engines": measured, "slowdown": ratio}

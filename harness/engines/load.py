@@ -29,7 +29,7 @@ from pathlib import Path
 from kvfid.engines import vllm_llm
 from kvfid.engines.seam import EngineConfig, variables
 from kvfid.engines.vllm_llm import BLOCK
-from kvfid.engines.load_compare import Served, compare_request, missing_request
+from kvfid.engines.load_compare import PlanRun, Served, compared
 from kvfid.engines.load_plan import LoadPlan, PlannedRequest
 from kvfid.errors import BadInput
 
@@ -198,19 +198,8 @@ def run_load(folder: str, dtype: str, plan: LoadPlan, kv_blocks: int, chunk: int
                 vllm_llm.torch_threads(threads):
             reference = alone(llm, again, say)
         seen_alone = seen_lines(alone_dir)
-        rows = []
-        for planned in plan.requests:
-            got = served.get(planned.index)
-            load = Served(*got, seen.get(planned.index, {})) if got else None
-            if planned.index in missing or load is None:
-                rows.append(missing_request(planned, missing.get(planned.index, "no answer"), load))
-            else:
-                rows.append(compare_request(planned, load, Served(*reference[planned.index],
-                                                                  seen_alone.get(planned.index, {})),
-                                            load_dir, alone_dir))
-        notes = sorted({line["kv_note"] for line in [*seen.values(), *seen_alone.values()]
-                        if line.get("kv_note")})
-    generated = sum(len(served[i][0]) for i in served)
-    return {"requests": tuple(rows), "load_wall_s": wall, "steps": steps, "generated_tokens": generated,
-            "prompt_tokens": sum(len(plan.requests[i].prompt) for i in served),
-            "notes": tuple(f"engine state not read: {n}" for n in notes)}
+        load_run = PlanRun({i: Served(*got, seen.get(i, {})) for i, got in served.items()}, missing,
+                           load_dir, steps, wall)
+        alone_run = PlanRun({i: Served(*got, seen_alone.get(i, {})) for i, got in reference.items()},
+                            {}, alone_dir)
+        return compared(plan, load_run, alone_run)

@@ -7,12 +7,16 @@ compared as fp32 bits up to there; the final engine state against the alone run'
 positions both hold over identical tokens (kvfid.states.cache.compare_states: first bad layer
 and position); and each preemption's live state against the same positions of the state the
 resumed request ended with (what recompute rebuilt). No state file: no state comparison (None).
+
+What an engine's load run records about a request (`Seen`, a line of the recording scheduler) and
+the states it saves (`save_state`) are the same for every engine; `compared` makes every row of
+a plan from a load run and an alone run (`PlanRun`), whichever engine served them.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +24,23 @@ import torch
 from kvfid.engines.bits import trimmed
 from kvfid.records.engine_load import LoadRequest, StateDiff
 from kvfid.states.cache import BoundaryState, compare_states, sha_cache
+
+
+@dataclass
+class Seen:
+    """What one request went through under load, as the engine's scheduler saw it."""
+
+    steps: int = 0
+    scheduled: int = 0
+    coresident: int = 0
+    cache_hits: list[int] = field(default_factory=list)    # per admission, the first then resumes
+    preempted_at: list[int] = field(default_factory=list)  # computed tokens freed per preemption
+    states: list[str] = field(default_factory=list)
+
+    def line(self, **more) -> dict:
+        """The request's line as the recording scheduler writes it (`more`: its final state,
+        computed positions, ...)."""
+        return {**asdict(self), **more}
 
 
 @dataclass(frozen=True)
@@ -52,6 +73,13 @@ def load_state(folder: Path, name: str | None):
 
     saved = torch.load(folder / name, weights_only=True)
     return BoundaryState(list(saved["tokens"]), keys=saved["keys"], values=saved["values"])
+
+
+def save_state(folder: Path, name: str, tokens, keys, values) -> str:
+    """A request's engine state (its tokens, each layer's K and V) saved as `load_state` reads it;
+    the file's name."""
+    torch.save({"tokens": list(tokens), "keys": keys, "values": values}, Path(folder) / name)
+    return name
 
 
 def state_diff(a, b, positions: int) -> StateDiff:
@@ -105,3 +133,36 @@ def missing_request(planned, reason: str, load: Served | None = None) -> LoadReq
                        preemptions=len(seen.get("preempted_at", ())),
                        cache_hits=tuple(int(h) for h in seen.get("cache_hits", ())),
                        coresident=int(seen.get("coresident", 0)))
+
+
+@dataclass(frozen=True)
+class PlanRun:
+    """One engine's run of (some of) a plan's requests: what it served per planned index (with
+    the scheduler's line), why each it could not serve is missing, the steps and the wall time,
+    and the folder its state files are in."""
+
+    served: dict[int, Served]
+    missing: dict[int, str]
+    folder: Path
+    steps: int = 0
+    wall_s: float = 0.0
+
+
+def compared(plan, load: PlanRun, alone: PlanRun) -> dict:
+    """Every planned request's row (under load against alone; missing with why) and the load
+    run's totals: the parts of an EngineLoadRecord (the engine's door adds what ran)."""
+    rows = []
+    for planned in plan.requests:
+        got = load.served.get(planned.index)
+        if planned.index in load.missing or got is None:
+            rows.append(missing_request(planned, load.missing.get(planned.index, "no answer"), got))
+        elif planned.index not in alone.served:
+            rows.append(missing_request(planned, "alone: " + alone.missing.get(planned.index, "no answer"), got))
+        else:
+            rows.append(compare_request(planned, got, alone.served[planned.index], load.folder, alone.folder))
+    notes = sorted({s.seen["kv_note"] for s in [*load.served.values(), *alone.served.values()]
+                    if s.seen.get("kv_note")})
+    return {"requests": tuple(rows), "load_wall_s": load.wall_s, "steps": load.steps,
+            "generated_tokens": sum(len(s.tokens) for s in load.served.values()),
+            "prompt_tokens": sum(len(plan.requests[i].prompt) for i in load.served),
+            "notes": tuple(f"engine state not read: {n}" for n in notes)}

@@ -13,6 +13,10 @@ from kvfid.engines.load_plan import LoadShape, plan_load
 from kvfid.errors import BadInput
 from kvfid.records.engine_load import EngineLoadRecord
 
+# What vLLM's V1 scheduler does when a step's blocks run out (the record's `pressure`).
+PRESSURE = ("preemption by recompute: the newest running request's blocks are freed and it waits; "
+            "resumed, its tokens are computed again (the prefix cache may serve full blocks)")
+
 
 def engine_load(model_name: str, dtype: str, shape: LoadShape, seed: int = 0, kv_blocks: int = 24,
                 chunk: int | None = None, faithful: bool = False, prefix_caching: bool = True,
@@ -46,7 +50,8 @@ def engine_load(model_name: str, dtype: str, shape: LoadShape, seed: int = 0, kv
                               "server" if server else "in-process", seed, shape.clients,
                               shape.tokens, kv_blocks, chunk, prefix_caching, threads=threads,
                               folder=folder, greedy_share=shape.greedy_share,
-                              kv_cache_dtype=kv_cache_dtype, **parts)
+                              kv_cache_dtype=kv_cache_dtype, engine_name="vllm", block_size=vllm_llm.BLOCK,
+                              pressure=PRESSURE, **parts)
     if sweep is not None:
 
         record = replace(record, sweep=load_sweep.run_sweep(folder, dtype, sweep, faithful, threads, say))

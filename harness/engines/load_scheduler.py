@@ -23,30 +23,18 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvfid.engines.kv import layers_of, read_blocks
+from kvfid.engines.load_compare import Seen, save_state
 
 DIR_ENV = "KVFID_LOAD_DIR"
 STATES_ENV = "KVFID_LOAD_STATES"       # "0": no engine states read (the sweep counts only)
 SCHEDULER = f"{__name__}.RecordingScheduler"
 REQUESTS = "requests.jsonl"
-
-
-@dataclass
-class Seen:
-    """What one request went through, as the scheduler saw it."""
-
-    steps: int = 0
-    scheduled: int = 0
-    coresident: int = 0
-    cache_hits: list[int] = field(default_factory=list)    # per admission, the first then resumes
-    preempted_at: list[int] = field(default_factory=list)  # computed tokens freed per preemption
-    states: list[str] = field(default_factory=list)
 
 
 class RecordingScheduler(Scheduler):
@@ -82,10 +70,10 @@ class RecordingScheduler(Scheduler):
     def _free_request(self, request, *args, **kwargs):
         seen = self.kvfid_seen.pop(request.request_id, Seen())
         final = self._save_state(request, "final")
-        line = {"request_id": request.request_id, "status": str(request.status.name),
-                "prompt": len(request.prompt_token_ids or ()), "output": len(request.output_token_ids),
-                "computed": request.num_computed_tokens, "final_state": final,
-                "kv_note": self.kvfid_kv_note, **asdict(seen)}
+        line = seen.line(request_id=request.request_id, status=str(request.status.name),
+                         prompt=len(request.prompt_token_ids or ()), output=len(request.output_token_ids),
+                         computed=request.num_computed_tokens, final_state=final,
+                         kv_note=self.kvfid_kv_note)
         with open(self.kvfid_folder / REQUESTS, "a") as out:
             out.write(json.dumps(line) + "\n")
         return super()._free_request(request, *args, **kwargs)
@@ -105,10 +93,8 @@ class RecordingScheduler(Scheduler):
         except Exception as err:   # a layout or executor kvfid cannot read: said, not guessed
             self.kvfid_kv_note = f"{type(err).__name__}: {str(err)[:200]}"
             return None
-        name = f"{_safe(request.request_id)}-{tag}.pt"
-        torch.save({"tokens": list(request.all_token_ids[:length]), "keys": keys, "values": values},
-                   self.kvfid_folder / name)
-        return name
+        return save_state(self.kvfid_folder, f"{_safe(request.request_id)}-{tag}.pt",
+                          request.all_token_ids[:length], keys, values)
 
 
 def _safe(request_id: str) -> str:

@@ -125,6 +125,7 @@ class Engine:
     bench: Callable[..., Any] | None = None       # engine-bench: (**options) -> (result, its render)
     load_bench: Callable[..., Any] | None = None  # engine-bench --load: (...) -> (result, its render)
     serve_load: Callable[..., Any] | None = None                  # engine-load --server: served over HTTP
+    samples: bool = True      # samples with a seed per request (False: greedy only; its load plans are greedy)
 
     def name_of(self, construction: str) -> str:
         """This engine's words for one of the constructions (`prefix cache`, `block sharing`)."""

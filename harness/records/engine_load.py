@@ -1,7 +1,8 @@
 """The record of one `kvfid engine-load`: every request under load against itself alone.
 
-An `EngineLoadRecord` holds what ran (the engine, faithful or stock, in process or vLLM's own
-server, the plan's seed and shape, the KV budget, the chunk budget), one `LoadRequest` per
+An `EngineLoadRecord` holds what ran (the engine, faithful or stock, in process or the engine's own
+server, the plan's seed and shape, the KV budget, the chunk budget, what the engine does when its
+blocks run out and how often it evicted or offloaded), one `LoadRequest` per
 planned request (what load did to it: preemptions, tokens recomputed, prefix-cache hits, the
 most co-resident sequences in one of its steps; and how it compares with its alone run: tokens,
 logprob bits, the engine state, and each preemption's rebuilt state against the live one),
@@ -109,7 +110,7 @@ class EngineLoadRecord:
 
     model: str
     dtype: str
-    engine: str                              # "vllm <version>"
+    engine: str                              # the engine and its version: "vllm <version>"
     faithful: bool
     mode: str                                # "in-process" or "server"
     seed: int
@@ -131,6 +132,11 @@ class EngineLoadRecord:
     folder: str = ""
     greedy_share: float = 0.5                # the plan's share of greedy requests
     kv_cache_dtype: str = "auto"             # the paged cache's stored format (auto: the model's dtype)
+    engine_name: str = "vllm"                # the engine's name in kvfid.engines.registry
+    block_size: int = 32                     # the paged cache's block in tokens
+    pressure: str = ""                       # what the engine does when its blocks run out (its words)
+    evictions: int = 0                       # times it evicted its cached (prefix) blocks to make room
+    offloads: int = 0                        # preemptions whose blocks it copied to host memory (not recomputed)
 
     @property
     def missing(self) -> tuple[LoadRequest, ...]:

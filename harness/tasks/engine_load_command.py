@@ -8,14 +8,18 @@ from kvfid.errors import EXIT_ENVIRONMENT, EXIT_OK, EXIT_VERDICT, BadInput
 from kvfid.engines.load_plan import LoadShape
 from kvfid.engines.load_server import Faults
 from kvfid.engines.load_sweep import SweepShape
+from kvfid.engines.registry import engine_for
 from kvfid.tasks.engine_store import load_and_store
 
 
 def run_engine_load(fmt: str, db, report: bool, out, options: dict, progress=None) -> tuple[str, dict, int]:
     """The command's text, what it wrote, and its exit code."""
     options = dict(options)
+    share = options.pop("greedy_share")
+    if share is None:       # the plan's default mix, all greedy for an engine that samples no other way
+        share = LoadShape.greedy_share if engine_for(options.get("engine") or "vllm").samples else 1.0
     shape = LoadShape(requests=options.pop("requests"), clients=options.pop("clients"),
-                      tokens=options.pop("tokens"), greedy_share=options.pop("greedy_share"))
+                      tokens=options.pop("tokens"), greedy_share=share)
     timeout, kill_after = options.pop("client_timeout"), options.pop("kill_server_after")
     faults = None
     if options.get("server"):

@@ -85,12 +85,13 @@ def bench(fmt: str, clients: int | None, kv_blocks: int, progress=None, **option
     """`kvfid engine-bench`: the engine's price (its `bench` door), or under load with `clients`
     (its `load_bench` door), as `fmt`."""
     engine = engine_for(options.pop("engine"))
-    engine.checked(EngineConfig(options["model_name"], options["dtype"],
+    engine.checked(EngineConfig(options["model_name"], options["dtype"], tp=options.get("tp", 1),
                                 kv_cache_dtype=options["kv_cache_dtype"]))   # refused before compute
     if clients is None:
         result, render = engine.door("bench")(progress=progress, **options)
     else:
-        shape = LoadShape(requests=options["count"], clients=clients, tokens=options["tokens"])
+        shape = LoadShape(requests=options["count"], clients=clients, tokens=options["tokens"],
+                          greedy_share=LoadShape.greedy_share if engine.samples else 1.0)
         result, render = engine.door("load_bench")(options["model_name"], options["dtype"], shape,
                                                    kv_blocks=kv_blocks, threads=options["threads"],
                                                    progress=progress,

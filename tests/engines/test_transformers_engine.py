@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from kvfid.cli import main
 from kvfid.engines.registry import engine_for
-from kvfid.engines import transformers_engine
+from kvfid.engines import transformers_batching
 from kvfid.engines.seam import EngineConfig, started
 from kvfid.errors import Unavailable
 from kvfid.records.read import from_json
@@ -23,7 +23,7 @@ FP32_KV = 1e-5      # a correctness tolerance (fp32): the engine's K/V against a
 
 def _refused() -> str | None:
     try:
-        transformers_engine._require()
+        transformers_batching.require()
     except Unavailable as err:
         return str(err)
     return None
@@ -169,7 +169,7 @@ def test_a_transformers_without_what_the_engine_reads_is_refused_in_one_line(mon
         def __init__(self, block_size: int = 256):
             self.block_size = block_size
 
-    monkeypatch.setattr(transformers_engine, "ContinuousBatchingConfig", Older)
+    monkeypatch.setattr(transformers_batching, "ContinuousBatchingConfig", Older)
     db = tmp_path / "ledger.sqlite"
     shown = CliRunner().invoke(main, ["engine-check", "--engine", "transformers", "--model",
                                       "tiny-llama", "-n", "1", "--tokens", "2", "--db", str(db)])
