@@ -15,8 +15,11 @@ kernels/attention/native_tiles.py, which the paged path (paged.py) shares:
   the bits it gets in its tile alone (native_tiles.rows_keep_bits), a decode step only its own
   rows (padded to the fewest the probe allows), else tile by tile: the same bits either way.
 
-Batch rows are computed one after another (a row never shares a product with another row), each in
-its own positions: absolute position minus its left padding (`first_valid`, the absolute position
+Batch rows are computed one after another, each in its own positions, but for a decode step of
+several rows at one position (no padding, no window, chunk, cap or sinks, keys from position 0):
+those are stacked in one call's batch dimension where this machine's probe shows each row gets
+the bits it gets alone (native_tiles.run_stacked, as the paged path stacks its decode steps), else
+one after another. A row's positions are its own: absolute position minus its left padding (`first_valid`, the absolute position
 of its first valid key), so neither padding nor neighbours can change its bits. Optional: a
 sliding `window` (p - window < k <= p), a `chunk`ed local attention (k // chunk == p // chunk),
 logit `softcap` (softcap * tanh(s / softcap), in fp32) and per-head `sinks` (a logit in the
@@ -35,7 +38,7 @@ import torch
 
 from kvfid.kernels import FLOAT_DTYPES
 from kvfid.kernels.attention.native_call import DEFAULT_CONFIG, NativeConfig, Pattern
-from kvfid.kernels.attention.native_tiles import plan, query_scale, run_tiles
+from kvfid.kernels.attention.native_tiles import plan, query_scale, run_stacked, run_tiles
 from kvfid.kernels.attention.reference import attention_ref  # noqa: F401  (the same contract's reference)
 from kvfid.kernels.attention.views import as_visibility, check_visibility, runs
 from kvfid.kernels.invariant.mode import stock_ops
@@ -98,6 +101,31 @@ def _row(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
               written.transpose(1, 2), softcap, sinks)
 
 
+def _stacked_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    pads: list[int], key_start: int, window: int | None, chunk: int | None,
+                    softcap: float | None, sinks: torch.Tensor | None, config: NativeConfig) -> bool:
+    """A decode step of B >= 2 rows at one own position, plain causal over keys from position 0,
+    in one stacked call (native_tiles.run_stacked: each row's bits those of `_row` on it alone);
+    False where it does not apply or the machine's probe refuses stacking (then row by row)."""
+    batch, n_q, q_len, _ = q.shape
+    if batch < 2 or q_len != 1 or any(pads) or key_start or window is not None or chunk is not None \
+            or softcap is not None or sinks is not None:
+        return False
+    n_kv, end = k.shape[1], k.shape[2]
+    work = plan(end - 1, end, Pattern(), config)
+    if len(work.runs) != 1:
+        return False
+    run = work.runs[0]
+    keys, values = (_keys(x.flatten(0, 1), run.start, run.stop, 0, end, 0) for x in (k, v))
+    queries = q.select(2, 0).unflatten(1, (n_kv, n_q // n_kv))     # [B, Hkv, G, D]
+    done = run_stacked(queries, query_scale(scale, softcap), keys, values, (end - 1,) * batch, run,
+                       config)
+    if done is None:
+        return False
+    out.select(2, 0).copy_(done.flatten(1, 2))                      # [B, Hq, Dv]
+    return True
+
+
 def _keys(x: torch.Tensor, start: int, stop: int, first: int, end: int, offset: int) -> torch.Tensor:
     """x [Hkv, T, D] (own position offset + i at index i, valid from `first` to `end`) as fp32
     [Hkv, stop - start, D] from own position `start`; absent positions zero."""
@@ -145,6 +173,8 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                          0, None, None, softcap, sinks, config)
         return out
     with stock_ops():  # every call below has a fixed shape already: no mode override needed
+        if _stacked_decode(out, q, k, v, scale, pads, key_start, window, chunk, softcap, sinks, config):
+            return out
         for b, pad in enumerate(pads):
             _row(out[b], q[b], k[b], v[b], scale, pad, key_start, window, chunk, softcap, sinks, config)
     return out

@@ -25,9 +25,9 @@ itself alone at place 0 of an F-row call in a decode step, a prefill, a chunk an
 
 Below a floor F > 1, the **small** counts S < F: every count from 1 to S also gives every row
 those bits (each count checked), so a call of up to S rows is made as it is, unpadded. A kernel
-may take one path for a few rows and another from some M on that agrees with it (on an AMX CPU,
-oneDNN's bf16 product agrees with its own AMX tiles at 1 to 16 rows for some shapes and parts
-from them at 32): a decode step then costs a one-row call, not an F-row one.
+may take one path for a few rows that agrees with the path it takes from F on (on an Intel Xeon
+with AMX, torch 2.13, some bf16 batched products over 16 columns: floor 64, 1 to 4 rows as they
+are): a decode step then costs a one-row call, not an F-row one.
 
 The ceiling follows the calls: the first probe of a key checks up to FIRST_CEILING rows or the
 call's own count (the next power of two), and a later call above it extends the probe to its

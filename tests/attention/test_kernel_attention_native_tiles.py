@@ -149,3 +149,41 @@ def test_control_the_size_check_catches_an_exp2_whose_tail_rounds_differently():
         print("stock exp2: every element its vector bits at every size, on this machine")
     except AssertionError as err:
         print(f"stock exp2 on this machine: {err}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("keys", [70, 600])
+def test_a_dense_decode_step_of_several_rows_is_one_stacked_call_with_each_rows_bits_alone(
+        monkeypatch, dtype, keys):
+    """native.attention on a decode step of 5 rows at one position: one stacked call where the
+    machine's probe allows it (spied), else row by row; either way each row has the bits it gets
+    in a batch of one (the row's own step alone)."""
+    stacked = []
+    real = native_tiles.run_stacked
+    monkeypatch.setattr(native, "run_stacked", lambda *a: stacked.append(real(*a)) or stacked[-1])
+    q = randn(5, 6, 1, 64, seed=1, on="cpu").to(dtype)
+    k, v = (randn(5, 2, keys, 64, seed=s, on="cpu").to(dtype) for s in (2, 3))
+    together = native.attention(q, k, v)
+    assert len(stacked) == 1, "the stacked path was not tried"
+    alone = torch.cat([native.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1]) for b in range(5)])
+    assert len(stacked) == 1, "a batch of one took the stacked path"
+    assert_bitwise_equal(together, alone, f"5 rows over {keys} keys against each alone")
+    print(f"stacked here: {stacked[0] is not None}")
+
+
+def test_control_a_stacked_decode_whose_batch_entries_depend_on_the_batch_differs_from_alone(monkeypatch):
+    """The stacked call itself, with a product that computes a batch of more than one sequence's
+    heads another way (forced past the probe): the rows part from their bits alone, so the test
+    above would see a stacking that changes them."""
+    stock = torch.bmm
+
+    def split(a, b, **kwargs):   # the reduction in two halves, then added
+        half = a.shape[-1] // 2
+        out = stock(a[..., :half], b[:, :half]) + stock(a[..., half:], b[:, half:])
+        return kwargs["out"].copy_(out) if "out" in kwargs else out
+    monkeypatch.setattr(native_tiles, "sequences_keep_bits", lambda *a: True)
+    q = randn(5, 6, 1, 64, seed=1, on="cpu")
+    k, v = (randn(5, 2, 70, 64, seed=s, on="cpu") for s in (2, 3))
+    alone = torch.cat([native.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1]) for b in range(5)])
+    monkeypatch.setattr(torch, "bmm", lambda a, *rest, **kw: (split if a.shape[0] > 2 else stock)(a, *rest, **kw))
+    assert not torch.equal(native.attention(q, k, v), alone)
