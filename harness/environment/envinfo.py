@@ -306,8 +306,10 @@ def whole_lines(spans: dict[str, dict]) -> list[str]:
         return ["whole calls: none kept for this machine yet"]
     one = [s for s in spans.values() if s.get("floor") is not None]
     floors = sorted({s["floor"] for s in one})
+    bands = sum(1 for s in one if s.get("tile"))
     lines = [f"whole calls: {len(one)} of {len(spans)} product shapes take one call"
-             + (f" (floors {', '.join(map(str, floors))})" if floors else "")]
+             + (f" (floors {', '.join(map(str, floors))})" if floors else "")
+             + (f", {bands} of them up to a band's last count and in its tiles above" if bands else "")]
     short = [f"  {call}: {s.get('why')}" for call, s in sorted(spans.items())
              if s.get("floor") is None or s.get("ceiling", 0) < s.get("probed", 0)]
     return lines + short[:SHOWN] + ([f"  ... and {len(short) - SHOWN} more"] if len(short) > SHOWN else [])

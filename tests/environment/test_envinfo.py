@@ -241,3 +241,17 @@ def test_git_revision_and_dirty_flag(tmp_path):
     with open(tmp_path / "harness" / "environment" / "envinfo.py", "a") as f:
         f.write("# edited\n")
     assert module._git_revision()["dirty"] is True
+
+
+def test_the_whole_call_lines_count_bands_and_list_each_span_that_stops_early():
+    spans = {"mm [M, 576] x [576, 576] bfloat16 @t1": {"floor": 1, "ceiling": 32, "probed": 33, "tile": 32,
+                                                        "why": "one call from 1 to 32 rows, tiles of 32 above"},
+             "mm [M, 64] x [64, 64] bfloat16 @t1": {"floor": 2, "ceiling": 256, "probed": 256, "tile": 0,
+                                                     "why": "one call, floor 2"},
+             "bmm [M, 16] x [16, 4] bfloat16 @t1": {"floor": None, "ceiling": 0, "probed": 128,
+                                                     "why": "no floor up to 64 rows"}}
+    lines = envinfo.whole_lines(spans)
+    assert lines[0] == ("whole calls: 2 of 3 product shapes take one call (floors 1, 2), 1 of them up "
+                        "to a band's last count and in its tiles above")
+    assert lines[1:] == ["  bmm [M, 16] x [16, 4] bfloat16 @t1: no floor up to 64 rows",
+                         "  mm [M, 576] x [576, 576] bfloat16 @t1: one call from 1 to 32 rows, tiles of 32 above"]
