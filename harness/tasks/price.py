@@ -264,12 +264,13 @@ def floor(model, faithful, rows: int, plan: PricePlan, left_s: float) -> Floor:
         wide = [(master[n].weight.detach(), None if master[n].bias is None else master[n].bias.detach())
                 for n, _ in named]
     padded = max(rows, route.tile) if route.whole else math.ceil(rows / route.tile) * route.tile
-    by_route = price_work.products(layers, rows, route.tile, wide, plan.threads, route.whole)
     if route.whole and not route.widen and plan.floor_route is None:
         # each product by its own key's span (kvfid.kernels.invariant.whole), as the faithful
         # stack makes it: a span may serve a few rows unpadded, or tile a band, not the route's F
         by_route = price_work.products(layers, rows, threads=plan.threads, mode=True)
         route, source, padded = SPANS, "each product's kept span on this machine", rows
+    else:
+        by_route = price_work.products(layers, rows, route.tile, wide, plan.threads, route.whole)
     arms = [price_work.Arm("own rows", f"{rows} row(s), one stock call",
                            price_work.products(layers, rows, threads=plan.threads)),
             price_work.Arm("route", f"{route.text()}: {padded} row(s)", by_route)]
