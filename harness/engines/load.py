@@ -30,7 +30,7 @@ from kvfid.engines import vllm_llm
 from kvfid.engines.seam import EngineConfig, variables
 from kvfid.engines.vllm_llm import BLOCK
 from kvfid.engines.load_compare import PlanRun, Served, compared
-from kvfid.engines.load_plan import LoadPlan, PlannedRequest
+from kvfid.engines.load_plan import Clients, LoadPlan, PlannedRequest
 from kvfid.errors import BadInput
 
 REQUEST_ID = re.compile(r"kvfidreq(\d+)x")
@@ -83,40 +83,30 @@ def drive(llm, plan: LoadPlan, say=lambda _: None) -> tuple[dict, dict, int, flo
     from vllm.inputs import TokensPrompt   # lazy: vLLM is optional (.venv-vllm only)
 
     engine = llm.llm_engine
-    queues = plan.by_client()
-    ready = [q[0].gap if q else None for q in queues]
-    busy: list[int | None] = [None] * len(queues)
+    clients = Clients(plan)
     served: dict[int, tuple] = {}
     missing: dict[int, str] = {}
     step, start = 0, time.perf_counter()
-
-    def done(client: int) -> None:
-        busy[client] = None
-        ready[client] = step + queues[client][0].gap if queues[client] else None
-
     while True:
-        for client, queue in enumerate(queues):
-            while busy[client] is None and queue and step >= ready[client]:
-                planned = queue.pop(0)
-                try:
-                    engine.add_request(request_id(planned.index),
-                                       TokensPrompt(prompt_token_ids=list(planned.prompt)),
-                                       sampling(planned))
-                    busy[client] = planned.index
-                except Exception as err:   # the engine refuses it (too long, ...): said, not fatal
-                    missing[planned.index] = f"rejected by the engine: {_line(err)}"
-                    done(client)
+        for planned in clients.due(step):
+            try:
+                engine.add_request(request_id(planned.index),
+                                   TokensPrompt(prompt_token_ids=list(planned.prompt)),
+                                   sampling(planned))
+            except Exception as err:   # the engine refuses it (too long, ...): said, not fatal
+                missing[planned.index] = f"rejected by the engine: {_line(err)}"
+                clients.finished(planned.client, step)
         if not engine.has_unfinished_requests():
-            waiting = [r for r, q, b in zip(ready, queues, busy) if q and b is None]
-            if not waiting:
+            after = clients.next_step(step)
+            if after is None:
                 break
-            step = max(step, min(waiting))
+            step = after
             continue
         for out in engine.step():
             if out.finished:
                 index = int(REQUEST_ID.search(out.request_id).group(1))
                 served[index] = _output(out)
-                done(plan.requests[index].client)
+                clients.finished(plan.requests[index].client, step)
         step += 1
         if step % 100 == 0:
             say(f"step {step}: {len(served)} of {len(plan.requests)} requests done")

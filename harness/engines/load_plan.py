@@ -11,6 +11,7 @@ seconds against a server (`gap * step_s`). The plan is plain data: the same seed
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvfid.errors import BadInput
@@ -72,6 +73,41 @@ class LoadPlan:
     def longest(self) -> int:
         """The most positions any request needs (prompt and every new token)."""
         return max((len(r.prompt) + r.tokens for r in self.requests), default=0)
+
+
+class Clients:
+    """A plan's clients on an engine's step loop, in process: a client sends its first request
+    `gap` steps in and each next one `gap` steps after its previous one finished. The loop takes
+    the requests `due` at a step, says which client's request `finished`, and where nothing is in
+    flight jumps to `next_step` (None: every request was sent)."""
+
+    def __init__(self, plan: LoadPlan) -> None:
+        self.queues = plan.by_client()
+        self.ready = [q[0].gap if q else None for q in self.queues]   # the step a client sends at
+        self.busy: list[int | None] = [None] * len(self.queues)       # its request in flight
+
+    def due(self, step: int) -> Iterator[PlannedRequest]:
+        """The requests sent at `step`, each marked in flight (a refused one is `finished` by
+        the loop, and its client's next one may follow at once)."""
+        for client, queue in enumerate(self.queues):
+            while self.busy[client] is None and queue and step >= self.ready[client]:
+                planned = queue.pop(0)
+                self.busy[client] = planned.index
+                yield planned
+
+    def finished(self, client: int, step: int) -> None:
+        self.busy[client] = None
+        queue = self.queues[client]
+        self.ready[client] = step + queue[0].gap if queue else None
+
+    def idle(self) -> bool:
+        """No request in flight."""
+        return all(b is None for b in self.busy)
+
+    def next_step(self, step: int) -> int | None:
+        """The step the next idle client sends at (no earlier than `step`); None: none left."""
+        waiting = [r for r, q, b in zip(self.ready, self.queues, self.busy) if q and b is None]
+        return max(step, min(waiting)) if waiting else None
 
 
 def plan_load(shape: LoadShape, seed: int = 0) -> LoadPlan:

@@ -43,7 +43,7 @@ from transformers.generation.continuous_batching import ContinuousBatchingManage
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 
 from kvfid.engines.load_compare import PlanRun, Seen, Served, compared, save_state
-from kvfid.engines.load_plan import LoadPlan, LoadShape, PlannedRequest, plan_load
+from kvfid.engines.load_plan import Clients, LoadPlan, LoadShape, PlannedRequest, plan_load
 from kvfid.engines.seam import EngineConfig
 from kvfid.engines.transformers_batching import manager, read_pages, refusal, require, version
 from kvfid.errors import BadInput, Unavailable
@@ -201,27 +201,18 @@ def drive(stepped: Stepped, plan: LoadPlan, say=lambda _: None) -> PlanRun:
     was served per index, why each other one is missing, the steps and the wall time."""
     planned = {r.index: r for r in plan.requests}
     index = {request_id(r.index): r.index for r in plan.requests}
-    queues = plan.by_client()
-    ready = [q[0].gap if q else None for q in queues]
-    busy: list[int | None] = [None] * len(queues)
+    clients = Clients(plan)
     served: dict[int, Served] = {}
     missing: dict[int, str] = {}
     step, start = 0, time.perf_counter()
-
-    def done(client: int) -> None:
-        busy[client] = None
-        ready[client] = step + queues[client][0].gap if queues[client] else None
-
     while True:
-        for client, queue in enumerate(queues):
-            while busy[client] is None and queue and step >= ready[client]:
-                busy[client] = queue.pop(0).index
-                stepped.add(planned[busy[client]])
-        if all(b is None for b in busy):
-            waiting = [r for r, q in zip(ready, queues) if q]
-            if not waiting:
+        for sent in clients.due(step):
+            stepped.add(sent)
+        if clients.idle():
+            after = clients.next_step(step)
+            if after is None:
                 break
-            step = max(step, min(waiting))
+            step = after
             continue
         try:
             finished = stepped.step()
@@ -235,7 +226,7 @@ def drive(stepped: Stepped, plan: LoadPlan, say=lambda _: None) -> PlanRun:
                 missing[at] = f"failed by the engine: {out.error[:200]}"
             else:
                 served[at] = stepped.served(out)
-            done(planned[at].client)
+            clients.finished(planned[at].client, step)
         step += 1
         if step % 100 == 0:
             say(f"step {step}: {len(served)} of {len(plan.requests)} requests done")

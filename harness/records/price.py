@@ -47,13 +47,15 @@ def over(a: ArmTimes | None, b: ArmTimes | None, cpu: bool = False) -> float | N
     return top / bottom if top and bottom else None
 
 
+SPANS = "spans"     # a Floor's route where each product takes its own key's span (the faithful mode's calls)
+
+
 @dataclass(frozen=True)
 class Floor:
     """A decode step's matrix products (the model's linear layers, one call each) at the step's
     rows and at the rows the faithful route pads them to, stock kernels, one interleaved run."""
 
-    route: str               # `[widen:]F` as KVFID_TILED_ROUTE writes a route, or "spans" (each
-                             # product by its own key's span: kvfid.tasks.price.floor)
+    route: str               # `[widen:]F` as KVFID_TILED_ROUTE writes a route, or SPANS
     source: str              # where that route came from
     rows: int                # the step's rows (its sequences)
     padded_rows: int         # the rows the route computes: F-row calls covering `rows`

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from kvfid.outputs import write_files
-from kvfid.records.price import FAITHFUL, TP_PRODUCTS, STOCK, PriceRow, PriceTable, over, to_json
+from kvfid.records.price import FAITHFUL, SPANS, TP_PRODUCTS, STOCK, PriceRow, PriceTable, over, to_json
 from kvfid.reports.document import Heading, Paragraph, Table, markdown, seconds
 
 
@@ -44,7 +44,7 @@ def _floor(row: PriceRow) -> str:
     f = row.floor
     if f is None:
         return "-"
-    if f.route == "spans":      # each product by its own key's span (kvfid.tasks.price.floor)
+    if f.route == SPANS:        # each product by its own key's span (kvfid.tasks.price.floor)
         return (f"{_x(f.ratio)}: {f.products} products by the faithful mode's calls (each "
                 f"product's span) {seconds(f.padded.median_s)}, against one stock call of {f.rows} "
                 f"row(s) {seconds(f.own.median_s)}; {f.rounds} round(s)")

@@ -27,7 +27,7 @@ import torch
 
 from kvfid.errors import BadInput, Interrupted, Unavailable
 from kvfid.records.plain import as_plain
-from kvfid.records.price import FAITHFUL, TP_PRODUCTS, STOCK, Floor, PriceRow, PriceTable
+from kvfid.records.price import FAITHFUL, SPANS, TP_PRODUCTS, STOCK, Floor, PriceRow, PriceTable
 from kvfid.tasks import price_work, price_engine
 from kvfid.api import load_model
 from kvfid.diagnoses.subject import check_model_name
@@ -226,16 +226,6 @@ def _floor(run: PriceRun, model, faithful, rows: int) -> Floor:
     return run.floors[key]
 
 
-class _Spans(str):
-    """The floor's route where each product takes its own key's span (the faithful mode's calls)."""
-
-    def text(self) -> str:
-        return "the faithful mode's calls"
-
-
-SPANS = _Spans("spans")
-
-
 def route_of(plan: PricePlan, dtype) -> tuple[object, str]:
     """The floor's route and where it came from: the plan's, else this machine's for `dtype` at
     the plan's threads (pinned, kept, or timed as the faithful stack would time it)."""
@@ -268,14 +258,15 @@ def floor(model, faithful, rows: int, plan: PricePlan, left_s: float) -> Floor:
         # each product by its own key's span (kvfid.kernels.invariant.whole), as the faithful
         # stack makes it: a span may serve a few rows unpadded, or tile a band, not the route's F
         by_route = price_work.products(layers, rows, threads=plan.threads, mode=True)
-        route, source, padded = SPANS, "each product's kept span on this machine", rows
+        spec, label, source, padded = SPANS, "the faithful mode's calls", \
+            "each product's kept span on this machine", rows
     else:
         by_route = price_work.products(layers, rows, route.tile, wide, plan.threads, route.whole)
+        spec, label = route.spec(), route.text()
     arms = [price_work.Arm("own rows", f"{rows} row(s), one stock call",
                            price_work.products(layers, rows, threads=plan.threads)),
-            price_work.Arm("route", f"{route.text()}: {padded} row(s)", by_route)]
+            price_work.Arm("route", f"{label}: {padded} row(s)", by_route)]
     times, rounds = price_work.interleaved(arms, lambda s: price_work.rounds_for(s, left_s))
-    spec = route if route == SPANS else route.spec()
     return Floor(spec, source, rows, padded, len(layers), times[0], times[1], rounds)
 
 

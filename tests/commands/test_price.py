@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvfid.cli import main
-from kvfid.records.price import (FAITHFUL, TP_PRODUCTS, STOCK, ArmTimes, Floor, PriceRow, PriceTable,
+from kvfid.records.price import (FAITHFUL, SPANS, TP_PRODUCTS, STOCK, ArmTimes, Floor, PriceRow, PriceTable,
                                  from_json, to_json)
 from kvfid.tasks import price, price_engine, price_work
 
@@ -116,7 +116,7 @@ def test_the_table_on_tiny_llama_has_every_row_and_its_arithmetic(tiny_table):
         assert (row.floor is None) == (row.phase == "prefill")
     floors = {r.sequences: r.floor for r in table.rows if r.floor}
     for rows, floor in floors.items():
-        if floor.route == "spans":      # a whole-call route: each product by its own key's span
+        if floor.route == SPANS:        # a whole-call route: each product by its own key's span
             padded = rows
         else:
             tile = int(floor.route.split(":")[-1])
@@ -233,7 +233,7 @@ def test_render_shows_skipped_rows_and_the_floor():
     text = render_markdown(table)
     assert "| m | prefill 64 tokens | 2 s | 4 s | 2.00x | - |" in text      # no CPU times given
     assert "skipped: about 99 s" in text
-    spans = Floor("spans", "kept", 1, 1, 29, ArmTimes("own rows", "o", (1.0,)),
+    spans = Floor(SPANS, "kept", 1, 1, 29, ArmTimes("own rows", "o", (1.0,)),
                   ArmTimes("route", "r", (1.5,)), 1)
     decode = PriceRow("m", "decode", 64, 1, "a step", "interleaved", arms, 2, floor=spans)
     text = render_markdown(replace(table, rows=(decode,)))

@@ -16,7 +16,7 @@ import torch
 
 from kvfid.engines import load_server
 from kvfid.engines.load_compare import Served, compare_request, missing_request
-from kvfid.engines.load_plan import LoadShape, plan_load
+from kvfid.engines.load_plan import Clients, LoadShape, plan_load
 from kvfid.errors import BadInput
 from kvfid.records.engine_load import EngineLoadRecord, LoadRequest, StateDiff, SweepPoint, groups
 
@@ -52,6 +52,32 @@ def _served(folder, name, tokens, logprobs, state, **seen):
     folder.mkdir(exist_ok=True)
     torch.save(state, folder / name)
     return Served(tuple(tokens), tuple(logprobs), {"final_state": name, **seen})
+
+
+def test_clients_send_each_request_its_gap_after_their_previous_one_finished():
+    """Every engine's load loop (vLLM's and transformers'): a request in flight for 2 steps; each
+    client's next request is sent `gap` steps after its previous one finished, and where nothing
+    is in flight the loop jumps to the next send."""
+    plan = plan_load(LoadShape(requests=9, clients=3), seed=4)
+    clients, sent, flying, step = Clients(plan), {}, {}, 0
+    while True:
+        for planned in clients.due(step):
+            sent[planned.index], flying[planned.index] = step, step + 2
+        if clients.idle():
+            after = clients.next_step(step)
+            if after is None:
+                break
+            step = after
+            continue
+        step += 1
+        for index in [i for i, end in flying.items() if end == step]:
+            del flying[index]
+            clients.finished(plan.requests[index].client, step)
+    assert sorted(sent) == [r.index for r in plan.requests]
+    for queue in plan.by_client():
+        assert sent[queue[0].index] == queue[0].gap
+        for before, after in zip(queue, queue[1:]):
+            assert sent[after.index] == sent[before.index] + 2 + after.gap
 
 
 def test_a_request_against_alone_and_the_controls(tmp_path):
